@@ -1,0 +1,118 @@
+"""ModelConfig: the model hyper-parameters jlight needs, read from a HF `config.json`.
+
+Handles transformers 4.x and 5.x forms (`rope_theta` vs `rope_parameters`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from jlight.errors import ModelLoadError, UnsupportedModelError
+
+# HF `architectures` names -> the model family file in jlight.models that runs them.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None, or a dict like HF's rope_scaling ({"rope_type": "llama3", "factor": ...}).
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections.
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k.
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Extra architecture-specific fields (MoE, MLA) live here so the dataclass stays small.
+    extra: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"jlight supports: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta, rope_scaling = _rope_settings(cfg)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        model_type = cfg.get("model_type", "")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "ModelConfig":
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except FileNotFoundError:
+            raise ModelLoadError(f"no config.json at {path}; point --model at a HF model directory or a .gguf file") from None
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download the model's config.json") from None
+        return cls.from_hf_dict(cfg)
+
+
+def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """Return (rope_theta, rope_scaling) from either transformers 4.x or 5.x config forms."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        scaling = None if rope_type == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+        return float(theta), scaling
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+def read_hf_config_dict(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        return json.load(f)

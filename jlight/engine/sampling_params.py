@@ -1,0 +1,85 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops."""
+from __future__ import annotations
+
+import dataclasses
+
+MAX_N = 64
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per generated token (0 = only the sampled one)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise ValueError naming the first bad field; return self when all are valid."""
+        def bad(field, why):
+            raise ValueError(f"{field}={getattr(self, field)!r} is invalid: {why}")
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer from 1 to {MAX_N}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None for the rest of the context)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", "must not exceed max_tokens")
+        if not self.temperature >= 0.0:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 or 0 (off) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be > 0 (1 = off)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS):
+                bad(name, f"must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not isinstance(t, int) or not 0 <= t < vocab_size:
+                    bad("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+            for t in (self.logit_bias or {}):
+                if not 0 <= int(t) < vocab_size:
+                    bad("logit_bias", f"token ids must be in [0, {vocab_size})")
+        return self

@@ -1,0 +1,1 @@
+"""Loading models: HF directories (safetensors), GGUF files, the default model, hub ids."""

@@ -1,0 +1,135 @@
+"""The Llama-family decoder: Llama 2/3/3.x, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (QK-norm), SmolLM2.
+
+Pure functions over a params pytree. Layer weights are stacked on a leading `layers` axis
+and run with `lax.scan`, so compile time does not grow with depth. Linear weights are
+[in, out] matrices (possibly int8 `QuantizedWeight`s); attention heads are flattened into
+the out/in dimension (`heads` = num_heads * head_dim, contiguous per head, so splitting
+it across devices splits whole heads).
+
+Every weight's logical axes are in `param_axes`; the sharding rules map them to mesh axes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlight.config import ModelConfig
+from jlight.models.layers import activation, rms_norm
+from jlight.models.rope import apply_rope, inv_frequencies
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.sharding import ops as parallel_ops
+
+
+def param_axes(config: ModelConfig) -> dict:
+    """Logical axis names of every weight, in the same tree structure as the params."""
+    layers = {
+        "attn_norm": ("layers", "embed_norm"),
+        "wq": ("layers", "embed", "heads"),
+        "wk": ("layers", "embed", "kv_heads"),
+        "wv": ("layers", "embed", "kv_heads"),
+        "wo": ("layers", "heads", "embed"),
+        "mlp_norm": ("layers", "embed_norm"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    }
+    if config.attention_bias:
+        layers.update(bq=("layers", "heads"), bk=("layers", "kv_heads"), bv=("layers", "kv_heads"))
+    if config.qk_norm:
+        layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+    axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed_norm",), "lm_head": ("embed", "vocab")}
+    return axes
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """Shape of every weight (same tree as param_axes)."""
+    c = config
+    L, E, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, E), "wq": (L, E, q), "wk": (L, E, kv), "wv": (L, E, kv), "wo": (L, q, E),
+        "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F), "w_down": (L, F, E),
+    }
+    if c.attention_bias:
+        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if c.qk_norm:
+        layers.update(q_norm=(L, c.head_dim), k_norm=(L, c.head_dim))
+    return {"embed": (V, E), "layers": layers, "final_norm": (E,), "lm_head": (E, V)}
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:
+    """Random weights of the right shapes and scale (for benchmarks; no checkpoint needed)."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    out = []
+    for k, shape, path in zip(keys, leaves, paths):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        else:
+            fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
+            out.append((jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """Shape of each of the K and V page pools."""
+    return (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+
+
+def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
+    """Run the decoder over a flat ragged batch of tokens.
+
+    tokens: [T] int32. Returns (hidden [T, embed] after the final norm, k_cache, v_cache).
+    `kernels` supplies write_kv, paged_attention and matmul (see pallas_kernels.dispatch).
+    """
+    ops = parallel_ops.current()
+    c = config
+    mm = kernels.matmul
+    act = activation(c.hidden_act)
+    inv_freq, rope_factor = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+    scale = c.head_dim ** -0.5
+    num_tokens = tokens.shape[0]
+
+    def layer(carry, xs):
+        h, k_cache, v_cache = carry
+        lp, layer_idx = xs
+        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+        q = ops.column_linear(x, lp["wq"], mm)
+        k = ops.column_linear(x, lp["wk"], mm)
+        v = ops.column_linear(x, lp["wv"], mm)
+        if c.attention_bias:
+            q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
+        # Under tensor parallelism these are the local heads; shapes come from the arrays.
+        q = q.reshape(num_tokens, -1, c.head_dim)
+        k = k.reshape(num_tokens, -1, c.head_dim)
+        v = v.reshape(num_tokens, -1, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+        q = apply_rope(q, md.positions, inv_freq, rope_factor)
+        k = apply_rope(k, md.positions, inv_freq, rope_factor)
+        k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, md.slot_mapping)
+        attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, md, scale=scale, sliding_window=c.sliding_window)
+        h = h + ops.row_linear(attn.reshape(num_tokens, -1), lp["wo"], mm)
+        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+        gate = ops.column_linear(x, lp["w_gate"], mm)
+        up = ops.column_linear(x, lp["w_up"], mm)
+        h = h + ops.row_linear(act(gate) * up, lp["w_down"], mm)
+        return (h, k_cache, v_cache), None
+
+    h = ops.embed(params["embed"], tokens)
+    dtype = params["final_norm"].dtype
+    h = h.astype(dtype)
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
+    h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+    return h, k_cache, v_cache
+
+
+def compute_logits(params: dict, config: ModelConfig, hidden, kernels):
+    """hidden: [N, embed] (already normed) -> float32 logits [N, vocab]."""
+    ops = parallel_ops.current()
+    return ops.lm_head(hidden, params["lm_head"], kernels.matmul)

@@ -1,0 +1,70 @@
+"""Pure-XLA paged attention: the reference every attention kernel is tested against,
+and the implementation used on CPU.
+
+One function serves decode, prefill chunks and mixed batches: each token attends to the
+K/V of its own sequence up to its own position, read page by page with an online
+softmax, so memory stays O(tokens x page_size) whatever the context length.
+"""
+import jax
+import jax.numpy as jnp
+
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+
+_MASKED = -1e30
+
+
+def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
+    """Scatter this step's K/V into the paged cache.
+
+    k_cache, v_cache: [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    k, v: [T, num_kv_heads, head_dim]; slot_mapping: [T] flat slots.
+    """
+    page_size = k_cache.shape[2]
+    page = slot_mapping // page_size
+    offset = slot_mapping % page_size
+    k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None):
+    """Causal attention of each token over its own sequence's pages.
+
+    q: [T, num_heads, head_dim]; returns [T, num_heads, head_dim] in q's dtype.
+    K/V of this step must already be written (write_kv) so a token sees itself.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    token_pages = md.page_table[md.token_seq]  # [T, max_pages]
+    positions = md.positions
+    num_pages = (jnp.max(md.context_lens) + page_size - 1) // page_size
+
+    def body(j, carry):
+        m, l, acc = carry
+        page = token_pages[:, j]
+        k = k_cache[layer, page].astype(jnp.float32)  # [T, page_size, kv_heads, head_dim]
+        v = v_cache[layer, page].astype(jnp.float32)
+        s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
+        kv_pos = j * page_size + jnp.arange(page_size)
+        mask = kv_pos[None, :] <= positions[:, None]  # [T, page_size]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > positions[:, None] - sliding_window
+        mask = mask[:, None, None, :]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, v)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), _MASKED, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_pages, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,51 @@
+"""Picks an implementation for each kernel: Pallas on GPU, the XLA reference elsewhere.
+
+`attention_impl` / `matmul_impl` in the engine config override the choice
+("auto", "reference", "pallas"). Every implementation has the reference's signature:
+
+  write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
+  paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
+  matmul(x, w, out_dtype=None) -> y
+"""
+from typing import Callable, NamedTuple
+
+import jax
+
+from jlight.pallas_kernels import attention_reference, matmul_reference
+
+IMPLS = ("auto", "reference", "pallas")
+
+
+class Kernels(NamedTuple):
+    write_kv: Callable
+    paged_attention: Callable
+    matmul: Callable
+
+
+def _check(name, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"{name}={impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _use_pallas(impl: str) -> bool:
+    return impl == "pallas" or (impl == "auto" and on_gpu())
+
+
+def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto") -> Kernels:
+    _check("attention_impl", attention_impl)
+    _check("matmul_impl", matmul_impl)
+    write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
+    matmul = matmul_reference.matmul
+    if _use_pallas(attention_impl):
+        from jlight.pallas_kernels import paged_attention_pallas
+
+        write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
+    if _use_pallas(matmul_impl):
+        from jlight.pallas_kernels import matmul_pallas
+
+        matmul = matmul_pallas.matmul
+    return Kernels(write_kv, attention, matmul)

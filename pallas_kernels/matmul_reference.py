@@ -1,0 +1,17 @@
+"""Pure-XLA matmuls over plain or int8-quantized weights (the reference and CPU path)."""
+import jax.numpy as jnp
+
+from jlight.pallas_kernels.quantization import QuantizedWeight
+
+
+def matmul(x, w, out_dtype=None):
+    """x: [..., in] times w: [in, out] (an array or a QuantizedWeight) -> [..., out].
+
+    Accumulates in float32; the result is cast to out_dtype (default: x's dtype).
+    """
+    out_dtype = out_dtype or x.dtype
+    if isinstance(w, QuantizedWeight):
+        # Dequantize in the compute dtype; XLA fuses the scale multiply into the dot's epilogue.
+        y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * w.scales.astype(jnp.float32)).astype(out_dtype)
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)

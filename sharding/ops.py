@@ -1,0 +1,47 @@
+"""Parallel building blocks the model calls. With no mesh active they are plain ops.
+
+The sharding code swaps in tensor-parallel versions (with explicit collectives inside
+`shard_map`) by setting the active `ParallelOps` while the step function is traced.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+
+
+class ParallelOps:
+    """Single-device behaviour; subclasses add the collectives of a mesh."""
+
+    def column_linear(self, x, w, matmul):
+        """x replicated, w split on its output dim: y split on its last dim."""
+        return matmul(x, w)
+
+    def row_linear(self, x, w, matmul):
+        """x split on its last dim, w split on its input dim: y = sum over shards."""
+        return matmul(x, w)
+
+    def embed(self, table, tokens):
+        """table: [vocab, embed]; tokens: [T] -> [T, embed]."""
+        return jnp.take(table, tokens, axis=0)
+
+    def lm_head(self, x, w, matmul):
+        """x: [N, embed]; w: [embed, vocab] -> full [N, vocab] float32 logits."""
+        return matmul(x, w, out_dtype=jnp.float32)
+
+
+_active: contextvars.ContextVar[ParallelOps] = contextvars.ContextVar("jlight_parallel_ops", default=ParallelOps())
+
+
+def current() -> ParallelOps:
+    return _active.get()
+
+
+@contextlib.contextmanager
+def use(ops: ParallelOps):
+    token = _active.set(ops)
+    try:
+        yield ops
+    finally:
+        _active.reset(token)
