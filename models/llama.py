@@ -74,9 +74,10 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict
     return jax.tree.unflatten(treedef, out)
 
 
-def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """Shape of each of the K and V page pools."""
-    return (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the K and V page pools: [layers, pages, page_size, kv_heads, head_dim] each."""
+    shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return shape, shape
 
 
 def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
