@@ -1,6 +1,6 @@
 """Model families, looked up by the HF `architectures` name in the checkpoint's config.
 
-Each family module provides: param_axes, param_shapes, init_params, kv_cache_shape,
+Each family module provides: param_axes, param_shapes, init_params, kv_cache_shapes,
 forward and compute_logits (see models/llama.py for the contract).
 """
 import importlib
