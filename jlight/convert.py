@@ -1,0 +1,140 @@
+"""`jlight convert MODEL -o DIR`: save a loaded (optionally quantized) model as an orbax checkpoint.
+
+The directory it writes loads like any other model (`jlight.LLM(DIR)`, `--model DIR`), but
+faster: each array is restored straight into its device sharding, already in the target dtype
+and quantization. See jlight/loading/orbax_loader.py for the layout.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import time
+
+import jax.numpy as jnp
+
+from jlight.config import ModelConfig
+from jlight.loading import orbax_loader
+
+DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZATIONS = ("int8",)
+# Files beside a HF model's weights that a tokenizer or chat template may need.
+_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "chat_template*", "*.model", "vocab*", "merges.txt")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def model_config_to_hf_dict(config: ModelConfig) -> dict:
+    """A HF-style config.json that ModelConfig.from_hf_dict reads back to an equal config."""
+    cfg = {
+        "architectures": [config.architecture],
+        "model_type": _MODEL_TYPES.get(config.architecture, "llama"),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "sliding_window": config.sliding_window,
+        "use_sliding_window": config.sliding_window is not None,
+        "hidden_act": config.hidden_act,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids),
+    }
+    return cfg
+
+
+def quantize(params: dict, mode: str | None) -> dict:
+    """Quantize with the kernels' own quantize_params, so jlight's matmuls accept the result."""
+    if mode is None:
+        return params
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {mode!r} is not supported; choose one of {', '.join(QUANTIZATIONS)} or leave it out")
+    from jlight.pallas_kernels import quantization
+
+    quantize_params = getattr(quantization, "quantize_params", None)
+    if quantize_params is None:
+        raise ValueError(f"--quantization {mode} is not available in this build (pallas_kernels.quantization.quantize_params is missing); convert without --quantization")
+    return quantize_params(params, mode)
+
+
+def write_converted(directory: str, config: ModelConfig, params: dict, *, tokenizer_dir: str | None = None,
+                    tokenizer=None, dtype: str, quantization: str | None, source: str) -> None:
+    """Write config.json, tokenizer files and the orbax params checkpoint into `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model_config_to_hf_dict(config), f, indent=1)
+    _write_tokenizer_files(directory, tokenizer_dir, tokenizer)
+    orbax_loader.save_params(
+        directory, params,
+        manifest_extra={"dtype": dtype, "quantization": quantization, "source": source},
+    )
+
+
+def _write_tokenizer_files(directory: str, tokenizer_dir: str | None, tokenizer) -> None:
+    """Copy a HF directory's tokenizer files, or ask the loaded tokenizer to save itself (GGUF)."""
+    copied = False
+    if tokenizer_dir and os.path.isdir(tokenizer_dir):
+        for pattern in _TOKENIZER_GLOBS:
+            for path in glob.glob(os.path.join(tokenizer_dir, pattern)):
+                if os.path.isfile(path):
+                    shutil.copy2(path, os.path.join(directory, os.path.basename(path)))
+                    copied = True
+    if not copied and tokenizer is not None:
+        save = getattr(tokenizer, "save_pretrained", None) or getattr(tokenizer, "save", None)
+        if save is None:
+            raise ValueError("the source model's tokenizer cannot be saved (no save_pretrained); convert a HF model directory instead")
+        save(directory)
+
+
+def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quantization: str | None = None) -> dict:
+    """Load `model`, cast/quantize it, and write it to `output_dir`. Returns timing figures."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if os.path.exists(output_dir) and os.listdir(output_dir) and not orbax_loader.is_orbax_model_dir(output_dir):
+        raise ValueError(f"-o {output_dir} exists and is not a jlight checkpoint; pick an empty or new directory")
+    from jlight import loading
+
+    start = time.perf_counter()
+    loaded = loading.load_model(model, dtype=dtype)
+    config, params = loaded.config, loaded.params
+    params = quantize(params, quantization)
+    load_s = time.perf_counter() - start
+    write_converted(
+        output_dir, config, params,
+        tokenizer_dir=getattr(loaded, "model_dir", None) or (model if model and os.path.isdir(model) else None),
+        tokenizer=getattr(loaded, "tokenizer", None),
+        dtype=dtype, quantization=quantization, source=model or "default",
+    )
+    return {"load_s": load_s, "write_s": time.perf_counter() - start - load_s}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("-o", "--output", required=True, help="directory to write the orbax checkpoint into")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored weights")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 weights (quantized once, here)")
+
+
+def run(args: argparse.Namespace) -> int:
+    times = convert(args.model, args.output, dtype=args.dtype, quantization=args.quantization)
+    print(f"wrote {args.output} (load {times['load_s']:.1f}s, write {times['write_s']:.1f}s)")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jlight convert", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
