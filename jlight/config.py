@@ -17,7 +17,22 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
 }
+
+# HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
+# (models/mixtral.py and models/deepseek.py read them with the HF defaults).
+MOE_MLA_CONFIG_KEYS = (
+    "model_type", "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "norm_topk_prob", "shared_expert_intermediate_size", "decoder_sparse_step",
+    "mlp_only_layers", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "topk_method",
+    "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "kv_lora_rank", "q_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +93,13 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            extra={k: cfg[k] for k in MOE_MLA_CONFIG_KEYS if k in cfg},
         )
 
     @classmethod

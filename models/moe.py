@@ -1,0 +1,130 @@
+"""Mixture-of-experts building blocks shared by the MoE families (mixtral.py, deepseek.py).
+
+Two jobs, both pure functions:
+  * routing: router logits -> (topk_ids [T, k], topk_weights [T, k]) under each model's rule
+    (Mixtral/Qwen softmax-top-k, DeepSeek-V2 group-limited greedy, DeepSeek-V3 sigmoid + bias);
+  * the routed expert FFN: `grouped_expert_ffn` sorts the T*k (token, expert) pairs by expert and
+    runs the three expert matmuls as grouped matmuls (`jax.lax.ragged_dot`), so each row meets
+    only its own expert's weights and no token is ever dropped. `dense_expert_ffn` runs every
+    expert on every token; it is the baseline the benchmark compares against, and a cross-check.
+
+Model code reaches the expert FFN through `sharding.ops.current().expert_ffn`, whose single-device
+default is `grouped_expert_ffn`; the expert-parallel version replaces it under a mesh.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jlight.pallas_kernels.quantization import QuantizedWeight
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing. logits: [T, num_experts] float32. Returns (ids int32 [T, k], weights float32 [T, k]).
+# ---------------------------------------------------------------------------------------------
+
+def softmax_topk(logits, top_k: int, normalize: bool):
+    """Mixtral (normalize=True), Qwen2/3-MoE (normalize=norm_topk_prob): softmax, then top-k."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), weights
+
+
+def _keep_best_groups(scores, group_scores, topk_group: int, fill):
+    """Mask the experts outside the `topk_group` best groups with `fill`.
+
+    scores: [T, num_experts]; group_scores: [T, num_groups] -> [T, num_experts].
+    """
+    num_tokens, num_experts = scores.shape
+    num_groups = group_scores.shape[-1]
+    _, best_groups = jax.lax.top_k(group_scores, topk_group)  # [T, topk_group]
+    group_mask = jnp.zeros((num_tokens, num_groups), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
+    expert_mask = jnp.repeat(group_mask, num_experts // num_groups, axis=-1)  # [T, num_experts]
+    return jnp.where(expert_mask, scores, fill)
+
+
+def deepseek_v2_topk(logits, top_k: int, *, method: str, num_groups: int | None, topk_group: int | None,
+                     normalize: bool, scaling: float):
+    """DeepSeek-V2: softmax scores; "greedy" top-k, or "group_limited_greedy": top-k only within the
+    `topk_group` groups whose best expert scores highest."""
+    scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if method == "group_limited_greedy":
+        num_tokens, num_experts = scores.shape
+        group_best = scores.reshape(num_tokens, num_groups, num_experts // num_groups).max(-1)  # [T, groups]
+        scores = _keep_best_groups(scores, group_best, topk_group, 0.0)
+    elif method != "greedy":
+        raise ValueError(f"topk_method={method!r} is not supported for DeepSeek-V2; use greedy or group_limited_greedy")
+    weights, ids = jax.lax.top_k(scores, top_k)
+    if normalize and top_k > 1:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * scaling
+
+
+def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: int, normalize: bool, scaling: float):
+    """DeepSeek-V3 "noaux_tc": sigmoid scores; the load-balancing `bias` (e_score_correction_bias)
+    only steers which experts are chosen, the weights are the unbiased scores. Groups are ranked
+    by the sum of their two best biased scores."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [T, num_experts]
+    choice = scores + bias.astype(jnp.float32)[None, :]
+    num_tokens, num_experts = scores.shape
+    grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, groups]
+    choice = _keep_best_groups(choice, group_scores, topk_group, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * scaling
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert FFN. x: [T, E]; topk ids/weights: [T, k]; w_gate, w_up: [X, E, F]; w_down: [X, F, E]
+# (arrays or int8 QuantizedWeights with scales [X, out]). Returns [T, E] in x's dtype.
+# ---------------------------------------------------------------------------------------------
+
+def _grouped_matmul(rows, w, group_sizes, row_expert):
+    """rows [R, in] sorted by expert; w [X, in, out] -> [R, out] float32 (row r uses w[row_expert[r]])."""
+    if isinstance(w, QuantizedWeight):
+        y = jax.lax.ragged_dot(rows, w.values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+        return y * w.scales.astype(jnp.float32)[row_expert]
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+
+
+def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
+    """Each token's k experts, computed as grouped matmuls over the rows sorted by expert."""
+    num_tokens, k = topk_ids.shape
+    num_experts = w_gate.shape[0] if not isinstance(w_gate, QuantizedWeight) else w_gate.values.shape[0]
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat_ids, stable=True)  # [T*k] rows grouped by expert
+    row_expert = flat_ids[order]
+    row_token = order // k
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [X]
+    rows = x[row_token]  # [T*k, E]
+    gate = _grouped_matmul(rows, w_gate, group_sizes, row_expert)  # [T*k, F]
+    up = _grouped_matmul(rows, w_up, group_sizes, row_expert)
+    hidden = (act(gate) * up).astype(x.dtype)
+    out_rows = _grouped_matmul(hidden, w_down, group_sizes, row_expert)  # [T*k, E] float32
+    out_rows = out_rows * topk_weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[row_token].add(out_rows)  # [T, E]
+    return out.astype(x.dtype)
+
+
+def _dense(w, dtype):
+    from jlight.pallas_kernels.quantization import dequantize
+
+    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
+
+
+def dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
+    """Every expert on every token, then a weighted sum over the chosen ones (baseline, O(X) work)."""
+    num_tokens = x.shape[0]
+    wg, wu, wd = _dense(w_gate, x.dtype), _dense(w_up, x.dtype), _dense(w_down, x.dtype)
+    num_experts = wg.shape[0]
+    gate = jnp.einsum("te,xef->xtf", x, wg, preferred_element_type=jnp.float32)  # [X, T, F]
+    up = jnp.einsum("te,xef->xtf", x, wu, preferred_element_type=jnp.float32)
+    out = jnp.einsum("xtf,xfe->xte", (act(gate) * up).astype(x.dtype), wd, preferred_element_type=jnp.float32)
+    combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[jnp.arange(num_tokens)[:, None], topk_ids].add(
+        topk_weights.astype(jnp.float32))  # [T, X]
+    return jnp.einsum("xte,tx->te", out, combine).astype(x.dtype)
