@@ -1,0 +1,210 @@
+"""Paged attention in Pallas: one kernel for decode rows, prefill chunks and mixed batches.
+
+The ragged batch is cut into query blocks: each block holds up to `block_q` consecutive
+tokens of ONE row, so a program sees one page table. A program takes one query block and
+one KV head with all the query heads of that KV head (GQA): its block_q * group query
+rows share every K/V page it loads, so each page is read once per block.
+
+Decode buckets (T <= B) use block_q = 1 and, when that leaves the GPU under-filled, split
+each row's pages over several programs (split-K); the partial softmax states are merged
+with an online-softmax combine in XLA. Prefill uses block_q * group ~= 64 query rows.
+
+The backend is Pallas' Triton backend; pallas_mode.py says why not Mosaic GPU.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from jlight.pallas_kernels import attention_reference, pallas_mode
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+
+_MASKED = -1e30
+# Streaming multiprocessors of an H100/H200: used only to decide when a decode batch has
+# too few programs to fill the GPU and its context should be split.
+_NUM_SMS = 132
+# Query rows (tokens x heads of one KV head) per prefill program.
+_PREFILL_ROWS = 64
+# K/V positions processed per inner step (pages_per_step * page_size).
+_KV_PER_STEP = 64
+
+# XLA's scatter already writes the donated cache in place and moves only the T new K/V
+# vectors; a kernel could not move fewer bytes, so the reference is used as is.
+write_kv = attention_reference.write_kv
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _query_blocks(query_start, num_blocks: int, block_q: int):
+    """Cut each row's tokens into blocks of at most block_q tokens.
+
+    Returns (row, start, end), each [num_blocks] int32: block i covers tokens
+    [start, end) of row `row`; unused blocks have start == end == 0.
+    """
+    num_rows = query_start.shape[0] - 1
+    q_lens = query_start[1:] - query_start[:-1]  # [B]
+    blocks_per_row = (q_lens + block_q - 1) // block_q  # [B]
+    cu_blocks = jnp.cumsum(blocks_per_row)  # [B], inclusive
+    block = jnp.arange(num_blocks, dtype=jnp.int32)  # [num_blocks]
+    used = block < cu_blocks[-1]
+    row = jnp.minimum(jnp.searchsorted(cu_blocks, block, side="right"), num_rows - 1).astype(jnp.int32)
+    first_block_of_row = cu_blocks[row] - blocks_per_row[row]
+    start = query_start[row] + (block - first_block_of_row) * block_q
+    end = jnp.minimum(start + block_q, query_start[row + 1])
+    zero = jnp.zeros_like(start)
+    return jnp.where(used, row, zero), jnp.where(used, start, zero), jnp.where(used, end, zero)
+
+
+def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, *out_refs,
+            group, block_q, block_rows, page_size, pages_per_step, pages_per_split, scale, sliding_window):
+    block, split = pl.program_id(0), pl.program_id(2)
+    row, start, end = row_ref[block], start_ref[block], end_ref[block]
+    r = jnp.arange(block_rows)
+    valid = (r < block_q * group) & (start + r // group < end)  # [block_rows]
+    rows = pl.ds(start * group, block_rows)
+    q = pltr.load(q_ref.at[rows, :], mask=valid[:, None], other=0)  # [block_rows, head_dim]
+    pos = pltr.load(pos_ref.at[rows], mask=valid, other=-1)  # [block_rows]
+    head_dim = q.shape[-1]
+    kv_per_step = pages_per_step * page_size
+
+    # Pages this program reads: its split's share, cut at the block's last position.
+    num_pages = (jnp.max(pos) + page_size) // page_size
+    first_page = split * pages_per_split
+    last_page = jnp.minimum(first_page + pages_per_split, num_pages)
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
+        first_page = jnp.maximum(first_page, jnp.maximum(lowest - sliding_window + 1, 0) // page_size)
+    first_step = first_page // pages_per_step
+    last_step = (last_page + pages_per_step - 1) // pages_per_step
+
+    def body(step, carry):
+        m, l, acc = carry
+        pages = page_table_ref[row, pl.ds(step * pages_per_step, pages_per_step)]  # [pages_per_step]
+        k = k_ref[pages].reshape(kv_per_step, head_dim)  # [kv_per_step, head_dim]
+        v = v_ref[pages].reshape(kv_per_step, head_dim)
+        s = pltr.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [block_rows, kv_per_step]
+        kv_pos = step * kv_per_step + jnp.arange(kv_per_step)
+        mask = kv_pos[None, :] <= pos[:, None]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > pos[:, None] - sliding_window
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[:, None] + pltr.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((block_rows,), _MASKED, jnp.float32),
+        jnp.zeros((block_rows,), jnp.float32),
+        jnp.zeros((block_rows, head_dim), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(first_step, last_step, body, init)
+    if len(out_refs) == 1:  # one split: normalise here
+        (o_ref,) = out_refs
+        out = acc / jnp.maximum(l, 1e-30)[:, None]
+        pltr.store(o_ref.at[rows, :], out.astype(o_ref.dtype), mask=valid[:, None])
+    else:  # split-K: hand the unnormalised state to the combine
+        o_ref, l_ref, m_ref = out_refs
+        pltr.store(o_ref.at[rows, :], acc, mask=valid[:, None])
+        pltr.store(l_ref.at[rows], l, mask=valid)
+        pltr.store(m_ref.at[rows], m, mask=valid)
+
+
+def _choose_splits(num_programs: int, num_steps: int) -> int:
+    """Split the context only when the programs would not fill the GPU twice over."""
+    if num_programs >= 2 * _NUM_SMS:
+        return 1
+    return max(1, min(-(-2 * _NUM_SMS // num_programs), num_steps // 2))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "pages_per_step", "num_warps", "num_stages"))
+def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
+                    interpret: bool | None = None, num_splits: int | None = None, pages_per_step: int | None = None,
+                    num_warps: int = 4, num_stages: int = 2):
+    """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim].
+
+    Outputs of padding tokens (beyond query_start[B]) are zeros.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_rows, max_pages = md.page_table.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if page_size & (page_size - 1) or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"page_size={page_size} and head_dim={head_dim} must be powers of two (head_dim >= 16) for the Pallas kernel; use attention_impl='reference'")
+    group = num_heads // num_kv_heads
+    block_q = 1 if num_tokens <= num_rows else max(1, _PREFILL_ROWS // group)
+    block_rows = max(16, _next_pow2(block_q * group))  # tensor-core dots need >= 16 rows
+    num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
+    pages_per_step = pages_per_step or max(1, min(_KV_PER_STEP // page_size, _next_pow2(max_pages)))
+    num_steps = -(-max_pages // pages_per_step)
+    num_splits = num_splits or (_choose_splits(num_blocks * num_kv_heads, num_steps) if block_q == 1 else 1)
+    steps_per_split = -(-num_steps // num_splits)
+    pages_per_split = steps_per_split * pages_per_step
+
+    # Global page ids in the [layers * pages] view of the pool (a free reshape), padded so
+    # every split reads whole steps inside the table; the padding points at scratch page 0.
+    page_table = md.page_table + layer * num_pages
+    page_table = jnp.pad(page_table, ((0, 0), (0, num_splits * pages_per_split - max_pages)))  # [B, padded_pages]
+    k_flat = k_cache.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
+    v_flat = v_cache.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
+    # Query rows grouped by KV head, padded by one block so no program reads past the end.
+    num_q_rows = num_tokens * group
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_q_rows, head_dim), ((0, 0), (0, block_rows), (0, 0)))  # [KVH, T*G + pad, D]
+    pos_rows = jnp.pad(jnp.repeat(md.positions, group), (0, block_rows), constant_values=-1)  # [T*G + pad]
+    padded_rows = num_q_rows + block_rows
+    row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
+
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
+    kv_spec = pl.BlockSpec((num_layers * num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
+    in_specs = [
+        full((num_blocks,)), full((num_blocks,)), full((num_blocks,)), full(page_table.shape), full((padded_rows,)),
+        pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0)), kv_spec, kv_spec,
+    ]
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_kv_heads, padded_rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0))
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, num_kv_heads, padded_rows, head_dim), jnp.float32),  # acc
+            jax.ShapeDtypeStruct((num_splits, num_kv_heads, padded_rows), jnp.float32),  # l
+            jax.ShapeDtypeStruct((num_splits, num_kv_heads, padded_rows), jnp.float32),  # m
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h, s: (s, h, 0, 0)),
+            pl.BlockSpec((None, None, padded_rows), lambda b, h, s: (s, h, 0)),
+            pl.BlockSpec((None, None, padded_rows), lambda b, h, s: (s, h, 0)),
+        ]
+    kernel = functools.partial(
+        _kernel, group=group, block_q=block_q, block_rows=block_rows, page_size=page_size,
+        pages_per_step=pages_per_step, pages_per_split=pages_per_split, scale=scale, sliding_window=sliding_window)
+    result = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=pallas_mode.resolve(interpret),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_attention_bq{block_q}_g{group}_s{num_splits}",
+    )(row, start, end, page_table, pos_rows, q_rows, k_flat, v_flat)
+
+    if num_splits == 1:
+        out = result
+    else:
+        acc, l, m = result
+        m_max = jnp.max(m, axis=0)
+        weight = jnp.exp(m - m_max[None])  # [splits, KVH, rows]
+        l_total = jnp.sum(l * weight, axis=0)
+        out = jnp.sum(acc * weight[..., None], axis=0) / jnp.maximum(l_total, 1e-30)[..., None]
+    out = out[:, :num_q_rows].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
+    return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))

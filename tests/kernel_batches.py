@@ -1,0 +1,41 @@
+"""Random ragged batches and paged caches for the kernel tests and benchmarks."""
+import numpy as np
+import jax.numpy as jnp
+
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+
+
+def random_batch(rng: np.random.Generator, q_lens, context_lens, *, page_size: int, num_pages: int,
+                 max_pages: int | None = None, num_tokens: int | None = None) -> BatchMetadata:
+    """Rows b with q_lens[b] new tokens ending at context_lens[b]; pages drawn at random.
+
+    Page 0 is scratch: unused page-table entries and padding tokens point at it.
+    """
+    q_lens, context_lens = list(q_lens), list(context_lens)
+    need = [-(-c // page_size) for c in context_lens]
+    max_pages = max_pages or max(1, max(need))
+    if sum(need) > num_pages - 1:
+        raise ValueError(f"{sum(need)} pages needed but the pool has {num_pages - 1} usable")
+    pool = rng.permutation(np.arange(1, num_pages))
+    page_table = np.zeros((len(q_lens), max_pages), np.int32)  # [B, max_pages]
+    used = 0
+    for b, n in enumerate(need):
+        page_table[b, :n] = pool[used:used + n]
+        used += n
+    real = sum(q_lens)
+    num_tokens = num_tokens or real
+    positions = np.zeros(num_tokens, np.int32)  # [T]
+    token_seq = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.zeros(num_tokens, np.int32)  # padding tokens write to scratch page 0
+    query_start = np.zeros(len(q_lens) + 1, np.int32)  # [B + 1]
+    t = 0
+    for b, (n, c) in enumerate(zip(q_lens, context_lens)):
+        pos = np.arange(c - n, c)
+        positions[t:t + n] = pos
+        token_seq[t:t + n] = b
+        slot_mapping[t:t + n] = page_table[b, pos // page_size] * page_size + pos % page_size
+        t += n
+        query_start[b + 1] = t
+    logits_indices = np.maximum(query_start[1:] - 1, 0)
+    return BatchMetadata(*(jnp.asarray(a) for a in (positions, slot_mapping, token_seq, page_table,
+                                                     np.asarray(context_lens, np.int32), query_start, logits_indices)))
