@@ -1,1 +1,106 @@
-"""Loading models: HF directories (safetensors), GGUF files, the default model, hub ids."""
+"""Loading models: HF directories (safetensors), GGUF files, the default model, hub ids.
+
+`load_model(model)` dispatches on what `model` names:
+  None            -> the default model, SmolLM2-135M-Instruct (GGUF, see default_model.py)
+  path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time)
+  a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json)
+  "org/name"      -> a HF hub id, downloaded with huggingface_hub when the hub is reachable
+
+dtype "auto" keeps a HF checkpoint's own dtype (config.json `torch_dtype`). GGUF weights
+are dequantized to float32 on CPU (exact, and CPU bf16 matmuls are slow) and to bfloat16
+on accelerators (half the memory; the 4-bit source has less precision than bf16 anyway).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jlight.config import ModelConfig
+from jlight.errors import ModelLoadError
+from jlight.loading.assemble import assemble_params
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    tokenizer: Any  # jlight.tokenizer.Tokenizer, or None for a directory without tokenizer.json
+    generation_config: dict  # generation_config.json ({} if absent); eos_token_id as a list
+    name: str  # the path or hub id it came from
+    dtype: Any = None  # the dtype the params were cast to
+
+
+def resolve_dtype(dtype, checkpoint_dtype: str) -> Any:
+    """Turn the user's dtype choice ("auto" or a name) into a jnp dtype."""
+    name = checkpoint_dtype if dtype == "auto" else (dtype if isinstance(dtype, str) else jnp.dtype(dtype).name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
+    return DTYPES[name]
+
+
+def load_model(model: str | None = None, dtype="auto", place: Callable | None = None) -> LoadedModel:
+    """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
+    on device (default jax.device_put); the sharding code passes one that shards it."""
+    if model is None:
+        from jlight.loading.default_model import default_gguf_path
+
+        return load_gguf(default_gguf_path(), dtype, place)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
+    model = os.fspath(model)
+    if model.endswith(".gguf"):
+        return load_gguf(model, dtype, place)
+    if os.path.isdir(model):
+        return load_hf_dir(model, dtype, place)
+    if os.path.exists(model):
+        raise ModelLoadError(f"{model} is neither a .gguf file nor a HF model directory (with config.json)")
+    from jlight.loading.hub import download_from_hub, looks_like_hub_id
+
+    if looks_like_hub_id(model) and not model.startswith((".", "/", "~")):
+        return load_hf_dir(download_from_hub(model), dtype, place, name=model)
+    raise ModelLoadError(f"model path {model} does not exist; pass a .gguf file, a HF model directory or a hub id like org/name")
+
+
+def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = None) -> LoadedModel:
+    from jlight.loading import safetensors_loader as st
+    from jlight.tokenizer import Tokenizer
+
+    config_path = os.path.join(model_dir, "config.json")
+    config = ModelConfig.from_json_file(config_path)  # raises ModelLoadError/UnsupportedModelError
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    jdtype = resolve_dtype(dtype, st.checkpoint_dtype(hf_config))
+    files = st.safetensors_files(model_dir)
+    tensors = _progress(st.stream_safetensors(files), st.count_tensors(files), os.path.basename(model_dir.rstrip("/")))
+    params = assemble_params(config, tensors, jdtype, place=place)
+    generation_config = st.read_generation_config(model_dir)
+    has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+    tokenizer = Tokenizer.from_dir(model_dir, generation_config) if has_tokenizer else None
+    return LoadedModel(config, params, tokenizer, generation_config, name or model_dir, jdtype)
+
+
+def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:
+    from jlight.loading.gguf_loader import gguf_tensors, load_gguf_model
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
+
+    reader, config, arch = load_gguf_model(path)
+    gguf_default = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    jdtype = resolve_dtype(dtype, gguf_default)
+    tokenizer = gguf_tokenizer(reader, path)
+    tensors = _progress(gguf_tensors(reader, config, arch), len(reader.tensors), os.path.basename(path))
+    params = assemble_params(config, tensors, jdtype, place=place)
+    generation_config = {"eos_token_id": list(tokenizer.eos_token_ids)} if tokenizer.eos_token_ids else {}
+    return LoadedModel(config, params, tokenizer, generation_config, path, jdtype)
+
+
+def _progress(it, total: int, label: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(it, total=total, desc=f"loading {label}", unit="tensor", leave=False)

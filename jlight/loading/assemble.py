@@ -15,6 +15,7 @@ import numpy as np
 from jlight.config import ModelConfig
 from jlight.errors import ModelLoadError
 from jlight.loading.hf_names import map_hf_name
+from jlight.loading.hf_names_moe import moe_name_mapper
 
 
 def assemble_params(
@@ -23,20 +24,27 @@ def assemble_params(
     dtype,
     *,
     place: Callable[[str, np.ndarray], jax.Array] | None = None,
-    name_mapper=map_hf_name,
+    name_mapper=None,
 ) -> dict:
-    """Consume (hf_name, array) pairs and return the params tree of models/llama.py.
+    """Consume (hf_name, array) pairs and return the params tree of the config's model family.
 
     `place(path, host_array)` puts one tensor on device (default: jax.device_put); the
     sharding code passes one that places it straight into its mesh sharding.
+    `name_mapper(hf_name) -> (key, index, transpose) | None` (default: the family's HF names).
+    Stacked groups are the dict entries of `param_shapes` ("layers", DeepSeek's "dense_layers");
+    a key "group.param" names another group than "layers", and an index (layer, expert) fills
+    one expert of a [layers, experts, ...] weight.
     """
     from jlight.models import get_model_family
 
     family = get_model_family(config)
     shapes = family.param_shapes(config)
+    if name_mapper is None:
+        name_mapper = moe_name_mapper(config) or map_hf_name
     place = place or (lambda path, a: jax.device_put(a))
     np_dtype = jnp.dtype(dtype)
-    layer_parts: dict[str, list] = {k: [None] * config.num_layers for k in shapes["layers"]}
+    # group -> param -> {index tuple: on-device slice}
+    layer_parts: dict[str, dict[str, dict]] = {g: {k: {} for k in sub} for g, sub in shapes.items() if isinstance(sub, dict)}
     top: dict[str, jax.Array] = {}
     for name, tensor in tensors:
         mapped = name_mapper(name)
@@ -53,10 +61,16 @@ def assemble_params(
             _check_shape(name, arr.shape, shapes[key])
             top[key] = place(key, arr)
         else:
-            if key not in layer_parts or layer >= config.num_layers:
+            group, _, key = key.rpartition(".")
+            group = group or "layers"
+            index = layer if isinstance(layer, tuple) else (layer,)
+            if key not in layer_parts.get(group, {}):
                 continue
-            _check_shape(name, arr.shape, shapes["layers"][key][1:])
-            layer_parts[key][layer] = place(f"layers.{key}", arr)
+            want = shapes[group][key]
+            if any(i >= n for i, n in zip(index, want)):
+                continue  # e.g. layers beyond num_layers
+            _check_shape(name, arr.shape, want[len(index):])
+            layer_parts[group][key][index] = place(f"{group}.{key}", arr)
     if "lm_head" not in top:
         if "embed" not in top:
             raise ModelLoadError("checkpoint has no token embedding (model.embed_tokens.weight); the file is incomplete")
@@ -65,17 +79,28 @@ def assemble_params(
     for key in ("embed", "final_norm"):
         if key not in top:
             raise ModelLoadError(f"checkpoint is missing the {key} tensor; the file is incomplete or not a {config.architecture}")
-    layers = {}
-    for key, parts in layer_parts.items():
-        missing = [i for i, p in enumerate(parts) if p is None]
-        if missing:
-            raise ModelLoadError(
-                f"checkpoint is missing layers.{key} for layers {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                "the file is incomplete or its config.json does not match it"
-            )
-        layers[key] = jnp.stack(parts)
-        parts.clear()  # free the per-layer arrays as soon as they are stacked
-    return {"embed": top["embed"], "layers": layers, "final_norm": top["final_norm"], "lm_head": top["lm_head"]}
+    stacked = {}
+    for group, params in layer_parts.items():
+        stacked[group] = {}
+        for key, parts in params.items():
+            depth = len(next(iter(parts))) if parts else 1  # 1: [layers, ...]; 2: [layers, experts, ...]
+            lead = shapes[group][key][:depth]
+            missing = [i if depth > 1 else i[0] for i in np.ndindex(*lead) if i not in parts]
+            if missing:
+                raise ModelLoadError(
+                    f"checkpoint is missing {group}.{key} for layers {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+                    "the file is incomplete or its config.json does not match it"
+                )
+            stacked[group][key] = _stack(parts, lead)
+            parts.clear()  # free the per-layer arrays as soon as they are stacked
+    return {k: stacked[k] if k in stacked else top[k] for k in shapes}
+
+
+def _stack(parts: dict, lead: tuple[int, ...], prefix: tuple[int, ...] = ()):
+    """Stack {index tuple: array} into one array with leading dims `lead`."""
+    if len(prefix) == len(lead):
+        return parts[prefix]
+    return jnp.stack([_stack(parts, lead, prefix + (i,)) for i in range(lead[len(prefix)])])
 
 
 def _check_shape(name, got, want):

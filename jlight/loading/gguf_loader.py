@@ -1,0 +1,172 @@
+"""Reads llama.cpp GGUF files: the model config from the metadata and the weights, dequantized.
+
+Tensors are yielded one at a time under their HF names, so `assemble_params` and
+`hf_names.py` serve GGUF and safetensors alike. Two llama.cpp conventions are undone here:
+- GGUF dims are listed fastest-first; the reader's numpy arrays already come out in HF's
+  [out, in] row-major order, so no transpose is needed beyond the HF one.
+- llama.cpp's converter permutes the rows of Q and K of "llama" models so that RoPE pairs
+  adjacent elements (GPT-J style); jlight's RoPE is HF's rotate-half, so the permutation is
+  inverted. Qwen2/Qwen3 GGUFs are not permuted by the converter and are left as they are.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+
+from jlight.config import ModelConfig
+from jlight.errors import ModelLoadError, UnsupportedModelError
+
+# GGUF `general.architecture` -> HF architecture name jlight runs it as.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp per-layer tensor name -> HF per-layer suffix.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: str):
+    """Open a GGUF file, turning a malformed one into a ModelLoadError that names it."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except FileNotFoundError:
+        raise ModelLoadError(f"GGUF file {path} does not exist; check the path") from None
+    except Exception as e:  # the reader raises ValueError/struct errors on truncated or foreign files
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from None
+
+
+def field_value(reader, key: str, default=None):
+    """A metadata value as a Python object (str, number or list), or `default` if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    """Build a ModelConfig from the GGUF metadata (the `<arch>.*` keys)."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF file {path} has architecture {arch!r}; jlight runs GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        # Llama 3.1+ GGUFs store per-frequency RoPE factors as a tensor, not as rope_scaling metadata.
+        raise UnsupportedModelError(f"GGUF file {path} uses per-frequency RoPE factors (rope_freqs); load the HF safetensors checkpoint instead")
+
+    def meta(key, default=None):
+        return field_value(reader, f"{arch}.{key}", default)
+
+    num_heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    vocab = meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    scaling_type = meta("rope.scaling.type")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF file {path} uses rope scaling {scaling_type!r}; jlight supports linear scaling in GGUF files")
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        sliding_window=None,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def check_quant_types(reader, path: str) -> None:
+    """Fail before loading anything if a tensor uses a quantization jlight cannot dequantize."""
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_QUANT_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF file {path}: tensor {t.name} uses quantization type {t.tensor_type.name}, which jlight does not "
+                f"dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}. Use a GGUF file quantized with one of them"
+            )
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> HF name, or None for tensors jlight does not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)  # ["blk", N, suffix]
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF rotate-half halves).
+
+    w: [num_heads * head_dim, ...] (a weight [out, in] or a bias [out]).
+    """
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // num_heads
+    # llama.cpp stored rows as (head, pair index, 2); HF wants (head, 2, pair index).
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 array in HF layout), one tensor at a time."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        # dequantize returns float32 [rows, cols] = HF's [out, in] (or [n] for vectors).
+        arr = dequantize(t.data, t.tensor_type)
+        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = unpermute_rows(arr, config.num_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = unpermute_rows(arr, config.num_kv_heads)
+        yield name, arr
+
+
+def load_gguf_model(path: str):
+    """Return (reader, config, architecture string) after validating the file's quant types."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    check_quant_types(reader, path)
+    return reader, config, field_value(reader, "general.architecture")
