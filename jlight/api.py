@@ -1,0 +1,140 @@
+"""The Python API: `jlight.LLM` for offline batches and streams, `jlight.generate` for one call."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable, Iterator
+
+from jlight.engine.engine_config import EngineConfig
+from jlight.engine.llm_engine import LLMEngine
+from jlight.engine.outputs import RequestOutput
+from jlight.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class LLM:
+    """A model loaded with its engine.
+
+    >>> llm = jlight.LLM()  # the default SmolLM2-135M-Instruct
+    >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_options):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - fields)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; valid ones: {', '.join(sorted(fields))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = self.engine.model_name
+
+    # ---- offline batches --------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (strings or token-id lists); results in input order."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        ids = []
+        for prompt, params in zip(prompts, params_list):
+            ids.append(self._add(prompt, params))
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Chat with one conversation (a list of {role, content}) or a list of conversations."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = [self.apply_chat_template(m, add_generation_prompt) for m in messages]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so chat is unavailable; pass token ids to generate()")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # The template already holds BOS (if any): don't add special tokens twice.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it is generated (stop strings never leak)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() takes n=1; use generate() for several samples")
+        rid = self._add(_as_prompt_list(prompt)[0], params)
+        try:
+            while True:
+                finished = False
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        if out.outputs[0].text_delta:
+                            yield out.outputs[0].text_delta
+                        finished = out.finished
+                if finished:
+                    break
+        finally:
+            self.engine.abort_request(rid)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _add(self, prompt, params) -> str:
+        rid = f"llm-{next(_ids)}"
+        if isinstance(prompt, str):
+            self.engine.add_request(rid, prompt, params)
+        else:
+            self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt))
+        return rid
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    return prompts
+
+
+def _broadcast_params(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt")
+    return params
+
+
+def generate(prompts, model: str | None = None, *, max_tokens: int | None = 256, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **engine_options) -> list[RequestOutput]:
+    """Load `model` (default SmolLM2-135M-Instruct) and generate for `prompts` in one call."""
+    llm = LLM(model, **engine_options)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return llm.generate(prompts, params, use_tqdm=False)

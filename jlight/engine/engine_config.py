@@ -1,0 +1,48 @@
+"""EngineConfig: every knob of the engine, with defaults that suit the backend."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    quantization: str | None = None  # None, "int8" (weight-only) or "w8a8"
+    mesh: str | None = None  # e.g. "tp=2"; None: one device
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # default: 512 on CPU, 2048 on GPU
+    page_size: int = 16
+    num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
+    enable_prefix_caching: bool = True
+    attention_impl: str = "auto"
+    matmul_impl: str = "auto"
+    collective_matmul: bool = True
+    int8_all_reduce: bool = False
+    seed: int = 0
+    warmup: bool = True
+    compilation_cache_dir: str | None = dataclasses.field(
+        default_factory=lambda: os.path.join(os.environ.get("JLIGHT_CACHE", os.path.expanduser("~/.cache/jlight")), "xla"))
+
+    def validate(self) -> "EngineConfig":
+        def bad(field, why):
+            raise ValueError(f"{field}={getattr(self, field)!r} is invalid: {why}")
+
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            bad("page_size", "must be a power of two")
+        if self.num_pages is not None and self.num_pages < 2:
+            bad("num_pages", "must be >= 2 (page 0 is reserved)")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            bad("kv_cache_memory_fraction", "must be in (0, 1]")
+        if self.quantization not in (None, "int8", "w8a8"):
+            bad("quantization", "must be None, 'int8' or 'w8a8'")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad("max_model_len", "must be >= 2")
+        return self

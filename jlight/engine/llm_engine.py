@@ -1,0 +1,305 @@
+"""LLMEngine: the synchronous engine loop (add requests, step, collect outputs).
+
+Steps are pipelined one deep: `step()` schedules and launches step N, then reads back the
+tokens of step N-1 (which the device finished while the host was preparing N). A sequence
+that finished in step N-1 therefore runs one wasted token in step N; its pages are freed
+after N is queued, which is safe because the device runs steps in order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+
+import jax
+import numpy as np
+
+from jlight.engine import output_processor
+from jlight.engine.block_manager import BlockManager, page_hash
+from jlight.engine.engine_config import EngineConfig
+from jlight.engine.model_runner import ModelRunner
+from jlight.engine.outputs import RequestOutput
+from jlight.engine.sampling_params import SamplingParams
+from jlight.engine.scheduler import Scheduler
+from jlight.engine.sequence import Sequence, SeqStatus
+from jlight.errors import PromptTooLongError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_pages_total: int
+    num_pages_used: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded=None):
+        self.config = cfg = (config or EngineConfig()).validate()
+        _enable_compilation_cache(cfg.compilation_cache_dir)
+        if loaded is None:
+            from jlight.loading import load_model
+
+            plan_place = None
+            loaded = load_model(cfg.model, dtype=cfg.dtype, place=plan_place)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = getattr(loaded, "name", None) or str(cfg.model or "SmolLM2-135M-Instruct")
+        from jlight.models import get_model_family
+        from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
+
+        self.family = get_model_family(self.model_config)
+        params = loaded.params
+        if cfg.quantization:
+            from jlight.pallas_kernels.quantization import quantize_params
+
+            params = quantize_params(params, cfg.quantization)
+        sharding_plan = None
+        if cfg.mesh:
+            from jlight.sharding.mesh import make_mesh
+            from jlight.sharding.plan import ShardingPlan
+
+            sharding_plan = ShardingPlan(make_mesh(cfg.mesh), self.model_config, self.family.param_axes(self.model_config))
+            self.model_config = sharding_plan.config
+            params = sharding_plan.prepare_params(params)
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        gpu = on_gpu()
+        max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if gpu else 512)
+        kv_dtype = params["final_norm"].dtype  # the model's compute dtype
+        num_pages = cfg.num_pages or self._size_kv_pool(params, kv_dtype, cfg, sharding_plan)
+        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len)
+        self.runner = ModelRunner(
+            self.family, mc, params, get_kernels(cfg.attention_impl, cfg.matmul_impl),
+            num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+            sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce)
+        self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_request: dict[int, Request] = {}
+        self._free_slots = list(range(cfg.max_num_seqs))
+        self._slots: dict[int, int] = {}  # seq_id -> token-history slot (sequences with penalties)
+        self._in_flight = None
+        self._rng = np.random.default_rng(cfg.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
+
+    # ---- set-up helpers ---------------------------------------------------------------------
+    def _size_kv_pool(self, params, kv_dtype, cfg: EngineConfig, plan) -> int:
+        k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, cfg.page_size)
+        bytes_per_page = (int(np.prod(k_shape)) + int(np.prod(v_shape))) * np.dtype(kv_dtype).itemsize
+        if plan is not None:
+            bytes_per_page //= max(1, plan.mesh.size)
+        wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1
+        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return max(2, int(free * cfg.kv_cache_memory_fraction) // bytes_per_page)
+        # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
+        return max(2, min(wanted, (2 << 30) // bytes_per_page))
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        params = (sampling_params or SamplingParams()).validate(self.model_config.vocab_size)
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string (or pass prompt_token_ids)")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty; give at least one token")
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {self.model_config.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_token_ids)} tokens but the context is {self.max_model_len}; shorten the prompt"
+                " (or raise max_model_len if the model allows)")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of"
+                f" {self.max_model_len} tokens; lower max_tokens or shorten the prompt")
+        if len(params.logit_bias or {}) > 32:
+            raise ValueError("logit_bias has more than 32 entries; jlight supports up to 32")
+        now = arrival_time or time.time()
+        base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        seqs = []
+        banned = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        for i in range(params.n):
+            seq = Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now)
+            seq.eos_ids_for_min_tokens = banned + list(params.stop_token_ids)
+            seq.detokenizer = output_processor.make_detokenizer(self.tokenizer, params)
+            if i > 0:
+                seq.parent = seqs[0]
+            seqs.append(seq)
+        req = Request(request_id, prompt, prompt_token_ids, params, seqs, now)
+        self.requests[request_id] = req
+        for seq in seqs:
+            self._seq_request[seq.seq_id] = req
+            self.scheduler.add(seq)
+        self.prompt_tokens_total += len(prompt_token_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+            self._seq_request.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_pages_total=bm.num_pages - 1, num_pages_used=bm.num_used_pages,
+            prefix_cache_query_tokens=bm.prefix_query_tokens, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            self._release_slot(seq)
+        launched = None
+        if plan.rows:
+            for r in plan.rows:
+                self._ensure_slot(r.seq)
+            inp, _ = self.runner.prepare(plan, self._slots)
+            out = self.runner.launch(inp)
+            for row, r in enumerate(plan.rows):
+                r.seq.num_computed_tokens = r.start + r.num_tokens
+                if r.samples:
+                    r.seq.num_pending_tokens += 1
+                    r.seq.last_row = row
+            launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs))
+            self.num_steps += 1
+        outputs = self._process(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
+        return outputs
+
+    def _ensure_slot(self, seq: Sequence) -> None:
+        p = seq.params
+        uses_penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if uses_penalties and seq.seq_id not in self._slots:
+            slot = self._free_slots.pop()
+            self._slots[seq.seq_id] = slot
+            self.runner.write_history(slot, seq.all_token_ids)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        slot = self._slots.pop(seq.seq_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._release_slot(seq)
+
+    def _process(self, launched) -> list[RequestOutput]:
+        plan, out, want_lp, want_plp = launched
+        tokens = np.asarray(out.tokens)  # waits for the step; the next one is already queued
+        lp = top_ids = top_lps = None
+        if want_lp:
+            lp, top_ids, top_lps = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        if want_plp:
+            output_processor.record_prompt_logprobs(plan, out)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        t = 0
+        for row, r in enumerate(plan.rows):
+            seq = r.seq
+            t += r.num_tokens
+            if not r.samples:
+                self._register_full_pages(seq)
+                continue
+            seq.num_pending_tokens -= 1
+            if seq.finished or seq.seq_id not in self._seq_request:
+                continue  # aborted, or finished by an earlier token: this one was a wasted step
+            token = int(tokens[row])
+            seq.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if want_lp and seq.params.logprobs is not None:
+                seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
+            output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
+            self._register_full_pages(seq)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            req = self._seq_request[seq.seq_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(output_processor.make_request_output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+                for s in req.seqs:
+                    self._seq_request.pop(s.seq_id, None)
+        return outputs
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Publish pages that are now full and whose tokens the host knows (prefix caching)."""
+        if not self.block_manager.enable_prefix_caching or not seq.pages:
+            return
+        ps = self.block_manager.page_size
+        tokens = seq.all_token_ids
+        limit = min(seq.num_computed_tokens, len(tokens)) // ps
+        while len(seq.page_keys) < min(limit, len(seq.pages)):
+            i = len(seq.page_keys)
+            parent = seq.page_keys[-1] if seq.page_keys else b""
+            key = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+            self.block_manager.register_full_page(seq.pages[i], key)
+            seq.page_keys.append(key)
+
+    def run_to_completion(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+    if not path:
+        return
+    try:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except Exception as e:  # an old or new JAX without these flags: run without the cache
+        logger.warning("persistent compilation cache disabled: %s", e)

@@ -1,0 +1,247 @@
+"""ModelRunner: owns the weights, the KV pools and the jitted step; runs what the scheduler planned.
+
+One jitted step per token-count bucket (rows are bucketed with it), all compiled at
+start-up. The step embeds, runs the model over the ragged batch, samples on device and
+returns only the sampled ids (plus logprobs when asked). Decode tokens sampled by the
+previous step never visit the host: the step reads them from the previous step's output
+(`from_prev`), so the host can launch step N+1 before it has seen step N's tokens.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlight.engine import sampler
+from jlight.engine.scheduler import SchedulePlan
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class StepInputs(NamedTuple):
+    tokens: jax.Array  # [T] int32 (ignored where from_prev >= 0)
+    from_prev: jax.Array  # [T] int32 row of the previous step's sample to use as the token, or -1
+    md: BatchMetadata
+    sampling: sampler.SamplingInputs
+    history_slot: jax.Array  # [B] int32 row of the token-history buffer (the dummy row if unused)
+    prompt_len: jax.Array  # [B] int32
+    history_len: jax.Array  # [B] int32 tokens known before this step's sample
+    next_token: jax.Array  # [T] int32 the following prompt token (prompt logprobs), -1 if none
+    want_prompt_logprobs: jax.Array  # [] bool
+
+
+class StepOutputs(NamedTuple):
+    tokens: jax.Array  # [B]
+    logprob: jax.Array  # [B]
+    top_ids: jax.Array  # [B, N]
+    top_logprobs: jax.Array  # [B, N]
+    prompt_logprob: jax.Array  # [T]
+    prompt_top_ids: jax.Array  # [T, N]
+    prompt_top_logprobs: jax.Array  # [T, N]
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
+    buckets, b = [], smallest
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_num_batched_tokens)
+    return buckets
+
+
+class ModelRunner:
+    def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, kv_dtype, sharding_plan=None, collective_matmul=True, int8_all_reduce=False):
+        self.family, self.config, self.params, self.kernels = family, config, params, kernels
+        self.page_size, self.num_pages = page_size, num_pages
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
+        if sharding_plan is not None:
+            k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape)
+            self.k_cache = jax.jit(lambda: jnp.zeros(k_shape, kv_dtype), out_shardings=k_shard)()
+            self.v_cache = jax.jit(lambda: jnp.zeros(v_shape, kv_dtype), out_shardings=v_shard)()
+        else:
+            self.k_cache = jnp.zeros(k_shape, kv_dtype)  # [layers, pages, page_size, kv_heads, head_dim]
+            self.v_cache = jnp.zeros(v_shape, kv_dtype)
+        self.history_dummy_slot = max_num_seqs
+        self.history = jnp.zeros((max_num_seqs + 1, max_model_len + 1), jnp.int32)  # [slots + dummy, tokens]
+        self.prev_sampled = jnp.zeros((max_num_seqs,), jnp.int32)
+
+        def model_fn(params, k_cache, v_cache, tokens, md):
+            hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
+            return hidden, k_cache, v_cache
+
+        if sharding_plan is not None:
+            model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
+        self._model_fn = model_fn
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2, 3))
+        self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
+
+    # ---- the device function ------------------------------------------------------------
+    def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs):
+        tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
+        hidden, k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
+        logits = self.family.compute_logits(params, self.config, hidden[inp.md.logits_indices], self.kernels)  # [B, V]
+        hist = (history[inp.history_slot], inp.prompt_len, inp.history_len)
+        toks, lp, top_ids, top_lps = sampler.sample(logits, inp.sampling, history=hist)
+        history = history.at[inp.history_slot, inp.history_len].set(toks)
+        num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
+
+        def prompt_logprobs(h):
+            lp_all = jax.nn.log_softmax(self.family.compute_logits(params, self.config, h, self.kernels), axis=-1)
+            target = jnp.take_along_axis(lp_all, jnp.maximum(inp.next_token, 0)[:, None], axis=-1)[:, 0]
+            vals, ids = jax.lax.top_k(lp_all, n)
+            return target, ids.astype(jnp.int32), vals
+
+        none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32), jnp.zeros((num_tokens, n), jnp.float32))
+        p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)
+        sampled_full = jnp.zeros((self.max_num_seqs,), jnp.int32).at[: toks.shape[0]].set(toks)
+        return k_cache, v_cache, history, sampled_full, StepOutputs(toks, lp, top_ids, top_lps, p_lp, p_ids, p_vals)
+
+    # ---- host side ----------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.buckets[-1]}")
+
+    def write_history(self, slot: int, token_ids: list[int]) -> None:
+        row = np.zeros((self.max_model_len + 1,), np.int32)
+        row[: len(token_ids)] = token_ids
+        self.history = self._write_history(self.history, np.int32(slot), row)
+
+    def prepare(self, plan: SchedulePlan, slots: dict[int, int]) -> tuple[StepInputs, int]:
+        """Build the step's host arrays. `slots` maps seq_id -> history slot (penalty users only)."""
+        num_tokens = plan.num_tokens
+        T = self.bucket_for(max(num_tokens, 1))
+        B = min(T, self.max_num_seqs)
+        tokens = np.zeros(T, np.int32)
+        from_prev = np.full(T, -1, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.zeros(T, np.int32)  # padding writes to scratch page 0
+        token_seq = np.zeros(T, np.int32)
+        next_token = np.full(T, -1, np.int32)
+        page_table = np.zeros((B, self.max_pages_per_seq), np.int32)
+        context_lens = np.zeros(B, np.int32)
+        query_start = np.full(B + 1, num_tokens, np.int32)
+        logits_indices = np.zeros(B, np.int32)
+        temperature = np.zeros(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        top_p = np.ones(B, np.float32)
+        min_p = np.zeros(B, np.float32)
+        rep = np.ones(B, np.float32)
+        presence = np.zeros(B, np.float32)
+        frequency = np.zeros(B, np.float32)
+        seed = np.zeros(B, np.uint32)
+        token_index = np.zeros(B, np.int32)
+        banned = np.full((B, sampler.NUM_BANNED), -1, np.int32)
+        bias_ids = np.full((B, sampler.NUM_BIAS), -1, np.int32)
+        bias_vals = np.zeros((B, sampler.NUM_BIAS), np.float32)
+        history_slot = np.full(B, self.history_dummy_slot, np.int32)
+        prompt_len = np.zeros(B, np.int32)
+        history_len = np.zeros(B, np.int32)
+        use_pen = use_filt = want_lp = want_plp = False
+
+        t = 0
+        ps = self.page_size
+        for row, r in enumerate(plan.rows):
+            seq, n, start = r.seq, r.num_tokens, r.start
+            known = seq.all_token_ids
+            end = start + n
+            pos = np.arange(start, end, dtype=np.int32)
+            positions[t:t + n] = pos
+            if end <= len(known):
+                tokens[t:t + n] = known[start:end]
+            else:  # the last token was sampled by the previous step and is still on device
+                assert end == len(known) + 1 and seq.last_row is not None and n == 1
+                from_prev[t] = seq.last_row
+            pages = np.asarray(seq.pages, np.int32)
+            slot_mapping[t:t + n] = pages[pos // ps] * ps + pos % ps
+            token_seq[t:t + n] = row
+            page_table[row, : len(pages)] = pages
+            context_lens[row] = end
+            query_start[row] = t
+            logits_indices[row] = t + n - 1
+            p = seq.params
+            if p.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
+                want_plp = True
+                nxt = known[start + 1:min(end + 1, len(seq.prompt_token_ids))]
+                next_token[t:t + len(nxt)] = nxt
+            if r.samples:
+                temperature[row] = p.temperature
+                top_k[row] = p.top_k if p.top_k > 0 else 0
+                top_p[row] = p.top_p
+                min_p[row] = p.min_p
+                rep[row], presence[row], frequency[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+                use_filt |= (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and p.temperature > 0
+                seed[row] = seq.seed & 0xFFFFFFFF
+                token_index[row] = seq.num_output_tokens
+                if seq.num_output_tokens < p.min_tokens:
+                    ban = list(seq.eos_ids_for_min_tokens)[: sampler.NUM_BANNED]
+                    banned[row, : len(ban)] = ban
+                if p.logit_bias:
+                    items = list(p.logit_bias.items())[: sampler.NUM_BIAS]
+                    bias_ids[row, : len(items)] = [int(k) for k, _ in items]
+                    bias_vals[row, : len(items)] = [float(v) for _, v in items]
+                want_lp |= p.logprobs is not None
+                if seq.seq_id in slots:
+                    use_pen = True
+                    history_slot[row] = slots[seq.seq_id]
+                    prompt_len[row] = len(seq.prompt_token_ids)
+                    history_len[row] = seq.num_tokens
+            t += n
+        query_start[len(plan.rows):] = t
+        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, logits_indices)
+        s = sampler.SamplingInputs(temperature, top_k, top_p, min_p, rep, presence, frequency, seed, token_index,
+                                   banned, bias_ids, bias_vals, np.bool_(use_pen), np.bool_(use_filt), np.bool_(want_lp))
+        inp = StepInputs(tokens, from_prev, md, s, history_slot, prompt_len, history_len, next_token, np.bool_(want_plp))
+        return inp, B
+
+    def launch(self, inp: StepInputs) -> StepOutputs:
+        """Dispatch one step (returns at once; outputs are device arrays)."""
+        self.k_cache, self.v_cache, self.history, self.prev_sampled, out = self._step(
+            self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, inp)
+        return out
+
+    def warmup(self, progress=None) -> float:
+        """Compile every bucket now so serving never compiles. Returns seconds spent."""
+        from jlight.engine.scheduler import SchedulePlan
+
+        t0 = time.perf_counter()
+        empty = SchedulePlan([], [])
+        for T in self.buckets:
+            inp, _ = self.prepare(empty, {})
+            inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self)
+            out = self.launch(inp)
+            jax.block_until_ready(out.tokens)
+            if progress is not None:
+                progress(T)
+        self.write_history(self.history_dummy_slot, [])
+        jax.block_until_ready(self.history)
+        return time.perf_counter() - t0
+
+
+def _pad_to_bucket(inp: StepInputs, T: int, B: int, runner: ModelRunner) -> StepInputs:
+    """An all-padding batch of exactly T tokens and B rows (for warm-up)."""
+    def tok(a, fill=0):
+        return np.full((T,) + a.shape[1:], fill, a.dtype)
+
+    def row(a, fill=0):
+        return np.full((B,) + a.shape[1:], fill, a.dtype)
+
+    md = inp.md
+    md = BatchMetadata(tok(md.positions), tok(md.slot_mapping), tok(md.token_seq), row(md.page_table), row(md.context_lens),
+                       np.zeros(B + 1, np.int32), row(md.logits_indices))
+    s = inp.sampling
+    s = sampler.SamplingInputs(*(row(a, 1 if i in (2, 4) else 0) if np.ndim(a) else a for i, a in enumerate(s)))
+    s = s._replace(banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32))
+    return StepInputs(tok(inp.tokens), tok(inp.from_prev, -1), md, s, row(inp.history_slot, runner.history_dummy_slot),
+                      row(inp.prompt_len), row(inp.history_len), tok(inp.next_token, -1), inp.want_prompt_logprobs)

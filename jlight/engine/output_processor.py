@@ -1,0 +1,120 @@
+"""Turns sampled token ids into text and finish decisions, and builds RequestOutputs.
+
+Stop strings are cut exactly (even when they span tokens), and a streaming client never
+sees a partial stop string: the last (longest stop string - 1) characters are held back
+until the sequence either moves past them or finishes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jlight.engine.outputs import CompletionOutput, RequestOutput
+
+
+class _NoText:
+    """Stands in for a detokenizer when the model has no tokenizer (token ids only)."""
+
+    def add(self, token_ids) -> str:
+        return ""
+
+
+def make_detokenizer(tokenizer, params):
+    if tokenizer is None:
+        return _NoText()
+    from jlight.tokenizer import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+
+
+def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None:
+    """Account for one new output token (already in seq.output_token_ids): text and finish reason."""
+    p = seq.params
+    n_out = len(seq.output_token_ids)
+    past_min = n_out >= p.min_tokens
+    if past_min and not p.ignore_eos and token in eos_ids:
+        seq.finish_reason, seq.stop_reason = "stop", None
+        return
+    if past_min and token in p.stop_token_ids:
+        seq.finish_reason, seq.stop_reason = "stop", token
+        return
+    seq.text += seq.detokenizer.add([token])
+    if p.stop and past_min:
+        _check_stop_strings(seq)
+        if seq.finish_reason is not None:
+            return
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        seq.finish_reason = "length"
+    elif len(seq.prompt_token_ids) + n_out >= max_model_len:
+        seq.finish_reason = "length"
+
+
+def _check_stop_strings(seq) -> None:
+    p = seq.params
+    longest = max(len(s) for s in p.stop)
+    # Only the tail can hold a stop string that was not there before this token.
+    search_from = max(0, seq.emitted_text_len - longest)
+    best = None
+    for s in p.stop:
+        i = seq.text.find(s, search_from)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is not None:
+        i, s = best
+        seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
+        seq.finish_reason, seq.stop_reason = "stop", s
+
+
+def logprob_dict(token, token_lp, top_ids, top_lps, num_top: int) -> dict[int, float]:
+    d = {int(i): float(v) for i, v in zip(top_ids[:num_top], top_lps[:num_top])}
+    d[int(token)] = float(token_lp)
+    return d
+
+
+def record_prompt_logprobs(plan, out) -> None:
+    """Store each prompt token's logprob (and top alternatives) for rows that asked for them."""
+    target = np.asarray(out.prompt_logprob)
+    ids, vals = np.asarray(out.prompt_top_ids), np.asarray(out.prompt_top_logprobs)
+    t = 0
+    for r in plan.rows:
+        seq = r.seq
+        k = seq.params.prompt_logprobs
+        n_prompt = len(seq.prompt_token_ids)
+        if k is not None and r.start < n_prompt:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]  # the first prompt token has no logprob
+            for j in range(r.num_tokens):
+                pos = r.start + j
+                if pos + 1 >= n_prompt or len(seq.prompt_logprobs) > pos + 1:
+                    continue
+                nxt = seq.prompt_token_ids[pos + 1]
+                d = {int(a): float(b) for a, b in zip(ids[t + j][:k], vals[t + j][:k])}
+                d[nxt] = float(target[t + j])
+                seq.prompt_logprobs.append(d)
+        t += r.num_tokens
+
+
+def _visible_text(seq) -> str:
+    if seq.finish_reason is not None or not seq.params.stop:
+        return seq.text
+    hold = max(len(s) for s in seq.params.stop) - 1
+    return seq.text[: max(seq.emitted_text_len, len(seq.text) - hold)]
+
+
+def make_request_output(req) -> RequestOutput:
+    completions = []
+    for seq in req.seqs:
+        text = _visible_text(seq)
+        delta = text[seq.emitted_text_len:]
+        seq.emitted_text_len = len(text)
+        ids = list(seq.output_token_ids)
+        ids_delta = ids[seq.emitted_token_len:]
+        seq.emitted_token_len = len(ids)
+        completions.append(CompletionOutput(
+            index=seq.index, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            text_delta=delta, token_ids_delta=ids_delta))
+    first = req.seqs[0]
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, outputs=completions,
+        finished=req.finished, prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
+        arrival_time=req.arrival_time, first_token_time=req.first_token_time)

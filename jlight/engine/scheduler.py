@@ -1,0 +1,151 @@
+"""Scheduler: decides which tokens run in each step.
+
+Each step is one ragged batch under a token budget (`max_num_batched_tokens`) and a row
+budget (`max_num_seqs`). Running sequences go first (decode tokens and the next chunk of
+unfinished prompts), then waiting ones are admitted first-come-first-served, with their
+prompts cut into chunks that fit the budget. When pages run out, the most recently
+admitted running sequence is preempted: its pages are released and it is recomputed later
+(its full pages usually survive in the prefix cache).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jlight.engine.block_manager import BlockManager
+from jlight.engine.sequence import Sequence, SeqStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int  # tokens computed this step
+    samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+
+
+@dataclasses.dataclass
+class SchedulePlan:
+    rows: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _wants_tokens(self, seq: Sequence) -> bool:
+        """False for sequences that cannot take another token (they finish when the host catches up)."""
+        max_tokens = seq.params.max_tokens
+        if seq.prefill_done and max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return False
+        return seq.num_computed_tokens < self.max_model_len and seq.num_tokens <= self.max_model_len
+
+    def _ensure_pages(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = self.bm.pages_needed(upto_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        if self.bm.num_free_pages < need:
+            return False
+        seq.pages.extend(self.bm.allocate(need))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq.pages)
+        seq.pages, seq.page_keys = [], []
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.last_row = None
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulePlan:
+        rows: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # 1. Running sequences, oldest first: decode tokens before prompt chunks, so a long
+        #    prompt never holds back the sequences that are already generating.
+        decoding = [s for s in self.running if s.prefill_done]
+        prefilling = [s for s in self.running if not s.prefill_done]
+        for seq in decoding + prefilling:
+            if seq.status is not SeqStatus.RUNNING or budget == 0 or len(rows) >= self.max_num_seqs:
+                continue
+            if not self._wants_tokens(seq):
+                continue
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            while not self._ensure_pages(seq, start + n):
+                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING or len(seq.pages) * self.bm.page_size < start + n:
+                continue
+            rows.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+
+        # 2. Waiting sequences, first come first served; never preempt running ones for them.
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(rows) < self.max_num_seqs and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.parent is not None and not seq.parent.prefill_done and not seq.parent.finished:
+                # n > 1: wait until the first sample's prompt pages are computed, then share them.
+                skipped.append(self.waiting.popleft())
+                continue
+            tokens = seq.all_token_ids
+            wants_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.admitted_once
+            cached_pages, cached_keys = ([], []) if wants_prompt_logprobs else self.bm.match_prefix(tokens)
+            start = len(cached_pages) * self.bm.page_size
+            n = min(len(tokens) - start, budget)
+            need = self.bm.pages_needed(start + n) - len(cached_pages)
+            if not self.bm.can_allocate(need, cached_pages):
+                break
+            self.waiting.popleft()
+            self.bm.acquire(cached_pages)
+            seq.pages = cached_pages + self.bm.allocate(need)
+            seq.page_keys = list(cached_keys)
+            seq.num_computed_tokens = start
+            if not seq.admitted_once:
+                seq.num_cached_tokens = start
+                self.bm.record_prefix_query(len(tokens), start)
+                seq.admitted_once = True
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            rows.append(ScheduledSeq(seq, start, n, start + n == len(tokens)))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return SchedulePlan(rows, preempted)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.release(seq.pages)
+        seq.pages, seq.page_keys = [], []
+        seq.status = SeqStatus.FINISHED

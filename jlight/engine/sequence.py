@@ -1,0 +1,68 @@
+"""A Sequence is one sample of one request: its tokens, pages and progress."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from jlight.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int, arrival: float):
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.arrival = arrival
+        self.status = SeqStatus.WAITING
+        self.pages: list[int] = []
+        self.page_keys: list[bytes] = []  # prefix keys of the leading full pages
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by a launched step)
+        self.num_pending_tokens = 0  # sampled on device in a launched step, not yet seen by the host
+        self.last_row: int | None = None  # row of this sequence in the most recently launched step
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first admission
+        self.admitted_once = False
+        self.parent: Sequence | None = None  # for n > 1: samples after the first wait for its prompt
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.first_token_time: float | None = None
+        # Text state (owned by the engine's output processing).
+        self.detokenizer = None
+        self.text = ""
+        self.emitted_text_len = 0
+        self.emitted_token_len = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far, counting ones sampled on device but not yet fetched."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
