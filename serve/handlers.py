@@ -1,0 +1,151 @@
+"""The two generation endpoints: request -> engine jobs -> JSON or an SSE stream.
+
+Nothing here blocks the event loop on the engine: jobs go to AsyncLLM, whose loop runs
+in its own thread, and outputs come back as awaitables. A request whose client goes away
+is aborted (see RequestRunner), streaming or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jlight.serve.errors import RequestError
+from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, to_sampling_params
+from jlight.serve.request_runner import EngineJob, RequestRunner
+from jlight.serve.responses import DONE, ResponseBuilder, sse
+from jlight.serve.validation import (chat_prompt, check_logit_bias_keys, check_model_name, completion_prompts,
+                                     resolve_max_tokens, validate_sampling_params)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body, the next ASGI message for this request is http.disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await `awaitable`, cancelling it (and so aborting its engine requests) if the client
+    disconnects first; then raise ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone()
+    finally:
+        for task in (work, watcher):
+            task.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator when sending stops for any reason, so the engine
+    requests behind a stream are aborted at once rather than when garbage-collected."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class GenerationHandlers:
+    def __init__(self, async_llm, runner: RequestRunner, served_names: list[str]):
+        self.llm, self.runner, self.served_names = async_llm, runner, served_names
+        self.tokenizer = async_llm.tokenizer
+        self.vocab_size = async_llm.model_config.vocab_size
+        self.max_model_len = async_llm.max_model_len
+
+    def _jobs(self, request_id: str, body, prompts: list[list[int]], max_tokens: int | None,
+              prompt_param: str, max_tokens_param: str) -> list[EngineJob]:
+        check_logit_bias_keys(body.logit_bias)
+        jobs = []
+        for i, ids in enumerate(prompts):
+            budget = resolve_max_tokens(max_tokens, len(ids), self.max_model_len, prompt_param, max_tokens_param)
+            params = to_sampling_params(body, budget)
+            validate_sampling_params(params, self.vocab_size, {"max_tokens": max_tokens_param,
+                                                               "logprobs": "top_logprobs" if prompt_param == "messages" else "logprobs"})
+            jobs.append(EngineJob(f"{request_id}-{i}", ids, params))
+        return jobs
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        model = check_model_name(body.model, self.served_names)
+        if body.best_of is not None and body.best_of != body.n:
+            raise RequestError("best_of other than n is not supported (jlight does not rank samples); "
+                               "leave best_of unset", param="best_of")
+        prompts = completion_prompts(body.prompt, self.tokenizer, self.vocab_size)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        jobs = self._jobs(request_id, body, prompts, body.max_tokens, "prompt", "max_tokens")
+        builder = ResponseBuilder("completion", request_id, model, self.tokenizer, body.n,
+                                  want_logprobs=body.logprobs is not None, num_top_logprobs=body.logprobs or 0)
+        return await self._respond(request, body, jobs, builder)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        model = check_model_name(body.model, self.served_names)
+        if body.top_logprobs and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        ids = chat_prompt(body.messages, self.tokenizer, body.add_generation_prompt)
+        max_tokens, param = body.max_tokens, "max_tokens"
+        if body.max_completion_tokens is not None:
+            max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = self._jobs(request_id, body, [ids], max_tokens, "messages", param)
+        builder = ResponseBuilder("chat", request_id, model, self.tokenizer, body.n,
+                                  want_logprobs=body.logprobs, num_top_logprobs=body.top_logprobs or 0)
+        return await self._respond(request, body, jobs, builder)
+
+    async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:
+        finals = [None] * len(jobs)  # each prompt's latest RequestOutput
+        outputs = self.runner.run(jobs)
+        if not body.stream:
+            async def collect():
+                async with contextlib.aclosing(outputs):
+                    async for index, out in outputs:
+                        finals[index] = out
+            try:
+                await until_disconnect(request, collect())
+            except ClientGone:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(builder.full_response(finals))
+
+        # Wait for the first output before sending headers, so that overload and engine
+        # errors still get a status code instead of a broken stream.
+        try:
+            first = await until_disconnect(request, outputs.__anext__())
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events():
+            try:
+                for chunk in builder.role_chunks(len(jobs)):
+                    yield chunk
+                index, out = first
+                finals[index] = out
+                for chunk in builder.stream_chunks(index, out):
+                    yield chunk
+                async for index, out in outputs:
+                    finals[index] = out
+                    for chunk in builder.stream_chunks(index, out):
+                        yield chunk
+                if include_usage:
+                    yield builder.usage_chunk(finals)
+            except RequestError as e:  # after the headers, an error can only be an event
+                yield sse(error_body(e.message, e.type, e.param, e.code))
+            finally:
+                await outputs.aclose()
+            yield DONE
+
+        return ClosingStreamingResponse(events(), media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})

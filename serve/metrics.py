@@ -1,0 +1,129 @@
+"""Server metrics in the Prometheus text format (version 0.0.4), names prefixed `jlight:`
+like vLLM's `vllm:`.
+
+Written by hand rather than with prometheus_client, which is not a declared dependency
+of jlight; the format is small. Latency histograms are recorded by the server as
+requests flow; engine gauges and counters are read from EngineStats when scraped.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+
+PREFIX = "jlight:"
+
+# Seconds. Like vLLM's buckets: fine near the typical values, coarse in the tail.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+# How a request ended, as counted by jlight:request_total{outcome=...}.
+OUTCOMES = ("stop", "length", "abort", "client_disconnect", "invalid", "overloaded", "error")
+
+
+def _fmt(value: float) -> str:
+    value = float(value)
+    if value == math.inf:
+        return "+Inf"
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+class Histogram:
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = PREFIX + name, help_, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # last slot: above the largest bucket
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.buckets + (math.inf,), self.counts):
+            cumulative += n
+            lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
+        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+def _metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+    """`samples` are (label text like '{outcome="stop"}' or '', value)."""
+    full = PREFIX + name
+    lines = [f"# HELP {full} {help_}", f"# TYPE {full} {kind}"]
+    lines += [f"{full}{labels} {_fmt(value)}" for labels, value in samples]
+    return lines
+
+
+class ServerMetrics:
+    """Everything the server counts itself. Updated from the event loop; a lock keeps a
+    scrape from reading a histogram half-updated if a handler runs in a thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from request arrival to its first token.", TTFT_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between a request's successive engine outputs.", ITL_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Time from request arrival to its last token.", E2E_BUCKETS)
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.http_requests = 0
+
+    def record_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def record_inter_token(self, seconds: float) -> None:
+        with self._lock:
+            self.itl.observe(seconds)
+
+    def record_finished(self, outcome: str, e2e_seconds: float | None = None) -> None:
+        with self._lock:
+            self.outcomes[outcome] += 1
+            if e2e_seconds is not None:
+                self.e2e.observe(e2e_seconds)
+
+    def render(self, engine_stats=None) -> str:
+        """The /metrics page; `engine_stats` is an EngineStats (or None before the engine runs)."""
+        with self._lock:
+            lines = _metric("request_total", "counter", "Requests by how they ended.",
+                            [(f'{{outcome="{k}"}}', v) for k, v in self.outcomes.items()])
+            for hist in (self.ttft, self.itl, self.e2e):
+                lines += hist.render()
+        if engine_stats is not None:
+            lines += _engine_lines(engine_stats)
+        return "\n".join(lines) + "\n"
+
+
+def _engine_lines(s) -> list[str]:
+    queried = s.prefix_cache_query_tokens
+    hit_rate = s.prefix_cache_hit_tokens / queried if queried else 0.0
+    used_fraction = s.num_pages_used / s.num_pages_total if s.num_pages_total else 0.0
+    return (
+        _metric("num_requests_running", "gauge", "Requests in the running batch.", [("", s.num_running)])
+        + _metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [("", s.num_waiting)])
+        + _metric("kv_cache_pages_used", "gauge", "KV cache pages in use.", [("", s.num_pages_used)])
+        + _metric("kv_cache_pages_total", "gauge", "KV cache pages in the pool.", [("", s.num_pages_total)])
+        + _metric("kv_cache_usage_perc", "gauge", "Fraction of KV cache pages in use (0-1).", [("", used_fraction)])
+        + _metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", [("", queried)])
+        + _metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", [("", s.prefix_cache_hit_tokens)])
+        + _metric("prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries since start (0-1).", [("", hit_rate)])
+        + _metric("num_preemptions_total", "counter", "Requests preempted to free KV pages.", [("", s.num_preemptions)])
+        + _metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", s.prompt_tokens_total)])
+        + _metric("generation_tokens_total", "counter", "Tokens generated.", [("", s.generation_tokens_total)])
+    )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}; for tests and the benchmark client."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values

@@ -1,0 +1,79 @@
+"""The guard in front of every route: API key, body size limit, UTF-8 check.
+
+A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap streaming
+responses and hide client disconnects from them). It reads a request body in full, up to
+the limit, before the route sees it, so an oversized upload is refused without being
+parsed; the body is then replayed to the route, and later `receive()` calls (the route
+listening for a disconnect) go to the client connection again.
+"""
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+
+from jlight.serve.protocol import error_body
+
+UNAUTHENTICATED_PATHS = ("/health",)
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+class GuardMiddleware:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # header names arrive lower-cased
+        if self.expected_auth is not None and scope["path"] not in UNAUTHENTICATED_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected_auth):
+                return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                                    "authentication_error", code="invalid_api_key",
+                                    headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body; nothing to answer
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await _error(400, f"request body is not valid UTF-8 (byte {e.start}); encode JSON as UTF-8",
+                                "invalid_request_error")(scope, receive, send)
+
+        replayed = False
+
+        async def replay_receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay_receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        await _error(413, f"request body is larger than the server's limit of {self.max_body_bytes} bytes; "
+                          f"send a smaller request (or start the server with a larger --max-body-bytes)",
+                     "invalid_request_error", code="request_too_large")(scope, receive, send)

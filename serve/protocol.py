@@ -1,0 +1,245 @@
+"""OpenAI request/response bodies for /v1/completions and /v1/chat/completions.
+
+The request models carry range checks in their Field() constraints so they show up in
+the OpenAPI schema (clients and schemathesis read them); `to_sampling_params` maps a
+validated request onto jlight's SamplingParams. Checks that need the model (context
+length, vocabulary) live in serve/validation.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_PROMPTS_PER_REQUEST = 64  # a completions request may batch this many prompts
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI documents
+
+# Strict types: OpenAI rejects "1" where an integer is expected, so do we.
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class OpenAIBody(BaseModel):
+    # Clients send fields we do not use (user, service_tier, ...); ignoring them is what
+    # OpenAI-compatible servers do. Unknown *values* of known fields are still errors.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(OpenAIBody):
+    """Sampling fields shared by both endpoints (OpenAI's plus vLLM-style extensions)."""
+    model: StrictStr | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
+    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # Extensions (vLLM names).
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings (a batch), a list of token ids, or a list of those.
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)] \
+        | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: Literal[False] = False  # echoing the prompt is not supported; say so instead of ignoring it
+    suffix: None = None  # insertion (fill-in-the-middle) is not supported
+    best_of: PositiveInt | None = None
+
+
+class TextPart(OpenAIBody):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(OpenAIBody):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeRequest(OpenAIBody):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(OpenAIBody):
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+# ---- responses -------------------------------------------------------------------
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str | None = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDeltaChoice(BaseModel):
+    index: int
+    delta: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jlight"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+# ---- request -> SamplingParams -----------------------------------------------------
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """Map a validated request onto SamplingParams; `max_tokens` is already resolved
+    against the context length. None in an optional OpenAI field means "the default"."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()

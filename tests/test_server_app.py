@@ -1,0 +1,299 @@
+"""The server's HTTP behaviour against a scripted stand-in engine (no model, fast):
+error bodies, backpressure, disconnect aborts, auth, body limits, metrics text.
+
+The real-model tests are in test_server_e2e.py; this file checks what does not need
+model numerics, so it can test timing-dependent paths (a stuck queue, a disconnect
+mid-stream) deterministically.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from jlight.engine.outputs import CompletionOutput, RequestOutput
+from jlight.errors import EngineOverloadedError
+from jlight.serve.metrics import parse_metrics
+from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+
+API_KEY = "test-key"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; id 0 is EOS."""
+    vocab_size = 256
+    eos_token_ids = (0,)
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i or not skip_special_tokens).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclasses.dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_pages_total: int = 100
+    num_pages_used: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+class FakeAsyncLLM:
+    """Generates 'x' tokens every `token_delay` s; each running request holds one KV page.
+    `gate` (an asyncio.Event-like flag) holds every request before its first token."""
+
+    def __init__(self, token_delay=0.01, max_waiting=1000):
+        self.tokenizer = ByteTokenizer()
+        self.model_config = type("Cfg", (), {"vocab_size": 256})()
+        self.max_model_len = 64
+        self.model_name = "fake-model"
+        self.token_delay, self.max_waiting = token_delay, max_waiting
+        self.active: set[str] = set()
+        self.aborted: set[str] = set()  # requests that ended before their last token
+        self.hold_first_token = False
+
+    async def generate(self, prompt, sampling_params, request_id):
+        if len(self.active) >= self.max_waiting:
+            raise EngineOverloadedError("queue full")
+        self.active.add(request_id)
+        try:
+            while self.hold_first_token and request_id in self.active:
+                await asyncio.sleep(0.01)
+            n, total = sampling_params.n, sampling_params.max_tokens
+            for step in range(1, total + 1):
+                await asyncio.sleep(self.token_delay)
+                if request_id not in self.active:
+                    return
+                done = step == total
+                if done:
+                    self.active.discard(request_id)
+                outs = [CompletionOutput(index=i, text="x" * step, token_ids=[120] * step,
+                                         finish_reason="length" if done else None, text_delta="x",
+                                         token_ids_delta=[120],
+                                         logprobs=[{120: -0.5, 121: -1.5}] * step if sampling_params.logprobs is not None else None)
+                        for i in range(n)]
+                yield RequestOutput(request_id, None, list(prompt), outs, finished=done)
+        finally:  # closing the generator early aborts, as AsyncLLM's does
+            self.abort(request_id)
+
+    def abort(self, request_id):
+        if request_id in self.active:
+            self.aborted.add(request_id)
+            self.active.discard(request_id)
+
+    def stats(self):
+        return FakeStats(num_running=len(self.active), num_pages_used=len(self.active))
+
+    def shutdown(self):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    from jlight.serve.app import build_app
+    llm = FakeAsyncLLM()
+    app = build_app(llm, api_key=API_KEY, max_waiting_requests=8, max_body_bytes=4096)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def post(url, path, body=None, content=None, headers=HEADERS, **kw):
+    return httpx.post(url + path, json=body, content=content, headers=headers, timeout=20, **kw)
+
+
+def test_sampling_params_mapping():
+    req = CompletionRequest(prompt="hi", n=2, temperature=0.5, top_p=0.9, stop="END", seed=3,
+                            presence_penalty=0.1, frequency_penalty=0.2, logprobs=2, logit_bias={"5": 1.0},
+                            top_k=7, min_p=0.05, repetition_penalty=1.1, ignore_eos=True, min_tokens=2)
+    p = to_sampling_params(req, max_tokens=10)
+    assert (p.n, p.max_tokens, p.temperature, p.top_p, p.stop, p.seed) == (2, 10, 0.5, 0.9, ["END"], 3)
+    assert (p.presence_penalty, p.frequency_penalty, p.logprobs, p.logit_bias) == (0.1, 0.2, 2, {5: 1.0})
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, p.min_tokens) == (7, 0.05, 1.1, True, 2)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3,
+                                 temperature=None)
+    p = to_sampling_params(chat, max_tokens=4)
+    assert (p.logprobs, p.temperature) == (3, 1.0)
+    assert to_sampling_params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]), 4).logprobs is None
+
+
+def test_completion_and_chat_shapes(server):
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": ["ab", "cd"], "max_tokens": 3, "n": 2, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == "xxx" and c["finish_reason"] == "length" for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5] * 3
+    assert body["choices"][0]["logprobs"]["top_logprobs"][0] == {"x": -0.5}
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                           "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    import json
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:-1]) == "xx"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    prompt_len = len("<user>hi<assistant>")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == prompt_len
+
+
+BAD_INPUTS = [
+    # (path, body or raw bytes, expected status, expected param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, "prompt"),  # a lone surrogate escape
+    ("/v1/completions", {"prompt": "a", "model": "nope"}, 404, "model"),
+    ("/v1/completions", {"prompt": "a" * 64}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 64}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "stop": ["s"] * 17}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": [999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/detokenize", {"tokens": [1000]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)
+def test_bad_input(server, path, body, status, param):
+    url, _ = server
+    if isinstance(body, bytes):
+        r = post(url, path, content=body, headers={**HEADERS, "Content-Type": "application/json"})
+    else:
+        r = post(url, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"] and error["type"]
+
+
+def test_body_size_limit(server):
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": "a" * 5000})
+    assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+
+def test_auth(server):
+    url, _ = server
+    assert httpx.get(url + "/health").status_code == 200
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(url + path).status_code == 401
+        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url + path, headers=HEADERS).status_code == 200
+    r = post(url, "/v1/completions", {"prompt": "a"}, headers={})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_backpressure_answers_503_with_retry_after(server):
+    url, llm = server
+    llm.hold_first_token = True  # nothing leaves the queue: 8 requests fill max_waiting_requests=8
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=20) as client:
+            held = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+                    for _ in range(8)]
+            while len(llm.active) < 8:
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            llm.hold_first_token = False
+            return refused, await asyncio.gather(*held)
+    try:
+        refused, held = asyncio.run(scenario())
+    finally:
+        llm.hold_first_token = False
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert [r.status_code for r in held] == [200] * 8
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_request(server, stream):
+    url, llm = server
+    before = len(llm.aborted)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=20) as client:
+            body = {"prompt": "a", "max_tokens": 60, "stream": stream}
+            if stream:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        break  # leave after the first event; 60 tokens would take 0.6 s
+            else:
+                task = asyncio.create_task(client.post("/v1/completions", json=body))
+                await asyncio.sleep(0.15)
+                task.cancel()
+    asyncio.run(scenario())
+    deadline = time.time() + 5
+    while len(llm.aborted) == before and time.time() < deadline:
+        time.sleep(0.02)
+    assert len(llm.aborted) == before + 1 and not llm.active
+    text = httpx.get(url + "/metrics", headers=HEADERS).text
+    assert parse_metrics(text)['jlight:request_total{outcome="client_disconnect"}'] >= 1
+
+
+def test_metrics_text(server):
+    url, _ = server
+    post(url, "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+    values = parse_metrics(httpx.get(url + "/metrics", headers=HEADERS).text)
+    assert values["jlight:time_to_first_token_seconds_count"] >= 1
+    assert values['jlight:e2e_request_latency_seconds_bucket{le="+Inf"}'] == values["jlight:e2e_request_latency_seconds_count"]
+    assert values['jlight:request_total{outcome="length"}'] >= 1
+    assert values["jlight:kv_cache_pages_used"] == 0 and values["jlight:kv_cache_pages_total"] == 100
+
+
+def test_tokenize_roundtrip(server):
+    url, _ = server
+    ids = post(url, "/tokenize", {"prompt": "héllo"}).json()["tokens"]
+    assert ids == list("héllo".encode())
+    assert post(url, "/detokenize", {"tokens": ids}).json()["prompt"] == "héllo"
