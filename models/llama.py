@@ -127,6 +127,7 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
     (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+    h = ops.gather_sequence(h)  # whole [T, embed] again if the residual stream was split on tokens
     return h, k_cache, v_cache
 
 

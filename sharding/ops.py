@@ -26,6 +26,11 @@ class ParallelOps:
         """table: [vocab, embed]; tokens: [T] -> [T, embed]."""
         return jnp.take(table, tokens, axis=0)
 
+    def gather_sequence(self, h):
+        """Hidden states [T, embed] after the last layer, made whole if the tensor-parallel ops
+        split the residual stream on tokens (sequence parallelism). Identity here."""
+        return h
+
     def lm_head(self, x, w, matmul):
         """x: [N, embed]; w: [embed, vocab] -> full [N, vocab] float32 logits."""
         return matmul(x, w, out_dtype=jnp.float32)

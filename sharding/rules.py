@@ -1,0 +1,71 @@
+"""The one table from logical axis names to mesh axes, and the functions that apply it.
+
+Megatron-style tensor parallelism falls out of the table: q/k/v/gate/up are split on
+their output (`heads`, `kv_heads`, `mlp` -> tp: column-parallel), o/down on their input
+(row-parallel), the embedding and LM head on `vocab`. MoE experts are split on `ep`.
+Changing the mesh changes which devices the axes land on, never model code.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jlight.pallas_kernels.quantization import QuantizedWeight
+
+# logical axis -> mesh axis (None = replicated). Every name a model's param_axes may use.
+LOGICAL_TO_MESH = {
+    "vocab": "tp",
+    "embed": None,
+    "embed_norm": None,
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "mlp": "tp",
+    "layers": None,
+    "experts": "ep",
+    # KV cache pools: [layers, pages, page_size, kv_heads, head_dim]
+    "pages": None,
+    "page_size": None,
+    # Leading axis of per-replica inputs (one independent sub-batch per dp replica).
+    "replica": "dp",
+}
+
+KV_CACHE_AXES = ("layers", "pages", "page_size", "kv_heads", "head_dim")
+
+
+def logical_to_spec(axes: tuple[str, ...]) -> P:
+    """('layers', 'embed', 'heads') -> PartitionSpec(None, None, 'tp')."""
+    unknown = [a for a in axes if a not in LOGICAL_TO_MESH]
+    if unknown:
+        raise ValueError(
+            f"logical axis names {unknown} in {axes} have no sharding rule; "
+            f"use one of {', '.join(LOGICAL_TO_MESH)} or add a rule to jlight/sharding/rules.py"
+        )
+    return P(*(LOGICAL_TO_MESH[a] for a in axes))
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+def _spec_for_leaf(axes: tuple[str, ...], leaf) -> P | QuantizedWeight:
+    if isinstance(leaf, QuantizedWeight):
+        # values keep the weight's axes; scales drop the input axis ([..., in, out] -> [..., out]).
+        return QuantizedWeight(logical_to_spec(axes), logical_to_spec(axes[:-2] + axes[-1:]))
+    return logical_to_spec(axes)
+
+
+def param_specs(param_axes: dict, params=None):
+    """PartitionSpecs for every weight, in the params tree's structure.
+
+    `params` is only needed when some weights are QuantizedWeights (their scales get their
+    own spec); leave it out for a tree of plain arrays.
+    """
+    if params is None:
+        return jax.tree.map(logical_to_spec, param_axes, is_leaf=_is_axes)
+    return jax.tree.map(_spec_for_leaf, param_axes, params, is_leaf=_is_axes)
+
+
+def named_shardings(mesh: Mesh, specs):
+    """The PartitionSpec tree as NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

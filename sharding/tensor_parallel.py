@@ -1,0 +1,73 @@
+"""The tensor-parallel ParallelOps the model runs with inside shard_map.
+
+Weights arrive already split by the rules (column-parallel: output dim; row-parallel:
+input dim; embedding and LM head: vocab), so each op is the local matmul plus the one
+collective that makes the result whole:
+
+  row_linear  psum over tp (or int8 all-reduce, or a reduce-scatter collective matmul)
+  embed       masked lookup in the local vocab slice + psum
+  lm_head     local logits + all-gather on vocab, padding columns dropped
+
+With `sequence_parallel` the residual stream between layers is split on tokens: the
+row-parallel output is reduce-scattered and the next column-parallel input all-gathered,
+both as ring collective matmuls, instead of one all-reduce. The model returns its hidden
+states through `gather_sequence`, which makes them whole again.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jlight.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jlight.sharding.int8_all_reduce import int8_all_reduce
+from jlight.sharding.ops import ParallelOps
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelOps(ParallelOps):
+    axis_name: str  # the mesh axis weights are split on ("tp")
+    tp: int  # its size
+    vocab_size: int  # the true vocab; the LM head's columns beyond it are padding
+    sequence_parallel: bool = False  # residual stream split on tokens (collective matmuls)
+    int8_all_reduce: bool = False  # row_linear's all-reduce moves int8 (when not sequence-parallel)
+
+    def _all_reduce(self, y):
+        if self.int8_all_reduce and y.shape[-1] % self.tp == 0:
+            return int8_all_reduce(y, axis_name=self.axis_name, n=self.tp)
+        return jax.lax.psum(y, self.axis_name)
+
+    def column_linear(self, x, w, matmul):
+        # x: [T, in] replicated, or [T/tp, in] under sequence parallelism; w: [in, out/tp].
+        if self.sequence_parallel:
+            return all_gather_matmul(x, w, matmul, axis_name=self.axis_name, n=self.tp)
+        return matmul(x, w)  # [T, out/tp]
+
+    def row_linear(self, x, w, matmul):
+        # x: [T, in/tp]; w: [in/tp, out]. Out: [T, out] replicated, or [T/tp, out].
+        if self.sequence_parallel:
+            return matmul_reduce_scatter(x, w, matmul, axis_name=self.axis_name, n=self.tp)
+        return self._all_reduce(matmul(x, w))
+
+    def embed(self, table, tokens):
+        # table: [vocab_padded/tp, embed], this device's vocab rows; tokens: [T] global ids.
+        rows = table.shape[0]
+        local = tokens - jax.lax.axis_index(self.axis_name) * rows
+        mine = (local >= 0) & (local < rows)
+        h = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)  # [T, embed]
+        h = jnp.where(mine[:, None], h, jnp.zeros((), h.dtype))
+        if self.sequence_parallel:
+            return jax.lax.psum_scatter(h, self.axis_name, scatter_dimension=0, tiled=True)  # [T/tp, embed]
+        return jax.lax.psum(h, self.axis_name)
+
+    def gather_sequence(self, h):
+        if self.sequence_parallel:
+            return jax.lax.all_gather(h, self.axis_name, axis=0, tiled=True)  # [T, embed]
+        return h
+
+    def lm_head(self, x, w, matmul):
+        # x: [N, embed] replicated; w: [embed, vocab_padded/tp].
+        local = matmul(x, w, out_dtype=jnp.float32)  # [N, vocab_padded/tp]
+        logits = jax.lax.all_gather(local, self.axis_name, axis=1, tiled=True)  # [N, vocab_padded]
+        return logits[:, : self.vocab_size]
