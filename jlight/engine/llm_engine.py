@@ -127,15 +127,18 @@ class LLMEngine:
         return max(2, min(wanted, (2 << 30) // bytes_per_page))
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: str | None, sampling_params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> str:
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+    def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,
+                         prompt_token_ids: list[int] | None = None) -> tuple[list[int], SamplingParams]:
+        """Check a request and tokenize it, touching no engine state (safe from any thread).
+
+        Raises ValueError (PromptTooLongError for context overflows) naming the bad input.
+        """
         params = (sampling_params or SamplingParams()).validate(self.model_config.vocab_size)
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of a text prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if not prompt_token_ids:
@@ -152,6 +155,14 @@ class LLMEngine:
                 f" {self.max_model_len} tokens; lower max_tokens or shorten the prompt")
         if len(params.logit_bias or {}) > 32:
             raise ValueError("logit_bias has more than 32 entries; jlight supports up to 32")
+        return prompt_token_ids, params
+
+    def add_request(self, request_id: str | None, prompt: str | None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        prompt_token_ids, params = self.validate_request(prompt, sampling_params, prompt_token_ids)
         now = arrival_time or time.time()
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seqs = []

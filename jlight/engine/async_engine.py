@@ -1,0 +1,156 @@
+"""AsyncLLM: the engine in a background thread, with an asyncio interface for the server.
+
+HTTP handlers never block the engine: they validate and tokenize in their own thread,
+then hand the request over through a queue; the engine thread applies queued adds and
+aborts between steps and pushes each step's outputs back onto the handlers' event loop.
+Leaving the `generate` iterator early (client disconnect, cancellation) aborts the request
+and frees its pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator
+
+from jlight.engine.outputs import RequestOutput
+from jlight.engine.sampling_params import SamplingParams
+from jlight.errors import EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, llm, max_waiting_requests: int = 1024):
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.model_config = llm.model_config
+        self.max_model_len = llm.max_model_len
+        self.model_name = llm.model_name
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_queued
+        self._num_queued = 0  # adds handed over but not yet applied by the engine thread
+        self._stats = self.engine.stats()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jlight-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public ------------------------------------------------------------------------------
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self._error}")
+        if self._stopping:
+            raise EngineOverloadedError("the server is shutting down; retry on another replica")
+        request_id = request_id or uuid.uuid4().hex
+        if isinstance(prompt, str):
+            ids, params = self.engine.validate_request(prompt, sampling_params)
+        else:
+            ids, params = self.engine.validate_request(None, sampling_params, list(prompt))
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self._stats.num_waiting + self._num_queued >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"{self.max_waiting_requests} requests are already waiting; retry later")
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, q)
+            self._num_queued += 1
+        self._commands.put(("add", request_id, prompt if isinstance(prompt, str) else None, ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self):
+        return self._stats
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the handler's loop is closed: nobody listens any more
+                self._commands.put(("abort", request_id))
+
+    def _apply_commands(self) -> bool:
+        """Apply queued adds/aborts. Returns False when asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "abort":
+                self.engine.abort_request(cmd[1])
+                continue
+            _, rid, prompt, ids, params = cmd
+            with self._lock:
+                self._num_queued -= 1
+                listening = rid in self._streams
+            if not listening:
+                continue  # the client left before the engine saw the request
+            try:
+                self.engine.add_request(rid, prompt, params, prompt_token_ids=ids)
+            except Exception as e:  # validated already; anything here goes back to that caller
+                self._deliver(rid, e)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self._apply_commands():
+                    break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                    self._stats = self.engine.stats()
+                else:
+                    self._stats = self.engine.stats()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # keep the reason; fail every open stream instead of hanging it
+            logger.exception("engine loop crashed")
+            self._error = e
+            with self._lock:
+                ids = list(self._streams)
+            for rid in ids:
+                self._deliver(rid, RuntimeError(f"engine error: {e}"))
