@@ -1,0 +1,82 @@
+"""The input JSONL as a grain random-access data source, and the loader that shards and parses it.
+
+The file is indexed once (byte offsets of its non-blank lines), so grain can read any record
+by index: that is what lets a restored grain iterator resume mid-file, and lets each
+jax.distributed process take its own contiguous shard (grain's ShardOptions).
+"""
+from __future__ import annotations
+
+import os
+
+import grain
+import numpy as np
+
+from jlight.batch.records import parse_line
+
+
+class JsonlSource:
+    """grain RandomAccessDataSource: record i is (i, 1-based line number, raw line bytes)."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise ValueError(f"batch input {path!r} does not exist; pass a JSONL file with one request per line")
+        self.path = path
+        starts, ends, line_numbers = [], [], []
+        offset = 0
+        with open(path, "rb") as f:
+            for line_number, raw in enumerate(f, start=1):
+                if raw.strip():
+                    starts.append(offset)
+                    ends.append(offset + len(raw))
+                    line_numbers.append(line_number)
+                offset += len(raw)
+        self.size_bytes = offset
+        self._starts = np.asarray(starts, np.int64)  # [num_records] byte offset of each record
+        self._ends = np.asarray(ends, np.int64)  # [num_records]
+        self._line_numbers = np.asarray(line_numbers, np.int64)  # [num_records]
+        self._fd = None  # opened lazily, so the source pickles into grain workers
+
+    def __repr__(self) -> str:
+        # grain checks a restored iterator state against this string: keep it free of addresses.
+        return f"JsonlSource({self.path!r}, num_records={len(self)})"
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, index: int):
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        start, end = int(self._starts[index]), int(self._ends[index])
+        return int(index), int(self._line_numbers[index]), os.pread(self._fd, end - start, start)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_fd": None}
+
+    def line_number(self, index: int) -> int:
+        return int(self._line_numbers[index])
+
+
+class ParseLine(grain.transforms.Map):
+    """grain map: (index, line, bytes) -> BatchRequest | BatchError."""
+
+    def __init__(self, sampling_defaults: dict):
+        self.sampling_defaults = sampling_defaults
+
+    def map(self, element):
+        index, line, raw = element
+        return parse_line(index, line, raw, self.sampling_defaults)
+
+
+def shard_options(process_index: int, process_count: int):
+    """grain's ShardByJaxProcess when jax.distributed is running, else no sharding."""
+    if process_count > 1:
+        return grain.sharding.ShardByJaxProcess(drop_remainder=False)
+    return grain.sharding.NoSharding()
+
+
+def make_loader(source: JsonlSource, sampling_defaults: dict, shard) -> grain.DataLoader:
+    """One pass, in file order, over this process's shard, parsed in-process (worker_count=0:
+    parsing is cheap next to generation, and the iterator state stays a plain position)."""
+    sampler = grain.samplers.IndexSampler(len(source), shard_options=shard, shuffle=False, num_epochs=1)
+    return grain.DataLoader(data_source=source, sampler=sampler, operations=[ParseLine(sampling_defaults)], worker_count=0)
+
