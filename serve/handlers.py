@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 
 from starlette.requests import Request
@@ -19,6 +20,8 @@ from jlight.serve.request_runner import EngineJob, RequestRunner
 from jlight.serve.responses import DONE, ResponseBuilder, sse
 from jlight.serve.validation import (chat_prompt, check_logit_bias_keys, check_model_name, completion_prompts,
                                      resolve_max_tokens, validate_sampling_params)
+
+logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 
@@ -143,6 +146,9 @@ class GenerationHandlers:
                     yield builder.usage_chunk(finals)
             except RequestError as e:  # after the headers, an error can only be an event
                 yield sse(error_body(e.message, e.type, e.param, e.code))
+            except Exception as e:  # an engine failure mid-stream: tell the client, keep serving others
+                logger.exception("stream failed")
+                yield sse(error_body(f"internal error: {e}", "internal_error"))
             finally:
                 await outputs.aclose()
             yield DONE

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request may batch this many prompts
-MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI documents
+MAX_LOGIT_BIAS_ENTRIES = 32  # the engine applies at most this many per request
 
 # Strict types: OpenAI rejects "1" where an integer is expected, so do we.
 PositiveInt = Annotated[StrictInt, Field(ge=1)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 from typing import AsyncIterator
 
@@ -108,6 +109,11 @@ class RequestRunner:
                 finished[:] = [True] * len(jobs)  # the engine never took them
                 self.metrics.record_finished("overloaded")
                 raise overloaded() from None
+            except ValueError as e:  # the engine's own checks (ours run first, so rarely reached)
+                finished[:] = [True] * len(jobs)
+                self.metrics.record_finished("invalid")
+                match = re.match(r"(\w+)=", str(e))
+                raise RequestError(str(e), param=match.group(1) if match else None) from None
             except (asyncio.CancelledError, GeneratorExit):
                 self._abort_unfinished(jobs, finished, "client_disconnect")
                 raise

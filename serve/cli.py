@@ -1,0 +1,101 @@
+"""`jlight serve [MODEL] ...`: load a model and serve it over HTTP (OpenAI-compatible).
+
+jlight/cli.py dispatches here: `add_arguments(parser)` fills the subcommand's parser and
+`run(args)` serves until SIGTERM/SIGINT, then drains in-flight requests (bounded by
+--shutdown-timeout) and returns 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from jlight.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+
+logger = logging.getLogger("jlight.serve")
+
+# CLI flag -> jlight.LLM keyword (the engine options the server passes through).
+ENGINE_OPTIONS = ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                  "page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching",
+                  "attention_impl", "matmul_impl")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model directory, GGUF file or hub id (default: SmolLM2-135M-Instruct GGUF)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", default=os.environ.get("JLIGHT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                             "(default: $JLIGHT_API_KEY)")
+    server.add_argument("--served-model-name", action="append", default=None,
+                        help="name clients use for the model (repeatable; default: the model's name)")
+    server.add_argument("--max-waiting-requests", type=_positive_int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="answer 503 + Retry-After beyond this many requests waiting for their first token")
+    server.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="answer 413 to request bodies larger than this")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    engine.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
+    engine.add_argument("--mesh", default=None, help="device mesh, e.g. tp=2 (default: one device)")
+    engine.add_argument("--max-model-len", type=_positive_int, default=None)
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    engine.add_argument("--page-size", type=_positive_int, default=16)
+    engine.add_argument("--num-pages", type=_positive_int, default=None)
+    engine.add_argument("--kv-cache-memory-fraction", type=float, default=0.8)
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    engine.add_argument("--attention-impl", default="auto")
+    engine.add_argument("--matmul-impl", default="auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jlight serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn  # lazy: `import jlight` must not pull in the web stack
+
+    from jlight.api import LLM
+    from jlight.engine.async_engine import AsyncLLM
+    from jlight.serve.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_options = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    if engine_options["max_num_batched_tokens"] is None:
+        del engine_options["max_num_batched_tokens"]  # let the engine pick its backend default
+    llm = LLM(args.model, **engine_options)
+    async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                    max_body_bytes=args.max_body_bytes, served_model_names=args.served_model_name)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    # uvicorn drains on SIGTERM, then re-raises the signal so the default action would
+    # kill us with status 143; a no-op handler installed first makes it return instead.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logger.info("serving %s on http://%s:%d", llm.model_name, args.host, args.port)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
