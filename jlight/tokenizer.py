@@ -71,6 +71,15 @@ class Tokenizer:
             special_tokens_map=tokens,
         )
 
+    def save_pretrained(self, directory: str) -> None:
+        """Write tokenizer.json + tokenizer_config.json (chat template, special tokens), so a
+        GGUF model's tokenizer survives `jlight convert` and loads back with from_dir."""
+        os.makedirs(directory, exist_ok=True)
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        cfg = {**self.special_tokens_map, "chat_template": self.chat_template}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=1, ensure_ascii=False)
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -3,6 +3,7 @@
 `load_model(model)` dispatches on what `model` names:
   None            -> the default model, SmolLM2-135M-Instruct (GGUF, see default_model.py)
   path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time)
+  a `jlight convert` output directory -> its orbax params (orbax_loader.py)
   a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json)
   "org/name"      -> a HF hub id, downloaded with huggingface_hub when the hub is reachable
 
@@ -57,6 +58,10 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     model = os.fspath(model)
     if model.endswith(".gguf"):
         return load_gguf(model, dtype, place)
+    from jlight.loading import orbax_loader
+
+    if orbax_loader.is_orbax_model_dir(model):
+        return load_converted_dir(model)
     if os.path.isdir(model):
         return load_hf_dir(model, dtype, place)
     if os.path.exists(model):
@@ -84,6 +89,20 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
     tokenizer = Tokenizer.from_dir(model_dir, generation_config) if has_tokenizer else None
     return LoadedModel(config, params, tokenizer, generation_config, name or model_dir, jdtype)
+
+
+def load_converted_dir(model_dir: str) -> LoadedModel:
+    """A directory written by `jlight convert` (orbax params; dtype fixed at conversion)."""
+    from jlight.loading import orbax_loader
+    from jlight.loading.safetensors_loader import read_generation_config
+    from jlight.tokenizer import Tokenizer
+
+    config, params = orbax_loader.load_orbax_model(model_dir)
+    generation_config = read_generation_config(model_dir)
+    has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+    tokenizer = Tokenizer.from_dir(model_dir, generation_config) if has_tokenizer else None
+    dtype = jax.tree.leaves(params)[0].dtype if jax.tree.leaves(params) else None
+    return LoadedModel(config, params, tokenizer, generation_config, model_dir, dtype)
 
 
 def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:

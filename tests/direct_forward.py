@@ -1,0 +1,113 @@
+"""Runs jlight's model functions directly (no engine) for one sequence: prefill + greedy decode.
+
+Used by the correctness tests to compare against transformers without depending on the
+engine. The prompt is padded to a fixed bucket, so each model compiles two functions
+(prefill and one-token decode) however many prompts a test runs.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlight.models import get_model_family
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.dispatch import get_kernels
+
+PAGE_SIZE = 16
+
+
+def _metadata(positions, slots, context_len, page_table, last_index) -> BatchMetadata:
+    num_tokens = positions.shape[0]
+    return BatchMetadata(
+        positions=positions,  # [T]
+        slot_mapping=slots,  # [T]
+        token_seq=jnp.zeros((num_tokens,), jnp.int32),  # [T]: one sequence
+        page_table=page_table[None, :],  # [1, max_pages]
+        context_lens=jnp.reshape(context_len, (1,)).astype(jnp.int32),  # [1]
+        query_start=jnp.array([0, num_tokens], jnp.int32),  # [2]
+        logits_indices=jnp.reshape(last_index, (1,)).astype(jnp.int32),  # [1]
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
+def _run(params, config, tokens, positions, slots, context_len, page_table, last_index, k_cache, v_cache):
+    """All-position logits [T, vocab] of one (padded) chunk, and the updated caches."""
+    family = get_model_family(config)
+    kernels = get_kernels("reference", "reference")
+    md = _metadata(positions, slots, context_len, page_table, last_index)
+    hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
+    return family.compute_logits(params, config, hidden, kernels), k_cache, v_cache
+
+
+class SingleSequenceRunner:
+    """Prefill a prompt, then decode greedily, on a paged cache holding one sequence."""
+
+    def __init__(self, params, config, max_len: int = 256, prefill_bucket: int = 128):
+        self.params, self.config, self.bucket = params, config, prefill_bucket
+        num_pages = max_len // PAGE_SIZE + 1  # + page 0, the reserved scratch page
+        k_shape, v_shape = get_model_family(config).kv_cache_shapes(config, num_pages, PAGE_SIZE)
+        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.k_cache = jnp.zeros(k_shape, self.dtype)  # [layers, pages, page_size, kv_heads, head_dim]
+        self.v_cache = jnp.zeros(v_shape, self.dtype)
+        self.page_table = jnp.arange(1, num_pages, dtype=jnp.int32)  # [max_pages]: pages 1.. in order
+        self.max_len = max_len
+
+    def _step(self, tokens: list[int], start: int, pad_to: int) -> np.ndarray:
+        n = len(tokens)
+        if start + n > self.max_len:
+            raise ValueError(f"sequence of {start + n} tokens exceeds max_len={self.max_len}")
+        pos = np.zeros(pad_to, np.int32)  # [T]; padding tokens sit at position 0 of scratch page 0
+        pos[:n] = np.arange(start, start + n)
+        slots = np.zeros(pad_to, np.int32)  # [T]
+        slots[:n] = PAGE_SIZE + pos[:n]  # page i+1 holds positions [i*PAGE_SIZE, (i+1)*PAGE_SIZE)
+        toks = np.zeros(pad_to, np.int32)  # [T]
+        toks[:n] = tokens
+        logits, self.k_cache, self.v_cache = _run(
+            self.params, self.config, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(slots),
+            jnp.int32(start + n), self.page_table, jnp.int32(n - 1), self.k_cache, self.v_cache,
+        )
+        return np.asarray(logits)[:n]
+
+    def prefill_logits(self, prompt: list[int]) -> np.ndarray:
+        """float32 logits [len(prompt), vocab] at every prompt position (cache restarts)."""
+        if len(prompt) > self.bucket:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds prefill_bucket={self.bucket}")
+        return self._step(list(prompt), 0, self.bucket)
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """The `max_tokens` greedy continuation of `prompt` (no stop tokens)."""
+        out = [int(self.prefill_logits(prompt)[-1].argmax())]
+        while len(out) < max_tokens:
+            logits = self._step([out[-1]], len(prompt) + len(out) - 1, 1)
+            out.append(int(logits[-1].argmax()))
+        return out
+
+    def teacher_forced_top1(self, ids: list[int]) -> np.ndarray:
+        """argmax at every position of `ids` (one prefill)."""
+        return self.prefill_logits(ids).argmax(-1)
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation with its KV cache, ignoring EOS (so lengths match)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_tokens):
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            if len(out) == max_tokens:
+                break
+            res = model(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()

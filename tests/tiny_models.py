@@ -1,0 +1,108 @@
+"""Tiny random-weight HF model directories, built with transformers, for tests.
+
+`make_tiny_model(tmp_dir, "LlamaForCausalLM", **overrides)` writes config.json,
+model.safetensors, generation_config.json and a small byte-level BPE tokenizer
+(tokenizer.json + tokenizer_config.json with a ChatML chat template) and returns the path.
+Weights are seeded, so the same call always gives the same model.
+
+`TinyModelCache` builds each (architecture, overrides) once per test session; conftest.py
+exposes it as the `tiny_model` fixture.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+TINY_VOCAB = 512
+# Small enough to compile in seconds, big enough for GQA (4 query heads, 2 KV heads).
+BASE_CONFIG = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    # Larger than HF's 0.02 so logits are spread out and greedy argmaxes are not near-ties.
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# Per-architecture settings that exercise what makes each family different.
+ARCH_CONFIG = {
+    "LlamaForCausalLM": dict(model_type="llama"),
+    "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),
+    "Qwen2ForCausalLM": dict(model_type="qwen2", use_sliding_window=False),  # q/k/v biases always on
+    "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=32, use_sliding_window=False),  # qk-norm, head_dim != hidden/heads
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time there was a small model that answered questions.",
+    "1 2 3 4 5 6 7 8 9 10, numbers and letters: abc xyz.",
+]
+
+
+def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
+    """Write a tiny random `architecture` model (+ tokenizer) under tmp_dir; return its path."""
+    import torch
+    import transformers
+
+    if architecture not in ARCH_CONFIG:
+        raise ValueError(f"make_tiny_model: architecture {architecture!r} not one of {', '.join(ARCH_CONFIG)}")
+    settings = {**BASE_CONFIG, **ARCH_CONFIG[architecture], **config_overrides}
+    model_type = settings.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **settings)
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    path = os.path.join(tmp_dir, _dir_name(architecture, config_overrides))
+    model.save_pretrained(path, safe_serialization=True)
+    write_tiny_tokenizer(path, vocab_size=min(settings["vocab_size"], TINY_VOCAB))
+    return path
+
+
+def write_tiny_tokenizer(path: str, vocab_size: int = TINY_VOCAB) -> None:
+    """Train a byte-level BPE on a few sentences (milliseconds) and save it HF-style."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    cfg = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def _dir_name(architecture: str, overrides: dict) -> str:
+    suffix = "_".join(f"{k}-{v}" for k, v in sorted(overrides.items()))
+    return f"{architecture}_{suffix}" if suffix else architecture
+
+
+class TinyModelCache:
+    """Builds each distinct tiny model once; `get(arch, **overrides)` returns its directory."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._paths: dict[tuple, str] = {}
+
+    def get(self, architecture: str, **config_overrides) -> str:
+        key = (architecture, tuple(sorted(config_overrides.items())))
+        if key not in self._paths:
+            self._paths[key] = make_tiny_model(self.root, architecture, **config_overrides)
+        return self._paths[key]
