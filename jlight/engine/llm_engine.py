@@ -110,7 +110,20 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
-        self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
+        self.warmup_seconds = self._warmup() if cfg.warmup else 0.0
+
+    def _warmup(self) -> float:
+        """Compile every shape bucket now (with a progress bar), so serving never compiles."""
+        import sys
+
+        from tqdm import tqdm
+
+        buckets = self.runner.buckets
+        with tqdm(total=len(buckets), desc="compiling step buckets", unit="bucket", leave=False,
+                  disable=not sys.stderr.isatty()) as bar:
+            seconds = self.runner.warmup(progress=lambda T: bar.update(1))
+        logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
+        return seconds
 
     # ---- set-up helpers ---------------------------------------------------------------------
     def _size_kv_pool(self, params, kv_dtype, cfg: EngineConfig, plan) -> int:

@@ -1,0 +1,209 @@
+"""The `jlight` command: generate, chat, serve, batch, convert.
+
+User errors (bad paths, unsupported models, prompts too long, bad options) print one line
+and exit with status 2; nothing a user can cause prints a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+# Subcommands that live in other rooms: name -> (module with add_arguments/run, help).
+_EXTERNAL = {
+    "serve": ("jlight.serve.cli", "run the OpenAI-compatible HTTP server"),
+    "batch": ("jlight.batch.cli", "run a model over a JSONL file of requests (resumable)"),
+    "convert": ("jlight.convert", "write a model as an orbax checkpoint that loads into any mesh"),
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Options every engine-backed command shares."""
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    else:
+        p.add_argument("--model", "-m", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "w8a8"])
+    p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="shorthand for --mesh tp=N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas"])
+    p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
+
+
+def engine_options(args: argparse.Namespace, **defaults) -> dict:
+    """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
+    opts = dict(defaults)
+    for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                 "num_pages", "kv_cache_memory_fraction", "attention_impl", "matmul_impl"):
+        value = getattr(args, name, None)
+        if value is not None:
+            opts[name] = value
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:
+        if opts.get("mesh"):
+            raise ValueError("give either --mesh or --tensor-parallel-size, not both")
+        opts["mesh"] = f"tp={tp}"
+    if getattr(args, "no_prefix_caching", False):
+        opts["enable_prefix_caching"] = False
+    return opts
+
+
+def _sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_params(args):
+    from jlight.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed).validate()
+
+
+def _load(args):
+    from jlight.api import LLM
+
+    # One interactive request at a time: a small batch keeps start-up compilation short.
+    return LLM(args.model, **engine_options(args, max_num_seqs=4, max_num_batched_tokens=256))
+
+
+def _stream_one(llm, prompt_ids: list[int], params) -> tuple[list[int], float | None, float]:
+    """Print one request's text as it comes; return (output ids, ttft seconds, total seconds)."""
+    engine = llm.engine
+    rid = f"cli-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, None, params, prompt_token_ids=prompt_ids)
+    ttft, ids = None, []
+    try:
+        done = False
+        while not done:
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                c = out.outputs[0]
+                if c.token_ids_delta and ttft is None:
+                    ttft = time.perf_counter() - t0
+                sys.stdout.write(c.text_delta)
+                sys.stdout.flush()
+                ids = c.token_ids
+                done = out.finished
+    finally:
+        engine.abort_request(rid)
+    return ids, ttft, time.perf_counter() - t0
+
+
+def _summary(n_prompt: int, ids: list[int], ttft: float | None, total: float) -> str:
+    decode_time = total - (ttft or 0.0)
+    rate = (len(ids) - 1) / decode_time if len(ids) > 1 and decode_time > 0 else 0.0
+    ttft_ms = f"{ttft * 1000:.0f} ms" if ttft is not None else "n/a"
+    return f"[prompt {n_prompt} tokens | generated {len(ids)} tokens | time to first token {ttft_ms} | {rate:.1f} tokens/s]"
+
+
+def cmd_generate(args) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    if args.no_chat or llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        prompt_ids = llm.tokenizer.encode(args.prompt) if llm.tokenizer is not None else None
+        if prompt_ids is None:
+            raise ValueError("this model has no tokenizer; jlight generate needs one")
+    else:
+        prompt_ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    llm.engine.validate_request(None, params, prompt_ids)
+    ids, ttft, total = _stream_one(llm, prompt_ids, params)
+    print()
+    print(_summary(len(prompt_ids), ids, ttft, total), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    if llm.tokenizer is None:
+        raise ValueError("this model has no tokenizer; jlight chat needs one")
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("jlight chat — empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        prompt_ids = llm.apply_chat_template(history)
+        try:
+            llm.engine.validate_request(None, params, prompt_ids)
+        except ValueError as e:
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        ids, ttft, total = _stream_one(llm, prompt_ids, params)
+        print()
+        history.append({"role": "assistant", "content": llm.tokenizer.decode(ids)})
+        if args.verbose:
+            print(_summary(len(prompt_ids), ids, ttft, total), file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jlight", description="A JAX/XLA inference engine for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    g.add_argument("prompt")
+    add_engine_arguments(g)
+    _sampling_arguments(g)
+    g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with history")
+    add_engine_arguments(c)
+    _sampling_arguments(c)
+    c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("--verbose", action="store_true", help="print timing after each answer")
+    c.set_defaults(func=cmd_chat)
+    for name, (module, help_text) in _EXTERNAL.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(external=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ImportError as e:  # optional dependency missing (e.g. fastapi for serve)
+            p.set_defaults(import_error=f"jlight {name} needs a package that is not installed: {e.name}; pip install it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jlight.errors import JlightError
+
+    try:
+        if getattr(args, "import_error", None):
+            raise JlightError(args.import_error)
+        if getattr(args, "external", None):
+            return int(importlib.import_module(args.external).run(args) or 0)
+        return args.func(args)
+    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"jlight: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
