@@ -1,15 +1,20 @@
 """Pure-XLA matmuls over plain or int8-quantized weights (the reference and CPU path)."""
 import jax.numpy as jnp
 
-from jlight.pallas_kernels.quantization import QuantizedWeight
+from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, quantize_activations
 
 
 def matmul(x, w, out_dtype=None):
-    """x: [..., in] times w: [in, out] (an array or a QuantizedWeight) -> [..., out].
+    """x: [..., in] times w: [in, out] (an array, QuantizedWeight or W8A8Weight) -> [..., out].
 
-    Accumulates in float32; the result is cast to out_dtype (default: x's dtype).
+    Accumulates in float32 (int32 for W8A8); the result is cast to out_dtype (default: x's dtype).
     """
     out_dtype = out_dtype or x.dtype
+    if isinstance(w, W8A8Weight):
+        # Per-token int8 activations times int8 weights, exact int32 sums, both scales after.
+        xq, x_scales = quantize_activations(x)
+        y = jnp.dot(xq, w.values, preferred_element_type=jnp.int32).astype(jnp.float32)
+        return (y * x_scales * w.scales.astype(jnp.float32)).astype(out_dtype)
     if isinstance(w, QuantizedWeight):
         # Dequantize in the compute dtype; XLA fuses the scale multiply into the dot's epilogue.
         y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)

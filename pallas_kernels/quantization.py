@@ -1,13 +1,29 @@
-"""int8 weight quantization: per-output-channel symmetric scales."""
+"""int8 quantization: per-output-channel symmetric weight scales, per-token activation scales.
+
+Two weight types share one layout (values int8 [..., in, out], scales [..., out]):
+  QuantizedWeight: weight-only int8 (W8A16): activations stay in bf16/f32.
+  W8A8Weight: also quantizes the activations per token at run time and multiplies in
+    int8 with int32 accumulation. It subclasses QuantizedWeight so code that only moves
+    or shards weights (lax.scan slicing, sharding rules) treats both alike; matmuls tell
+    them apart with isinstance(w, W8A8Weight).
+"""
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+QUANT_MODES = ("int8", "w8a8")
+# The 2-D-per-layer linear weights of models/llama.py.
+LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
 
 class QuantizedWeight(NamedTuple):
     values: jax.Array  # [..., in, out] int8
     scales: jax.Array  # [..., out] float32; weight ~= values * scales
+
+
+class W8A8Weight(QuantizedWeight):
+    """Same fields as QuantizedWeight; selects int8 x int8 matmuls."""
 
 
 def quantize_int8(w: jax.Array) -> QuantizedWeight:
@@ -19,5 +35,42 @@ def quantize_int8(w: jax.Array) -> QuantizedWeight:
     return QuantizedWeight(values, scales)
 
 
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token symmetric int8: x [..., in] -> (values int8 [..., in], scales f32 [..., 1])."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scales = jnp.where(amax > 0, amax / 127.0, 1.0)  # [..., 1]
+    values = jnp.clip(jnp.round(x32 / scales), -127, 127).astype(jnp.int8)
+    return values, scales
+
+
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     return (w.values.astype(jnp.float32) * w.scales[..., None, :]).astype(dtype)
+
+
+def quantize_params(params: dict, mode: str) -> dict:
+    """Return a copy of a Llama-family params tree with its linear weights in int8.
+
+    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight.
+    Stacked layer weights [L, in, out] become values [L, in, out], scales [L, out], so
+    lax.scan slices both per layer. Norms, biases and the embedding table stay as they are.
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantization mode={mode!r} is not one of {', '.join(QUANT_MODES)}")
+    weight_type = QuantizedWeight if mode == "int8" else W8A8Weight
+
+    def quantize(name, w):
+        if isinstance(w, QuantizedWeight):
+            raise ValueError(f"params[{name!r}] is already quantized; pass the unquantized params")
+        if w.ndim < 2:
+            raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
+        return weight_type(*quantize_int8(w))
+
+    layers = dict(params["layers"])
+    for name in LINEAR_WEIGHTS:
+        if name in layers:
+            layers[name] = quantize(name, layers[name])
+    out = dict(params, layers=layers)
+    if "lm_head" in params:
+        out["lm_head"] = quantize("lm_head", params["lm_head"])
+    return out

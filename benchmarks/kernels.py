@@ -1,0 +1,263 @@
+"""Check and time the Pallas kernels against their XLA references, JAX's bundled Pallas
+paged_attention, and the roofline.
+
+  python benchmarks/kernels.py --out DIR          # GPU: correctness checks, then timings
+  python benchmarks/kernels.py --quick --out DIR  # CPU smoke run (interpret mode, tiny sizes)
+
+Timing: each measured executable runs the kernel on `reps` different input sets (unrolled
+in one jit, so no host dispatch between launches and the working set exceeds L2), timed
+with a host clock after block_until_ready; median of `trials` calls, divided by reps.
+Roofline ceilings are the measured H200 numbers given in the brief (copy 3.70 TB/s,
+bf16 645 TFLOP/s, int8 762 TOP/s); the copy bandwidth is also re-measured in the run.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from kernel_batches import random_batch  # noqa: E402
+
+from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
+from jlight.pallas_kernels import matmul_pallas, paged_attention_pallas  # noqa: E402
+from jlight.pallas_kernels.quantization import W8A8Weight, quantize_int8  # noqa: E402
+
+COPY_BW = 3.70e12
+BF16_RATE = 645e12
+INT8_RATE = 762e12
+
+
+def time_call(fn, args, reps, trials):
+    """Median seconds per kernel of fn(*args), where one call runs `reps` kernels."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / reps
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---------------------------------------------------------------- correctness
+
+def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None):
+    page_size, num_kv_heads, num_layers = 16, 2, 2
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 8
+    md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
+    layer = jnp.int32(1)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
+    want = attention_reference.paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), layer, md, **kw)
+    got = paged_attention_pallas.paged_attention(q, k, v, layer, md, **kw)
+    n = int(md.query_start[-1])
+    finite = bool(np.all(np.isfinite(np.asarray(got[:n], np.float32))))
+    return rel_err(got[:n], want[:n]), finite
+
+
+def run_checks(rng, quick):
+    rows = []
+    cases = [
+        ("decode ragged", [1] * 6, [1, 16, 17, 0, 300, 2047 if not quick else 90], 6),
+        ("prefill+decode", [37, 1, 0, 16, 5], [37, 200, 0, 48, 700 if not quick else 70], 64),
+        ("long prefill chunk", [256 if not quick else 40], [3000 if not quick else 100], 256 if not quick else 48),
+    ]
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for group in (1, 4, 8):
+            for head_dim in (64, 128):
+                for name, q_lens, ctx, t in cases:
+                    err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t)
+                    rows.append(dict(kernel="attention", case=name, dtype=jnp.dtype(dtype).name, group=group,
+                                     head_dim=head_dim, rel_err=err, all_written=finite))
+    err, finite = check_attention(rng, jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, sliding_window=64)
+    rows.append(dict(kernel="attention", case="sliding window 64", dtype="bfloat16", group=4, head_dim=128, rel_err=err, all_written=finite))
+    for m, k, n in [(1, 4096, 14336), (7, 576, 1536), (512, 1536, 576), (4096, 4096, 1024)] if not quick else [(1, 128, 64), (20, 64, 48)]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+        for name, weight in (("w8a16", w), ("w8a8", W8A8Weight(*w))):
+            got = matmul_pallas.matmul(x, weight)
+            want = matmul_reference.matmul(x.astype(jnp.float32), weight)
+            rows.append(dict(kernel=name, case=f"{m}x{k}x{n}", dtype="bfloat16", rel_err=rel_err(got, want),
+                             all_written=bool(np.all(np.isfinite(np.asarray(got, np.float32))))))
+    return rows
+
+
+# ---------------------------------------------------------------- timings
+
+def bench_copy(reps, trials, quick):
+    n = (1 << 20) if quick else (1 << 30)  # 2 GiB of bf16 on the GPU
+    xs = [jnp.full((n,), i, jnp.bfloat16) + jnp.arange(n, dtype=jnp.bfloat16) for i in range(2)]
+    fn = jax.jit(lambda a, b: (a * 1.5, b * 1.5))
+    t = time_call(fn, xs, 2, trials)
+    return dict(kernel="copy", impl="xla a*1.5", seconds=t, bytes=4 * n, bw=4 * n / t)
+
+
+def bench_decode_attention(rng, quick, reps, trials):
+    batch, ctx, num_heads, num_kv_heads, head_dim, page_size = (64, 4096, 32, 8, 128, 16) if not quick else (4, 64, 8, 2, 64, 16)
+    pages_per_seq = ctx // page_size
+    num_pages = batch * pages_per_seq + 1
+    md = random_batch(rng, [1] * batch, [ctx] * batch, page_size=page_size, num_pages=num_pages)
+    shape = (1, num_pages, page_size, num_kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    qs = [jnp.asarray(rng.standard_normal((batch, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
+    layer = jnp.int32(0)
+    bytes_moved = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    scale = head_dim ** -0.5
+
+    def many(attn):
+        return jax.jit(lambda qs, k, v, md: [attn(q, k, v, layer, md) for q in qs])
+
+    rows = []
+    variants = {"xla reference": lambda q, k, v, l, md: attention_reference.paged_attention(q, k, v, l, md, scale=scale)}
+    configs = [dict()] if quick else [dict(), dict(pages_per_step=8), dict(num_warps=8), dict(num_stages=3),
+                                      dict(pages_per_step=8, num_stages=3), dict(num_splits=2)]
+    for cfg in configs:
+        variants[f"pallas {cfg or 'default'}"] = (
+            lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
+    for name, attn in variants.items():
+        try:
+            t = time_call(many(attn), (qs, k, v, md), reps, trials)
+            rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", impl=name, seconds=t, bytes=bytes_moved, bw=bytes_moved / t))
+        except Exception as e:  # a config that fails to compile is reported, not fatal
+            rows.append(dict(kernel="decode attention", impl=name, error=repr(e)[:300]))
+    if not quick:
+        from jax.experimental.pallas.ops.gpu import paged_attention as bundled
+        # The bundled kernel wants [kv_heads, pages, page_size, head_dim] pools; converted outside the timing.
+        kp, vp = k[0].transpose(2, 0, 1, 3), v[0].transpose(2, 0, 1, 3)
+        tables, lengths = md.page_table, md.context_lens
+        for cfg in (dict(), dict(k_splits=4, pages_per_compute_block=4)):
+            fn = jax.jit(lambda qs, kp, vp, cfg=cfg: [bundled.paged_attention(q, kp, vp, tables, lengths, **cfg) for q in qs])
+            try:
+                t = time_call(fn, (qs, kp, vp), reps, trials)
+                rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", impl=f"jax bundled paged_attention {cfg or 'default'}",
+                                 seconds=t, bytes=bytes_moved, bw=bytes_moved / t))
+            except Exception as e:
+                rows.append(dict(kernel="decode attention", impl="jax bundled", error=repr(e)[:300]))
+    return rows
+
+
+def bench_prefill_attention(rng, quick, reps, trials):
+    tokens, num_heads, num_kv_heads, head_dim, page_size = (4096, 32, 8, 128, 16) if not quick else (64, 8, 2, 64, 16)
+    num_pages = tokens // page_size + 1
+    md = random_batch(rng, [tokens], [tokens], page_size=page_size, num_pages=num_pages)
+    shape = (1, num_pages, page_size, num_kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
+    flops = 4 * (tokens * (tokens + 1) / 2) * num_heads * head_dim  # causal QK^T and PV
+    scale = head_dim ** -0.5
+    rows = []
+    variants = {"xla reference": lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)}
+    for cfg in ([dict()] if quick else [dict(), dict(num_warps=8), dict(num_stages=3, num_warps=8)]):
+        variants[f"pallas {cfg or 'default'}"] = (
+            lambda q, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
+    for name, attn in variants.items():
+        try:
+            t = time_call(jax.jit(lambda qs, attn=attn: [attn(q) for q in qs]), (qs,), reps, trials)
+            rows.append(dict(kernel=f"prefill attention T={tokens}", impl=name, seconds=t, flops=flops, rate=flops / t))
+        except Exception as e:
+            rows.append(dict(kernel="prefill attention", impl=name, error=repr(e)[:300]))
+    return rows
+
+
+def bench_matmuls(rng, quick, reps, trials):
+    rows = []
+    k, n = (4096, 14336) if not quick else (128, 256)
+    ws = [quantize_int8(jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)) for _ in range(reps)]
+    w_bf16 = [jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16) for _ in range(reps)]
+    x1 = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    gemv_bytes = k * n + 4 * n + 2 * k + 2 * n
+    gemv = {
+        "xla bf16 weights": (lambda x, w: matmul_reference.matmul(x, w), w_bf16, 2 * k * n + 2 * k + 2 * n),
+        "xla int8 reference": (lambda x, w: matmul_reference.matmul(x, w), ws, gemv_bytes),
+    }
+    cfgs = [dict()] if quick else [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=256), dict(num_splits=1),
+                                   dict(block_n=32, block_k=256), dict(num_stages=3), dict(num_warps=2)]
+    for cfg in cfgs:
+        gemv[f"pallas w8a16 {cfg or 'default'}"] = (lambda x, w, cfg=cfg: matmul_pallas.w8a16_matmul(x, w, **cfg), ws, gemv_bytes)
+    for name, (fn, weights, nbytes) in gemv.items():
+        try:
+            t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x1, weights), reps, trials)
+            rows.append(dict(kernel=f"gemv M=1 {k}x{n}", impl=name, seconds=t, bytes=nbytes, bw=nbytes / t))
+        except Exception as e:
+            rows.append(dict(kernel="gemv", impl=name, error=repr(e)[:300]))
+
+    m = 4096 if not quick else 64
+    xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
+    flops = 2 * m * k * n
+    w8 = [W8A8Weight(*w) for w in ws[:2]]
+    gemm = {
+        "xla bf16 dot": (lambda x, w: matmul_reference.matmul(x, w), w_bf16[:2], BF16_RATE),
+        "xla w8a8 reference": (lambda x, w: matmul_reference.matmul(x, w), w8, INT8_RATE),
+    }
+    cfgs = [dict()] if quick else [dict(), dict(block_n=256, block_k=64), dict(block_m=64), dict(num_stages=3),
+                                   dict(num_warps=4), dict(block_m=128, block_n=256, block_k=128, num_stages=3)]
+    for cfg in cfgs:
+        gemm[f"pallas w8a8 {cfg or 'default'}"] = (lambda x, w, cfg=cfg: matmul_pallas.w8a8_matmul(x, w, **cfg), w8, INT8_RATE)
+    for name, (fn, weights, ceiling) in gemm.items():
+        try:
+            t = time_call(jax.jit(lambda xs, ws, fn=fn: [fn(x, w) for x, w in zip(xs, ws)]), (xs, weights), 2, trials)
+            rows.append(dict(kernel=f"gemm M={m} {k}x{n}", impl=name, seconds=t, flops=flops, rate=flops / t, ceiling=ceiling))
+        except Exception as e:
+            rows.append(dict(kernel="gemm", impl=name, error=repr(e)[:300]))
+    return rows
+
+
+def print_table(rows):
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:<38} {r['impl']:<58} ERROR {r['error'][:150]}")
+        elif "bw" in r:
+            print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['bw'] / 1e12:6.2f} TB/s {100 * r['bw'] / COPY_BW:5.1f}% of copy")
+        else:
+            ceiling = r.get("ceiling", BF16_RATE)
+            print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['rate'] / 1e12:6.1f} T/s  {100 * r['rate'] / ceiling:5.1f}% of {ceiling / 1e12:.0f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".", help="folder for kernels.json")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=10)
+    args = parser.parse_args()
+    rng = np.random.default_rng(int(time.time()))
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
+                  jax=jax.__version__, command=" ".join(sys.argv))
+    if not args.skip_checks:
+        checks = run_checks(rng, args.quick)
+        result["checks"] = checks
+        for c in checks:
+            print(f"check {c['kernel']:<9} {c['case']:<20} {c['dtype']:<8} g={c.get('group', '-')} d={c.get('head_dim', '-')} "
+                  f"rel_err={c['rel_err']:.2e} written={c['all_written']}")
+    timings = [bench_copy(args.reps, args.trials, args.quick)]
+    for bench in (bench_decode_attention, bench_prefill_attention, bench_matmuls):
+        timings += bench(rng, args.quick, args.reps, args.trials)
+        print_table(timings[-1:])
+    result["timings"] = timings
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n=== summary", result["date"], result["device"], "jax", result["jax"])
+    print_table(timings)
+
+
+if __name__ == "__main__":
+    main()

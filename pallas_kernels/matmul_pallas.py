@@ -1,0 +1,151 @@
+"""int8 matmuls in Pallas (Triton backend; pallas_mode.py says why not Mosaic GPU).
+
+W8A16 (QuantizedWeight): int8 weights are converted to the activation dtype in
+registers, so HBM traffic is one byte per weight: the decode (GEMV-like) path, where
+reading the weights is the whole cost. Few output tiles (small `out`, batch 1) are
+split along `in` (split-K) so the GPU is full; partial sums are added in XLA.
+
+W8A8 (W8A8Weight): activations are quantized per token in XLA, then int8 x int8 tiles
+accumulate in int32 on the tensor cores; both scales are applied once at the end.
+Serves prefill, where the matmul is compute-bound and int8 doubles the bf16 rate.
+
+Plain (unquantized) weights go to XLA's dot (cuBLAS), which a Pallas GEMM would not beat.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from jlight.pallas_kernels import matmul_reference, pallas_mode
+from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, quantize_activations
+
+_NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale):
+    split = pl.program_id(2)
+    first = split * steps_per_split
+    last = jnp.minimum(first + steps_per_split, num_steps)
+
+    def body(step, acc):
+        x = x_ref[:, pl.ds(step * block_k, block_k)]  # [block_m, block_k]
+        w = w_ref[pl.ds(step * block_k, block_k), :].astype(x.dtype)  # [block_k, block_n]
+        return acc + pltr.dot(x, w).astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros(o_ref.shape, jnp.float32))  # [block_m, block_n]
+    if apply_scale:
+        acc = acc * s_ref[...].astype(jnp.float32)[None, :]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps):
+    def body(step, acc):
+        x = x_ref[:, pl.ds(step * block_k, block_k)]  # [block_m, block_k] int8
+        w = w_ref[pl.ds(step * block_k, block_k), :]  # [block_k, block_n] int8
+        return acc + pltr.dot(x, w)  # int32
+
+    acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros(o_ref.shape, jnp.int32))  # [block_m, block_n]
+    out = acc.astype(jnp.float32) * xs_ref[...][:, None] * s_ref[...].astype(jnp.float32)[None, :]
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _pad_rows(x, multiple):
+    pad = -x.shape[0] % multiple
+    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages"))
+def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_n=None, block_k=None, num_splits=None,
+                 num_warps=4, num_stages=4):
+    """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out]."""
+    out_dtype = out_dtype or x.dtype
+    m, k = x.shape
+    n = w.values.shape[1]
+    block_m = 16 if m <= 16 else 64
+    block_n = block_n or _largest_pow2_divisor(n, 64 if m <= 16 else 128)
+    block_k = block_k or _largest_pow2_divisor(k, 128 if m <= 16 else 64)
+    num_steps = k // block_k
+    tiles = -(-m // block_m) * (n // block_n)
+    num_splits = num_splits or (max(1, min(-(-2 * _NUM_SMS // tiles), num_steps // 4)) if tiles < 2 * _NUM_SMS else 1)
+    steps_per_split = -(-num_steps // num_splits)
+    xp = _pad_rows(x, block_m)  # [M_pad, in]
+    kernel = functools.partial(_w8a16_kernel, block_k=block_k, steps_per_split=steps_per_split,
+                               num_steps=num_steps, apply_scale=num_splits == 1)
+    out_type = out_dtype if num_splits == 1 else jnp.float32
+    y = pl.pallas_call(
+        kernel,
+        grid=(xp.shape[0] // block_m, n // block_n, num_splits),
+        in_specs=[
+            pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((k, block_n), lambda i, j, s: (0, j)),
+            pl.BlockSpec((block_n,), lambda i, j, s: (j,)),
+        ],
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((num_splits, xp.shape[0], n), out_type),  # [splits, M_pad, out]
+        interpret=pallas_mode.resolve(interpret),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"w8a16_bm{block_m}_bn{block_n}_bk{block_k}_s{num_splits}",
+    )(xp, w.values, w.scales)
+    if num_splits > 1:
+        y = (jnp.sum(y, axis=0) * w.scales.astype(jnp.float32)).astype(out_dtype)[None]
+    return y[0, :m]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+def w8a8_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_m=None, block_n=None, block_k=None,
+                num_warps=8, num_stages=4):
+    """Per-token int8 x: [M, in] times int8 w -> [M, out]; int32 accumulation."""
+    out_dtype = out_dtype or x.dtype
+    m, k = x.shape
+    n = w.values.shape[1]
+    xq, x_scales = quantize_activations(x)  # [M, in] int8, [M, 1] f32
+    block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
+    block_n = block_n or _largest_pow2_divisor(n, 128)
+    block_k = block_k or _largest_pow2_divisor(k, 128)
+    xq = _pad_rows(xq, block_m)
+    x_scales = _pad_rows(x_scales[:, 0], block_m)  # [M_pad]
+    kernel = functools.partial(_w8a8_kernel, block_k=block_k, num_steps=k // block_k)
+    y = pl.pallas_call(
+        kernel,
+        grid=(xq.shape[0] // block_m, n // block_n),
+        in_specs=[
+            pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((block_m,), lambda i, j: (i,)),
+            pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((block_n,), lambda i, j: (j,)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((xq.shape[0], n), out_dtype),  # [M_pad, out]
+        interpret=pallas_mode.resolve(interpret),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"w8a8_bm{block_m}_bn{block_n}_bk{block_k}",
+    )(xq, x_scales, w.values, w.scales)
+    return y[:m]
+
+
+def _fits(w) -> bool:
+    """Tiles need `in` and `out` to be multiples of 16 (tensor-core minimum)."""
+    k, n = w.values.shape[-2:]
+    return w.values.ndim == 2 and k % 16 == 0 and n % 16 == 0
+
+
+def matmul(x, w, out_dtype=None, *, interpret=None):
+    """Same contract as matmul_reference.matmul: x [..., in] times w [in, out] -> [..., out]."""
+    if not isinstance(w, QuantizedWeight) or not _fits(w):
+        # Plain weights: cuBLAS. Odd-shaped int8 weights (never seen in Llama-family
+        # models) take the XLA path rather than failing.
+        return matmul_reference.matmul(x, w, out_dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    fn = w8a8_matmul if isinstance(w, W8A8Weight) else w8a16_matmul
+    y = fn(x2, w, out_dtype, interpret=interpret)
+    return y.reshape(*lead, y.shape[-1])
