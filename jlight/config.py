@@ -49,7 +49,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None, or a dict like HF's rope_scaling ({"rope_type": "llama3", "factor": ...}).
-    rope_scaling: dict | None = None
+    # Not hashed (a dict) but compared, so configs stay usable as static jit arguments.
+    rope_scaling: dict | None = dataclasses.field(default=None, hash=False)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections.
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k.
@@ -58,7 +59,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Extra architecture-specific fields (MoE, MLA) live here so the dataclass stays small.
-    extra: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    # Compared (not hashed): two configs differing only here must not share a compiled step.
+    extra: dict = dataclasses.field(default_factory=dict, hash=False)
 
     @property
     def family(self) -> str:

@@ -1,0 +1,154 @@
+"""Sparse-MoE decoders with Llama-style attention: Mixtral, Qwen3-MoE and Qwen2-MoE.
+
+Attention is the Llama family's (GQA over the paged K/V cache, optional QKV bias for Qwen2-MoE
+and QK-norm for Qwen3-MoE). The MLP of every layer is a routed mixture of experts:
+  * Mixtral: softmax over the experts, top-k, weights renormalised over the k chosen;
+  * Qwen3-MoE / Qwen2-MoE: the same, renormalised only if `norm_topk_prob`;
+  * Qwen2-MoE adds a shared expert scaled by sigmoid(x . shared_expert_gate).
+Expert weights are stacked [layers, experts, in, out]; the routed FFN runs through
+`ops.expert_ffn` (grouped matmuls on one device, expert parallel under a mesh).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jlight.config import ModelConfig
+from jlight.errors import UnsupportedModelError
+from jlight.models import llama
+from jlight.models.layers import activation, rms_norm
+from jlight.models.moe import softmax_topk
+from jlight.models.rope import apply_rope, inv_frequencies
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.sharding import ops as parallel_ops
+
+init_params = llama.init_params  # random normal / sqrt(fan_in) works for any tree of shapes
+kv_cache_shapes = llama.kv_cache_shapes
+compute_logits = llama.compute_logits
+
+
+def moe_settings(config: ModelConfig) -> dict:
+    """The MoE hyper-parameters, with the HF defaults of each architecture."""
+    x = config.extra
+    model_type = x.get("model_type", "mixtral")
+    num_experts = x.get("num_local_experts") or x.get("num_experts") or 8
+    if model_type == "mixtral":
+        expert_size, normalize, shared_size = config.intermediate_size, True, 0
+    else:
+        expert_size = x.get("moe_intermediate_size") or config.intermediate_size
+        normalize = bool(x.get("norm_topk_prob", model_type == "qwen3_moe"))
+        shared_size = x.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        if x.get("mlp_only_layers") or x.get("decoder_sparse_step", 1) != 1:
+            raise UnsupportedModelError(
+                f"{config.architecture} with dense layers (mlp_only_layers={x.get('mlp_only_layers')}, "
+                f"decoder_sparse_step={x.get('decoder_sparse_step')}) is not supported; jlight runs models "
+                "whose every layer is sparse (decoder_sparse_step=1, mlp_only_layers=[])"
+            )
+    top_k = x.get("num_experts_per_tok") or 2
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({num_experts})")
+    return dict(num_experts=num_experts, top_k=top_k, expert_size=expert_size, normalize=normalize, shared_size=shared_size)
+
+
+def _attention_axes(config):
+    return {k: v for k, v in llama.param_axes(config)["layers"].items() if k not in ("w_gate", "w_up", "w_down")}
+
+
+def _attention_shapes(config):
+    return {k: v for k, v in llama.param_shapes(config)["layers"].items() if k not in ("w_gate", "w_up", "w_down")}
+
+
+def param_axes(config: ModelConfig) -> dict:
+    axes = llama.param_axes(config)
+    layers = _attention_axes(config)
+    layers.update(
+        router=("layers", "embed", "router"),  # small; kept whole on every device
+        experts_gate=("layers", "experts", "embed", "mlp"),
+        experts_up=("layers", "experts", "embed", "mlp"),
+        experts_down=("layers", "experts", "mlp", "embed"),
+    )
+    if moe_settings(config)["shared_size"]:
+        layers.update(
+            shared_gate=("layers", "embed", "mlp"), shared_up=("layers", "embed", "mlp"),
+            shared_down=("layers", "mlp", "embed"), shared_expert_gate=("layers", "embed", "router"),
+        )
+    axes["layers"] = layers
+    return axes
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    s = moe_settings(config)
+    L, E, X, F = config.num_layers, config.hidden_size, s["num_experts"], s["expert_size"]
+    shapes = llama.param_shapes(config)
+    layers = _attention_shapes(config)
+    layers.update(router=(L, E, X), experts_gate=(L, X, E, F), experts_up=(L, X, E, F), experts_down=(L, X, F, E))
+    if s["shared_size"]:
+        S = s["shared_size"]
+        layers.update(shared_gate=(L, E, S), shared_up=(L, E, S), shared_down=(L, S, E), shared_expert_gate=(L, E, 1))
+    shapes["layers"] = layers
+    return shapes
+
+
+def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetadata, kernels, inv_freq, rope_factor):
+    """Llama-family attention of one layer. x: [T, embed] (normed) -> ([T, embed], k_cache, v_cache)."""
+    ops = parallel_ops.current()
+    mm = kernels.matmul
+    num_tokens = x.shape[0]
+    q = ops.column_linear(x, lp["wq"], mm)
+    k = ops.column_linear(x, lp["wk"], mm)
+    v = ops.column_linear(x, lp["wv"], mm)
+    if c.attention_bias:
+        q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
+    q = q.reshape(num_tokens, -1, c.head_dim)  # [T, local heads, head_dim]
+    k = k.reshape(num_tokens, -1, c.head_dim)
+    v = v.reshape(num_tokens, -1, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+    q = apply_rope(q, md.positions, inv_freq, rope_factor)
+    k = apply_rope(k, md.positions, inv_freq, rope_factor)
+    k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, md.slot_mapping)
+    attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, md, scale=c.head_dim ** -0.5, sliding_window=c.sliding_window)
+    return ops.row_linear(attn.reshape(num_tokens, -1), lp["wo"], mm), k_cache, v_cache
+
+
+def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
+    """Routed experts (+ the gated shared expert of Qwen2-MoE). x: [T, embed] -> [T, embed]."""
+    ops = parallel_ops.current()
+    act = activation(c.hidden_act)
+    # Router in float32: near-ties between experts must break the same way as in the reference.
+    logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32))  # [T, num_experts]
+    ids, weights = softmax_topk(logits, s["top_k"], s["normalize"])
+    out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"], act, kernels.matmul)
+    if s["shared_size"]:
+        mm = kernels.matmul
+        gate = ops.column_linear(x, lp["shared_gate"], mm)
+        up = ops.column_linear(x, lp["shared_up"], mm)
+        shared = ops.row_linear(act(gate) * up, lp["shared_down"], mm)
+        shared_scale = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), lp["shared_expert_gate"].astype(jnp.float32)))  # [T, 1]
+        out = out + (shared.astype(jnp.float32) * shared_scale).astype(out.dtype)
+    return out
+
+
+def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
+    """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache)."""
+    ops = parallel_ops.current()
+    c = config
+    s = moe_settings(c)
+    inv_freq, rope_factor = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def layer(carry, xs):
+        h, k_cache, v_cache = carry
+        lp, layer_idx = xs
+        attn, k_cache, v_cache = attention(
+            c, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), k_cache, v_cache, layer_idx, md, kernels, inv_freq, rope_factor)
+        h = h + attn
+        h = h + sparse_mlp(c, s, lp, rms_norm(h, lp["mlp_norm"], c.rms_norm_eps), kernels)
+        return (h, k_cache, v_cache), None
+
+    h = ops.embed(params["embed"], tokens).astype(params["final_norm"].dtype)  # [T, embed]
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
+    h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+    h = ops.gather_sequence(h)
+    return h, k_cache, v_cache
