@@ -241,20 +241,24 @@ def main():
     rng = np.random.default_rng(int(time.time()))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, command=" ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():  # after every section, so a run cut short still leaves its numbers
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
     if not args.skip_checks:
         checks = run_checks(rng, args.quick)
         result["checks"] = checks
         for c in checks:
             print(f"check {c['kernel']:<9} {c['case']:<20} {c['dtype']:<8} g={c.get('group', '-')} d={c.get('head_dim', '-')} "
                   f"rel_err={c['rel_err']:.2e} written={c['all_written']}")
+        save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
     for bench in (bench_decode_attention, bench_prefill_attention, bench_matmuls):
         timings += bench(rng, args.quick, args.reps, args.trials)
-        print_table(timings[-1:])
-    result["timings"] = timings
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kernels.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        result["timings"] = timings
+        save()
     print("\n=== summary", result["date"], result["device"], "jax", result["jax"])
     print_table(timings)
 
