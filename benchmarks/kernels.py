@@ -256,7 +256,9 @@ def main():
         save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
     for bench in (bench_decode_attention, bench_prefill_attention, bench_matmuls):
-        timings += bench(rng, args.quick, args.reps, args.trials)
+        section = bench(rng, args.quick, args.reps, args.trials)
+        print_table(section)
+        timings += section
         result["timings"] = timings
         save()
     print("\n=== summary", result["date"], result["device"], "jax", result["jax"])
