@@ -72,7 +72,8 @@ def _start_distributed(args) -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, llm=None) -> int:
+    """Run (or resume) the job `args` describes; `llm` reuses an already loaded jlight.LLM."""
     _check_args(args)
     defaults = sampling_defaults(args)
     from jlight.engine.sampling_params import SamplingParams
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                    "num_records": len(source), "process_count": process_count, "sampling": defaults}
     if len(source) > 0:
         shard = shard_options(process_index, process_count)
-        llm = _make_llm(args)
+        llm = llm or _make_llm(args)
         runner = ShardRunner(
             llm, make_loader(source, defaults, shard), PartLog(parts_dir, process_index, process_count),
             job_fingerprint=fingerprint, shard_size=_shard_size(len(source), shard),

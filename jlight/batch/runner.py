@@ -103,7 +103,8 @@ class ShardRunner:
         try:
             prompt, token_ids = request.prompt, None
             if request.messages is not None:
-                prompt = self.llm.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
+                # As LLM.chat does: the rendered template already holds BOS, so pass its token ids.
+                prompt, token_ids = None, self.llm.apply_chat_template(request.messages, add_generation_prompt=True)
             elif isinstance(prompt, list):
                 prompt, token_ids = None, prompt
             self.engine.add_request(str(request.index), prompt, request.sampling_params, prompt_token_ids=token_ids)
