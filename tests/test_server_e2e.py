@@ -1,0 +1,247 @@
+"""`jlight serve` as a real subprocess on 127.0.0.1 with the default SmolLM2 model, driven by
+the official `openai` client and raw HTTP: results equal jlight.LLM's, sampling options work,
+64 concurrent streams with a quarter of the clients leaving midway leave the KV pool empty,
+bad input gets a 4xx naming the field, schemathesis finds no 5xx, and SIGTERM drains.
+
+One server for the whole module (starting it compiles the model); the SIGTERM test stops
+it, so it runs last.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "e2e-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 256
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import jlight.api
+    return jlight.api.LLM(max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(llm):  # after llm: the server then finds the XLA compilation cache warm
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jlight.serve.cli", "--port", str(port), "--api-key", API_KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", "30", "--log-level", "warning"]
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jlight_serve_{port}.log"), "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        assert proc.poll() is None, f"server exited: {open(log.name).read()[-3000:]}"
+        assert time.time() < deadline, "server did not come up in 300 s"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield url, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+def greedy(max_tokens, **kw):
+    from jlight.engine.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_completion_equals_llm_generate(client, model_name, llm):
+    expected = llm.generate(PROMPT, greedy(12), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected.text
+    assert r.choices[0].finish_reason == expected.finish_reason
+    prompt_len = len(llm.tokenizer.encode(PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_len, len(expected.token_ids))
+    stream = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_equals_llm_chat(client, model_name, llm):
+    expected = llm.chat(CHAT, greedy(10), use_tqdm=False)[0].outputs[0].text
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=10, temperature=0)
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_n_seed_stop_logprobs(client, model_name, llm):
+    kw = dict(model=model_name, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3)
+    first = client.completions.create(seed=1234, **kw)
+    again = client.completions.create(seed=1234, **kw)
+    assert len(first.choices) == 3 and [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+
+    full = llm.generate(PROMPT, greedy(12), use_tqdm=False)[0].outputs[0].text
+    stop_word = full.split()[1]  # stop at the second word of the greedy continuation
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop_word])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop_word)]
+
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(value, abs=1e-4)
+
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+async def _stream_client(url, i, leave_after):
+    """One streaming client; leaves after `leave_after` events (None: reads to the end)."""
+    body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 16, "temperature": 0.8, "seed": i,
+            "stream": True}
+    events = []
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300) as c:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if leave_after is not None and len(events) >= leave_after:
+                        return "left"
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    return "done"
+
+
+def _metrics(url):
+    from jlight.serve.metrics import parse_metrics
+    return parse_metrics(httpx.get(url + "/metrics", headers=AUTH).text)
+
+
+def test_64_streams_with_disconnects_free_the_kv_pool(server):
+    url, proc = server
+    rng = random.Random(0)
+    leavers = set(rng.sample(range(64), 16))
+
+    async def scenario():
+        return await asyncio.gather(*[_stream_client(url, i, rng.randint(1, 8) if i in leavers else None)
+                                      for i in range(64)])
+    results = asyncio.run(scenario())
+    assert results.count("done") == 48 and results.count("left") == 16
+    assert proc.poll() is None and httpx.get(url + "/health").status_code == 200
+    deadline = time.time() + 30
+    while (m := _metrics(url))["jlight:kv_cache_pages_used"] != 0 or m["jlight:num_requests_running"] != 0:
+        assert time.time() < deadline, f"KV pages still in use: {m['jlight:kv_cache_pages_used']}"
+        time.sleep(0.2)
+    assert m['jlight:request_total{outcome="client_disconnect"}'] >= 1  # some leavers left before finishing
+
+
+REAL_BAD_INPUTS = [
+    ("/v1/completions", {"prompt": "hi " * 400, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 10**4}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 400}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", REAL_BAD_INPUTS)
+def test_bad_input_real_model(server, path, body, status, param):
+    url, _ = server
+    r = httpx.post(url + path, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_auth(server):
+    url, _ = server
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    """Schema-driven requests (valid and invalid) to every operation; none may get a 5xx.
+    Generated generation requests are capped at 4 tokens and n <= 2 to bound CPU time."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    url, _ = server
+    schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=AUTH)
+    failures = []
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"):
+        operation = schema[path]["GET" if path == "/v1/models" else "POST"]
+
+        @settings(max_examples=15, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            if isinstance(case.body, dict):
+                if isinstance(case.body.get("max_tokens"), int):
+                    case.body["max_tokens"] = min(case.body["max_tokens"], 4)
+                if isinstance(case.body.get("max_completion_tokens"), int):
+                    case.body["max_completion_tokens"] = min(case.body["max_completion_tokens"], 4)
+                case.body.setdefault("max_tokens", 4)
+                if isinstance(case.body.get("n"), int):
+                    case.body["n"] = min(case.body["n"], 2)
+            response = case.call(base_url=url, headers=AUTH, timeout=120)
+            if response.status_code >= 500:
+                failures.append((path, case.body, response.status_code, response.text[:300]))
+        check()
+    assert not failures, failures[:3]
+
+
+def test_sigterm_drains_in_flight_requests(server):
+    """Runs last: stops the module's server."""
+    url, proc = server
+    body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1:
+                    proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.5)
+                    with pytest.raises(httpx.ConnectError):  # no new connections while draining
+                        httpx.get(url + "/health", timeout=2)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0
