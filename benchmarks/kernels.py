@@ -125,8 +125,8 @@ def bench_decode_attention(rng, quick, reps, trials):
 
     rows = []
     variants = {"xla reference": lambda q, k, v, l, md: attention_reference.paged_attention(q, k, v, l, md, scale=scale)}
-    configs = [dict()] if quick else [dict(), dict(pages_per_step=8), dict(num_warps=8), dict(num_stages=3),
-                                      dict(pages_per_step=8, num_stages=3), dict(num_splits=2)]
+    configs = [dict()] if quick else [dict(), dict(pages_per_step=2), dict(num_warps=2), dict(num_stages=3),
+                                      dict(num_stages=4), dict(pages_per_step=2, num_stages=4)]
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
@@ -164,7 +164,7 @@ def bench_prefill_attention(rng, quick, reps, trials):
     scale = head_dim ** -0.5
     rows = []
     variants = {"xla reference": lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)}
-    for cfg in ([dict()] if quick else [dict(), dict(num_warps=8), dict(num_stages=3, num_warps=8)]):
+    for cfg in ([dict()] if quick else [dict(), dict(num_stages=3), dict(num_stages=1)]):
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
     for name, attn in variants.items():
@@ -178,6 +178,7 @@ def bench_prefill_attention(rng, quick, reps, trials):
 
 def bench_matmuls(rng, quick, reps, trials):
     rows = []
+    reps = max(reps, 16)  # short kernels: amortise the per-call host overhead over more launches
     k, n = (4096, 14336) if not quick else (128, 256)
     ws = [quantize_int8(jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)) for _ in range(reps)]
     w_bf16 = [jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16) for _ in range(reps)]
@@ -187,8 +188,8 @@ def bench_matmuls(rng, quick, reps, trials):
         "xla bf16 weights": (lambda x, w: matmul_reference.matmul(x, w), w_bf16, 2 * k * n + 2 * k + 2 * n),
         "xla int8 reference": (lambda x, w: matmul_reference.matmul(x, w), ws, gemv_bytes),
     }
-    cfgs = [dict()] if quick else [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=256), dict(num_splits=1),
-                                   dict(block_n=32, block_k=256), dict(num_stages=3), dict(num_warps=2)]
+    cfgs = [dict()] if quick else [dict(), dict(gemv=False), dict(block_n=128), dict(block_n=32), dict(block_k=256),
+                                   dict(num_warps=8), dict(num_splits=4), dict(block_n=128, num_warps=8)]
     for cfg in cfgs:
         gemv[f"pallas w8a16 {cfg or 'default'}"] = (lambda x, w, cfg=cfg: matmul_pallas.w8a16_matmul(x, w, **cfg), ws, gemv_bytes)
     for name, (fn, weights, nbytes) in gemv.items():
@@ -206,8 +207,8 @@ def bench_matmuls(rng, quick, reps, trials):
         "xla bf16 dot": (lambda x, w: matmul_reference.matmul(x, w), w_bf16[:2], BF16_RATE),
         "xla w8a8 reference": (lambda x, w: matmul_reference.matmul(x, w), w8, INT8_RATE),
     }
-    cfgs = [dict()] if quick else [dict(), dict(block_n=256, block_k=64), dict(block_m=64), dict(num_stages=3),
-                                   dict(num_warps=4), dict(block_m=128, block_n=256, block_k=128, num_stages=3)]
+    cfgs = [dict()] if quick else [dict(), dict(block_k=64, num_warps=4), dict(block_m=64, num_warps=4),
+                                   dict(block_m=256, block_k=64, num_stages=3), dict(block_n=64, num_warps=4)]
     for cfg in cfgs:
         gemm[f"pallas w8a8 {cfg or 'default'}"] = (lambda x, w, cfg=cfg: matmul_pallas.w8a8_matmul(x, w, **cfg), w8, INT8_RATE)
     for name, (fn, weights, ceiling) in gemm.items():

@@ -22,6 +22,7 @@ from jlight.pallas_kernels import matmul_reference, pallas_mode
 from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, quantize_activations
 
 _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
+_GEMV_MAX_ROWS = 4  # up to this many rows, W8A16 reduces on CUDA cores (no tensor-core tile)
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -47,6 +48,26 @@ def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_s
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, num_rows):
+    """For a few rows: multiply-and-reduce on the CUDA cores instead of a 16-row
+    tensor-core tile that would be mostly padding; the weight tile is loaded once."""
+    split = pl.program_id(2)
+    first = split * steps_per_split
+    last = jnp.minimum(first + steps_per_split, num_steps)
+    block_n = o_ref.shape[1]
+
+    def body(step, accs):
+        k = pl.ds(step * block_k, block_k)
+        w = w_ref[k, :].astype(jnp.float32)  # [block_k, block_n]
+        return tuple(acc + jnp.sum(x_ref[r, k].astype(jnp.float32)[:, None] * w, axis=0) for r, acc in enumerate(accs))
+
+    accs = jax.lax.fori_loop(first, last, body, tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(num_rows)))
+    for r, acc in enumerate(accs):  # rows past num_rows are padding, sliced off by the caller
+        if apply_scale:
+            acc = acc * s_ref[...].astype(jnp.float32)
+        o_ref[r, :] = acc.astype(o_ref.dtype)
+
+
 def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps):
     def body(step, acc):
         x = x_ref[:, pl.ds(step * block_k, block_k)]  # [block_m, block_k] int8
@@ -63,9 +84,9 @@ def _pad_rows(x, multiple):
     return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv"))
 def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_n=None, block_k=None, num_splits=None,
-                 num_warps=4, num_stages=4):
+                 num_warps=4, num_stages=4, gemv=None):
     """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out]."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
@@ -78,8 +99,10 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     num_splits = num_splits or (max(1, min(-(-2 * _NUM_SMS // tiles), num_steps // 4)) if tiles < 2 * _NUM_SMS else 1)
     steps_per_split = -(-num_steps // num_splits)
     xp = _pad_rows(x, block_m)  # [M_pad, in]
-    kernel = functools.partial(_w8a16_kernel, block_k=block_k, steps_per_split=steps_per_split,
-                               num_steps=num_steps, apply_scale=num_splits == 1)
+    gemv = m <= _GEMV_MAX_ROWS if gemv is None else gemv
+    common = dict(block_k=block_k, steps_per_split=steps_per_split, num_steps=num_steps, apply_scale=num_splits == 1)
+    kernel = (functools.partial(_w8a16_gemv_kernel, num_rows=m, **common) if gemv
+              else functools.partial(_w8a16_kernel, **common))
     out_type = out_dtype if num_splits == 1 else jnp.float32
     y = pl.pallas_call(
         kernel,
@@ -93,7 +116,7 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
         out_shape=jax.ShapeDtypeStruct((num_splits, xp.shape[0], n), out_type),  # [splits, M_pad, out]
         interpret=pallas_mode.resolve(interpret),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"w8a16_bm{block_m}_bn{block_n}_bk{block_k}_s{num_splits}",
+        name=f"w8a16_{'gemv' if gemv else 'dot'}_bm{block_m}_bn{block_n}_bk{block_k}_s{num_splits}",
     )(xp, w.values, w.scales)
     if num_splits > 1:
         y = (jnp.sum(y, axis=0) * w.scales.astype(jnp.float32)).astype(out_dtype)[None]
