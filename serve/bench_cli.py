@@ -17,8 +17,9 @@ counted with the server's /tokenize).
 Writes a JSON with every rate's summary, and a PNG of latency percentiles vs request rate
 when matplotlib is installed.
 
-    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rates 1,4,16,inf \
+    jlight bench serve --base-url http://127.0.0.1:8000 --request-rates 1,4,16,inf \
         --num-prompts 200 --input-len 256 --output-len 128 --out results/serving
+    (or: python benchmarks/serving.py ..., the same thing)
 """
 from __future__ import annotations
 
@@ -265,16 +266,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="serving_benchmark", help="writes OUT.json and OUT.png")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(base_url=args.base_url, headers=headers, timeout=60) as client:
         model = args.model or client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         if args.dataset == "sharegpt":
             if not args.dataset_path:
-                parser.error("--dataset sharegpt needs --dataset-path")
+                raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
             requests = sharegpt_requests(args.dataset_path, args.num_prompts, client, args.seed)
         else:
             requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
@@ -291,12 +289,18 @@ def main(argv: list[str] | None = None) -> dict:
         summaries.append(s)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "model": model,
               "dataset": args.dataset, "num_prompts": args.num_prompts, "input_len": args.input_len,
-              "output_len": args.output_len, "results": summaries}
+              "output_len": args.output_len, "max_concurrency": args.max_concurrency, "results": summaries}
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=2)
     wrote_png = plot(summaries, args.out + ".png")
     print(f"wrote {args.out}.json" + (f" and {args.out}.png" if wrote_png else " (no PNG: matplotlib is not installed)"))
     return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="jlight bench serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

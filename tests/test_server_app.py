@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -163,7 +164,6 @@ def test_completion_and_chat_shapes(server):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    import json
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:-1]) == "xx"
@@ -297,3 +297,28 @@ def test_tokenize_roundtrip(server):
     ids = post(url, "/tokenize", {"prompt": "héllo"}).json()["tokens"]
     assert ids == list("héllo".encode())
     assert post(url, "/detokenize", {"tokens": ids}).json()["prompt"] == "héllo"
+
+
+def test_serving_benchmark_client(server, tmp_path):
+    """The benchmark client against the stand-in engine, whose timing is known: every
+    token takes >= 10 ms, so TPOT and ITL cannot be below that."""
+    from jlight.serve import bench_cli
+    url, _ = server
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"hello there {i}"},
+                                                       {"from": "gpt", "value": "general kenobi"}]}
+                                    for i in range(4)]))
+    common = ["--base-url", url, "--api-key", API_KEY, "--num-prompts", "4", "--warmup-requests", "1"]
+    report = bench_cli.main(common + ["--input-len", "4", "--output-len", "5", "--vocab-size", "256",
+                                      "--request-rates", "50,inf", "--out", str(tmp_path / "random")])
+    assert [s["request_rate"] for s in report["results"]] == [50.0, "inf"]
+    for s in report["results"]:
+        assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (4, 0, 20, 16)
+        assert 10 <= s["median_tpot_ms"] < 200 and 10 <= s["median_itl_ms"] < 200
+        assert s["mean_ttft_ms"] >= 10 and s["mean_e2el_ms"] >= 50
+    assert json.loads((tmp_path / "random.json").read_text())["results"] == report["results"]
+    report = bench_cli.main(common + ["--dataset", "sharegpt", "--dataset-path", str(sharegpt),
+                                      "--out", str(tmp_path / "sharegpt")])
+    s = report["results"][0]
+    # The stand-in tokenizer has one token per byte: "general kenobi" is 14 tokens.
+    assert (s["completed"], s["total_output_tokens"]) == (4, 56)
