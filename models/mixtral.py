@@ -93,7 +93,7 @@ def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetad
     """Llama-family attention of one layer. x: [T, embed] (normed) -> ([T, embed], k_cache, v_cache)."""
     ops = parallel_ops.current()
     mm = kernels.matmul
-    num_tokens = x.shape[0]
+    num_tokens = md.positions.shape[0]  # all T tokens: x is [T/tp, embed] under sequence parallelism
     q = ops.column_linear(x, lp["wq"], mm)
     k = ops.column_linear(x, lp["wk"], mm)
     v = ops.column_linear(x, lp["wv"], mm)

@@ -52,17 +52,16 @@ class ShardingPlan:
         self.dp, self.ep, self.tp = sizes["dp"], sizes["ep"], sizes["tp"]
         where = f"mesh {describe(mesh)!r}"
         self._check_divides(config.num_heads, self.tp, "num_heads", where)
-        self._check_divides(config.intermediate_size, self.tp, "intermediate_size", where)
+        # Every other split dim (mlp, experts, ...) is checked against the weight's shape when placed.
         kv = config.num_kv_heads
         if kv % self.tp and self.tp % kv:
             raise ValueError(
                 f"{where}: num_kv_heads={kv} and tp={self.tp} must divide one another "
                 "(KV heads are split across tp, or replicated when there are fewer than tp); choose another tp"
             )
-        num_experts = (config.extra or {}).get("num_experts")
-        if num_experts:
-            self._check_divides(num_experts, self.ep, "num_experts", where)
-        elif self.ep > 1:
+        all_axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
+        uses_experts = any("experts" in axes for axes in all_axes)
+        if self.ep > 1 and not uses_experts:
             raise ValueError(f"{where}: ep={self.ep} but {config.architecture} has no experts; drop ep from the mesh or use tp/dp")
         # Unknown logical axis names fail now, not at the first step.
         jax.tree.map(logical_to_spec, param_axes, is_leaf=lambda x: isinstance(x, tuple))
@@ -98,9 +97,16 @@ class ShardingPlan:
                 arr = np.pad(arr, pad)
         return arr
 
-    def _put(self, arr, spec: P):
+    def _put(self, arr, spec: P, name: str = "weight"):
         if self.mesh is None:
             return jax.device_put(arr)
+        for dim, axis in enumerate(spec):
+            size = self.mesh.shape[axis] if axis else 1
+            if arr.shape[dim] % size:
+                raise ValueError(
+                    f"{name} has shape {arr.shape}: dim {dim} ({arr.shape[dim]}) is split over mesh axis {axis!r} "
+                    f"of size {size} but not divisible by it; choose a mesh whose {axis} size divides {arr.shape[dim]}"
+                )
         sharding = NamedSharding(self.mesh, spec)
         # make_array_from_callback works across processes: each one fills only its own shards.
         return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
@@ -118,7 +124,7 @@ class ShardingPlan:
         if path.startswith("layers."):
             axes = axes[1:]
         arr = self._transform(axes, host_array)
-        return self._put(arr, logical_to_spec(axes))
+        return self._put(arr, logical_to_spec(axes), path)
 
     def prepare_params(self, params: dict) -> dict:
         """Apply the mesh's transforms and place every weight with its NamedSharding.
@@ -126,23 +132,27 @@ class ShardingPlan:
         if self.mesh is None:
             return params
 
-        def prepare(axes, leaf):
+        def prepare(path, axes, leaf):
+            name = jax.tree_util.keystr(path)
             if hasattr(leaf, "values") and hasattr(leaf, "scales"):  # QuantizedWeight
                 values = self._transform(axes, leaf.values)
                 scales = self._transform(axes[:-2] + axes[-1:], leaf.scales)
-                return type(leaf)(self._put(values, logical_to_spec(axes)), self._put(scales, logical_to_spec(axes[:-2] + axes[-1:])))
-            return self._put(self._transform(axes, leaf), logical_to_spec(axes))
+                return type(leaf)(self._put(values, logical_to_spec(axes), name),
+                                  self._put(scales, logical_to_spec(axes[:-2] + axes[-1:]), name))
+            return self._put(self._transform(axes, leaf), logical_to_spec(axes), name)
 
-        return jax.tree.map(prepare, self.param_axes, params, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+        return jax.tree_util.tree_map_with_path(prepare, self.param_axes, params, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
 
     # ---- KV cache ---------------------------------------------------------------------
 
     def _kv_spec(self, shape) -> P:
-        """Llama pools [layers, pages, page_size, kv_heads, head_dim] split on kv_heads;
-        other layouts (e.g. MLA latents, no head axis) are replicated across tp."""
-        spec = logical_to_spec(KV_CACHE_AXES) if len(shape) == len(KV_CACHE_AXES) else P()
-        if len(shape) == len(KV_CACHE_AXES) and shape[3] % self.tp:
-            raise ValueError(f"KV pool shape {tuple(shape)} has {shape[3]} KV heads, not divisible by tp={self.tp}; build it from plan.config")
+        """Llama pools [layers, pages, page_size, kv_heads, head_dim] split on kv_heads. A pool
+        with one head (MLA's shared latent) or another rank is replicated across tp."""
+        spec = P()
+        if len(shape) == len(KV_CACHE_AXES) and shape[3] > 1:
+            if shape[3] % self.tp:
+                raise ValueError(f"KV pool shape {tuple(shape)} has {shape[3]} KV heads, not divisible by tp={self.tp}; build it from plan.config")
+            spec = logical_to_spec(KV_CACHE_AXES)
         return P("dp", *spec) if self.dp > 1 else spec
 
     def kv_cache_global_shapes(self, k_shape, v_shape):
@@ -164,7 +174,7 @@ class ShardingPlan:
             collective_matmul and self.tp > 1 and num_tokens % (2 * self.tp) == 0 and num_tokens >= min_tokens
         )
         return TensorParallelOps(
-            axis_name="tp", tp=self.tp, vocab_size=self.source_config.vocab_size,
+            axis_name="tp", tp=self.tp, vocab_size=self.source_config.vocab_size, ep=self.ep,
             sequence_parallel=sequence_parallel, int8_all_reduce=int8_all_reduce,
         )
 

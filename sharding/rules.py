@@ -23,6 +23,9 @@ LOGICAL_TO_MESH = {
     "mlp": "tp",
     "layers": None,
     "experts": "ep",
+    "router": None,  # router logits [embed, num_experts]: small, every device routes its tokens
+    "q_lora": None,  # MLA low-rank query / KV latents: small, replicated
+    "kv_lora": None,
     # KV cache pools: [layers, pages, page_size, kv_heads, head_dim]
     "pages": None,
     "page_size": None,

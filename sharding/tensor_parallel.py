@@ -7,6 +7,7 @@ collective that makes the result whole:
   row_linear  psum over tp (or int8 all-reduce, or a reduce-scatter collective matmul)
   embed       masked lookup in the local vocab slice + psum
   lm_head     local logits + all-gather on vocab, padding columns dropped
+  expert_ffn  this device's experts (ep) and mlp slice (tp) on the tokens routed to them + psum
 
 With `sequence_parallel` the residual stream between layers is split on tokens: the
 row-parallel output is reduce-scattered and the next column-parallel input all-gathered,
@@ -32,6 +33,8 @@ class TensorParallelOps(ParallelOps):
     vocab_size: int  # the true vocab; the LM head's columns beyond it are padding
     sequence_parallel: bool = False  # residual stream split on tokens (collective matmuls)
     int8_all_reduce: bool = False  # row_linear's all-reduce moves int8 (when not sequence-parallel)
+    ep: int = 1  # size of the expert-parallel mesh axis
+    ep_axis_name: str = "ep"
 
     def _all_reduce(self, y):
         if self.int8_all_reduce and y.shape[-1] % self.tp == 0:
@@ -71,3 +74,32 @@ class TensorParallelOps(ParallelOps):
         local = matmul(x, w, out_dtype=jnp.float32)  # [N, vocab_padded/tp]
         logits = jax.lax.all_gather(local, self.axis_name, axis=1, tiled=True)  # [N, vocab_padded]
         return logits[:, : self.vocab_size]
+
+    def expert_ffn(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul):
+        """Expert parallelism. w_*: [num_experts/ep, ...] this device's experts, their mlp dim
+        split on tp; x: [T, embed] ([T/tp, embed] under sequence parallelism); topk: [T, k].
+
+        Each device runs its experts on the (token, expert) pairs routed to them; pairs of
+        other devices' experts get weight 0 (and a clipped id) so shapes stay static. The
+        partial sums are then added over ep and tp. Note: every device still pushes all T*k
+        rows through its grouped matmul (masked), so ep splits expert memory, not FLOPs; an
+        all-to-all dispatch that sends only routed rows is not implemented.
+        """
+        from jlight.models.moe import grouped_expert_ffn  # the MoE computation lives with the models
+
+        if self.sequence_parallel:  # experts' mlp slices need every token
+            x = jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)  # [T, embed]
+            topk_ids = jax.lax.all_gather(topk_ids, self.axis_name, axis=0, tiled=True)  # [T, k]
+            topk_weights = jax.lax.all_gather(topk_weights, self.axis_name, axis=0, tiled=True)
+        values = w_gate.values if hasattr(w_gate, "values") else w_gate
+        local_experts = values.shape[0]
+        local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
+        mine = (local_ids >= 0) & (local_ids < local_experts)
+        y = grouped_expert_ffn(
+            x, jnp.where(mine, local_ids, 0), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act
+        )  # [T, embed], a partial sum over this device's experts and mlp slice
+        if self.ep > 1:
+            y = jax.lax.psum(y, self.ep_axis_name)
+        if self.sequence_parallel:
+            return jax.lax.psum_scatter(y, self.axis_name, scatter_dimension=0, tiled=True)  # [T/tp, embed]
+        return jax.lax.psum(y, self.axis_name)

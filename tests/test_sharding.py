@@ -32,6 +32,11 @@ RUNS = [
     ("dp=2,tp=4", "dp=2,tp=4", False, False),
     ("dp=4,tp=2 cm", "dp=4,tp=2", True, False),
     ("tp=4 int8", "tp=4", False, True),
+    # Mixtral-style MoE (4 experts, top-2): experts split on ep, their mlp dim on tp.
+    ("moe ep=2,tp=2 cm", "ep=2,tp=2", True, False),
+    ("moe ep=4,tp=2", "ep=4,tp=2", False, False),
+    ("moe ep=4", "ep=4", False, False),
+    ("moe tp=4 cm", "tp=4", True, False),
 ]
 
 
@@ -45,6 +50,27 @@ def _tiny_config():
         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
         rms_norm_eps=1e-5,
     )
+
+
+def _tiny_moe():
+    """Tiny Mixtral (4 experts, top-2) and random params for every weight of its tree."""
+    import jax
+    import jax.numpy as jnp
+
+    from jlight.config import ModelConfig
+    from jlight.models import mixtral
+
+    config = ModelConfig(
+        architecture="MixtralForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=64,
+        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-5,
+        extra={"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    )
+    shapes = mixtral.param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+    params = [jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[-2] if len(shape) > 1 else 1) + (len(shape) == 1)
+              for k, shape in zip(keys, leaves)]
+    return mixtral, config, jax.tree.unflatten(treedef, params)
 
 
 def _batch(prompt_lens, pad_to, first_page):
@@ -92,12 +118,14 @@ def _decode_batch(md, lens):
     )
 
 
-def _model_fn(config, kernels):
+def _model_fn(config, kernels, family=None):
     from jlight.models import llama
 
+    family = family or llama
+
     def model_fn(params, k_cache, v_cache, tokens, md):
-        hidden, k_cache, v_cache = llama.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-        logits = llama.compute_logits(params, config, hidden[md.logits_indices], kernels)
+        hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
+        logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels)
         return logits, k_cache, v_cache
 
     return model_fn
@@ -161,18 +189,23 @@ def worker(out_path):
     rng = np.random.default_rng(0)
     prompts = [[rng.integers(0, config.vocab_size, n) for n in lens] for lens in ((13, 19), (7, 25), (2, 28), (5, 9))]
 
+    models = {"llama": (llama, config, params), "moe": _tiny_moe()}
     # Reference: the unsharded model, one sub-batch at a time.
-    ref_step = jax.jit(_model_fn(config, kernels))
-    reference = [_generate(ref_step, params, config, [p], lambda xs: xs[0]) for p in prompts]
+    references = {}
+    for name, (family, cfg, prm) in models.items():
+        ref_step = jax.jit(_model_fn(cfg, kernels, family))
+        references[name] = [_generate(ref_step, prm, cfg, [p], lambda xs: xs[0]) for p in prompts]
 
     for label, spec, cm, int8 in RUNS:
+        family, cfg, prm = models["moe" if label.startswith("moe") else "llama"]
+        reference = references["moe" if label.startswith("moe") else "llama"]
         sizes = dict(part.split("=") for part in spec.split(","))
         count = int(np.prod([int(s) for s in sizes.values()]))
         dp = int(sizes.get("dp", 1))
         mesh = make_mesh(spec, jax.devices()[:count])
-        plan = ShardingPlan(mesh, config, llama.param_axes(config))
-        sharded_params = plan.prepare_params(params)
-        step = jax.jit(plan.wrap(_model_fn(plan.config, kernels), collective_matmul=cm, int8_all_reduce=int8,
+        plan = ShardingPlan(mesh, cfg, family.param_axes(cfg))
+        sharded_params = plan.prepare_params(prm)
+        step = jax.jit(plan.wrap(_model_fn(plan.config, kernels, family), collective_matmul=cm, int8_all_reduce=int8,
                                  collective_matmul_min_tokens=0))
         stack = (lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)) if dp > 1 else (lambda xs: xs[0])
         sub = prompts[:dp]
