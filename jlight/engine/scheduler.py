@@ -111,7 +111,8 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(rows) < self.max_num_seqs and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.parent is not None and not seq.parent.prefill_done and not seq.parent.finished:
+            if seq.num_pending_tokens or (seq.parent is not None and not seq.parent.prefill_done and not seq.parent.finished):
+                # Just preempted with a token still on device: wait until the host has it.
                 # n > 1: wait until the first sample's prompt pages are computed, then share them.
                 skipped.append(self.waiting.popleft())
                 continue

@@ -1,0 +1,196 @@
+"""The engine end to end on a tiny float32 Llama: batching, preemption, prefix caching,
+stop strings, abort, seeds and zero recompiles after warm-up."""
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jlight
+from jlight import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return jlight.LLM(model_dir, dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, page_size=8, num_pages=400)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def random_prompts(n, lo, hi, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def hf_greedy(hf_model, prompt, n):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def run_with_arrivals(engine, prompts, params, per_step=3):
+    """Add requests a few at a time while earlier ones run; return token ids per prompt."""
+    results, pending, i = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished_requests():
+        for idx, p in pending[:per_step]:
+            engine.add_request(f"arrive-{idx}", None, params, prompt_token_ids=p)
+        pending = pending[per_step:]
+        for out in engine.step():
+            if out.finished:
+                results[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+        i += 1
+    return [results[k] for k in range(len(prompts))]
+
+
+def test_batched_equals_alone_equals_transformers(llm, hf_model):
+    prompts = random_prompts(32, 1, 150, seed=1)
+    batched = run_with_arrivals(llm.engine, prompts, GREEDY)
+    for k in (0, 5, 17):
+        alone = llm.generate([prompts[k]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert alone == batched[k]
+        assert hf_greedy(hf_model, prompts[k], 24) == batched[k]
+    for k, p in enumerate(prompts[:8]):
+        assert hf_greedy(hf_model, p, 24) == batched[k], f"prompt {k} differs from transformers"
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_preemption_keeps_outputs_identical(model_dir, llm):
+    prompts = random_prompts(12, 20, 60, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    small = jlight.LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, page_size=8, num_pages=24)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.engine.stats().num_preemptions > 0
+    assert got == expected
+    assert small.engine.block_manager.num_used_pages == 0
+
+
+def test_prefix_cache_computes_only_the_suffix(llm):
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 500, size=512).tolist()
+    first = prefix + rng.integers(3, 500, size=7).tolist()
+    second = prefix + rng.integers(3, 500, size=9).tolist()
+    llm.generate([first], GREEDY, use_tqdm=False)
+    engine = llm.engine
+    steps_before = engine.num_steps
+    out = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 512  # every full page of the shared prefix came from the cache
+    # Only the 9 new tokens (plus decode) were computed: one prefill step, not 512/64 = 8 chunks.
+    assert engine.num_steps - steps_before <= 24 + 1
+    engine.block_manager.reset_prefix_cache()
+    fresh = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_and_are_reproducible(llm):
+    prompt = random_prompts(1, 40, 41, seed=4)[0]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(a.outputs) == 4
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # different samples
+    # Same seed, different company in the batch: identical samples.
+    others = random_prompts(6, 5, 80, seed=5)
+    outs = llm.generate(others + [prompt], [SamplingParams(temperature=0.8, max_tokens=20)] * 6 + [params], use_tqdm=False)
+    assert [c.token_ids for c in outs[-1].outputs] == [c.token_ids for c in a.outputs]
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    prompts = random_prompts(5, 10, 60, seed=6)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(prompts, [params] + [SamplingParams(temperature=1.0, max_tokens=30, seed=s) for s in range(4)], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+
+
+def test_stop_strings_cut_exactly_across_tokens(llm):
+    tok = llm.tokenizer
+    base = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 12
+    # A stop string that starts inside one token and ends inside a later one.
+    pieces = [tok.decode(base.token_ids[: i + 1]) for i in range(len(base.token_ids))]
+    boundary = next(len(p) for p in pieces if len(p) >= 6)
+    stop = text[boundary - 2: boundary + 3]
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    # Streaming never leaks a partial stop string.
+    streamed = "".join(llm.stream([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])))
+    assert streamed == out.text
+
+
+def test_abort_frees_every_page(llm):
+    engine = llm.engine
+    for i, p in enumerate(random_prompts(10, 30, 120, seed=8)):
+        engine.add_request(f"abort-{i}", None, SamplingParams(max_tokens=50, ignore_eos=True), prompt_token_ids=p)
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_used_pages > 0
+    for i in range(10):
+        engine.abort_request(f"abort-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_used_pages == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_logprobs_match_log_softmax_of_transformers(llm, hf_model):
+    prompt = random_prompts(1, 20, 21, seed=9)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=5, prompt_logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1).numpy()
+    for i, (tok, lps) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        assert len(lps) >= 5
+        assert abs(lps[tok] - ref[len(prompt) - 1 + i, tok]) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref[pos - 1, prompt[pos]]) < 1e-4
+
+
+def test_bad_sampling_params_raise_clear_errors(llm):
+    cases = [(dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+             (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n")]
+    for kwargs, field in cases:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([[5, 6]], SamplingParams(**kwargs), use_tqdm=False)
+    with pytest.raises(jlight.PromptTooLongError, match="context"):
+        llm.generate([[5] * 1100], GREEDY, use_tqdm=False)
+    assert not llm.engine.requests
+
+
+def test_no_compilation_after_warmup(llm):
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if name.endswith("jaxpr_to_mlir_module_duration") else None)
+    rng = np.random.default_rng(10)
+    engine = llm.engine
+    jax.jit(lambda x: x * 3 + 1)(np.arange(7))  # proves the listener sees a compilation
+    assert events, "the compilation listener saw nothing; the check below would be empty"
+    base = len(events)
+    for i in range(300):
+        p = rng.integers(3, 500, size=int(rng.integers(1, 200))).tolist()
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.7, 1.2])), top_k=int(rng.choice([0, 5, 40])), top_p=float(rng.choice([1.0, 0.9])),
+            min_p=float(rng.choice([0.0, 0.1])), max_tokens=int(rng.integers(1, 12)), seed=int(rng.integers(0, 1000)),
+            repetition_penalty=float(rng.choice([1.0, 1.2])), presence_penalty=float(rng.choice([0.0, 0.5])),
+            frequency_penalty=float(rng.choice([0.0, 0.3])), logprobs=int(rng.choice([0, 3])) if i % 5 == 0 else None,
+            n=int(rng.choice([1, 1, 2])))
+        engine.add_request(f"compile-{i}", None, params, prompt_token_ids=p)
+        if i % 7 == 0:
+            engine.step()
+    engine.run_to_completion()
+    assert events[base:] == [], f"{len(events) - base} compilations after warm-up"
+    assert engine.block_manager.num_used_pages == 0
