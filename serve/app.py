@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
+from jlight.serve.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from jlight.serve.errors import RequestError
 from jlight.serve.handlers import GenerationHandlers
 from jlight.serve.metrics import ServerMetrics
@@ -26,8 +27,6 @@ from jlight.serve.validation import chat_prompt, check_model_name
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_WAITING_REQUESTS = 1024
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # a 128k-token prompt as text is well under this
 PYDANTIC_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 

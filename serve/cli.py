@@ -10,15 +10,12 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
-from jlight.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from jlight.cli import add_engine_arguments, engine_options
+from jlight.serve.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 logger = logging.getLogger("jlight.serve")
-
-# CLI flag -> jlight.LLM keyword (the engine options the server passes through).
-ENGINE_OPTIONS = ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                  "page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching",
-                  "attention_impl", "matmul_impl")
 
 
 def _positive_int(text: str) -> int:
@@ -29,8 +26,7 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model directory, GGUF file or hub id (default: SmolLM2-135M-Instruct GGUF)")
+    add_engine_arguments(parser, model_positional=True)  # the same engine options as `jlight generate`
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     server.add_argument("--port", type=int, default=8000)
@@ -43,22 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 + Retry-After beyond this many requests waiting for their first token")
     server.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help="answer 413 to request bodies larger than this")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    engine.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
-    engine.add_argument("--mesh", default=None, help="device mesh, e.g. tp=2 (default: one device)")
-    engine.add_argument("--max-model-len", type=_positive_int, default=None)
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    engine.add_argument("--page-size", type=_positive_int, default=16)
-    engine.add_argument("--num-pages", type=_positive_int, default=None)
-    engine.add_argument("--kv-cache-memory-fraction", type=float, default=0.8)
-    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    engine.add_argument("--attention-impl", default="auto")
-    engine.add_argument("--matmul-impl", default="auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,10 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from jlight.serve.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_options = {name: getattr(args, name) for name in ENGINE_OPTIONS}
-    if engine_options["max_num_batched_tokens"] is None:
-        del engine_options["max_num_batched_tokens"]  # let the engine pick its backend default
-    llm = LLM(args.model, **engine_options)
+    llm = LLM(args.model, **engine_options(args))
     async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     max_body_bytes=args.max_body_bytes, served_model_names=args.served_model_name)
@@ -94,7 +74,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    """`python -m jlight.serve.cli` (the `jlight serve` command goes through jlight/cli.py)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:  # bad model path or options: one line, not a traceback
+        print(f"jlight serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
