@@ -20,12 +20,6 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def public_finish_reason(reason: str | None) -> str | None:
-    # The engine's "abort" only reaches a client when the server shuts down under it;
-    # OpenAI has no such value, and "length" would be a lie, so keep "abort".
-    return reason
-
-
 class TokenText:
     """Token id -> its text, cached (logprobs need one decode per token)."""
 
@@ -100,7 +94,7 @@ class ResponseBuilder:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 index = p * self.n + c.index
                 pairs = _new_logprobs(c, 0) if self.want_logprobs else []
-                reason = public_finish_reason(c.finish_reason)
+                reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
                 if self.kind == "chat":
                     choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text),
                                               logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
@@ -138,7 +132,7 @@ class ResponseBuilder:
                 continue
             pairs = _new_logprobs(c, start) if self.want_logprobs else []
             self.tokens_sent[index] = len(c.token_ids)
-            reason = public_finish_reason(c.finish_reason)
+            reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
             if self.kind == "chat":
                 choice = ChatDeltaChoice(index=index, delta=ChatResponseMessage(role=None, content=c.text_delta),
                                          logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
