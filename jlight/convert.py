@@ -19,7 +19,7 @@ from jlight.config import ModelConfig
 from jlight.loading import orbax_loader
 
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")  # weight-only int8, or int8 weights and activations
 # Files beside a HF model's weights that a tokenizer or chat template may need.
 _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "chat_template*", "*.model", "vocab*", "merges.txt")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -80,7 +80,7 @@ def write_converted(directory: str, config: ModelConfig, params: dict, *, tokeni
 
 
 def _write_tokenizer_files(directory: str, tokenizer_dir: str | None, tokenizer) -> None:
-    """Copy a HF directory's tokenizer files, or ask the loaded tokenizer to save itself (GGUF)."""
+    """Copy a HF directory's tokenizer files, or write the loaded tokenizer HF-style (GGUF sources)."""
     copied = False
     if tokenizer_dir and os.path.isdir(tokenizer_dir):
         for pattern in _TOKENIZER_GLOBS:
@@ -89,10 +89,13 @@ def _write_tokenizer_files(directory: str, tokenizer_dir: str | None, tokenizer)
                     shutil.copy2(path, os.path.join(directory, os.path.basename(path)))
                     copied = True
     if not copied and tokenizer is not None:
-        save = getattr(tokenizer, "save_pretrained", None) or getattr(tokenizer, "save", None)
-        if save is None:
-            raise ValueError("the source model's tokenizer cannot be saved (no save_pretrained); convert a HF model directory instead")
-        save(directory)
+        # jlight.tokenizer.Tokenizer wraps a `tokenizers` backend; Tokenizer.from_dir reads these back.
+        tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
+        cfg = {**tokenizer.special_tokens_map, "chat_template": tokenizer.chat_template}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": list(tokenizer.eos_token_ids)}, f, indent=1)
 
 
 def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quantization: str | None = None) -> dict:
@@ -105,13 +108,12 @@ def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quan
 
     start = time.perf_counter()
     loaded = loading.load_model(model, dtype=dtype)
-    config, params = loaded.config, loaded.params
-    params = quantize(params, quantization)
+    params = quantize(loaded.params, quantization)
     load_s = time.perf_counter() - start
     write_converted(
-        output_dir, config, params,
-        tokenizer_dir=getattr(loaded, "model_dir", None) or (model if model and os.path.isdir(model) else None),
-        tokenizer=getattr(loaded, "tokenizer", None),
+        output_dir, loaded.config, params,
+        tokenizer_dir=loaded.name if os.path.isdir(loaded.name) else None,
+        tokenizer=loaded.tokenizer,
         dtype=dtype, quantization=quantization, source=model or "default",
     )
     return {"load_s": load_s, "write_s": time.perf_counter() - start - load_s}
@@ -121,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("-o", "--output", required=True, help="directory to write the orbax checkpoint into")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored weights")
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 weights (quantized once, here)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 weights (quantized once, here; loading does not re-quantize)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -199,3 +199,26 @@ def test_unsharded_checkpoint_restores_into_tp4_mesh(tiny_model_dir, loaded, tmp
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "max abs diff" in proc.stdout
+
+
+def test_jlight_convert_dir_loads_like_any_model(tiny_model, tmp_path):
+    """convert() from a HF dir -> jlight.LLM(converted dir): same greedy text as the HF dir.
+    (int8 checkpoints are covered by test_quantized_weights_restore_as_quantized, which is cheaper.)"""
+    quantization = None
+    import jlight.api
+    from jlight.convert import convert
+
+    model_dir = tiny_model("LlamaForCausalLM")
+    out = str(tmp_path / "converted")
+    convert(model_dir, out, dtype="float32", quantization=quantization)
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)  # as test_batch: shared compile cache
+    params = jlight.SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = ["the quick brown fox", "Paris is the capital of", "1 2 3"]
+    converted = jlight.api.LLM(out, **kwargs)
+    leaf = converted.engine.loaded.params["layers"]["wq"]
+    assert (leaf.values.dtype == jnp.int8) if quantization else (leaf.dtype == jnp.float32)
+    got = [o.outputs[0].text for o in converted.generate(prompts, params, use_tqdm=False)]
+    original = jlight.api.LLM(model_dir, quantization=quantization, **kwargs)
+    want = [o.outputs[0].text for o in original.generate(prompts, params, use_tqdm=False)]
+    assert got == want and any(got)

@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from jlight.errors import ModelLoadError
-from jlight.pallas_kernels.quantization import QuantizedWeight
+from jlight.pallas_kernels import quantization
 
 MANIFEST_NAME = "jlight_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
 # Named tuples that may appear in a params tree, by the name the skeleton records.
-_NAMED_TUPLES = {"QuantizedWeight": QuantizedWeight}
+_NAMED_TUPLES = {cls.__name__: cls for cls in (quantization.QuantizedWeight, getattr(quantization, "W8A8Weight", None)) if cls}
 
 
 def is_orbax_model_dir(path: str) -> bool:
