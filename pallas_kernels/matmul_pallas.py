@@ -86,20 +86,22 @@ def _pad_rows(x, multiple):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv"))
 def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_n=None, block_k=None, num_splits=None,
-                 num_warps=4, num_stages=4, gemv=None):
+                 num_warps=None, num_stages=4, gemv=None):
     """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out]."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = w.values.shape[1]
     block_m = 16 if m <= 16 else 64
-    block_n = block_n or _largest_pow2_divisor(n, 64 if m <= 16 else 128)
+    gemv = m <= _GEMV_MAX_ROWS if gemv is None else gemv
+    # Tile sizes from the H200 sweep in docs/BENCHMARKS.md (best of those tried at M=1).
+    block_n = block_n or _largest_pow2_divisor(n, 128 if gemv or m > 16 else 64)
+    num_warps = num_warps or (8 if gemv else 4)
     block_k = block_k or _largest_pow2_divisor(k, 128 if m <= 16 else 64)
     num_steps = k // block_k
     tiles = -(-m // block_m) * (n // block_n)
     num_splits = num_splits or (max(1, min(-(-2 * _NUM_SMS // tiles), num_steps // 4)) if tiles < 2 * _NUM_SMS else 1)
     steps_per_split = -(-num_steps // num_splits)
     xp = _pad_rows(x, block_m)  # [M_pad, in]
-    gemv = m <= _GEMV_MAX_ROWS if gemv is None else gemv
     common = dict(block_k=block_k, steps_per_split=steps_per_split, num_steps=num_steps, apply_scale=num_splits == 1)
     kernel = (functools.partial(_w8a16_gemv_kernel, num_rows=m, **common) if gemv
               else functools.partial(_w8a16_kernel, **common))
@@ -125,14 +127,15 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
 def w8a8_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_m=None, block_n=None, block_k=None,
-                num_warps=8, num_stages=4):
+                num_warps=4, num_stages=4):
     """Per-token int8 x: [M, in] times int8 w -> [M, out]; int32 accumulation."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = w.values.shape[1]
     xq, x_scales = quantize_activations(x)  # [M, in] int8, [M, 1] f32
     block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
-    block_n = block_n or _largest_pow2_divisor(n, 128)
+    # 128 x 64 tiles with 4 warps were the fastest tried on the H200 (docs/BENCHMARKS.md).
+    block_n = block_n or _largest_pow2_divisor(n, 64)
     block_k = block_k or _largest_pow2_divisor(k, 128)
     xq = _pad_rows(xq, block_m)
     x_scales = _pad_rows(x_scales[:, 0], block_m)  # [M_pad]

@@ -1,0 +1,103 @@
+"""int8 Pallas matmuls (interpret mode on CPU) and quantize_params."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jlight.pallas_kernels import matmul_pallas, matmul_reference
+from jlight.pallas_kernels.quantization import (
+    LINEAR_WEIGHTS, QuantizedWeight, W8A8Weight, dequantize, quantize_int8, quantize_params)
+
+
+def _weights(rng, k, n):
+    return jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+
+
+@pytest.mark.parametrize("m,k,n,dtype", [
+    (1, 576, 192, jnp.float32),  # CUDA-core GEMV path
+    (3, 256, 320, jnp.bfloat16),  # GEMV path, several rows
+    (20, 128, 64, jnp.float32),  # tensor-core tile path, rows padded to the tile
+])
+def test_w8a16_matches_dequantized_reference(m, k, n, dtype):
+    rng = np.random.default_rng(m)
+    w = quantize_int8(_weights(rng, k, n))
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    got = np.asarray(matmul_pallas.matmul(x, w, out_dtype=jnp.float32))
+    want = np.asarray(x.astype(jnp.float32) @ dequantize(w))
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def test_w8a16_split_k_equals_one_pass():
+    rng = np.random.default_rng(3)
+    w = quantize_int8(_weights(rng, 512, 64))
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    one = matmul_pallas.w8a16_matmul(x, w, num_splits=1, block_k=64)
+    four = matmul_pallas.w8a16_matmul(x, w, num_splits=4, block_k=64)
+    np.testing.assert_allclose(np.asarray(four), np.asarray(one), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_w8a8_matches_reference_exactly_in_int32(m):
+    """Same int8 activations and weights: the int32 sums are exact, so only the final
+    float scaling can differ."""
+    rng = np.random.default_rng(10 + m)
+    w = W8A8Weight(*quantize_int8(_weights(rng, 256, 128)))
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    got = np.asarray(matmul_pallas.matmul(x, w))
+    want = np.asarray(matmul_reference.matmul(x, w))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # and both stay close to the float product (int8 activation + weight error)
+    exact = np.asarray(x @ dequantize(w))
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 2e-2
+
+
+def test_matmul_keeps_leading_dims_and_plain_weights():
+    rng = np.random.default_rng(4)
+    w = _weights(rng, 64, 32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(matmul_pallas.matmul(x, w)), np.asarray(x @ w), atol=1e-5)
+    q = quantize_int8(w)
+    assert matmul_pallas.matmul(x, q).shape == (2, 3, 32)
+
+
+def _tiny_params(rng, layers=2, embed=64, mlp=128, vocab=96):
+    shapes = {"wq": (embed, embed), "wk": (embed, 32), "wv": (embed, 32), "wo": (embed, embed),
+              "w_gate": (embed, mlp), "w_up": (embed, mlp), "w_down": (mlp, embed)}
+    lp = {k: jnp.asarray(rng.standard_normal((layers, *s)), jnp.float32) for k, s in shapes.items()}
+    lp["attn_norm"] = jnp.ones((layers, embed))
+    return {"embed": jnp.ones((vocab, embed)), "layers": lp, "final_norm": jnp.ones(embed),
+            "lm_head": jnp.asarray(rng.standard_normal((embed, vocab)), jnp.float32)}
+
+
+@pytest.mark.parametrize("mode,weight_type", [("int8", QuantizedWeight), ("w8a8", W8A8Weight)])
+def test_quantize_params_stacked_layers(mode, weight_type):
+    params = _tiny_params(np.random.default_rng(5))
+    qp = quantize_params(params, mode)
+    for name in LINEAR_WEIGHTS:
+        w = qp["layers"][name]
+        assert type(w) is weight_type and w.values.dtype == jnp.int8
+        L, k, n = params["layers"][name].shape
+        assert w.values.shape == (L, k, n) and w.scales.shape == (L, n)
+        err = np.abs(np.asarray(dequantize(w)) - np.asarray(params["layers"][name])).max()
+        assert err <= np.abs(np.asarray(params["layers"][name])).max() / 127
+    assert type(qp["lm_head"]) is weight_type
+    assert qp["layers"]["attn_norm"] is params["layers"]["attn_norm"] and qp["embed"] is params["embed"]
+
+    # lax.scan slices values and scales per layer and keeps the weight type
+    def step(h, w):
+        return matmul_pallas.matmul(h, w["wq"]), type(w["wq"]) is weight_type
+    x = jnp.ones((1, 64), jnp.float32)
+    h, _ = jax.lax.scan(step, x, {"wq": qp["layers"]["wq"]})
+    want = x
+    for layer in range(2):
+        want = matmul_reference.matmul(want, weight_type(qp["layers"]["wq"].values[layer], qp["layers"]["wq"].scales[layer]))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want), rtol=1e-3, atol=1e-2)
+
+
+def test_quantize_params_rejects_bad_input():
+    params = _tiny_params(np.random.default_rng(6))
+    with pytest.raises(ValueError, match="mode='fp4'"):
+        quantize_params(params, "fp4")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_params(quantize_params(params, "int8"), "w8a8")
