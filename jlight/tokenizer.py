@@ -98,9 +98,15 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt (completions) instead of chat messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        template = _compile_template(self.chat_template)
+        import jinja2
+
         variables = {**self.special_tokens_map, **kwargs}
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        try:
+            template = _compile_template(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            # Templates reject bad conversations with raise_exception (e.g. roles not alternating).
+            raise ValueError(f"the chat template rejected these messages: {e}") from None
 
 
 class IncrementalDetokenizer:

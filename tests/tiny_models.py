@@ -1,6 +1,7 @@
 """Tiny random-weight HF model directories, built with transformers, for tests.
 
-`make_tiny_model(tmp_dir, "LlamaForCausalLM", **overrides)` writes config.json,
+`make_tiny_model(tmp_dir, "LlamaForCausalLM", **overrides)` (HF config fields; `dtype="bfloat16"`
+also stores the weights in bf16) writes config.json,
 model.safetensors, generation_config.json and a small byte-level BPE tokenizer
 (tokenizer.json + tokenizer_config.json with a ChatML chat template) and returns the path.
 Weights are seeded, so the same call always gives the same model.
@@ -66,6 +67,8 @@ def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
     config.architectures = [architecture]
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).eval()
+    if settings.get("dtype"):  # e.g. dtype="bfloat16": store the weights in that dtype
+        model = model.to(getattr(torch, settings["dtype"]))
     path = os.path.join(tmp_dir, _dir_name(architecture, config_overrides))
     model.save_pretrained(path, safe_serialization=True)
     write_tiny_tokenizer(path, vocab_size=min(settings["vocab_size"], TINY_VOCAB))

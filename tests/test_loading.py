@@ -1,0 +1,207 @@
+"""load_model on tiny checkpoints: safetensors (single, sharded, bf16), GGUF written here with
+gguf.GGUFWriter, dtype handling, and the errors a user can cause."""
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlight.errors import ModelLoadError, UnsupportedModelError
+from jlight.loading import load_model
+from jlight.loading.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model):
+    return tiny_model("LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def llama_f32(llama_dir):
+    return load_model(llama_dir, dtype="auto")
+
+
+def hf_state_dict(path, dtype=None):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    return {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+
+def test_hf_dir_params_equal_checkpoint(llama_dir, llama_f32):
+    sd = hf_state_dict(llama_dir)
+    p = llama_f32.params
+    assert llama_f32.dtype == jnp.float32 and p["embed"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(p["embed"]), sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(p["lm_head"]), sd["lm_head.weight"].T)
+    np.testing.assert_array_equal(np.asarray(p["layers"]["wq"][1]), sd["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(p["layers"]["w_down"][0]), sd["model.layers.0.mlp.down_proj.weight"].T)
+    assert llama_f32.generation_config["eos_token_id"] == [2]
+    assert llama_f32.tokenizer.eos_token_ids == [2] and llama_f32.name == llama_dir
+
+
+def test_sharded_checkpoint_loads_like_single_file(llama_dir, llama_f32, tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    loaded = load_model(str(sharded))
+    for key in ("wq", "w_up", "mlp_norm"):
+        np.testing.assert_array_equal(np.asarray(loaded.params["layers"][key]), np.asarray(llama_f32.params["layers"][key]))
+    assert loaded.tokenizer is None  # save_pretrained of a model writes no tokenizer
+
+
+def test_bfloat16_checkpoint_stays_bfloat16(tiny_model):
+    path = tiny_model("Qwen2ForCausalLM", dtype="bfloat16")
+    loaded = load_model(path)  # "auto" = the checkpoint's dtype
+    assert loaded.dtype == jnp.bfloat16
+    assert all(x.dtype == jnp.bfloat16 for x in (loaded.params["embed"], loaded.params["layers"]["bq"], loaded.params["layers"]["wk"]))
+    import torch
+
+    sd = hf_state_dict(path, dtype=torch.bfloat16)  # bf16 -> float32 is exact
+    want_bq = np.stack([sd[f"model.layers.{i}.self_attn.q_proj.bias"] for i in range(2)])  # [layers, q]
+    np.testing.assert_array_equal(np.asarray(loaded.params["layers"]["bq"], np.float32), want_bq)
+    np.testing.assert_array_equal(np.asarray(loaded.params["embed"], np.float32), sd["model.embed_tokens.weight"])
+
+
+def test_dtype_override_and_invalid_dtype(llama_dir):
+    assert load_model(llama_dir, dtype="float16").params["layers"]["wq"].dtype == jnp.float16
+    with pytest.raises(ValueError, match="dtype 'int4'"):
+        load_model(llama_dir, dtype="int4")
+
+
+def test_place_callback_sees_every_tensor(llama_dir):
+    import jax
+
+    seen = []
+    load_model(llama_dir, place=lambda path, a: (seen.append(path), jax.device_put(a))[1])
+    assert "embed" in seen and seen.count("layers.wq") == 2
+
+
+# --- GGUF written with gguf.GGUFWriter from the tiny HF model ---------------------------------
+
+_HF_TO_GGUF = {v: k for k, v in _GLOBAL_NAMES.items()}
+_HF_LAYER_TO_GGUF = {v: k for k, v in _LAYER_NAMES.items()}
+
+
+def _llama_cpp_permute(w, num_heads):
+    """What llama.cpp's converter does to Q/K rows of llama models (the loader must undo it)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0"):
+    import gguf
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    sd = hf_state_dict(hf_dir)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(cfg["vocab_size"] - len(vocab))]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{{ messages[0]['content'] }}")
+    qtype = gguf.GGMLQuantizationType[linear_qtype]
+    for name, arr in sd.items():
+        if name.startswith("model.layers."):
+            _, _, layer, suffix = name.split(".", 3)
+            gname = f"blk.{layer}.{_HF_LAYER_TO_GGUF[suffix]}"
+        else:
+            gname = _HF_TO_GGUF[name]
+        if "q_proj" in name:
+            arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
+        elif "k_proj" in name:
+            arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
+        if arr.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sd
+
+
+def test_gguf_roundtrip_undoes_permutation_and_dequantizes(llama_dir, llama_f32, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, llama_dir, "Q8_0")
+    loaded = load_model(str(path))
+    assert loaded.config.num_kv_heads == 2 and loaded.config.head_dim == 16 and not loaded.config.tie_word_embeddings
+    for key in ("wq", "wk", "wv", "wo", "w_gate"):
+        ref = np.asarray(llama_f32.params["layers"][key])
+        got = np.asarray(loaded.params["layers"][key])
+        # Q8_0: 8-bit blocks of 32 with one scale each, so errors stay below 1% of the max.
+        assert np.abs(got - ref).max() < 0.01 * np.abs(ref).max(), key
+    np.testing.assert_array_equal(np.asarray(loaded.params["final_norm"]), np.asarray(llama_f32.params["final_norm"]))
+    text = "The quick brown fox, 123!"
+    assert loaded.tokenizer.encode(text) == llama_f32.tokenizer.encode(text)
+    assert loaded.tokenizer.eos_token_ids == [2]
+
+
+def test_gguf_unsupported_quant_type(llama_dir, tmp_path):
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, llama_dir, "Q5_0")
+    with pytest.raises(UnsupportedModelError, match="Q5_0"):
+        load_model(str(path))
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model("/nonexistent/model/dir")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model("/nonexistent/model.gguf")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model(str(tmp_path))
+
+
+def test_truncated_safetensors(llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors.*(corrupt|truncated)"):
+        load_model(str(broken))
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        load_model(str(bad))
+
+
+def test_unreachable_hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="(unreachable|not installed).*local"):
+        load_model("some-org/some-model")
