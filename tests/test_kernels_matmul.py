@@ -44,7 +44,7 @@ def test_w8a8_matches_reference_exactly_in_int32(m):
     rng = np.random.default_rng(10 + m)
     w = W8A8Weight(*quantize_int8(_weights(rng, 256, 128)))
     x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
-    got = np.asarray(matmul_pallas.matmul(x, w))
+    got = np.asarray(matmul_pallas.w8a8_matmul(x, w))
     want = np.asarray(matmul_reference.matmul(x, w))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # and both stay close to the float product (int8 activation + weight error)
