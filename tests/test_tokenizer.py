@@ -1,0 +1,131 @@
+"""Tokenizer: HF directory loading, chat templates rendered like transformers, and the
+IncrementalDetokenizer's streaming guarantees (no broken UTF-8, deltas add up to decode)."""
+import pytest
+
+from jlight.tokenizer import IncrementalDetokenizer, Tokenizer
+
+STREAM_TEXTS = [
+    "Emoji: 😀🎉👩‍👩‍👧 and flags 🇫🇷🇯🇵!",
+    "中文分词测试，日本語のテキスト、한국어 문장.",
+    "Mixed: café 😀 naïve 日本 ok",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_gguf):
+    from jlight.loading.gguf_loader import open_gguf
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(open_gguf(smollm2_gguf), smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model):
+    return Tokenizer.from_dir(tiny_model("LlamaForCausalLM"), {"eos_token_id": [0, 2]})
+
+
+def stream(tokenizer, ids, skip_special_tokens=True):
+    """Feed ids one at a time; return the list of deltas (flush included)."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    deltas = [detok.add([i]) for i in ids]
+    return deltas + [detok.flush()]
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_stream_never_emits_broken_utf8(smol_tokenizer, text):
+    ids = smol_tokenizer.encode(text)
+    # The byte-level vocabulary splits these characters across tokens: that's what is under test.
+    partial = [i for i in ids if "\ufffd" in smol_tokenizer.decode([i])]
+    assert partial, "test text should contain characters split across tokens"
+    deltas = stream(smol_tokenizer, ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == smol_tokenizer.decode(ids) == text
+    assert deltas[-1] == ""  # nothing was left held back
+
+
+def test_stream_with_special_tokens(smol_tokenizer):
+    ids = smol_tokenizer.encode("<|im_start|>assistant\nHi 😀 there<|im_end|>")
+    assert "".join(stream(smol_tokenizer, ids)) == smol_tokenizer.decode(ids) == "assistant\nHi 😀 there"
+    kept = "".join(stream(smol_tokenizer, ids, skip_special_tokens=False))
+    assert kept == "<|im_start|>assistant\nHi 😀 there<|im_end|>"
+
+
+def test_stream_in_chunks_and_incomplete_tail(smol_tokenizer):
+    ids = smol_tokenizer.encode("ok 😀")
+    detok = IncrementalDetokenizer(smol_tokenizer)
+    assert detok.add(ids[:1]) + detok.add(ids[1:]) == "ok 😀"
+    # A stream cut inside a character: held back by add(), released by flush() as decode() shows it.
+    cut = smol_tokenizer.encode("a😀")[:-1]
+    detok = IncrementalDetokenizer(smol_tokenizer)
+    assert "".join(detok.add([i]) for i in cut) == "a"
+    assert "a" + detok.flush() == smol_tokenizer.decode(cut)
+
+
+def test_from_dir(tiny_tokenizer):
+    tok = tiny_tokenizer
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == [0, 2]  # tokenizer eos (2) + generation_config
+    assert tok.all_special_ids == [0, 1, 2]
+    ids = tok.encode("Paris is the capital of France.")
+    assert tok.decode(ids) == "Paris is the capital of France."
+    assert tok.vocab_size == len(tok.backend.get_vocab())
+    with pytest.raises(ValueError, match="str"):
+        tok.encode(["not", "a", "string"])
+
+
+def test_from_dir_without_tokenizer_json(tmp_path):
+    from jlight.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        Tokenizer.from_dir(str(tmp_path))
+
+
+# A template using what transformers' environment provides: trim/lstrip blocks, loop controls,
+# raise_exception, tojson (unicode kept), strftime_now, bos/eos variables, extra kwargs and
+# the {% generation %} tag.
+FEATURE_TEMPLATE = """{{ bos_token }}{% if tools %}Tools: {{ tools | tojson }}
+{% endif %}
+{% for m in messages %}
+    {% if m['role'] == 'bad' %}{{ raise_exception('role bad is not allowed') }}{% endif %}
+    {% if m['content'] == 'skip' %}{% continue %}{% endif %}
+<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}<assistant>{% endif %}year={{ strftime_now('%Y') }}"""
+
+
+def test_chat_template_renders_like_transformers(tiny_model):
+    from transformers import PreTrainedTokenizerFast
+
+    path = tiny_model("LlamaForCausalLM")
+    hf = PreTrainedTokenizerFast.from_pretrained(path)
+    ours = Tokenizer.from_dir(path)
+    ours.chat_template = hf.chat_template = FEATURE_TEMPLATE
+    messages = [
+        {"role": "user", "content": "héllo 😀"},
+        {"role": "assistant", "content": "skip"},
+        {"role": "assistant", "content": "Bonjour !"},
+    ]
+    tools = [{"name": "get_weather", "description": "météo ☀"}]
+    for gen in (True, False):
+        want = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=False)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools) == want
+    assert "météo ☀" in want  # tojson kept the unicode
+
+
+def test_chat_template_errors_are_value_errors(tiny_tokenizer):
+    tok = Tokenizer(tiny_tokenizer.backend, chat_template=FEATURE_TEMPLATE, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    with pytest.raises(ValueError, match="role bad is not allowed"):
+        tok.apply_chat_template([{"role": "bad", "content": "x"}])
+    with pytest.raises(ValueError, match="messages must be"):
+        tok.apply_chat_template("just a string")
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(tiny_tokenizer.backend).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_save_pretrained_round_trip(smol_tokenizer, tmp_path):
+    smol_tokenizer.save_pretrained(str(tmp_path))
+    again = Tokenizer.from_dir(str(tmp_path))
+    text = "Hello 😀 <|im_end|> 123"
+    assert again.encode(text) == smol_tokenizer.encode(text)
+    assert again.eos_token_ids == smol_tokenizer.eos_token_ids and again.bos_token_id == smol_tokenizer.bos_token_id
+    msgs = [{"role": "user", "content": "hi"}]
+    assert again.apply_chat_template(msgs) == smol_tokenizer.apply_chat_template(msgs)
