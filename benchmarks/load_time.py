@@ -1,0 +1,196 @@
+"""Model load time: HF safetensors vs a `jlight convert` orbax checkpoint of the same weights.
+
+1. Writes random Llama-3-8B-shaped bfloat16 weights as a sharded HF safetensors checkpoint
+   (config.json + model-*.safetensors + index) into a temp dir. Values are random bit patterns
+   (random sign, mantissa and a small exponent range), not normal samples: as incompressible
+   as real weights (orbax compresses what it writes), but cheap to make for 8e9 values.
+2. Times `jlight.loading.load_model(dir)` (stream + cast + device_put + stack per tensor) until
+   every array is on the device.
+3. Converts that directory with `jlight.convert.convert` (timed: load + orbax write).
+4. Times `load_model(converted dir)`: orbax restores each array straight onto the device.
+5. With the default model available locally (SmolLM2-135M-Instruct Q4_1 GGUF), the same for
+   it: GGUF load (dequantization) vs its converted orbax checkpoint.
+
+The files were just written, so reads are served from the OS page cache unless
+--drop-caches succeeds (needs root); the JSON records which it was.
+
+  python benchmarks/load_time.py --out DIR            # Llama-3-8B shape, ~16 GB x2 on disk (GPU box)
+  python benchmarks/load_time.py --small --out DIR    # scaled-down shape, CPU, well under a minute
+Prints a table and writes DIR/load_time.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+# Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json), and a scaled-down shape for CPU checks.
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+SMALL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+             num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+def hf_config(shape: dict) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
+            "eos_token_id": 128001, "hidden_act": "silu", **shape}
+
+
+def write_random_safetensors(directory: str, shape: dict) -> int:
+    """Write the checkpoint one layer per file (host memory stays at one layer); return bytes."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(shape), f, indent=1)
+    E, F, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    head_dim = E // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    rng = np.random.default_rng(0)
+
+    def tensor(*dims):
+        bits = rng.integers(0, 1 << 16, size=dims, dtype=np.uint16)  # [*dims]
+        # sign and 7 mantissa bits random, exponent in 2^-15 .. 2^0: 12 random bits of 16.
+        bits = (bits & 0x807F) | ((112 + ((bits >> 7) & 0xF)) << 7).astype(np.uint16)
+        return bits.view(ml_dtypes.bfloat16)
+
+    files: dict[str, dict[str, np.ndarray]] = {
+        "model-globals.safetensors": {
+            "model.embed_tokens.weight": tensor(V, E), "lm_head.weight": tensor(V, E),
+            "model.norm.weight": np.ones(E, ml_dtypes.bfloat16),
+        }
+    }
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        files[f"model-layer{i:03d}.safetensors"] = {
+            p + "input_layernorm.weight": np.ones(E, ml_dtypes.bfloat16),
+            p + "post_attention_layernorm.weight": np.ones(E, ml_dtypes.bfloat16),
+            p + "self_attn.q_proj.weight": tensor(q, E), p + "self_attn.k_proj.weight": tensor(kv, E),
+            p + "self_attn.v_proj.weight": tensor(kv, E), p + "self_attn.o_proj.weight": tensor(E, q),
+            p + "mlp.gate_proj.weight": tensor(F, E), p + "mlp.up_proj.weight": tensor(F, E),
+            p + "mlp.down_proj.weight": tensor(E, F),
+        }
+    weight_map, total = {}, 0
+    for name in list(files):
+        tensors = files.pop(name)  # drop each file's arrays once written
+        save_file(tensors, os.path.join(directory, name))
+        weight_map.update({k: name for k in tensors})
+        total += sum(t.nbytes for t in tensors.values())
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total
+
+
+def drop_page_cache() -> bool:
+    """Ask the kernel to forget cached file pages (root only); True when it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed_load(model: str, drop_caches: bool) -> tuple[float, bool]:
+    """Seconds for load_model(model) in bfloat16 until every param is on the device."""
+    from jlight.loading import load_model
+
+    dropped = drop_page_cache() if drop_caches else False
+    start = time.perf_counter()
+    loaded = load_model(model, dtype="bfloat16")
+    jax.block_until_ready(loaded.params)
+    seconds = time.perf_counter() - start
+    del loaded
+    return seconds, dropped
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def measure(label: str, source: str, work: str, drop_caches: bool) -> dict:
+    from jlight.convert import convert
+
+    converted = os.path.join(work, label + "-orbax")
+    source_s, source_cold = timed_load(source, drop_caches)
+    start = time.perf_counter()
+    convert(source, converted, dtype="bfloat16")
+    convert_s = time.perf_counter() - start
+    orbax_s, orbax_cold = timed_load(converted, drop_caches)
+    return {"model": label, "source": source, "source_bytes": dir_bytes(source) if os.path.isdir(source) else os.path.getsize(source),
+            "orbax_bytes": dir_bytes(converted), "source_load_s": source_s, "convert_s": convert_s,
+            "orbax_load_s": orbax_s, "cold_cache": source_cold and orbax_cold}
+
+
+def local_default_gguf() -> str | None:
+    """The default model's .gguf if it is already in jlight's cache (never downloads)."""
+    from jlight.loading.default_model import GGUF_MEMBER, cache_dir
+
+    path = os.path.join(cache_dir(), "models", os.path.basename(GGUF_MEMBER))
+    return path if os.path.isfile(path) else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="scaled-down Llama-3 shape (CPU check)")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    parser.add_argument("--out", default=".", help="directory for load_time.json")
+    parser.add_argument("--work-dir", default=None, help="where to write the checkpoints (default: a temp dir, removed after)")
+    parser.add_argument("--drop-caches", action="store_true", help="drop the OS page cache before each load (root)")
+    parser.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 GGUF comparison")
+    args = parser.parse_args(argv)
+    shape = dict(SMALL if args.small else LLAMA3_8B)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit(f"--layers {args.layers} must be >= 1")
+        shape["num_hidden_layers"] = args.layers
+    work = args.work_dir or tempfile.mkdtemp(prefix="jlight_load_time_")
+    rows = []
+    try:
+        hf_dir = os.path.join(work, "hf")
+        start = time.perf_counter()
+        nbytes = write_random_safetensors(hf_dir, shape)
+        print(f"wrote {nbytes / 1e9:.2f} GB of random bf16 safetensors in {time.perf_counter() - start:.1f}s")
+        label = ("llama3-8b-shape-small" if args.small else "llama3-8b-shape") + f"-{shape['num_hidden_layers']}L"
+        rows.append(measure(label, hf_dir, work, args.drop_caches))
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        gguf = None if args.no_smollm2 else local_default_gguf()
+        if gguf:
+            rows.append(measure("smollm2-135m-q4_1-gguf", gguf, work, args.drop_caches))
+        else:
+            print("SmolLM2: skipped (" + ("--no-smollm2" if args.no_smollm2 else "the default GGUF is not in jlight's cache") + ")")
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "benchmark": "load_time", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(), "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__, "shape": shape, "command": "python benchmarks/load_time.py " + " ".join(argv or __import__("sys").argv[1:]),
+        "rows": rows,
+    }
+    print(f"\n{'model':34s} {'src GB':>7s} {'src load s':>10s} {'convert s':>9s} {'orbax GB':>8s} {'orbax load s':>12s} {'speed-up':>8s} cold")
+    for r in rows:
+        print(f"{r['model']:34s} {r['source_bytes'] / 1e9:7.2f} {r['source_load_s']:10.2f} {r['convert_s']:9.2f} "
+              f"{r['orbax_bytes'] / 1e9:8.2f} {r['orbax_load_s']:12.2f} {r['source_load_s'] / r['orbax_load_s']:7.1f}x {r['cold_cache']}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "load_time.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
