@@ -52,3 +52,22 @@ def test_greedy_continuation_matches_transformers(pair):
     for prompt in PROMPTS[1:]:
         ours = runner.greedy(prompt, GREEDY_TOKENS)
         assert ours == hf_greedy(hf, prompt, GREEDY_TOKENS), f"prompt {prompt[:6]}..."
+
+
+def test_llm_engine_greedy_matches_transformers(tiny_model):
+    """End to end through jlight.LLM (scheduler, paged cache, sampler): a batch of prompts
+    decoded greedily together gives transformers' per-prompt greedy tokens."""
+    import torch
+    import transformers
+
+    import jlight
+    from jlight.engine.sampling_params import SamplingParams
+
+    arch, overrides = CASES["qwen3_qknorm"]
+    path = tiny_model(arch, **overrides)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = jlight.LLM(path, dtype="float32", max_model_len=128, num_pages=64, warmup=False)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, GREEDY_TOKENS), f"prompt {prompt[:6]}..."
