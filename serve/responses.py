@@ -56,6 +56,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.tokens_sent: dict[int, int] = {}  # choice index -> tokens already streamed
         self.text_offset: dict[int, int] = {}  # choice index -> characters already streamed
+        # The engine repeats a finished sample in later outputs while its siblings (n > 1) run on.
+        self.finish_sent: set[int] = set()
 
     # ---- logprobs in the two OpenAI shapes ----
 
@@ -127,9 +129,11 @@ class ResponseBuilder:
             if not (c.text_delta or c.token_ids_delta or c.finished):
                 continue
             index = prompt_index * self.n + c.index
-            start = self.tokens_sent.get(index, 0)
-            if start >= len(c.token_ids) and not c.text_delta and not c.finished:
+            if index in self.finish_sent:
                 continue
+            if c.finished:
+                self.finish_sent.add(index)
+            start = self.tokens_sent.get(index, 0)
             pairs = _new_logprobs(c, start) if self.want_logprobs else []
             self.tokens_sent[index] = len(c.token_ids)
             reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it

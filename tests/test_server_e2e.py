@@ -129,6 +129,24 @@ def test_n_seed_stop_logprobs(client, model_name, llm):
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
+def test_batched_prompts_streaming_n2(client, model_name, llm):
+    """Two prompts x n=2 in one streaming request: four choices, each ending once, with the
+    greedy text of its prompt."""
+    prompts = [PROMPT, "One, two, three,"]
+    stream = client.completions.create(model=model_name, prompt=prompts, n=2, max_tokens=6, temperature=0,
+                                       stream=True)
+    texts, reasons = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                assert c.index not in reasons
+                reasons[c.index] = c.finish_reason
+    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    assert texts == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}
+    assert set(reasons) == {0, 1, 2, 3}
+
+
 async def _stream_client(url, i, leave_after):
     """One streaming client; leaves after `leave_after` events (None: reads to the end)."""
     body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 16, "temperature": 0.8, "seed": i,
