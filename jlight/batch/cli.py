@@ -14,7 +14,7 @@ import sys
 from jlight.batch import merge
 from jlight.batch.part_log import PartLog
 from jlight.batch.runner import ShardRunner
-from jlight.batch.source import JsonlSource, make_loader, shard_options
+from jlight.batch.source import JsonlSource, make_loader, shard_interval, shard_options
 
 # CLI flag -> SamplingParams field used as the job-wide default (a line's own field wins).
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
@@ -87,17 +87,18 @@ def run(args: argparse.Namespace, llm=None) -> int:
     parts_dir = args.output + ".parts"
     fingerprint = {"input": os.path.abspath(args.input), "input_bytes": source.size_bytes,
                    "num_records": len(source), "process_count": process_count, "sampling": defaults}
-    if len(source) > 0:
-        shard = shard_options(process_index, process_count)
+    shard = shard_options(process_index, process_count)
+    start, end = shard_interval(len(source), shard)
+    if end > start:
         llm = llm or _make_llm(args)
         runner = ShardRunner(
             llm, make_loader(source, defaults, shard), PartLog(parts_dir, process_index, process_count),
-            job_fingerprint=fingerprint, shard_size=_shard_size(len(source), shard),
+            job_fingerprint=fingerprint, shard_size=end - start,
             max_inflight=args.max_inflight or 2 * args.max_num_seqs,
             checkpoint_interval_s=args.checkpoint_interval, show_progress=not args.no_progress,
         )
         summary = runner.run()
-    else:
+    else:  # nothing in this shard: no model needed
         os.makedirs(parts_dir, exist_ok=True)
         PartLog(parts_dir, process_index, process_count).mark_done({"answered": 0, "job": fingerprint})
         summary = {"answered": 0}
@@ -114,15 +115,6 @@ def _make_llm(args):
 
     return jlight.LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages)
-
-
-def _shard_size(num_records: int, shard) -> int | None:
-    try:
-        from grain._src.core.sharding import even_split  # the split grain applies; private, so optional
-    except ImportError:
-        return None
-    start, end = even_split(num_records, shard)
-    return end - start
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,8 @@
 
 The file is indexed once (byte offsets of its non-blank lines), so grain can read any record
 by index: that is what lets a restored grain iterator resume mid-file, and lets each
-jax.distributed process take its own contiguous shard (grain's ShardOptions).
+jax.distributed process take its own contiguous shard (described by grain's ShardOptions /
+ShardByJaxProcess).
 """
 from __future__ import annotations
 
@@ -74,9 +75,41 @@ def shard_options(process_index: int, process_count: int):
     return grain.sharding.NoSharding()
 
 
-def make_loader(source: JsonlSource, sampling_defaults: dict, shard) -> grain.DataLoader:
-    """One pass, in file order, over this process's shard, parsed in-process (worker_count=0:
-    parsing is cheap next to generation, and the iterator state stays a plain position)."""
-    sampler = grain.samplers.IndexSampler(len(source), shard_options=shard, shuffle=False, num_epochs=1)
-    return grain.DataLoader(data_source=source, sampler=sampler, operations=[ParseLine(sampling_defaults)], worker_count=0)
+def shard_interval(num_records: int, shard) -> tuple[int, int]:
+    """[start, end) of this shard: contiguous, the remainder spread over the first shards
+    (grain's even split with drop_remainder=False)."""
+    per_shard, remainder = divmod(num_records, shard.shard_count)
+    start = shard.shard_index * per_shard + min(shard.shard_index, remainder)
+    return start, start + per_shard + (1 if shard.shard_index < remainder else 0)
 
+
+class ShardSlice:
+    """grain data source over records [start, end) of a JsonlSource (indices stay global).
+
+    We slice here instead of passing the ShardOptions to grain's IndexSampler because the
+    DataLoader of grain 0.2.x gives every shard len // shard_count records, silently dropping
+    the remainder of an uneven split even with drop_remainder=False.
+    """
+
+    def __init__(self, source: JsonlSource, start: int, end: int):
+        self.source, self.start, self.end = source, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __getitem__(self, index: int):
+        return self.source[self.start + int(index)]
+
+    def __repr__(self) -> str:
+        return f"ShardSlice({self.source!r}, {self.start}, {self.end})"
+
+
+def make_loader(source: JsonlSource, sampling_defaults: dict, shard) -> grain.DataLoader | list:
+    """One pass, in file order, over this shard's records, parsed in-process (worker_count=0:
+    parsing is cheap next to generation, and the iterator state stays a plain position).
+    An empty shard (more processes than records) gives an empty list."""
+    records = ShardSlice(source, *shard_interval(len(source), shard))
+    if len(records) == 0:
+        return []
+    sampler = grain.samplers.IndexSampler(len(records), shard_options=grain.sharding.NoSharding(), shuffle=False, num_epochs=1)
+    return grain.DataLoader(data_source=records, sampler=sampler, operations=[ParseLine(sampling_defaults)], worker_count=0)
