@@ -34,15 +34,8 @@ from jlight.pallas_kernels.dispatch import get_kernels
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec
 from jlight.sharding.plan import ShardingPlan
 from jlight.sharding.rules import named_shardings, param_specs
+from model_configs import NAMED_CONFIGS
 
-NAMED_CONFIGS = {
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                      num_kv_heads=8, head_dim=128, rope_theta=500000.0),
-    "llama3-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                      num_kv_heads=8, head_dim=64, rope_theta=500000.0),
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
-                 num_kv_heads=2, head_dim=16),
-}
 PAGE_SIZE = 16
 
 

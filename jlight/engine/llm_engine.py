@@ -110,6 +110,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
+        # includes waiting for the device to finish the previous step.
+        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
         self.warmup_seconds = self._warmup() if cfg.warmup else 0.0
 
     def _warmup(self) -> float:
@@ -219,15 +222,23 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        timing = self.step_seconds
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self._release_slot(seq)
         launched = None
+        t1 = time.perf_counter()
+        timing["schedule"] += t1 - t0
         if plan.rows:
             for r in plan.rows:
                 self._ensure_slot(r.seq)
             inp, _ = self.runner.prepare(plan, self._slots)
+            t2 = time.perf_counter()
+            timing["prepare"] += t2 - t1
             out = self.runner.launch(inp)
+            t1 = time.perf_counter()
+            timing["launch"] += t1 - t2
             for row, r in enumerate(plan.rows):
                 r.seq.num_computed_tokens = r.start + r.num_tokens
                 if r.samples:
@@ -236,6 +247,7 @@ class LLMEngine:
             launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs))
             self.num_steps += 1
         outputs = self._process(self._in_flight) if self._in_flight is not None else []
+        timing["wait_and_process"] += time.perf_counter() - t1
         self._in_flight = launched
         return outputs
 
