@@ -55,7 +55,7 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
         return load_gguf(default_gguf_path(), dtype, place)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
-    model = os.fspath(model)
+    model = os.path.expanduser(os.fspath(model))
     if model.endswith(".gguf"):
         return load_gguf(model, dtype, place)
     from jlight.loading import orbax_loader
