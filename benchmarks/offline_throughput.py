@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--model-config", default=None, help="random weights of a named shape instead (e.g. llama3-8b)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=256, help="0 = only the batch-1 latency")
     ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -112,6 +112,9 @@ def main():
             line += f"; roofline {roof * 1e3:.2f} ms ({wbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s) -> {lat / roof:.2f}x"
         print(line, flush=True)
 
+    if a.num_requests == 0:
+        _write(result, a)
+        return
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size
     in_lens = rng.integers(a.input_len[0], a.input_len[1] + 1, a.num_requests)
@@ -136,9 +139,13 @@ def main():
           f"{generated / elapsed:.0f} output tok/s, {steps} steps ({elapsed / steps * 1e3:.1f} ms/step), "
           f"preemptions {result['preemptions']}")
     print("per-step host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in breakdown.items()))
+    _write(result, a)
+
+
+def _write(result: dict, a) -> None:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        name = f"offline_{result['model']}_{a.quantization or 'bf16' if a.model_config else 'default'}.json".replace("/", "_")
+        name = f"offline_{result['model']}_{a.quantization or result['dtype']}.json".replace("/", "_")
         with open(os.path.join(a.out, name), "w") as f:
             json.dump(result, f, indent=1)
 
