@@ -129,3 +129,63 @@ def test_save_pretrained_round_trip(smol_tokenizer, tmp_path):
     assert again.eos_token_ids == smol_tokenizer.eos_token_ids and again.bos_token_id == smol_tokenizer.bos_token_id
     msgs = [{"role": "user", "content": "hi"}]
     assert again.apply_chat_template(msgs) == smol_tokenizer.apply_chat_template(msgs)
+
+
+# --- SentencePiece ("llama") vocabularies from GGUF, checked against sentencepiece itself ----
+
+SPM_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello  world,\n\ttabs and  double  spaces ",
+    "café naïve 😀 日本 — bytes the vocab lacks",
+    "def add(a, b):\n    return a + b  # 12345",
+    " leading space and trailing space ",
+]
+
+
+@pytest.fixture(scope="module")
+def spm_pair(tmp_path_factory):
+    """(sentencepiece processor trained here, jlight Tokenizer built from a GGUF of its vocab)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    import gguf
+
+    from jlight.loading.gguf_loader import open_gguf
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
+
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, Berlin of Germany.",
+        "def add(a, b):\n    return a + b\n", "Once upon a time there was a small model that answered questions.",
+    ] * 20
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=proto, vocab_size=400, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    path = tmp_path_factory.mktemp("spm") / "spm_vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sp, gguf_tokenizer(open_gguf(str(path)), str(path))
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_gguf_tokenizer_matches_sentencepiece(spm_pair, text):
+    sp, tok = spm_pair
+    assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert tok.encode(text) == [1] + sp.encode(text)  # BOS added by default for SentencePiece GGUFs
+    assert tok.decode(tok.encode(text)) == sp.decode(sp.encode(text))
+    assert "".join(stream(tok, tok.encode(text))) == tok.decode(tok.encode(text))

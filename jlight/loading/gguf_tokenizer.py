@@ -1,8 +1,12 @@
 """Builds a jlight Tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
 
-Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE from tokens + merges). The
-pre-tokenizer follows `tokenizer.ggml.pre`, the way llama.cpp splits text for that model
-family (e.g. SmolLM/StarCoder split digits one by one before the GPT-2 regex).
+Supported:
+- `tokenizer.ggml.model == "gpt2"`: byte-level BPE from tokens + merges. The pre-tokenizer
+  follows `tokenizer.ggml.pre`, the way llama.cpp splits text for that model family (e.g.
+  SmolLM/StarCoder split digits one by one before the GPT-2 regex).
+- `"llama"`: SentencePiece BPE (Llama 2, Mistral). GGUF stores pieces and scores, not
+  merges; SentencePiece merges the adjacent pair whose joined piece scores highest, which
+  is a BPE whose merge ranks are the joined pieces' scores, so merges are rebuilt from them.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from jlight.tokenizer import Tokenizer
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special; USER_DEFINED ones are
 # added tokens matched verbatim but kept in decoded text.
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 # `tokenizer.ggml.pre` values whose text splitting is "digits one by one, then GPT-2's regex".
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
@@ -46,22 +50,27 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     kind = field_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise UnsupportedModelError(
-            f"GGUF file {path} has tokenizer type {kind!r}; jlight builds byte-level BPE ('gpt2') tokenizers from GGUF. "
-            "Use the model's HF directory (with tokenizer.json) instead"
+            f"GGUF file {path} has tokenizer type {kind!r}; jlight builds 'gpt2' (byte-level BPE) and 'llama' "
+            "(SentencePiece BPE) tokenizers from GGUF. Use the model's HF directory (with tokenizer.json) instead"
         )
     tokens = field_value(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
-    types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = field_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre"))
-    backend.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
+        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        add_bos_default = False
+    else:
+        backend = _sentencepiece_backend(reader, tokens, types, vocab)
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
     added = [
-        AddedToken(tok, special=(t == _CONTROL), normalized=False)
+        AddedToken(tok, special=(t in (_CONTROL, _UNKNOWN)), normalized=False)
         for tok, t in zip(tokens, types)
-        if t in (_CONTROL, _USER_DEFINED)
+        if t in (_CONTROL, _UNKNOWN, _USER_DEFINED)
     ]
     backend.add_tokens([a for a in added if not a.special])
     backend.add_special_tokens([a for a in added if a.special])
@@ -71,7 +80,7 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
     bos, eos = token("bos"), token("eos")
-    if field_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if field_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, vocab[bos])]
         )
@@ -82,3 +91,36 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         eos_token=eos,
         special_tokens_map={"pad_token": token("padding"), "unk_token": token("unknown")},
     )
+
+
+def _sentencepiece_backend(reader, tokens, types, vocab):
+    """SentencePiece BPE as a tokenizers BPE: merges ranked by the joined piece's score,
+    byte fallback (<0xXX> pieces), "▁" for spaces and one prepended to the text."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    scores = field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    ranked = []  # (score, id, left, right)
+    for i, (piece, kind) in enumerate(zip(tokens, types)):
+        if kind != _NORMAL:
+            continue  # control, byte and unused pieces are never produced by merging
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, left, right))
+    ranked.sort()
+    unk_id = field_value(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None else None
+    backend = Backend(
+        models.BPE(vocab=vocab, merges=[(l, r) for _, _, l, r in ranked], unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    add_prefix = field_value(reader, "tokenizer.ggml.add_space_prefix", True)
+    # SentencePiece prepends "▁" even when the text already starts with a space (Metaspace
+    # would not), so spell the normalization out, as HF's Llama tokenizer does.
+    steps = [normalizers.Prepend("\u2581")] if add_prefix else []
+    backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))  # drop the space prepended at encode time
+    backend.decoder = decoders.Sequence(steps)
+    return backend
