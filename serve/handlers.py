@@ -26,6 +26,24 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 
 
+MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one completions request
+# Tokenizing more text than this takes milliseconds; do it in a worker thread so that the
+# event loop keeps streaming other requests' tokens meanwhile.
+LARGE_TEXT_CHARS = 20_000
+
+
+def _text_size(prompt) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
+async def _off_loop_if_large(size: int, fn, *args):
+    if size > LARGE_TEXT_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 class ClientGone(Exception):
     pass
 
@@ -87,7 +105,11 @@ class GenerationHandlers:
         if body.best_of is not None and body.best_of != body.n:
             raise RequestError("best_of other than n is not supported (jlight does not rank samples); "
                                "leave best_of unset", param="best_of")
-        prompts = completion_prompts(body.prompt, self.tokenizer, self.vocab_size)
+        prompts = await _off_loop_if_large(_text_size(body.prompt), completion_prompts,
+                                           body.prompt, self.tokenizer, self.vocab_size)
+        if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
+            raise RequestError(f"{len(prompts)} prompts x n={body.n} asks for more than {MAX_SEQUENCES_PER_REQUEST} "
+                               f"sequences in one request; lower n or split the prompts", param="n")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(request_id, body, prompts, body.max_tokens, "prompt", "max_tokens")
         builder = ResponseBuilder("completion", request_id, model, self.tokenizer, body.n,
@@ -98,7 +120,8 @@ class GenerationHandlers:
         model = check_model_name(body.model, self.served_names)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        ids = chat_prompt(body.messages, self.tokenizer, body.add_generation_prompt)
+        ids = await _off_loop_if_large(sum(len(m.text()) for m in body.messages), chat_prompt,
+                                       body.messages, self.tokenizer, body.add_generation_prompt)
         max_tokens, param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"

@@ -204,6 +204,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": ["a"] * 5, "n": 64, "max_tokens": 1}, 400, "n"),  # 320 sequences
     ("/v1/completions", {"prompt": "a", "stop": ["s"] * 17}, 400, "stop"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, 400, "logit_bias"),

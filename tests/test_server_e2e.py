@@ -190,6 +190,7 @@ def test_64_streams_with_disconnects_free_the_kv_pool(server):
 
 REAL_BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi " * 400, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 6000}, 400, "prompt"),  # tokenized off the event loop
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt"),
