@@ -5,7 +5,9 @@
 set -u
 OUT=${1:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+# The package maps models/, sharding/, ... to jlight.* (pyproject package-dir): install it, offline.
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 # 1. Greedy outputs with the Pallas kernels (auto on GPU) equal transformers' on tiny float32 models.

@@ -94,19 +94,22 @@ def _llama_cpp_permute(w, num_heads):
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0"):
+def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
     sd = hf_state_dict(hf_dir)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -125,11 +128,13 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0"):
             gname = f"blk.{layer}.{_HF_LAYER_TO_GGUF[suffix]}"
         else:
             gname = _HF_TO_GGUF[name]
-        if "q_proj" in name:
+        if arch != "llama":
+            pass  # llama.cpp permutes Q/K rows of llama models only
+        elif "q_proj" in name:
             arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif "k_proj" in name:
             arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
-        if arr.ndim == 2:
+        if arr.ndim == 2 and "norm" not in name:
             data = gguf.quants.quantize(arr, qtype)  # uint8 blocks, or a float16 array for F16
             w.add_tensor(gname, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
         else:
@@ -160,6 +165,19 @@ def test_gguf_roundtrip_undoes_permutation_and_dequantizes(llama_dir, llama_f32,
     text = "The quick brown fox, 123!"
     assert loaded.tokenizer.encode(text) == llama_f32.tokenizer.encode(text)
     assert loaded.tokenizer.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")])
+def test_gguf_qwen_architectures(tiny_model, tmp_path, arch, gguf_arch):
+    path = tiny_model(arch)
+    ref = load_model(path)
+    write_tiny_gguf(tmp_path / "qwen.gguf", path, "F16", arch=gguf_arch)
+    got = load_model(str(tmp_path / "qwen.gguf"))
+    assert got.config.architecture == arch
+    assert (got.config.head_dim, got.config.attention_bias, got.config.qk_norm) == (ref.config.head_dim, ref.config.attention_bias, ref.config.qk_norm)
+    assert set(got.params["layers"]) == set(ref.params["layers"])
+    for key, want in ref.params["layers"].items():
+        np.testing.assert_allclose(np.asarray(got.params["layers"][key]), np.asarray(want), atol=1e-3 * float(np.abs(want).max()), err_msg=key)
 
 
 def test_gguf_unsupported_quant_type(llama_dir, tmp_path):

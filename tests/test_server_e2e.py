@@ -228,7 +228,7 @@ def test_schemathesis_finds_no_server_errors(server):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"):
         operation = schema[path]["GET" if path == "/v1/models" else "POST"]
 
-        @settings(max_examples=15, deadline=None, database=None,
+        @settings(max_examples=int(os.environ.get("JLIGHT_SCHEMATHESIS_EXAMPLES", 15)), deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
         def check(case):
@@ -245,6 +245,9 @@ def test_schemathesis_finds_no_server_errors(server):
                 failures.append((path, case.body, response.status_code, response.text[:300]))
         check()
     assert not failures, failures[:3]
+    # ...and the engine survived all of it.
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_sigterm_drains_in_flight_requests(server):
