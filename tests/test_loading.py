@@ -134,7 +134,7 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
             arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif "k_proj" in name:
             arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
-        if arr.ndim == 2 and "norm" not in name:
+        if arr.ndim == 2:
             data = gguf.quants.quantize(arr, qtype)  # uint8 blocks, or a float16 array for F16
             w.add_tensor(gname, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
         else:
