@@ -211,11 +211,14 @@ def plot(summaries: list[dict], path: str) -> bool:
     except ImportError:
         return False
     finite = [s for s in summaries if s["request_rate"] != "inf"]
+    burst = next((s for s in summaries if s["request_rate"] == "inf"), None)  # all at once: no x position
     rates = [s["request_rate"] for s in finite]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, metric in zip(axes, ("ttft", "tpot", "e2el")):
-        for stat in ("median", "p99"):
-            ax.plot(rates, [s[f"{stat}_{metric}_ms"] for s in finite], marker="o", label=stat)
+        for stat, color in (("median", "tab:blue"), ("p99", "tab:orange")):
+            ax.plot(rates, [s[f"{stat}_{metric}_ms"] for s in finite], marker="o", color=color, label=stat)
+            if burst is not None:
+                ax.axhline(burst[f"{stat}_{metric}_ms"], color=color, linestyle="--", label=f"{stat}, all at once")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{metric.upper()} (ms)")
         ax.legend()

@@ -334,6 +334,11 @@ def test_serving_benchmark_client(server, tmp_path):
         assert 8 <= s["median_tpot_ms"] < 200 and 5 <= s["median_itl_ms"] < 200
         assert s["mean_ttft_ms"] >= 10 and s["mean_e2el_ms"] >= 50
     assert json.loads((tmp_path / "random.json").read_text())["results"] == report["results"]
+    try:
+        import matplotlib  # noqa: F401  (optional: the plot is skipped without it)
+        assert (tmp_path / "random.png").stat().st_size > 0
+    except ImportError:
+        assert not (tmp_path / "random.png").exists()
     report = bench_cli.main(common + ["--dataset", "sharegpt", "--dataset-path", str(sharegpt),
                                       "--out", str(tmp_path / "sharegpt")])
     s = report["results"][0]
