@@ -50,7 +50,7 @@ def weight_bytes(params) -> int:
 def build_engine(a) -> LLMEngine:
     opts = dict(dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 quantization=a.quantization, attention_impl=a.attention_impl, matmul_impl=a.matmul_impl,
-                max_model_len=a.max_model_len, num_pages=a.num_pages)
+                max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop)
     if a.model_config:
         from model_configs import random_loaded_model
 
@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-pages", type=int, default=None)
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--matmul-impl", default="auto")
     ap.add_argument("--latency-tokens", type=int, default=128, help="tokens for the batch-1 decode latency (0 = skip)")
@@ -98,7 +99,7 @@ def main():
           f"{engine.block_manager.num_pages} KV pages)", flush=True)
     result = dict(date=datetime.date.today().isoformat(), backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
                   host=platform.node(), model=a.model_config or engine.model_name, dtype=str(engine.runner.k_cache.dtype),
-                  quantization=a.quantization, args=vars(a), compile_s=engine.warmup_seconds)
+                  quantization=a.quantization, layer_loop=a.layer_loop, args=vars(a), compile_s=engine.warmup_seconds)
 
     if a.latency_tokens:
         lat = decode_latency(engine, 128, a.latency_tokens)
@@ -145,7 +146,7 @@ def main():
 def _write(result: dict, a) -> None:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        name = f"offline_{result['model']}_{a.quantization or result['dtype']}.json".replace("/", "_")
+        name = f"offline_{result['model']}_{a.quantization or result['dtype']}_{a.layer_loop}.json".replace("/", "_")
         with open(os.path.join(a.out, name), "w") as f:
             json.dump(result, f, indent=1)
 

@@ -124,11 +124,31 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     h = ops.embed(params["embed"], tokens)
     dtype = params["final_norm"].dtype
     h = h.astype(dtype)
-    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
+    if isinstance(params["layers"], (list, tuple)):
+        # Unrolled (see unstack_layers): each layer's weights are their own buffers, which the
+        # matmuls read in place; a scan would slice them out of the stack on every step.
+        carry = (h, k_cache, v_cache)
+        for i, lp in enumerate(params["layers"]):
+            carry, _ = layer(carry, (lp, jnp.int32(i)))
+        h, k_cache, v_cache = carry
+    else:
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)  # whole [T, embed] again if the residual stream was split on tokens
     return h, k_cache, v_cache
+
+
+def unstack_layers(params: dict) -> dict:
+    """Split the stacked [layers, ...] weights into one dict per layer (for the unrolled forward).
+
+    Costs a longer compile (the layer body is compiled num_layers times) and buys weights that
+    the matmul kernels read where they lie, instead of a per-step slice copy out of the stack.
+    """
+    layers = params["layers"]
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    split = jax.jit(lambda tree: [jax.tree.map(lambda x: x[i], tree) for i in range(num_layers)])
+    return dict(params, layers=split(layers))
 
 
 def compute_logits(params: dict, config: ModelConfig, hidden, kernels):

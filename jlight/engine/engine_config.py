@@ -20,6 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
+    # "scan": one compiled layer body looped over stacked weights (fast compiles; CPU default);
+    # "unroll": one body per layer over per-layer weights (no per-step weight slicing; GPU default).
+    layer_loop: str = "auto"
     collective_matmul: bool = True
     int8_all_reduce: bool = False
     seed: int = 0
@@ -43,6 +46,8 @@ class EngineConfig:
             bad("kv_cache_memory_fraction", "must be in (0, 1]")
         if self.quantization not in (None, "int8", "w8a8"):
             bad("quantization", "must be None, 'int8' or 'w8a8'")
+        if self.layer_loop not in ("auto", "scan", "unroll"):
+            bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
         return self

@@ -87,6 +87,11 @@ class LLMEngine:
             sharding_plan = ShardingPlan(make_mesh(cfg.mesh), self.model_config, self.family.param_axes(self.model_config))
             self.model_config = sharding_plan.config
             params = sharding_plan.prepare_params(params)
+        unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and on_gpu() and sharding_plan is None)
+        if unroll and hasattr(self.family, "unstack_layers") and sharding_plan is None:
+            params = self.family.unstack_layers(params)
+            jax.block_until_ready(params)
+            loaded.params = None  # drop the stacked copy
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         gpu = on_gpu()
