@@ -165,7 +165,13 @@ def bench_model(name, config, params, impls, iters, prefill_len, context):
 
             with expert_impl(impl):
                 fn = jax.jit(step)
-                seconds = timed(fn, params, k_cache, v_cache, tokens, md, iters=iters)
+                try:
+                    seconds = timed(fn, params, k_cache, v_cache, tokens, md, iters=iters)
+                except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, measure the rest
+                    print(f"{name:22s} {impl:15s} {kind:8s} batch={batch:3d} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
+                    rows.append(dict(model=name, impl=impl, kind=kind, batch=batch, tokens=batch * q_len, context=ctx,
+                                     error=str(e).splitlines()[0]))
+                    continue
             rows.append(dict(model=name, impl=impl, kind=kind, batch=batch, tokens=batch * q_len, context=ctx,
                              ms=seconds * 1e3, tokens_per_s=batch * q_len / seconds))
             print(f"{name:22s} {impl:15s} {kind:8s} batch={batch:3d} tokens={batch * q_len:5d} ctx={ctx:5d} "
@@ -191,7 +197,12 @@ def bench_expert_ffn(name, config, params, impls, iters, token_counts):
             f = dense_expert_ffn if impl == "dense" else grouped_expert_ffn
             with expert_impl(impl):
                 fn = jax.jit(lambda *a, f=f: f(*a, jax.nn.silu))
-                seconds = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
+                try:
+                    seconds = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
+                except jax.errors.JaxRuntimeError as e:
+                    print(f"{name:22s} expert FFN {impl:15s} tokens={tokens:5d} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
+                    rows.append(dict(model=name, impl=impl, tokens=tokens, error=str(e).splitlines()[0]))
+                    continue
             rows.append(dict(model=name, impl=impl, tokens=tokens, experts_touched=touched, ms=seconds * 1e3,
                              needed_weight_gb_per_s=weight_bytes / seconds / 1e9))
             print(f"{name:22s} expert FFN {impl:15s} tokens={tokens:5d} experts touched={touched:3d} "
