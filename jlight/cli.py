@@ -178,13 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--verbose", action="store_true", help="print timing after each answer")
     c.set_defaults(func=cmd_chat)
     for name, (module, help_text) in _EXTERNAL.items():
-        p = sub.add_parser(name, help=help_text)
-        p.set_defaults(external=module)
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ImportError as e:  # optional dependency missing (e.g. fastapi for serve)
-            p.set_defaults(import_error=f"jlight {name} needs a package that is not installed: {e.name}; pip install it")
+        _add_external(sub, name, module, help_text)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    _add_external(bench, "serve", "jlight.serve.bench_cli", "load an OpenAI-compatible server the way vLLM's benchmark_serving does")
     return parser
+
+
+def _add_external(sub, name: str, module: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text)
+    p.set_defaults(external=module)
+    try:
+        importlib.import_module(module).add_arguments(p)
+    except ImportError as e:  # optional dependency missing (e.g. fastapi for serve)
+        p.set_defaults(import_error=f"jlight {name} needs a package that is not installed: {e.name}; pip install it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "import_error", None):
             raise JlightError(args.import_error)
         if getattr(args, "external", None):
-            return int(importlib.import_module(args.external).run(args) or 0)
+            rc = importlib.import_module(args.external).run(args)
+            return rc if isinstance(rc, int) else 0
         return args.func(args)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
         print(f"jlight: error: {e}", file=sys.stderr)

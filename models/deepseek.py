@@ -26,7 +26,6 @@ from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.quantization import QuantizedWeight, dequantize
 from jlight.sharding import ops as parallel_ops
 
-init_params = llama.init_params  # random normal / sqrt(fan_in), norms at one: works for any tree
 compute_logits = llama.compute_logits
 
 
@@ -138,7 +137,7 @@ def mla_attention(c, s, lp, x, cache, layer_idx, md: BatchMetadata, kernels, rop
     """x: [T, embed] (normed) -> ([T, embed], cache)."""
     ops = parallel_ops.current()
     mm = kernels.matmul
-    num_tokens = x.shape[0]
+    num_tokens = md.positions.shape[0]  # not x.shape[0]: under collective matmul x may be split on tokens
     C, nope = s["kv_lora_rank"], s["nope_dim"]
     if s["q_lora_rank"]:
         q = ops.column_linear(rms_norm(mm(x, lp["wq_a"]), lp["q_a_norm"], c.rms_norm_eps), lp["wq_b"], mm)
@@ -220,3 +219,8 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)
     return h, k_cache, v_cache
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:
+    """Random weights of this family's shapes (for benchmarks; no checkpoint needed)."""
+    return llama.random_params(param_shapes(config), key, dtype)

@@ -60,7 +60,11 @@ def param_shapes(config: ModelConfig) -> dict:
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:
     """Random weights of the right shapes and scale (for benchmarks; no checkpoint needed)."""
-    shapes = param_shapes(config)
+    return random_params(param_shapes(config), key, dtype)
+
+
+def random_params(shapes: dict, key: jax.Array, dtype) -> dict:
+    """Normal(0, 1/fan_in) for matrices, ones for norms, for any tree of shapes."""
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(leaves))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]

@@ -22,7 +22,6 @@ from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.sharding import ops as parallel_ops
 
-init_params = llama.init_params  # random normal / sqrt(fan_in) works for any tree of shapes
 kv_cache_shapes = llama.kv_cache_shapes
 compute_logits = llama.compute_logits
 
@@ -152,3 +151,8 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)
     return h, k_cache, v_cache
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:
+    """Random weights of this family's shapes (for benchmarks; no checkpoint needed)."""
+    return llama.random_params(param_shapes(config), key, dtype)

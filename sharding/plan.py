@@ -83,6 +83,11 @@ class ShardingPlan:
         """Host-side changes a weight needs for this mesh: KV-head copies, vocab padding.
         Shape-aware, so an already prepared weight passes through unchanged."""
         c = self.source_config
+        needs_kv = self.kv_repeat > 1 and any(
+            n == "kv_heads" and arr.shape[d] == c.num_kv_heads * c.head_dim for d, n in enumerate(axes))
+        needs_vocab = any(n == "vocab" and arr.shape[d] == c.vocab_size != self.padded_vocab for d, n in enumerate(axes))
+        if not (needs_kv or needs_vocab):
+            return arr  # leave device arrays on the device
         arr = np.asarray(arr)
         for dim, name in enumerate(axes):
             if name == "kv_heads" and self.kv_repeat > 1 and arr.shape[dim] == c.num_kv_heads * c.head_dim:
@@ -108,6 +113,9 @@ class ShardingPlan:
                     f"of size {size} but not divisible by it; choose a mesh whose {axis} size divides {arr.shape[dim]}"
                 )
         sharding = NamedSharding(self.mesh, spec)
+        if isinstance(arr, jax.Array):
+            # Already on devices (e.g. restored from orbax into this mesh): keep it, or reshard on device.
+            return arr if arr.sharding.is_equivalent_to(sharding, arr.ndim) else jax.device_put(arr, sharding)
         # make_array_from_callback works across processes: each one fills only its own shards.
         return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
 

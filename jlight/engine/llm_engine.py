@@ -64,8 +64,12 @@ class LLMEngine:
         if loaded is None:
             from jlight.loading import load_model
 
-            plan_place = None
-            loaded = load_model(cfg.model, dtype=cfg.dtype, place=plan_place)
+            mesh = None
+            if cfg.mesh:
+                from jlight.sharding.mesh import make_mesh
+
+                mesh = make_mesh(cfg.mesh)  # converted (orbax) checkpoints restore straight into it
+            loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -85,6 +89,10 @@ class LLMEngine:
             from jlight.sharding.plan import ShardingPlan
 
             sharding_plan = ShardingPlan(make_mesh(cfg.mesh), self.model_config, self.family.param_axes(self.model_config))
+            if sharding_plan.dp > 1:
+                raise ValueError(
+                    f"mesh={cfg.mesh!r}: dp > 1 runs at the model level (benchmarks/mesh_sweep.py) but the engine does not"
+                    " yet schedule one batch per data-parallel replica; use a tp/ep mesh, or one engine per replica")
             self.model_config = sharding_plan.config
             params = sharding_plan.prepare_params(params)
         unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and on_gpu() and sharding_plan is None)

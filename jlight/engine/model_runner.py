@@ -77,7 +77,8 @@ class ModelRunner:
 
         def model_fn(params, k_cache, v_cache, tokens, md):
             hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-            return hidden, k_cache, v_cache
+            logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels)  # [B, V] float32
+            return (hidden, logits), k_cache, v_cache
 
         if sharding_plan is not None:
             model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
@@ -88,15 +89,16 @@ class ModelRunner:
     # ---- the device function ------------------------------------------------------------
     def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs):
         tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
-        hidden, k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
-        logits = self.family.compute_logits(params, self.config, hidden[inp.md.logits_indices], self.kernels)  # [B, V]
+        (hidden, logits), k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
         hist = (history[inp.history_slot], inp.prompt_len, inp.history_len)
         toks, lp, top_ids, top_lps = sampler.sample(logits, inp.sampling, history=hist)
         history = history.at[inp.history_slot, inp.history_len].set(toks)
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
 
         def prompt_logprobs(h):
-            lp_all = jax.nn.log_softmax(self.family.compute_logits(params, self.config, h, self.kernels), axis=-1)
+            # Outside shard_map: a sharded LM head may carry vocab padding, cut here.
+            logits_all = self.family.compute_logits(params, self.config, h, self.kernels)[:, : self.config.vocab_size]
+            lp_all = jax.nn.log_softmax(logits_all, axis=-1)
             target = jnp.take_along_axis(lp_all, jnp.maximum(inp.next_token, 0)[:, None], axis=-1)[:, 0]
             vals, ids = jax.lax.top_k(lp_all, n)
             return target, ids.astype(jnp.int32), vals

@@ -46,7 +46,7 @@ def resolve_dtype(dtype, checkpoint_dtype: str) -> Any:
     return DTYPES[name]
 
 
-def load_model(model: str | None = None, dtype="auto", place: Callable | None = None) -> LoadedModel:
+def load_model(model: str | None = None, dtype="auto", place: Callable | None = None, mesh=None) -> LoadedModel:
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
     on device (default jax.device_put); the sharding code passes one that shards it."""
     if model is None:
@@ -61,7 +61,7 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     from jlight.loading import orbax_loader
 
     if orbax_loader.is_orbax_model_dir(model):
-        return load_converted_dir(model)
+        return load_converted_dir(model, mesh=mesh)
     if os.path.isdir(model):
         return load_hf_dir(model, dtype, place)
     if os.path.exists(model):
@@ -91,13 +91,14 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     return LoadedModel(config, params, tokenizer, generation_config, name or model_dir, jdtype)
 
 
-def load_converted_dir(model_dir: str) -> LoadedModel:
-    """A directory written by `jlight convert` (orbax params; dtype fixed at conversion)."""
+def load_converted_dir(model_dir: str, mesh=None) -> LoadedModel:
+    """A directory written by `jlight convert` (orbax params; dtype fixed at conversion).
+    With a mesh, each array is restored straight into its sharding on that mesh."""
     from jlight.loading import orbax_loader
     from jlight.loading.safetensors_loader import read_generation_config
     from jlight.tokenizer import Tokenizer
 
-    config, params = orbax_loader.load_orbax_model(model_dir)
+    config, params = orbax_loader.load_orbax_model(model_dir, mesh=mesh)
     generation_config = read_generation_config(model_dir)
     has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
     tokenizer = Tokenizer.from_dir(model_dir, generation_config) if has_tokenizer else None
