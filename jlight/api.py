@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import LLMEngine

@@ -13,7 +13,6 @@ import os
 import shutil
 import time
 
-import jax.numpy as jnp
 
 from jlight.config import ModelConfig
 from jlight.loading import orbax_loader

@@ -84,6 +84,32 @@ def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int) -> tupl
     return shape, shape
 
 
+def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetadata, kernels, inv_freq, rope_factor):
+    """Attention of one Llama-family layer (the MoE families use it too).
+
+    x: [T, embed] (normed) -> ([T, embed], k_cache, v_cache).
+    """
+    ops = parallel_ops.current()
+    mm = kernels.matmul
+    num_tokens = md.positions.shape[0]  # all T tokens: x is [T/tp, embed] under sequence parallelism
+    q = ops.column_linear(x, lp["wq"], mm)
+    k = ops.column_linear(x, lp["wk"], mm)
+    v = ops.column_linear(x, lp["wv"], mm)
+    if c.attention_bias:
+        q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
+    q = q.reshape(num_tokens, -1, c.head_dim)  # [T, local heads, head_dim]
+    k = k.reshape(num_tokens, -1, c.head_dim)
+    v = v.reshape(num_tokens, -1, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+    q = apply_rope(q, md.positions, inv_freq, rope_factor)
+    k = apply_rope(k, md.positions, inv_freq, rope_factor)
+    k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, md.slot_mapping)
+    attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, md, scale=c.head_dim ** -0.5, sliding_window=c.sliding_window)
+    return ops.row_linear(attn.reshape(num_tokens, -1), lp["wo"], mm), k_cache, v_cache
+
+
 def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
     """Run the decoder over a flat ragged batch of tokens.
 
@@ -95,30 +121,13 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     mm = kernels.matmul
     act = activation(c.hidden_act)
     inv_freq, rope_factor = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-    scale = c.head_dim ** -0.5
-    num_tokens = tokens.shape[0]
 
     def layer(carry, xs):
         h, k_cache, v_cache = carry
         lp, layer_idx = xs
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q = ops.column_linear(x, lp["wq"], mm)
-        k = ops.column_linear(x, lp["wk"], mm)
-        v = ops.column_linear(x, lp["wv"], mm)
-        if c.attention_bias:
-            q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
-        # Under tensor parallelism these are the local heads; shapes come from the arrays.
-        q = q.reshape(num_tokens, -1, c.head_dim)
-        k = k.reshape(num_tokens, -1, c.head_dim)
-        v = v.reshape(num_tokens, -1, c.head_dim)
-        if c.qk_norm:
-            q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-        q = apply_rope(q, md.positions, inv_freq, rope_factor)
-        k = apply_rope(k, md.positions, inv_freq, rope_factor)
-        k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, md.slot_mapping)
-        attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, md, scale=scale, sliding_window=c.sliding_window)
-        h = h + ops.row_linear(attn.reshape(num_tokens, -1), lp["wo"], mm)
+        attn, k_cache, v_cache = attention(c, lp, x, k_cache, v_cache, layer_idx, md, kernels, inv_freq, rope_factor)
+        h = h + attn
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         gate = ops.column_linear(x, lp["w_gate"], mm)
         up = ops.column_linear(x, lp["w_up"], mm)

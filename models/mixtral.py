@@ -18,7 +18,7 @@ from jlight.errors import UnsupportedModelError
 from jlight.models import llama
 from jlight.models.layers import activation, rms_norm
 from jlight.models.moe import softmax_topk
-from jlight.models.rope import apply_rope, inv_frequencies
+from jlight.models.rope import inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.sharding import ops as parallel_ops
 
@@ -88,29 +88,6 @@ def param_shapes(config: ModelConfig) -> dict:
     return shapes
 
 
-def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetadata, kernels, inv_freq, rope_factor):
-    """Llama-family attention of one layer. x: [T, embed] (normed) -> ([T, embed], k_cache, v_cache)."""
-    ops = parallel_ops.current()
-    mm = kernels.matmul
-    num_tokens = md.positions.shape[0]  # all T tokens: x is [T/tp, embed] under sequence parallelism
-    q = ops.column_linear(x, lp["wq"], mm)
-    k = ops.column_linear(x, lp["wk"], mm)
-    v = ops.column_linear(x, lp["wv"], mm)
-    if c.attention_bias:
-        q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
-    q = q.reshape(num_tokens, -1, c.head_dim)  # [T, local heads, head_dim]
-    k = k.reshape(num_tokens, -1, c.head_dim)
-    v = v.reshape(num_tokens, -1, c.head_dim)
-    if c.qk_norm:
-        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-    q = apply_rope(q, md.positions, inv_freq, rope_factor)
-    k = apply_rope(k, md.positions, inv_freq, rope_factor)
-    k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, md.slot_mapping)
-    attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, md, scale=c.head_dim ** -0.5, sliding_window=c.sliding_window)
-    return ops.row_linear(attn.reshape(num_tokens, -1), lp["wo"], mm), k_cache, v_cache
-
-
 def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
     """Routed experts (+ the gated shared expert of Qwen2-MoE). x: [T, embed] -> [T, embed]."""
     ops = parallel_ops.current()
@@ -139,7 +116,7 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     def layer(carry, xs):
         h, k_cache, v_cache = carry
         lp, layer_idx = xs
-        attn, k_cache, v_cache = attention(
+        attn, k_cache, v_cache = llama.attention(
             c, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), k_cache, v_cache, layer_idx, md, kernels, inv_freq, rope_factor)
         h = h + attn
         h = h + sparse_mlp(c, s, lp, rms_norm(h, lp["mlp_norm"], c.rms_norm_eps), kernels)

@@ -63,7 +63,7 @@ def matmul_reduce_scatter(x, w, matmul, *, axis_name: str, n: int):
     tokens = x.shape[0]
     if tokens % (2 * n):
         raise ValueError(f"matmul_reduce_scatter needs tokens divisible by 2 * {n}, got {tokens}")
-    block, half = tokens // n, tokens // (2 * n)
+    half = tokens // (2 * n)
     me = jax.lax.axis_index(axis_name)
     x_blocks = x.reshape(n, 2, half, x.shape[-1])  # [block, half, half tokens, in/n]
 

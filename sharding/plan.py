@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jlight.config import ModelConfig
 from jlight.sharding import ops as parallel_ops
 from jlight.sharding.mesh import describe, mesh_sizes
-from jlight.sharding.rules import KV_CACHE_AXES, logical_to_spec, named_shardings, param_specs
+from jlight.sharding.rules import KV_CACHE_AXES, logical_to_spec, param_specs
 from jlight.sharding.tensor_parallel import TensorParallelOps
 
 # Collective matmuls replace one all-reduce by a ring of 2(n-1) half-block hops; below a few

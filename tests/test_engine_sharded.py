@@ -1,5 +1,7 @@
-"""The full engine under a tensor-parallel mesh (4 simulated CPU devices) gives the same greedy
-tokens as one device, with collective matmul on (long prefill chunks) and off."""
+"""The full engine under a tensor-parallel mesh (simulated CPU devices) gives the same greedy
+tokens as one device: with collective matmul (long prefill chunks), with KV heads replicated
+(tp > num_kv_heads), with an expert-parallel axis, and from a converted (orbax) checkpoint
+restored straight into the mesh."""
 import json
 import os
 import subprocess
@@ -7,37 +9,60 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import numpy as np
     sys.path.insert(0, {tests!r})
     import jlight
     from jlight import SamplingParams
+    from jlight.convert import convert
     from tiny_models import make_tiny_model
 
-    path = make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024)
+    paths = {{"hf": make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024)}}
+    if any(m == "moe" for m, _, _ in {runs!r}.values()):
+        from test_moe_common import make_tiny_moe_model
+        paths["moe"] = make_tiny_moe_model({tmp!r}, "Qwen3MoeForCausalLM")[0]
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 40, 300, 17)]
+    prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 40, 300, 17)]  # ids valid for both tiny vocabularies
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = {{}}
-    for mesh, batched in ((None, 256), ("tp=2", 256), ("tp=4", 64), ("tp=2,ep=2", 64)):
-        llm = jlight.LLM(path, dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=batched,
+    runs = {runs!r}
+    if any(m == "orbax" for m, _, _ in runs.values()):
+        paths["orbax"] = os.path.join({tmp!r}, "converted")
+        convert(paths["hf"], paths["orbax"], dtype="float32")
+    for name, (kind, mesh, batched) in runs.items():
+        model = paths[kind]
+        llm = jlight.LLM(model, dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=batched,
                          page_size=8, num_pages=256)
         res = llm.generate(prompts, params, use_tqdm=False)
-        out[str(mesh)] = [r.outputs[0].token_ids for r in res]
+        out[name] = [r.outputs[0].token_ids for r in res]
         assert llm.engine.block_manager.num_used_pages == 0
     print("RESULT" + json.dumps(out))
 """)
 
 
-def test_tensor_parallel_engine_matches_single_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+def run_meshes(tmp_path, num_devices: int, runs: dict) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = SCRIPT.format(tests=tests, tmp=str(tmp_path))
+    code = SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    out = json.loads(line[len("RESULT"):])
-    single = out["None"]
-    assert all(len(t) == 12 for t in single)
-    for mesh in ("tp=2", "tp=4", "tp=2,ep=2"):
-        assert out[mesh] == single, f"{mesh} differs from one device"
+    return json.loads(line[len("RESULT"):])
+
+
+def test_two_devices_tp2_with_collective_matmul_and_orbax_restore(tmp_path):
+    # 256-token buckets: the 300-token prompt's chunks are long enough for collective matmul.
+    out = run_meshes(tmp_path, 2, {"single": ("hf", None, 256), "tp=2": ("hf", "tp=2", 256),
+                                   "tp=2 from orbax": ("orbax", "tp=2", 64)})
+    assert all(len(t) == 12 for t in out["single"])
+    assert out["tp=2"] == out["single"]
+    assert out["tp=2 from orbax"] == out["single"]
+
+
+def test_four_devices_kv_head_replication_and_expert_axis(tmp_path):
+    out = run_meshes(tmp_path, 4, {"single": ("hf", None, 64), "tp=4": ("hf", "tp=4", 64),
+                                   "moe single": ("moe", None, 64), "moe tp=2,ep=2": ("moe", "tp=2,ep=2", 64),
+                                   "moe ep=4": ("moe", "ep=4", 64)})
+    assert out["tp=4"] == out["single"]  # 2 KV heads replicated to 4
+    assert out["moe tp=2,ep=2"] == out["moe single"]
+    assert out["moe ep=4"] == out["moe single"]

@@ -22,7 +22,7 @@ from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
-from jlight.engine.sequence import Sequence, SeqStatus
+from jlight.engine.sequence import Sequence
 from jlight.errors import PromptTooLongError
 
 logger = logging.getLogger(__name__)
