@@ -1,0 +1,46 @@
+"""The `jlight` command as a user meets it: the default model answers, bad input is one line."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def jlight(*args, timeout=600):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "jlight.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_generate_with_the_default_model_answers_paris(smollm2_gguf):
+    proc = jlight("generate", "What is the capital of France?", "--max-tokens", "24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert "prompt" in summary and "generated" in summary and "time to first token" in summary and "tokens/s" in summary
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--mesh", "tp=3"], "tp=3"),
+])
+def test_user_errors_are_one_line_with_exit_code_2(args, needle):
+    proc = jlight(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip() and not l.startswith("loading")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("jlight: error:") and needle in lines[0]
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    proc = jlight("generate", "hi", "--model", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "GPT2LMHeadModel" in proc.stderr and "LlamaForCausalLM" in proc.stderr
+
+
+def test_prompt_longer_than_the_context_is_one_line(smollm2_gguf):
+    proc = jlight("generate", "word " * 400, "--max-model-len", "128", "--no-chat")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "context" in proc.stderr.strip().splitlines()[-1]
