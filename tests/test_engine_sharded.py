@@ -18,9 +18,10 @@ SCRIPT = textwrap.dedent("""
     from tiny_models import make_tiny_model
 
     paths = {{"hf": make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024)}}
-    if any(m == "moe" for m, _, _ in {runs!r}.values()):
-        from test_moe_common import make_tiny_moe_model
-        paths["moe"] = make_tiny_moe_model({tmp!r}, "Qwen3MoeForCausalLM")[0]
+    from test_moe_common import make_tiny_moe_model
+    for kind, arch in (("moe", "Qwen3MoeForCausalLM"), ("deepseek", "DeepseekV3ForCausalLM")):
+        if any(m == kind for m, _, _ in {runs!r}.values()):
+            paths[kind] = make_tiny_moe_model({tmp!r}, arch)[0]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 40, 300, 17)]  # ids valid for both tiny vocabularies
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -66,3 +67,12 @@ def test_four_devices_kv_head_replication_and_expert_axis(tmp_path):
     assert out["tp=4"] == out["single"]  # 2 KV heads replicated to 4
     assert out["moe tp=2,ep=2"] == out["moe single"]
     assert out["moe ep=4"] == out["moe single"]
+
+
+def test_eight_devices_deepseek_v3_expert_parallel(tmp_path):
+    """A tiny DeepSeek-V3 (MLA latent cache, 8 routed experts + a shared one) with ep=8 and tp=2,ep=4."""
+    out = run_meshes(tmp_path, 8, {"single": ("deepseek", None, 64), "ep=8": ("deepseek", "ep=8", 64),
+                                   "tp=2,ep=4": ("deepseek", "tp=2,ep=4", 64)})
+    assert all(len(t) == 12 for t in out["single"])
+    assert out["ep=8"] == out["single"]
+    assert out["tp=2,ep=4"] == out["single"]
