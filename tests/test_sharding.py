@@ -317,7 +317,9 @@ def test_int8_all_reduce_within_error_bound(results):
     assert r["copies_identical"]
     assert 0 < r["max_err"]  # it really quantized
     assert r["max_err_over_bound"] <= 1.0 + 1e-4, r
-    assert r["max_bound"] < 0.05 * r["max_abs_sum"], r  # and the bound itself is small
+    # The worst-case bound is loose after the Hadamard rotation (sqrt(group) x the per-group
+    # rounding); the error actually made must be small.
+    assert r["max_err"] < 0.01 * r["max_abs_sum"], r
     assert results["hlo int8"]["all-to-all"] > 0 and results["hlo int8"]["all-reduce"] == 0
 
 
