@@ -134,14 +134,31 @@ class AsyncLLM:
             except Exception as e:  # validated already; anything here goes back to that caller
                 self._deliver(rid, e)
 
+    def _step(self) -> None:
+        """One engine step. A step that raises fails the requests it held, not the server; only
+        repeated failures (a broken device state) stop the loop."""
+        try:
+            outputs = self.engine.step()
+            self._consecutive_failures = 0
+        except Exception as e:  # noqa: BLE001 - reported to every affected request
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= 3:
+                raise
+            logger.exception("engine step failed; aborting the requests it held")
+            for rid in self.engine.abort_all():
+                self._deliver(rid, RuntimeError(f"engine step failed ({type(e).__name__}: {e}); request aborted"))
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
     def _loop(self) -> None:
+        self._consecutive_failures = 0
         try:
             while True:
                 if not self._apply_commands():
                     break
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                    self._step()
                     self._stats = self.engine.stats()
                 else:
                     self._stats = self.engine.stats()

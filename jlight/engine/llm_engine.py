@@ -61,51 +61,29 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded=None):
         self.config = cfg = (config or EngineConfig()).validate()
         _enable_compilation_cache(cfg.compilation_cache_dir)
+        from jlight.models import get_model_family
+        from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
+
+        mesh = None
+        if cfg.mesh:
+            from jlight.sharding.mesh import make_mesh
+
+            mesh = make_mesh(cfg.mesh)
         if loaded is None:
             from jlight.loading import load_model
 
-            mesh = None
-            if cfg.mesh:
-                from jlight.sharding.mesh import make_mesh
-
-                mesh = make_mesh(cfg.mesh)  # converted (orbax) checkpoints restore straight into it
-            loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
+            loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)  # orbax checkpoints restore into the mesh
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(loaded, "name", None) or str(cfg.model or "SmolLM2-135M-Instruct")
-        from jlight.models import get_model_family
-        from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
-
         self.family = get_model_family(self.model_config)
-        params = loaded.params
-        if cfg.quantization:
-            from jlight.pallas_kernels.quantization import quantize_params
-
-            params = quantize_params(params, cfg.quantization)
-        sharding_plan = None
-        if cfg.mesh:
-            from jlight.sharding.mesh import make_mesh
-            from jlight.sharding.plan import ShardingPlan
-
-            sharding_plan = ShardingPlan(make_mesh(cfg.mesh), self.model_config, self.family.param_axes(self.model_config))
-            if sharding_plan.dp > 1:
-                raise ValueError(
-                    f"mesh={cfg.mesh!r}: dp > 1 runs at the model level (benchmarks/mesh_sweep.py) but the engine does not"
-                    " yet schedule one batch per data-parallel replica; use a tp/ep mesh, or one engine per replica")
-            self.model_config = sharding_plan.config
-            params = sharding_plan.prepare_params(params)
-        unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and on_gpu() and sharding_plan is None)
-        if unroll and hasattr(self.family, "unstack_layers") and sharding_plan is None:
-            params = self.family.unstack_layers(params)
-            jax.block_until_ready(params)
-            loaded.params = None  # drop the stacked copy
+        params, sharding_plan = self._prepare_params(loaded, mesh, on_gpu())
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        gpu = on_gpu()
-        max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if gpu else 512)
+        max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if on_gpu() else 512)
         kv_dtype = params["final_norm"].dtype  # the model's compute dtype
-        num_pages = cfg.num_pages or self._size_kv_pool(params, kv_dtype, cfg, sharding_plan)
+        num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len)
         self.runner = ModelRunner(
@@ -142,13 +120,39 @@ class LLMEngine:
         return seconds
 
     # ---- set-up helpers ---------------------------------------------------------------------
-    def _size_kv_pool(self, params, kv_dtype, cfg: EngineConfig, plan) -> int:
+    def _prepare_params(self, loaded, mesh, gpu: bool):
+        """Quantize, shard or unroll the loaded weights as the config asks. Returns (params, plan)."""
+        cfg = self.config
+        params = loaded.params
+        if cfg.quantization:
+            from jlight.pallas_kernels.quantization import quantize_params
+
+            params = quantize_params(params, cfg.quantization)
+        if mesh is not None:
+            from jlight.sharding.plan import ShardingPlan
+
+            plan = ShardingPlan(mesh, self.model_config, self.family.param_axes(self.model_config))
+            if plan.dp > 1:
+                raise ValueError(
+                    f"mesh={cfg.mesh!r}: dp > 1 runs at the model level (benchmarks/mesh_sweep.py) but the engine does not"
+                    " yet schedule one batch per data-parallel replica; use a tp/ep mesh, or one engine per replica")
+            self.model_config = plan.config  # e.g. KV heads replicated up to tp
+            return plan.prepare_params(params), plan
+        unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
+        if unroll and hasattr(self.family, "unstack_layers"):
+            params = self.family.unstack_layers(params)
+            jax.block_until_ready(params)
+            loaded.params = None  # drop the stacked copy
+        return params, None
+
+    def _size_kv_pool(self, kv_dtype, plan) -> int:
+        cfg = self.config
         k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, cfg.page_size)
         bytes_per_page = (int(np.prod(k_shape)) + int(np.prod(v_shape))) * np.dtype(kv_dtype).itemsize
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
         wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1
-        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
         if stats and "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             return max(2, int(free * cfg.kv_cache_memory_fraction) // bytes_per_page)
@@ -220,6 +224,14 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self._finish(seq)
             self._seq_request.pop(seq.seq_id, None)
+
+    def abort_all(self) -> list[str]:
+        """Abort every request and drop the step in flight (after a failed step). Returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort_request(rid)
+        self._in_flight = None
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._in_flight is not None

@@ -179,7 +179,7 @@ class ModelRunner:
                 next_token[t:t + len(nxt)] = nxt
             if r.samples:
                 temperature[row] = p.temperature
-                top_k[row] = p.top_k if p.top_k > 0 else 0
+                top_k[row] = min(p.top_k, self.config.vocab_size) if p.top_k > 0 else 0
                 top_p[row] = p.top_p
                 min_p[row] = p.min_p
                 rep[row], presence[row], frequency[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
