@@ -342,12 +342,12 @@ class LLMEngine:
         if not self.block_manager.enable_prefix_caching or not seq.pages:
             return
         ps = self.block_manager.page_size
-        tokens = seq.all_token_ids
-        limit = min(seq.num_computed_tokens, len(tokens)) // ps
+        num_known = seq.num_tokens - seq.num_pending_tokens
+        limit = min(seq.num_computed_tokens, num_known) // ps
         while len(seq.page_keys) < min(limit, len(seq.pages)):
             i = len(seq.page_keys)
             parent = seq.page_keys[-1] if seq.page_keys else b""
-            key = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+            key = page_hash(parent, seq.token_slice(i * ps, (i + 1) * ps))
             self.block_manager.register_full_page(seq.pages[i], key)
             seq.page_keys.append(key)
 

@@ -156,14 +156,14 @@ class ModelRunner:
         ps = self.page_size
         for row, r in enumerate(plan.rows):
             seq, n, start = r.seq, r.num_tokens, r.start
-            known = seq.all_token_ids
+            num_known = seq.num_tokens - seq.num_pending_tokens
             end = start + n
             pos = np.arange(start, end, dtype=np.int32)
             positions[t:t + n] = pos
-            if end <= len(known):
-                tokens[t:t + n] = known[start:end]
+            if end <= num_known:
+                tokens[t:t + n] = seq.token_slice(start, end)
             else:  # the last token was sampled by the previous step and is still on device
-                assert end == len(known) + 1 and seq.last_row is not None and n == 1
+                assert end == num_known + 1 and seq.last_row is not None and n == 1
                 from_prev[t] = seq.last_row
             pages = np.asarray(seq.pages, np.int32)
             slot_mapping[t:t + n] = pages[pos // ps] * ps + pos % ps
@@ -175,7 +175,7 @@ class ModelRunner:
             p = seq.params
             if p.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
                 want_plp = True
-                nxt = known[start + 1:min(end + 1, len(seq.prompt_token_ids))]
+                nxt = seq.prompt_token_ids[start + 1:min(end + 1, len(seq.prompt_token_ids))]
                 next_token[t:t + len(nxt)] = nxt
             if r.samples:
                 temperature[row] = p.temperature
