@@ -6,7 +6,7 @@ import itertools
 from typing import Iterator
 
 from jlight.engine.engine_config import EngineConfig
-from jlight.engine.llm_engine import LLMEngine
+from jlight.engine.data_parallel import make_engine
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ class LLM:
         unknown = sorted(set(engine_options) - fields)
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; valid ones: {', '.join(sorted(fields))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = make_engine(EngineConfig(model=model, **engine_options))  # dp > 1: one engine per replica
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len

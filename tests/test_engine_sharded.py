@@ -1,7 +1,7 @@
-"""The full engine under a tensor-parallel mesh (simulated CPU devices) gives the same greedy
-tokens as one device: with collective matmul (long prefill chunks), with KV heads replicated
-(tp > num_kv_heads), with an expert-parallel axis, and from a converted (orbax) checkpoint
-restored straight into the mesh."""
+"""The full engine under a mesh (simulated CPU devices) gives the same greedy tokens as one
+device: tensor parallel with collective matmul (long prefill chunks) and with KV heads
+replicated (tp > num_kv_heads), data-parallel replicas, expert-parallel axes, and a converted
+(orbax) checkpoint restored straight into the mesh."""
 import json
 import os
 import subprocess
@@ -10,6 +10,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
+    import jax
     import numpy as np
     sys.path.insert(0, {tests!r})
     import jlight
@@ -36,7 +37,11 @@ SCRIPT = textwrap.dedent("""
                          page_size=8, num_pages=256)
         res = llm.generate(prompts, params, use_tqdm=False)
         out[name] = [r.outputs[0].token_ids for r in res]
-        assert llm.engine.block_manager.num_used_pages == 0
+        assert llm.engine.stats().num_pages_used == 0
+        if hasattr(llm.engine, "replicas"):  # data parallel: each replica's KV pool on its own devices
+            groups = [frozenset(d.id for d in r.runner.k_cache.devices()) for r in llm.engine.replicas]
+            assert len(set().union(*groups)) == sum(len(g) for g in groups) == jax.device_count(), groups
+            assert all(r.num_steps > 0 for r in llm.engine.replicas)  # and every replica did work
     print("RESULT" + json.dumps(out))
 """)
 
@@ -60,11 +65,14 @@ def test_two_devices_tp2_with_collective_matmul_and_orbax_restore(tmp_path):
     assert out["tp=2 from orbax"] == out["single"]
 
 
-def test_four_devices_kv_head_replication_and_expert_axis(tmp_path):
+def test_four_devices_kv_head_replication_data_parallel_and_expert_axis(tmp_path):
     out = run_meshes(tmp_path, 4, {"single": ("hf", None, 64), "tp=4": ("hf", "tp=4", 64),
+                                   "dp=2,tp=2": ("hf", "dp=2,tp=2", 64), "dp=4": ("hf", "dp=4", 64),
                                    "moe single": ("moe", None, 64), "moe tp=2,ep=2": ("moe", "tp=2,ep=2", 64),
                                    "moe ep=4": ("moe", "ep=4", 64)})
     assert out["tp=4"] == out["single"]  # 2 KV heads replicated to 4
+    assert out["dp=2,tp=2"] == out["single"]  # two replicas, each tp=2, requests spread over them
+    assert out["dp=4"] == out["single"]  # four single-device replicas
     assert out["moe tp=2,ep=2"] == out["moe single"]
     assert out["moe ep=4"] == out["moe single"]
 

@@ -58,8 +58,21 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded=None):
-        self.config = cfg = (config or EngineConfig()).validate()
+    def __init__(self, config: EngineConfig | None = None, loaded=None, devices=None):
+        """`devices`: run on these devices only (a data-parallel replica's group); default all."""
+        config = (config or EngineConfig()).validate()
+        if devices is not None and not config.mesh:
+            if len(devices) != 1:
+                raise ValueError(f"{len(devices)} devices given without a mesh; pass mesh= to use several")
+            if loaded is not None:
+                loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params, devices[0]))
+            with jax.default_device(devices[0]):  # caches and buffers made at set-up live there too
+                self._init(config, loaded, None)
+        else:
+            self._init(config, loaded, devices)
+
+    def _init(self, config: EngineConfig, loaded, devices) -> None:
+        self.config = cfg = config
         _enable_compilation_cache(cfg.compilation_cache_dir)
         from jlight.models import get_model_family
         from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
@@ -68,7 +81,7 @@ class LLMEngine:
         if cfg.mesh:
             from jlight.sharding.mesh import make_mesh
 
-            mesh = make_mesh(cfg.mesh)
+            mesh = make_mesh(cfg.mesh, devices)
         if loaded is None:
             from jlight.loading import load_model
 
@@ -133,9 +146,7 @@ class LLMEngine:
 
             plan = ShardingPlan(mesh, self.model_config, self.family.param_axes(self.model_config))
             if plan.dp > 1:
-                raise ValueError(
-                    f"mesh={cfg.mesh!r}: dp > 1 runs at the model level (benchmarks/mesh_sweep.py) but the engine does not"
-                    " yet schedule one batch per data-parallel replica; use a tp/ep mesh, or one engine per replica")
+                raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
             self.model_config = plan.config  # e.g. KV heads replicated up to tp
             return plan.prepare_params(params), plan
         unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)

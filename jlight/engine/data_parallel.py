@@ -1,0 +1,105 @@
+"""Data parallelism: `dp` replicas of the engine, each on its own group of devices.
+
+A mesh like "dp=2,tp=4" on 8 devices makes two LLMEngines, each tensor-parallel over 4
+devices, sharing the loaded weights' source but nothing at run time (their own KV pools,
+schedulers and compiled steps), as vLLM's data-parallel engine cores do. A request goes to
+the replica with the fewest unfinished requests; `step()` steps every busy replica. JAX
+dispatch is asynchronous and each replica keeps one step in flight, so the replicas' devices
+work at the same time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jlight.engine.engine_config import EngineConfig
+from jlight.engine.llm_engine import EngineStats, LLMEngine
+from jlight.engine.outputs import RequestOutput
+
+
+def replica_mesh_spec(spec: str) -> tuple[int, str | None]:
+    """'dp=2,tp=4' -> (2, 'tp=4'); 'dp=2' -> (2, None): what each replica runs."""
+    from jlight.sharding.mesh import parse_mesh_spec
+
+    sizes = parse_mesh_spec(spec)
+    rest = ",".join(f"{axis}={size}" for axis, size in sizes.items() if axis != "dp" and size > 1)
+    return sizes["dp"], rest or None
+
+
+def make_engine(config: EngineConfig):
+    """An LLMEngine, or a DataParallelEngine when the mesh has dp > 1."""
+    if config.mesh and replica_mesh_spec(config.mesh)[0] > 1:
+        return DataParallelEngine(config)
+    return LLMEngine(config)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig):
+        from jlight.loading import load_model
+
+        config.validate()
+        dp, replica_spec = replica_mesh_spec(config.mesh)
+        devices = jax.devices()
+        if len(devices) % dp:
+            raise ValueError(f"mesh={config.mesh!r}: dp={dp} does not divide the {len(devices)} devices")
+        per = len(devices) // dp
+        loaded = load_model(config.model, dtype=config.dtype)  # once; each replica copies it to its devices
+        replica_config = dataclasses.replace(config, mesh=replica_spec)
+        self.replicas = [LLMEngine(replica_config, loaded=loaded, devices=devices[r * per:(r + 1) * per])
+                         for r in range(dp)]
+        first = self.replicas[0]
+        self.config = config
+        self.tokenizer, self.model_config = first.tokenizer, first.model_config
+        self.max_model_len, self.model_name = first.max_model_len, first.model_name
+        self.warmup_seconds = sum(r.warmup_seconds for r in self.replicas)
+        self._replica_of: dict[str, LLMEngine] = {}
+
+    @property
+    def requests(self) -> dict:
+        return {rid: req for r in self.replicas for rid, req in r.requests.items()}
+
+    @property
+    def num_steps(self) -> int:
+        return max(r.num_steps for r in self.replicas)
+
+    def validate_request(self, *args, **kwargs):
+        return self.replicas[0].validate_request(*args, **kwargs)
+
+    def add_request(self, request_id, prompt, sampling_params=None, prompt_token_ids=None, arrival_time=None) -> str:
+        if request_id is not None and request_id in self._replica_of:
+            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        replica = min(self.replicas, key=lambda r: len(r.requests))
+        request_id = replica.add_request(request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+        self._replica_of[request_id] = replica
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        replica = self._replica_of.pop(request_id, None)
+        if replica is not None:
+            replica.abort_request(request_id)
+
+    def abort_all(self) -> list[str]:
+        self._replica_of.clear()
+        return [rid for r in self.replicas for rid in r.abort_all()]
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for replica in self.replicas:
+            if replica.has_unfinished_requests():
+                outputs.extend(replica.step())
+        for out in outputs:
+            if out.finished:
+                self._replica_of.pop(out.request_id, None)
+        return outputs
+
+    def run_to_completion(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
+
+    def stats(self) -> EngineStats:
+        per = [dataclasses.asdict(r.stats()) for r in self.replicas]
+        return EngineStats(**{k: (max if k == "num_steps" else sum)(p[k] for p in per) for k in per[0]})
