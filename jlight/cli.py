@@ -57,6 +57,21 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     return opts
 
 
+def _distributed_arguments(p: argparse.ArgumentParser) -> None:
+    """One mesh over several processes (hosts), through JAX's own runtime (jax.distributed)."""
+    p.add_argument("--coordinator-address", default=None, help="host:port of process 0 (the same on every process)")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+
+
+def _start_distributed(args) -> None:
+    if args.coordinator_address or args.num_processes or args.process_id is not None:
+        from jlight.sharding.distributed import initialize
+
+        # Every process runs the same command; their engines step in lockstep over one mesh.
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -113,6 +128,7 @@ def _summary(n_prompt: int, ids: list[int], ttft: float | None, total: float) ->
 
 def cmd_generate(args) -> int:
     params = _sampling_params(args)
+    _start_distributed(args)
     llm = _load(args)
     if args.no_chat or llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         prompt_ids = llm.tokenizer.encode(args.prompt) if llm.tokenizer is not None else None
@@ -170,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(g)
     _sampling_arguments(g)
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
+    _distributed_arguments(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat with history")
     add_engine_arguments(c)

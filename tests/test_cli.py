@@ -44,3 +44,26 @@ def test_prompt_longer_than_the_context_is_one_line(smollm2_gguf):
     proc = jlight("generate", "word " * 400, "--max-model-len", "128", "--no-chat")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "context" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_generate_over_two_processes_matches_one(tiny_model, tmp_path):
+    """`jlight generate` in two processes joined by jax.distributed on loopback, one tp=2 mesh
+    spanning both (one CPU device each), prints the same text as a single process."""
+    import socket
+
+    model = tiny_model("LlamaForCausalLM")
+    common = ["generate", "Paris is the capital", "--model", model, "--dtype", "float32", "--no-chat", "--max-tokens", "12"]
+    single = jlight(*common)
+    assert single.returncode == 0, single.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-m", "jlight.cli", *common, "--mesh", "tp=2",
+                               "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-2000:]
+        text = "\n".join(l for l in out.splitlines() if not l.startswith("[Gloo]"))  # the CPU collectives' log line
+        assert text.strip() and text.strip() == single.stdout.strip()
