@@ -92,10 +92,35 @@ def _grouped_matmul(rows, w, group_sizes, row_expert):
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
+def _gathered_matmul(rows, w, ids):
+    """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts."""
+    if isinstance(w, QuantizedWeight):
+        y = jnp.einsum("ri,rio->ro", rows, w.values[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
+        return y * w.scales[ids].astype(jnp.float32)
+    return jnp.einsum("ri,rio->ro", rows, w[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
+
+
+def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
+    """Few (token, expert) pairs (decode): gather just the chosen experts' weights, so a step reads
+    T*k experts instead of all of them (XLA's ragged_dot pads every group to a dense contraction)."""
+    num_tokens, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    rows = jnp.repeat(x, k, axis=0)  # [T*k, E], row t*k + j is token t
+    hidden = (act(_gathered_matmul(rows, w_gate, flat_ids)) * _gathered_matmul(rows, w_up, flat_ids)).astype(x.dtype)
+    out_rows = _gathered_matmul(hidden, w_down, flat_ids) * topk_weights.reshape(-1, 1).astype(jnp.float32)
+    return out_rows.reshape(num_tokens, k, -1).sum(axis=1).astype(x.dtype)
+
+
 def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
-    """Each token's k experts, computed as grouped matmuls over the rows sorted by expert."""
+    """Each token's k experts, computed as grouped matmuls over the rows sorted by expert.
+
+    When the (token, expert) pairs are few next to the experts (decode), the chosen experts'
+    weights are gathered instead; a gather copies what it reads, hence the factor 3 margin.
+    """
     num_tokens, k = topk_ids.shape
     num_experts = w_gate.shape[0] if not isinstance(w_gate, QuantizedWeight) else w_gate.values.shape[0]
+    if 3 * num_tokens * k <= num_experts:
+        return gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat_ids, stable=True)  # [T*k] rows grouped by expert
     row_expert = flat_ids[order]

@@ -86,6 +86,23 @@ def test_grouped_expert_ffn_matches_dense_all_experts():
     np.testing.assert_allclose(np.asarray(grouped_q), np.asarray(dense_q), rtol=1e-4, atol=1e-4)
 
 
+def test_gathered_experts_path_matches_dense_for_few_tokens():
+    """Decode-sized batches take the gathered-weights path (3*T*k <= experts); same answers."""
+    from jlight.models.moe import gathered_expert_ffn
+
+    kx, kw, kr = jax.random.split(jax.random.PRNGKey(1), 3)
+    w_gate, w_up, w_down = _random_experts(kw)  # 6 experts
+    x = jax.random.normal(kx, (1, 16))  # one token, k=2: 3 * 1 * 2 <= 6, so grouped_expert_ffn gathers
+    weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(kr, (1, 6))), 2)
+    dense = np.asarray(dense_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
+    for fn in (gathered_expert_ffn, grouped_expert_ffn):
+        got = np.asarray(jax.jit(lambda *a, f=fn: f(*a, jax.nn.silu))(x, ids, weights, w_gate, w_up, w_down))
+        np.testing.assert_allclose(got, dense, rtol=1e-5, atol=1e-5)
+    q = [quantize_int8(w) for w in (w_gate, w_up, w_down)]
+    np.testing.assert_allclose(np.asarray(gathered_expert_ffn(x, ids, weights, *q, jax.nn.silu)),
+                               np.asarray(dense_expert_ffn(x, ids, weights, *q, jax.nn.silu)), rtol=1e-4, atol=1e-4)
+
+
 def test_too_many_experts_per_token_is_a_value_error():
     from jlight.config import ModelConfig
     from jlight.models import mixtral
