@@ -27,6 +27,21 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
     return k_cache, v_cache
 
 
+def online_softmax_step(carry, scores, mask, weighted_values):
+    """Fold one page of scores into a running softmax (m = max, l = sum, acc = weighted values).
+
+    scores: [..., page_size] with mask broadcastable to it; weighted_values(p) -> p . V for
+    probabilities p of scores' shape. Masked positions contribute nothing, even on a page
+    that is masked entirely.
+    """
+    m, l, acc = carry
+    scores = jnp.where(mask, scores, _MASKED)
+    m_new = jnp.maximum(m, scores.max(-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    correction = jnp.exp(m - m_new)
+    return m_new, l * correction + p.sum(-1), acc * correction[..., None] + weighted_values(p)
+
+
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None):
     """Causal attention of each token over its own sequence's pages.
 
@@ -42,7 +57,6 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     num_pages = (jnp.max(md.context_lens) + page_size - 1) // page_size
 
     def body(j, carry):
-        m, l, acc = carry
         page = token_pages[:, j]
         k = k_cache[layer, page].astype(jnp.float32)  # [T, page_size, kv_heads, head_dim]
         v = v_cache[layer, page].astype(jnp.float32)
@@ -51,14 +65,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         mask = kv_pos[None, :] <= positions[:, None]  # [T, page_size]
         if sliding_window is not None:
             mask &= kv_pos[None, :] > positions[:, None] - sliding_window
-        mask = mask[:, None, None, :]
-        s = jnp.where(mask, s, _MASKED)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, v)
-        return m_new, l, acc
+        return online_softmax_step(carry, s, mask[:, None, None, :], lambda p: jnp.einsum("tkgs,tskd->tkgd", p, v))
 
     init = (
         jnp.full((num_tokens, num_kv_heads, group), _MASKED, jnp.float32),

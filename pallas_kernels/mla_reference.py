@@ -9,9 +9,8 @@ entirely in latent space: score = q_latent . c + q_rope . k_rope, out = softmax 
 import jax
 import jax.numpy as jnp
 
+from jlight.pallas_kernels.attention_reference import _MASKED, online_softmax_step
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
-
-_MASKED = -1e30
 
 
 def write_latent(cache, layer, latent, slot_mapping):
@@ -35,19 +34,12 @@ def paged_latent_attention(q_latent, q_rope, cache, layer, md: BatchMetadata, *,
     num_pages = (jnp.max(md.context_lens) + page_size - 1) // page_size
 
     def body(j, carry):
-        m, l, acc = carry
         kv = cache[layer, token_pages[:, j], :, 0].astype(jnp.float32)  # [T, page_size, C + R]
         c, k_rope = kv[..., :latent_dim], kv[..., latent_dim:]
         s = jnp.einsum("thc,tsc->ths", ql, c) + jnp.einsum("thr,tsr->ths", qr, k_rope)
         kv_pos = j * page_size + jnp.arange(page_size)
         mask = (kv_pos[None, :] <= positions[:, None])[:, None, :]  # [T, 1, page_size]
-        s = jnp.where(mask, s, _MASKED)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("ths,tsc->thc", p, c)
-        return m_new, l, acc
+        return online_softmax_step(carry, s, mask, lambda p: jnp.einsum("ths,tsc->thc", p, c))
 
     init = (
         jnp.full((num_tokens, num_heads), _MASKED, jnp.float32),
