@@ -128,11 +128,9 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
             gname = f"blk.{layer}.{_HF_LAYER_TO_GGUF[suffix]}"
         else:
             gname = _HF_TO_GGUF[name]
-        if arch != "llama":
-            pass  # llama.cpp permutes Q/K rows of llama models only
-        elif "q_proj" in name:
+        if arch == "llama" and "q_proj" in name:  # llama.cpp permutes Q/K rows of llama models only
             arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
-        elif "k_proj" in name:
+        elif arch == "llama" and "k_proj" in name:
             arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
         if arr.ndim == 2:
             data = gguf.quants.quantize(arr, qtype)  # uint8 blocks, or a float16 array for F16
