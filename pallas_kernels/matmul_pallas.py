@@ -52,21 +52,34 @@ def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_s
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, num_rows):
+def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, num_rows,
+                       reduce_each_step):
     """For a few rows: multiply-and-reduce on the CUDA cores instead of a 16-row
-    tensor-core tile that would be mostly padding; the weight tile is loaded once."""
+    tensor-core tile that would be mostly padding; the weight tile is loaded once.
+
+    By default each row keeps a [block_k, block_n] float32 accumulator of elementwise
+    products and reduces it over `in` once, after the loop: the loop body is then loads,
+    converts and FMAs only, with no cross-thread reduction per step.
+    `reduce_each_step=True` is the earlier variant (reduce every step), kept for the benchmark.
+    """
     split = pl.program_id(2)
     first = split * steps_per_split
     last = jnp.minimum(first + steps_per_split, num_steps)
     block_n = o_ref.shape[1]
+    acc_shape = (block_n,) if reduce_each_step else (block_k, block_n)
 
     def body(step, accs):
         k = pl.ds(step * block_k, block_k)
         w = w_ref[k, :].astype(jnp.float32)  # [block_k, block_n]
-        return tuple(acc + jnp.sum(x_ref[r, k].astype(jnp.float32)[:, None] * w, axis=0) for r, acc in enumerate(accs))
+        products = [x_ref[r, k].astype(jnp.float32)[:, None] * w for r in range(num_rows)]
+        if reduce_each_step:
+            return tuple(acc + jnp.sum(p, axis=0) for acc, p in zip(accs, products))
+        return tuple(acc + p for acc, p in zip(accs, products))
 
-    accs = jax.lax.fori_loop(first, last, body, tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(num_rows)))
+    accs = jax.lax.fori_loop(first, last, body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_rows)))
     for r, acc in enumerate(accs):  # rows past num_rows are padding, sliced off by the caller
+        if not reduce_each_step:
+            acc = jnp.sum(acc, axis=0)
         if apply_scale:
             acc = acc * s_ref[...].astype(jnp.float32)
         o_ref[r, :] = acc.astype(o_ref.dtype)
@@ -88,9 +101,9 @@ def _pad_rows(x, multiple):
     return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv", "reduce_each_step"))
 def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_n=None, block_k=None, num_splits=None,
-                 num_warps=None, num_stages=4, gemv=None):
+                 num_warps=None, num_stages=4, gemv=None, reduce_each_step=False):
     """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out]."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
@@ -100,14 +113,17 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     # Tile sizes from the H200 sweep in docs/BENCHMARKS.md (best of those tried at M=1).
     block_n = block_n or _largest_pow2_divisor(n, 128 if gemv or m > 16 else 64)
     num_warps = num_warps or (8 if gemv else 4)
-    block_k = block_k or _largest_pow2_divisor(k, 128 if m <= 16 else 64)
+    # GEMV rows each hold a [block_k, block_n] f32 accumulator: cap rows * block_k * block_n
+    # at 16K elements (64 registers per thread at 8 warps).
+    gemv_k_cap = 128 if reduce_each_step else max(16, 16384 // (block_n * m))
+    block_k = block_k or _largest_pow2_divisor(k, gemv_k_cap if gemv else 128 if m <= 16 else 64)
     num_steps = k // block_k
     tiles = -(-m // block_m) * (n // block_n)
     num_splits = num_splits or (max(1, min(-(-2 * _NUM_SMS // tiles), num_steps // 4)) if tiles < 2 * _NUM_SMS else 1)
     steps_per_split = -(-num_steps // num_splits)
     xp = _pad_rows(x, block_m)  # [M_pad, in]
     common = dict(block_k=block_k, steps_per_split=steps_per_split, num_steps=num_steps, apply_scale=num_splits == 1)
-    kernel = (functools.partial(_w8a16_gemv_kernel, num_rows=m, **common) if gemv
+    kernel = (functools.partial(_w8a16_gemv_kernel, num_rows=m, reduce_each_step=reduce_each_step, **common) if gemv
               else functools.partial(_w8a16_kernel, **common))
     out_type = out_dtype if num_splits == 1 else jnp.float32
     y = pl.pallas_call(

@@ -28,6 +28,19 @@ def test_w8a16_matches_dequantized_reference(m, k, n, dtype):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_w8a16_gemv_reduce_variants_agree(m):
+    """The 2-D accumulator (default) and reduce-every-step GEMV compute the same sums."""
+    rng = np.random.default_rng(20 + m)
+    w = quantize_int8(_weights(rng, 384, 96))
+    x = jnp.asarray(rng.standard_normal((m, 384)), jnp.float32)
+    late = matmul_pallas.w8a16_matmul(x, w, gemv=True)
+    early = matmul_pallas.w8a16_matmul(x, w, gemv=True, reduce_each_step=True)
+    want = np.asarray(x @ dequantize(w))
+    np.testing.assert_allclose(np.asarray(late), want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(early), want, atol=1e-4, rtol=1e-4)
+
+
 def test_w8a16_split_k_equals_one_pass():
     rng = np.random.default_rng(3)
     w = quantize_int8(_weights(rng, 512, 64))
