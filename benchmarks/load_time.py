@@ -39,53 +39,67 @@ SMALL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hid
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192, rope_theta=500000.0)
 
 
-def hf_config(shape: dict) -> dict:
+def hf_config(shape: dict, **overrides) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
-            "eos_token_id": 128001, "hidden_act": "silu", **shape}
+            "eos_token_id": 128001, "hidden_act": "silu", **shape, **overrides}
 
 
-def write_random_safetensors(directory: str, shape: dict) -> int:
-    """Write the checkpoint one layer per file (host memory stays at one layer); return bytes."""
+def write_random_safetensors(directory: str, shape: dict, *, config: dict | None = None, seed: int = 0,
+                             same_weights_every_layer: bool = False, zero_lm_head_rows: range = range(0)) -> int:
+    """Write the checkpoint one layer per file (host memory stays at one layer); return bytes.
+
+    config: what config.json holds (default hf_config(shape)). same_weights_every_layer: draw
+    one layer's random tensors and write them for every layer (each layer still has its own
+    tensors in the files; only the values repeat), which makes an 8B checkpoint several times
+    faster to write. zero_lm_head_rows: lm_head rows set to 0 (their logits are exactly 0).
+    """
     import ml_dtypes
     from safetensors.numpy import save_file
 
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config(shape), f, indent=1)
+        json.dump(config if config is not None else hf_config(shape), f, indent=1)
     E, F, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     head_dim = E // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
 
     def tensor(*dims):
         bits = rng.integers(0, 1 << 16, size=dims, dtype=np.uint16)  # [*dims]
-        # sign and 7 mantissa bits random, exponent in 2^-15 .. 2^0: 12 random bits of 16.
-        bits = (bits & 0x807F) | ((112 + ((bits >> 7) & 0xF)) << 7).astype(np.uint16)
+        # sign, 7 mantissa bits and the exponent's low 4 bits random; exponent 0b0111xxxx, i.e.
+        # magnitudes in [2^-15, 2): 12 random bits of 16 (in place: 8e9 values must be cheap).
+        np.bitwise_and(bits, 0x87FF, out=bits)
+        np.bitwise_or(bits, 0x3800, out=bits)
         return bits.view(ml_dtypes.bfloat16)
 
-    files: dict[str, dict[str, np.ndarray]] = {
-        "model-globals.safetensors": {
-            "model.embed_tokens.weight": tensor(V, E), "lm_head.weight": tensor(V, E),
-            "model.norm.weight": np.ones(E, ml_dtypes.bfloat16),
+    def layer_tensors() -> dict[str, np.ndarray]:
+        return {
+            "input_layernorm.weight": np.ones(E, ml_dtypes.bfloat16),
+            "post_attention_layernorm.weight": np.ones(E, ml_dtypes.bfloat16),
+            "self_attn.q_proj.weight": tensor(q, E), "self_attn.k_proj.weight": tensor(kv, E),
+            "self_attn.v_proj.weight": tensor(kv, E), "self_attn.o_proj.weight": tensor(E, q),
+            "mlp.gate_proj.weight": tensor(F, E), "mlp.up_proj.weight": tensor(F, E),
+            "mlp.down_proj.weight": tensor(E, F),
         }
-    }
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        files[f"model-layer{i:03d}.safetensors"] = {
-            p + "input_layernorm.weight": np.ones(E, ml_dtypes.bfloat16),
-            p + "post_attention_layernorm.weight": np.ones(E, ml_dtypes.bfloat16),
-            p + "self_attn.q_proj.weight": tensor(q, E), p + "self_attn.k_proj.weight": tensor(kv, E),
-            p + "self_attn.v_proj.weight": tensor(kv, E), p + "self_attn.o_proj.weight": tensor(E, q),
-            p + "mlp.gate_proj.weight": tensor(F, E), p + "mlp.up_proj.weight": tensor(F, E),
-            p + "mlp.down_proj.weight": tensor(E, F),
-        }
+
     weight_map, total = {}, 0
-    for name in list(files):
-        tensors = files.pop(name)  # drop each file's arrays once written
+
+    def save(name: str, tensors: dict[str, np.ndarray]) -> None:
+        nonlocal total
         save_file(tensors, os.path.join(directory, name))
         weight_map.update({k: name for k in tensors})
         total += sum(t.nbytes for t in tensors.values())
+
+    lm_head = tensor(V, E)
+    lm_head[zero_lm_head_rows.start:zero_lm_head_rows.stop] = 0
+    save("model-globals.safetensors", {"model.embed_tokens.weight": tensor(V, E), "lm_head.weight": lm_head,
+                                       "model.norm.weight": np.ones(E, ml_dtypes.bfloat16)})
+    del lm_head
+    shared = layer_tensors() if same_weights_every_layer else None
+    for i in range(shape["num_hidden_layers"]):
+        layer = shared if shared is not None else layer_tensors()  # one layer in memory at a time
+        save(f"model-layer{i:03d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer.items()})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     return total

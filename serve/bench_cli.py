@@ -14,8 +14,13 @@ token-id prompts with ignore_eos so the lengths hold) or `sharegpt` (a ShareGPT-
 file; the first human turn is the prompt, the reply's token count the output length, both
 counted with the server's /tokenize).
 
-Writes a JSON with every rate's summary, and a PNG of latency percentiles vs request rate
-when matplotlib is installed.
+Each rate gets its own prompts (and the warm-up its own), so a rate never finds its prompts
+in the server's prefix cache from an earlier rate; a ShareGPT file too small for that reuses
+one set for every rate, and the report says so (`prompts_reused_across_rates`).
+
+Writes a JSON with every rate's summary (rewritten after each rate, so a run cut short keeps
+the rates it finished), and a PNG of latency percentiles vs request rate when matplotlib is
+installed.
 
     jlight bench serve --base-url http://127.0.0.1:8000 --request-rates 1,4,16,inf \
         --num-prompts 200 --input-len 256 --output-len 128 --out results/serving
@@ -71,9 +76,11 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
 
 
 def sharegpt_requests(path: str, num: int, client: httpx.Client, seed: int,
-                      max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[BenchRequest]:
-    """Conversations with a human turn followed by a reply, filtered like vLLM's
-    (prompt >= 4 tokens, reply >= 4, prompt <= 1024, prompt + reply <= 2048)."""
+                      max_prompt_len: int = 1024, max_total_len: int = 2048,
+                      at_least: int | None = None) -> list[BenchRequest]:
+    """Up to `num` conversations with a human turn followed by a reply, filtered like vLLM's
+    (prompt >= 4 tokens, reply >= 4, prompt <= 1024, prompt + reply <= 2048); ValueError when
+    fewer than `at_least` (default `num`) are usable."""
     with open(path) as f:
         data = json.load(f)
     pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
@@ -94,9 +101,19 @@ def sharegpt_requests(path: str, num: int, client: httpx.Client, seed: int,
         if prompt_len < 4 or out_len < 4 or prompt_len > max_prompt_len or prompt_len + out_len > max_total_len:
             continue
         requests.append(BenchRequest(prompt, prompt_len, out_len))
-    if len(requests) < num:
+    if len(requests) < (num if at_least is None else at_least):
         raise ValueError(f"{path} holds only {len(requests)} usable conversations; lower --num-prompts")
     return requests
+
+
+def split_requests(pool: list[BenchRequest], num: int, num_rates: int,
+                   warmup: int) -> tuple[list[BenchRequest], list[list[BenchRequest]], bool]:
+    """(warm-up requests, one list of `num` per rate, reused): distinct prompts for the warm-up
+    and for each rate when the pool holds enough, else the first `num` for every rate."""
+    if len(pool) >= warmup + num * num_rates:
+        rest = pool[warmup:]
+        return pool[:warmup], [rest[i * num:(i + 1) * num] for i in range(num_rates)], False
+    return pool[:warmup], [pool[:num]] * num_rates, True
 
 
 # ---- one request --------------------------------------------------------------------------
@@ -271,31 +288,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    wanted = args.warmup_requests + args.num_prompts * len(args.request_rates)
     with httpx.Client(base_url=args.base_url, headers=headers, timeout=60) as client:
         model = args.model or client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         if args.dataset == "sharegpt":
             if not args.dataset_path:
                 raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
-            requests = sharegpt_requests(args.dataset_path, args.num_prompts, client, args.seed)
+            pool = sharegpt_requests(args.dataset_path, wanted, client, args.seed, at_least=args.num_prompts)
         else:
-            requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                       args.vocab_size, args.seed)
+            pool = random_requests(wanted, args.input_len, args.output_len, args.range_ratio,
+                                   args.vocab_size, args.seed)
+    warmup, per_rate, reused = split_requests(pool, args.num_prompts, len(args.request_rates), args.warmup_requests)
+    if reused:
+        print(f"note: {len(pool)} prompts are too few for distinct sets per rate; every rate sends the same "
+              f"{args.num_prompts}, so later rates may find them in the server's prefix cache")
     ignore_eos = args.dataset == "random"
-    if args.warmup_requests:
-        asyncio.run(run_at_rate(args.base_url, requests[:args.warmup_requests], math.inf, None, model,
-                                args.api_key, ignore_eos, args.seed))
-    summaries = []
-    for rate in args.request_rates:
+    if warmup:
+        asyncio.run(run_at_rate(args.base_url, warmup, math.inf, None, model, args.api_key, ignore_eos, args.seed))
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "model": model,
+              "dataset": args.dataset, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "range_ratio": args.range_ratio,
+              "max_concurrency": args.max_concurrency, "prompts_reused_across_rates": reused, "results": []}
+    for rate, requests in zip(args.request_rates, per_rate):
         s = asyncio.run(run_at_rate(args.base_url, requests, rate, args.max_concurrency, model, args.api_key,
                                     ignore_eos, args.seed))
         print_summary(s)
-        summaries.append(s)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "model": model,
-              "dataset": args.dataset, "num_prompts": args.num_prompts, "input_len": args.input_len,
-              "output_len": args.output_len, "max_concurrency": args.max_concurrency, "results": summaries}
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    wrote_png = plot(summaries, args.out + ".png")
+        report["results"].append(s)
+        with open(args.out + ".json", "w") as f:  # after every rate: a run cut short keeps what it measured
+            json.dump(report, f, indent=2)
+    wrote_png = plot(report["results"], args.out + ".png")
     print(f"wrote {args.out}.json" + (f" and {args.out}.png" if wrote_png else " (no PNG: matplotlib is not installed)"))
     return report
 
