@@ -36,9 +36,16 @@ def test_w8a16_gemv_reduce_variants_agree(m):
     x = jnp.asarray(rng.standard_normal((m, 384)), jnp.float32)
     late = matmul_pallas.w8a16_matmul(x, w, gemv=True)
     early = matmul_pallas.w8a16_matmul(x, w, gemv=True, reduce_each_step=True)
+    magic = matmul_pallas.w8a16_matmul(x, w, gemv=True, magic_convert=True)
     want = np.asarray(x @ dequantize(w))
+    np.testing.assert_allclose(np.asarray(magic), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(late), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(early), want, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_to_f32_magic_conversion_is_exact():
+    v = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    np.testing.assert_array_equal(np.asarray(matmul_pallas._int8_to_f32(v, magic=True)), np.arange(-128, 128, dtype=np.float32))
 
 
 def test_w8a16_split_k_equals_one_pass():
