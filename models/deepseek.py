@@ -5,10 +5,11 @@ token) plus one RoPE key shared by the heads (qk_rope_head_dim values). The cach
 [c, k_rope]; the K up-projection is absorbed into the query and the V up-projection into the
 output (pallas_kernels/mla_reference.py), so nothing per-head is ever cached or expanded.
 
-MLP: the first `first_k_dense_replace` layers are dense (their own "dense_layers" stack, run by
-a first lax.scan); the rest are MoE layers with `n_shared_experts` always-on experts plus routed
+MLP: the first `first_k_dense_replace` layers are dense (their own "dense_layers" stack, run
+first); the rest are MoE layers with `n_shared_experts` always-on experts plus routed
 ones: V2 softmax scores with greedy / group-limited top-k, V3 sigmoid scores with the
 e_score_correction_bias and group-limited top-k (noaux_tc), both times routed_scaling_factor.
+Each stack runs under lax.scan, or unrolled over per-layer weights after `unstack_layers`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from jlight.config import ModelConfig
 from jlight.models import llama
-from jlight.models.layers import activation, rms_norm
+from jlight.models.layers import activation, rms_norm, split_layers
 from jlight.models.moe import deepseek_v2_topk, deepseek_v3_topk
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.models.rope_yarn import softmax_scale_multiplier, yarn_inv_frequencies
@@ -183,7 +184,7 @@ def moe_mlp(c, s, lp, x, kernels):
         ids, weights = deepseek_v2_topk(logits, s["top_k"], method=s["topk_method"], num_groups=s["num_groups"],
                                         topk_group=s["topk_group"], normalize=s["normalize"], scaling=s["scaling"])
     out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
-                         activation(c.hidden_act), kernels.matmul)
+                         activation(c.hidden_act), kernels.matmul, kernels.moe_impl)
     if s["num_shared"]:
         out = out + _dense_mlp(c, lp, x, kernels.matmul, prefix="shared_")
     return out
@@ -211,14 +212,33 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
             return (h, cache), None
         return layer
 
+    def run(layer, carry, group, first: int):
+        """One stack of layers [first, first + n): lax.scan, or unrolled over per-layer weights."""
+        if isinstance(group, (list, tuple)):  # unstack_layers
+            for i, lp in enumerate(group):
+                carry, _ = layer(carry, (lp, jnp.int32(first + i)))
+            return carry
+        n = jax.tree.leaves(group)[0].shape[0]
+        carry, _ = jax.lax.scan(layer, carry, (group, jnp.arange(first, first + n, dtype=jnp.int32)))
+        return carry
+
     h = ops.embed(params["embed"], tokens).astype(params["final_norm"].dtype)  # [T, embed]
     k = s["num_dense"]
     if k:
-        (h, k_cache), _ = jax.lax.scan(make_layer(False), (h, k_cache), (params["dense_layers"], jnp.arange(k, dtype=jnp.int32)))
-    (h, k_cache), _ = jax.lax.scan(make_layer(True), (h, k_cache), (params["layers"], jnp.arange(k, c.num_layers, dtype=jnp.int32)))
+        h, k_cache = run(make_layer(False), (h, k_cache), params["dense_layers"], 0)
+    h, k_cache = run(make_layer(True), (h, k_cache), params["layers"], k)
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)
     return h, k_cache, v_cache
+
+
+def unstack_layers(params: dict, donate: bool = False) -> dict:
+    """Per-layer weights of both stacks (dense and MoE) for the unrolled forward (GPU default, see
+    llama.unstack_layers). donate=True frees each stacked weight as it is split."""
+    out = dict(params, layers=split_layers(params["layers"], donate))
+    if "dense_layers" in params:
+        out["dense_layers"] = split_layers(params["dense_layers"], donate)
+    return out
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:

@@ -21,3 +21,22 @@ def activation(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"hidden_act {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def split_layers(stacked, donate: bool = False) -> list:
+    """A tree of stacked [layers, ...] weights -> one tree per layer (for unrolled layer loops).
+
+    One leaf at a time: with donate=True each stacked leaf is deleted as soon as it is split, so
+    the peak is the weights plus one leaf, not twice the weights (the caller must not use the
+    stacked tree afterwards).
+    """
+    leaves, treedef = jax.tree.flatten(stacked)
+    num_layers = leaves[0].shape[0]
+    split = jax.jit(lambda a: tuple(a[i] for i in range(num_layers)))
+    per_leaf = []
+    for leaf in leaves:
+        per_leaf.append(split(leaf))
+        if donate:
+            jax.block_until_ready(per_leaf[-1])
+            leaf.delete()
+    return [jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(num_layers)]

@@ -6,7 +6,8 @@ and QK-norm for Qwen3-MoE). The MLP of every layer is a routed mixture of expert
   * Qwen3-MoE / Qwen2-MoE: the same, renormalised only if `norm_topk_prob`;
   * Qwen2-MoE adds a shared expert scaled by sigmoid(x . shared_expert_gate).
 Expert weights are stacked [layers, experts, in, out]; the routed FFN runs through
-`ops.expert_ffn` (grouped matmuls on one device, expert parallel under a mesh).
+`ops.expert_ffn` (models/moe.expert_ffn on one device, expert parallel under a mesh). The layers
+run under lax.scan, or unrolled over per-layer weights after `unstack_layers` (as llama.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jlight.config import ModelConfig
 from jlight.errors import UnsupportedModelError
 from jlight.models import llama
-from jlight.models.layers import activation, rms_norm
+from jlight.models.layers import activation, rms_norm, split_layers
 from jlight.models.moe import softmax_topk
 from jlight.models.rope import inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
@@ -95,7 +96,8 @@ def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
     # Router in float32: near-ties between experts must break the same way as in the reference.
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32))  # [T, num_experts]
     ids, weights = softmax_topk(logits, s["top_k"], s["normalize"])
-    out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"], act, kernels.matmul)
+    out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"], act, kernels.matmul,
+                         kernels.moe_impl)
     if s["shared_size"]:
         mm = kernels.matmul
         gate = ops.column_linear(x, lp["shared_gate"], mm)
@@ -123,11 +125,23 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
         return (h, k_cache, v_cache), None
 
     h = ops.embed(params["embed"], tokens).astype(params["final_norm"].dtype)  # [T, embed]
-    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
+    if isinstance(params["layers"], (list, tuple)):  # unrolled (unstack_layers), as in llama.forward
+        carry = (h, k_cache, v_cache)
+        for i, lp in enumerate(params["layers"]):
+            carry, _ = layer(carry, (lp, jnp.int32(i)))
+        h, k_cache, v_cache = carry
+    else:
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)
     return h, k_cache, v_cache
+
+
+def unstack_layers(params: dict, donate: bool = False) -> dict:
+    """Per-layer weights for the unrolled forward (GPU default, see llama.unstack_layers).
+    donate=True frees each stacked weight as it is split (models/layers.split_layers)."""
+    return dict(params, layers=split_layers(params["layers"], donate))
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:

@@ -3,13 +3,19 @@
 Two jobs, both pure functions:
   * routing: router logits -> (topk_ids [T, k], topk_weights [T, k]) under each model's rule
     (Mixtral/Qwen softmax-top-k, DeepSeek-V2 group-limited greedy, DeepSeek-V3 sigmoid + bias);
-  * the routed expert FFN: `grouped_expert_ffn` sorts the T*k (token, expert) pairs by expert and
-    runs the three expert matmuls as grouped matmuls (`jax.lax.ragged_dot`), so each row meets
-    only its own expert's weights and no token is ever dropped. `dense_expert_ffn` runs every
-    expert on every token; it is the baseline the benchmark compares against, and a cross-check.
+  * the routed expert FFN, `expert_ffn(..., impl)`, one of:
+      "pallas"     sort the T*k (token, expert) pairs by expert and run the three expert matmuls
+                   as grouped matmuls with the Pallas kernel (pallas_kernels/grouped_matmul_pallas.py):
+                   each row meets only its own expert's weights, experts with no rows cost nothing;
+      "ragged_dot" the same with `jax.lax.ragged_dot` (XLA pads every group: dense-sized FLOPs);
+      "gathered"   gather the chosen experts' weights per pair (few pairs: decode);
+      "dense"      every expert on every token (the baseline, and a cross-check);
+      "auto"       "pallas" on GPU; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
+    No token is ever dropped by any of them.
 
-Model code reaches the expert FFN through `sharding.ops.current().expert_ffn`, whose single-device
-default is `grouped_expert_ffn`; the expert-parallel version replaces it under a mesh.
+Model code reaches the expert FFN through `sharding.ops.current().expert_ffn` with the impl from
+`Kernels.moe_impl` (pallas_kernels/dispatch.py); the single-device default calls `expert_ffn`, the
+expert-parallel version (sharding/tensor_parallel.py) calls it on each device's experts.
 """
 from __future__ import annotations
 
@@ -84,12 +90,31 @@ def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: i
 # (arrays or int8 QuantizedWeights with scales [X, out]). Returns [T, E] in x's dtype.
 # ---------------------------------------------------------------------------------------------
 
-def _grouped_matmul(rows, w, group_sizes, row_expert):
-    """rows [R, in] sorted by expert; w [X, in, out] -> [R, out] float32 (row r uses w[row_expert[r]])."""
-    if isinstance(w, QuantizedWeight):
-        y = jax.lax.ragged_dot(rows, w.values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
-        return y * w.scales.astype(jnp.float32)[row_expert]
-    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+GROUPED_MATMULS = ("ragged_dot", "pallas")
+EXPERT_IMPLS = ("auto",) + GROUPED_MATMULS + ("gathered", "dense")
+
+
+def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
+    """rows [R, in] sorted by expert; w [X, in, out] -> [R, out] float32 (row r uses w[row_expert[r]]).
+
+    impl: "ragged_dot", "pallas", or any callable with ragged_dot's contract
+    (rows, values, group_sizes, preferred_element_type=...) (benchmarks compare other kernels).
+    """
+    quantized = isinstance(w, QuantizedWeight)
+    values = w.values if quantized else w
+    if callable(impl):
+        y = impl(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
+    elif impl == "pallas":
+        from jlight.pallas_kernels.grouped_matmul_pallas import grouped_matmul
+
+        # int8 values go in as they are (converted in registers); float weights in rows' dtype.
+        y = grouped_matmul(rows, values if quantized else values.astype(rows.dtype), group_sizes,
+                           preferred_element_type=jnp.float32)
+    elif impl == "ragged_dot":
+        y = jax.lax.ragged_dot(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+    else:
+        raise ValueError(f"grouped matmul impl={impl!r} is not one of {', '.join(GROUPED_MATMULS)}")
+    return y * w.scales.astype(jnp.float32)[row_expert] if quantized else y
 
 
 def _gathered_matmul(rows, w, ids):
@@ -111,29 +136,62 @@ def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
     return out_rows.reshape(num_tokens, k, -1).sum(axis=1).astype(x.dtype)
 
 
-def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
-    """Each token's k experts, computed as grouped matmuls over the rows sorted by expert.
-
-    When the (token, expert) pairs are few next to the experts (decode), the chosen experts'
-    weights are gathered instead; a gather copies what it reads, hence the factor 3 margin.
-    """
+def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, grouped_matmul="ragged_dot"):
+    """Each token's k experts, computed as grouped matmuls (`grouped_matmul`: "ragged_dot",
+    "pallas" or a callable, see _grouped_matmul) over the T*k (token, expert) rows sorted by expert."""
     num_tokens, k = topk_ids.shape
-    num_experts = w_gate.shape[0] if not isinstance(w_gate, QuantizedWeight) else w_gate.values.shape[0]
-    if 3 * num_tokens * k <= num_experts:
-        return gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
+    num_experts = _num_experts(w_gate)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat_ids, stable=True)  # [T*k] rows grouped by expert
     row_expert = flat_ids[order]
     row_token = order // k
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [X]
     rows = x[row_token]  # [T*k, E]
-    gate = _grouped_matmul(rows, w_gate, group_sizes, row_expert)  # [T*k, F]
-    up = _grouped_matmul(rows, w_up, group_sizes, row_expert)
+    mm = lambda r, w: _grouped_matmul(r, w, group_sizes, row_expert, grouped_matmul)
+    gate = mm(rows, w_gate)  # [T*k, F] float32
+    up = mm(rows, w_up)
     hidden = (act(gate) * up).astype(x.dtype)
-    out_rows = _grouped_matmul(hidden, w_down, group_sizes, row_expert)  # [T*k, E] float32
+    out_rows = mm(hidden, w_down)  # [T*k, E] float32
     out_rows = out_rows * topk_weights.reshape(-1)[order][:, None].astype(jnp.float32)
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[row_token].add(out_rows)  # [T, E]
     return out.astype(x.dtype)
+
+
+def _num_experts(w):
+    return (w.values if isinstance(w, QuantizedWeight) else w).shape[0]
+
+
+def _pallas_fits(w_gate, w_down) -> bool:
+    from jlight.pallas_kernels.grouped_matmul_pallas import fits
+
+    embed, mlp = (w_gate.values if isinstance(w_gate, QuantizedWeight) else w_gate).shape[1:]
+    return fits(embed, mlp) and fits(mlp, embed)
+
+
+def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down) -> str:
+    """The implementation "auto" stands for, for this many (token, expert) pairs and these weights.
+
+    GPU: the Pallas grouped matmul (reads only the experts that have rows, once per row tile, so
+    no gather is needed at decode either). Elsewhere: ragged_dot, or, when the pairs are few next
+    to the experts (decode), the gathered path; a gather copies what it reads, hence the factor 3.
+    """
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"moe_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}")
+    if impl != "auto":
+        return impl
+    if jax.default_backend() == "gpu" and _pallas_fits(w_gate, w_down):
+        return "pallas"
+    return "gathered" if 3 * num_pairs <= _num_experts(w_gate) else "ragged_dot"
+
+
+def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str = "auto"):
+    """The routed experts' output [T, E] by `impl` (see the module docstring); all give the same answer."""
+    impl = resolve_expert_impl(impl, topk_ids.size, w_gate, w_down)
+    if impl == "dense":
+        return dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
+    if impl == "gathered":
+        return gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
+    return grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, grouped_matmul=impl)
 
 
 def _dense(w, dtype):

@@ -6,6 +6,10 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
   matmul(x, w, out_dtype=None) -> y
+
+`moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
+"ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the backend and the
+number of (token, expert) pairs.
 """
 from typing import Callable, NamedTuple
 
@@ -16,10 +20,14 @@ from jlight.pallas_kernels import attention_reference, matmul_reference
 IMPLS = ("auto", "reference", "pallas")
 
 
+MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # = models.moe.EXPERT_IMPLS
+
+
 class Kernels(NamedTuple):
     write_kv: Callable
     paged_attention: Callable
     matmul: Callable
+    moe_impl: str = "auto"
 
 
 def _check(name, impl):
@@ -35,9 +43,11 @@ def _use_pallas(impl: str) -> bool:
     return impl == "pallas" or (impl == "auto" and on_gpu())
 
 
-def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto") -> Kernels:
+def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> Kernels:
     _check("attention_impl", attention_impl)
     _check("matmul_impl", matmul_impl)
+    if moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl={moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
     matmul = matmul_reference.matmul
     if _use_pallas(attention_impl):
@@ -51,4 +61,4 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto") -> Kern
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul
-    return Kernels(write_kv, attention, matmul)
+    return Kernels(write_kv, attention, matmul, moe_impl)

@@ -75,7 +75,7 @@ class TensorParallelOps(ParallelOps):
         logits = jax.lax.all_gather(local, self.axis_name, axis=1, tiled=True)  # [N, vocab_padded]
         return logits[:, : self.vocab_size]
 
-    def expert_ffn(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul):
+    def expert_ffn(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
         """Expert parallelism. w_*: [num_experts/ep, ...] this device's experts, their mlp dim
         split on tp; x: [T, embed] ([T/tp, embed] under sequence parallelism); topk: [T, k].
 
@@ -85,7 +85,7 @@ class TensorParallelOps(ParallelOps):
         rows through its grouped matmul (masked), so ep splits expert memory, not FLOPs; an
         all-to-all dispatch that sends only routed rows is not implemented.
         """
-        from jlight.models.moe import grouped_expert_ffn  # the MoE computation lives with the models
+        from jlight.models.moe import expert_ffn  # the MoE computation lives with the models
 
         if self.sequence_parallel:  # experts' mlp slices need every token
             x = jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)  # [T, embed]
@@ -95,8 +95,8 @@ class TensorParallelOps(ParallelOps):
         local_experts = values.shape[0]
         local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
         mine = (local_ids >= 0) & (local_ids < local_experts)
-        y = grouped_expert_ffn(
-            x, jnp.where(mine, local_ids, 0), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act
+        y = expert_ffn(
+            x, jnp.where(mine, local_ids, 0), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act, impl
         )  # [T, embed], a partial sum over this device's experts and mlp slice
         if self.ep > 1:
             y = jax.lax.psum(y, self.ep_axis_name)

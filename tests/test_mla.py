@@ -33,6 +33,21 @@ def test_logits_and_greedy_match_transformers(models, arch):
     assert runner.greedy(PROMPT, 32) == hf_greedy(hf_model, PROMPT, 32)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unrolled_layers_match_scanned(models, arch):
+    """layer_loop="unroll" (GPU default): both stacks (the first dense layer and the MoE layers)
+    unrolled over per-layer weights compute what the two lax.scans do."""
+    path, _ = models[arch]
+    config, params = load_jlight(path)
+    unstacked = deepseek.unstack_layers(params)
+    assert isinstance(unstacked["dense_layers"], list) and isinstance(unstacked["layers"], list)
+    assert len(unstacked["dense_layers"]) + len(unstacked["layers"]) == config.num_layers
+    scanned, unrolled = (SingleSequenceRunner(p, config, prefill_bucket=32) for p in (params, unstacked))
+    np.testing.assert_allclose(unrolled.prefill_logits(PROMPT), scanned.prefill_logits(PROMPT), rtol=1e-5, atol=1e-5)
+    assert unrolled.greedy(PROMPT, 8) == scanned.greedy(PROMPT, 8)
+    np.testing.assert_allclose(np.asarray(unrolled.k_cache), np.asarray(scanned.k_cache), rtol=1e-5, atol=1e-6)
+
+
 def test_latent_cache_holds_only_latent_and_rope_key(models):
     """The K pool stores kv_lora_rank + qk_rope_head_dim values per token per layer, and they are
     exactly transformers' cached latent and RoPE key; the V pool is a placeholder."""

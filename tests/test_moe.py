@@ -36,6 +36,20 @@ def test_logits_and_greedy_match_transformers(models, arch):
     assert runner.greedy(PROMPT, 32) == hf_greedy(hf_model, PROMPT, 32)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unrolled_layers_match_scanned(models, arch):
+    """layer_loop="unroll" (per-layer weights, the GPU default) computes what the lax.scan does."""
+    from jlight.models import get_model_family
+
+    path, _ = models[arch]
+    config, params = load_jlight(path)
+    unstacked = get_model_family(config).unstack_layers(params)
+    assert isinstance(unstacked["layers"], list) and len(unstacked["layers"]) == config.num_layers
+    scanned, unrolled = (SingleSequenceRunner(p, config, prefill_bucket=32) for p in (params, unstacked))
+    np.testing.assert_allclose(unrolled.prefill_logits(PROMPT), scanned.prefill_logits(PROMPT), rtol=1e-5, atol=1e-5)
+    assert unrolled.greedy(PROMPT, 8) == scanned.greedy(PROMPT, 8)
+
+
 def test_engine_batched_chunked_prefix_cached_greedy_matches_transformers(models):
     """Two prompts sharing a 32-token prefix, prefilled in 16-token chunks next to each other's decode."""
     import jlight.api
@@ -90,12 +104,15 @@ def test_gathered_experts_path_matches_dense_for_few_tokens():
     """Decode-sized batches take the gathered-weights path (3*T*k <= experts); same answers."""
     from jlight.models.moe import gathered_expert_ffn
 
+    from jlight.models.moe import expert_ffn, resolve_expert_impl
+
     kx, kw, kr = jax.random.split(jax.random.PRNGKey(1), 3)
     w_gate, w_up, w_down = _random_experts(kw)  # 6 experts
-    x = jax.random.normal(kx, (1, 16))  # one token, k=2: 3 * 1 * 2 <= 6, so grouped_expert_ffn gathers
+    x = jax.random.normal(kx, (1, 16))  # one token, k=2: 3 * 1 * 2 <= 6, so expert_ffn "auto" gathers (CPU)
     weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(kr, (1, 6))), 2)
+    assert resolve_expert_impl("auto", ids.size, w_gate, w_down) == "gathered"
     dense = np.asarray(dense_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
-    for fn in (gathered_expert_ffn, grouped_expert_ffn):
+    for fn in (gathered_expert_ffn, grouped_expert_ffn, expert_ffn):
         got = np.asarray(jax.jit(lambda *a, f=fn: f(*a, jax.nn.silu))(x, ids, weights, w_gate, w_up, w_down))
         np.testing.assert_allclose(got, dense, rtol=1e-5, atol=1e-5)
     q = [quantize_int8(w) for w in (w_gate, w_up, w_down)]

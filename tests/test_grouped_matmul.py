@@ -1,0 +1,157 @@
+"""The Pallas grouped matmul (pallas_kernels/grouped_matmul_pallas.py, interpret mode on CPU)
+against jax.lax.ragged_dot, its tile table, its CUDA lowering, and its use for MoE experts.
+
+Rows past sum(group_sizes) must come out as zeros. In interpret mode Pallas fills output
+buffers with NaN before the kernel runs, so a row that no program stores stays NaN: the
+exact-zero assertions below do catch a missing store.
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jlight.pallas_kernels.grouped_matmul_pallas import grouped_matmul, grouped_matmul_reference, tile_table
+
+# (group sizes, rows M, block_m): zeros, one group holding everything, sizes that are not
+# multiples of block_m, padding rows past sum(group_sizes), M not a multiple of block_m.
+CASES = [
+    ([5, 0, 40, 3, 0, 20], 80, 16),  # empty groups; 12 padding rows
+    ([0, 0, 77, 0], 77, 16),  # one group holds every row; M = 77 not a multiple of 16
+    ([17, 33, 1, 15], 70, 32),  # every group boundary inside a tile; 4 padding rows
+    ([0, 0, 0], 24, 16),  # no rows at all: the output is all zeros
+    ([1, 1, 1, 1, 1, 1, 1, 1], 8, 16),  # decode-like: one row per group, all in one block
+]
+
+
+def _inputs(rng, sizes, m, k, n, dtype, w_dtype=None):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    if w_dtype == jnp.int8:
+        w = jnp.asarray(rng.integers(-127, 128, (len(sizes), k, n)), jnp.int8)
+    else:
+        w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    return x, w, jnp.asarray(sizes, jnp.int32)
+
+
+def _check(got, x, w, group_sizes, tol):
+    got = np.asarray(got, np.float32)
+    total = int(np.sum(np.asarray(group_sizes)))
+    want = np.asarray(grouped_matmul_reference(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32))
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got[:total], want[:total], rtol=tol, atol=tol)
+    assert (got[total:] == 0).all(), "rows past sum(group_sizes) must be exactly zero"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes,m,block_m", CASES)
+def test_matches_ragged_dot(sizes, m, block_m, dtype):
+    rng = np.random.default_rng([m, block_m, len(sizes)])
+    x, w, gs = _inputs(rng, sizes, m, 64, 96, dtype)
+    got = grouped_matmul(x, w, gs, preferred_element_type=jnp.float32, block_m=block_m, block_n=32, block_k=32)
+    assert got.shape == (m, 96) and got.dtype == jnp.float32
+    _check(got, x, w, gs, 1e-5 if dtype == jnp.float32 else 1e-4)
+
+
+def test_output_in_input_dtype_and_default_tiles():
+    """No preferred_element_type: bf16 out; default tile sizes; M below one block."""
+    rng = np.random.default_rng(7)
+    x, w, gs = _inputs(rng, [3, 0, 4], 9, 128, 64, jnp.bfloat16)
+    got = grouped_matmul(x, w, gs)
+    assert got.dtype == jnp.bfloat16
+    _check(got, x, w, gs, 2e-2)
+
+
+def test_int8_weights_are_converted_in_kernel():
+    rng = np.random.default_rng(8)
+    x, w, gs = _inputs(rng, [10, 0, 25, 5], 48, 64, 64, jnp.float32, w_dtype=jnp.int8)
+    got = grouped_matmul(x, w, gs, block_m=16, block_n=32, block_k=32)
+    _check(got, x, w, gs, 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tile_table_covers_every_row_once_within_one_group(seed, block_m):
+    rng = np.random.default_rng(seed)
+    num_groups = int(rng.integers(1, 40))
+    sizes = rng.integers(0, 3 * block_m, num_groups) * (rng.random(num_groups) < 0.7)  # ~30% empty
+    m = int(sizes.sum() + rng.integers(0, 2 * block_m))
+    group, start, end = (np.asarray(a) for a in tile_table(jnp.asarray(sizes, jnp.int32), m, block_m))
+    assert len(group) == -(-m // block_m) + num_groups
+    bounds = np.concatenate([[0], np.cumsum(sizes), [m]])  # group g owns [bounds[g], bounds[g+1]); g = G: zero tail
+    covered = np.zeros(m, int)
+    for g, s, e in zip(group, start, end):
+        if s == e:
+            continue
+        assert bounds[g] <= s < e <= bounds[g + 1]  # inside its group
+        assert s // block_m == (e - 1) // block_m  # inside one block
+        covered[s:e] += 1
+    assert (covered == 1).all()
+
+
+SHAPES = {  # name: (M, K, N, groups); bf16, as on the H200
+    "mixtral w_gate prefill 2048 x top-2": (4096, 4096, 14336, 8),
+    "mixtral w_down prefill": (4096, 14336, 4096, 8),
+    "deepseek-v3 w_gate prefill 2048 x top-8": (16384, 7168, 2048, 256),
+    "deepseek-v3 w_down decode 64 x top-8": (512, 2048, 7168, 256),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_lowers_for_cuda(name):
+    """The kernel lowers to a Triton call for CUDA on a CPU-only machine (no GPU needed)."""
+    m, k, n, g = SHAPES[name]
+    S = jax.ShapeDtypeStruct
+    f = lambda x, w, gs: grouped_matmul(x, w, gs, preferred_element_type=jnp.float32, interpret=False)
+    lowered = jax.jit(f).trace(S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+
+
+def test_expert_ffn_pallas_matches_dense():
+    """models/moe.expert_ffn with impl="pallas" (sorted rows through the kernel) against every
+    expert on every token, float and int8 expert weights."""
+    from jlight.models.moe import expert_ffn
+    from jlight.pallas_kernels.quantization import quantize_int8
+
+    rng = np.random.default_rng(11)
+    num_tokens, embed, mlp, num_experts, k = 21, 32, 48, 6, 2
+    x = jnp.asarray(rng.standard_normal((num_tokens, embed)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
+          for s in ((num_experts, embed, mlp), (num_experts, embed, mlp), (num_experts, mlp, embed))]
+    logits = jnp.asarray(rng.standard_normal((num_tokens, num_experts)), jnp.float32) + jnp.array([3.0, 0, 0, 0, 0, -50.0])
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits), k)  # expert 0 popular, expert 5 never chosen
+    run = jax.jit(lambda impl, *a: expert_ffn(*a, jax.nn.silu, impl), static_argnums=0)
+    for w in (ws, [quantize_int8(w) for w in ws]):
+        dense = np.asarray(run("dense", x, ids, weights, *w))
+        np.testing.assert_allclose(np.asarray(run("pallas", x, ids, weights, *w)), dense, rtol=1e-4, atol=1e-4)
+
+
+def test_mixtral_forward_with_each_expert_impl():
+    """A tiny random Mixtral-shaped model: the step's hidden states are the same whichever way
+    the experts run (Kernels.moe_impl reaches the MoE layer), unrolled and scanned."""
+    from jlight.config import ModelConfig
+    from jlight.models import mixtral
+    from jlight.pallas_kernels.batch_metadata import BatchMetadata
+    from jlight.pallas_kernels.dispatch import get_kernels
+
+    config = ModelConfig.from_hf_dict(dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=64, hidden_size=32,
+        intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    params = mixtral.init_params(config, jax.random.PRNGKey(0), jnp.float32)
+    num_tokens, page_size = 12, 16
+    k_shape, v_shape = mixtral.kv_cache_shapes(config, 2, page_size)
+    md = BatchMetadata(positions=jnp.arange(num_tokens, dtype=jnp.int32), slot_mapping=page_size + jnp.arange(num_tokens, dtype=jnp.int32),
+                       token_seq=jnp.zeros(num_tokens, jnp.int32), page_table=jnp.array([[1]], jnp.int32),
+                       context_lens=jnp.array([num_tokens], jnp.int32), query_start=jnp.array([0, num_tokens], jnp.int32),
+                       logits_indices=jnp.array([num_tokens - 1], jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, num_tokens), jnp.int32)
+
+    def hidden(params, impl):
+        kernels = get_kernels("reference", "reference", moe_impl=impl)
+        fn = jax.jit(lambda p: mixtral.forward(p, config, tokens, jnp.zeros(k_shape), jnp.zeros(v_shape), md, kernels)[0])
+        return np.asarray(fn(params))
+
+    dense = hidden(params, "dense")
+    for impl in ("ragged_dot", "pallas", "gathered"):
+        np.testing.assert_allclose(hidden(params, impl), dense, rtol=1e-4, atol=1e-4, err_msg=impl)
+    np.testing.assert_allclose(hidden(mixtral.unstack_layers(params), "pallas"), dense, rtol=1e-4, atol=1e-4)
