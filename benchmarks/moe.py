@@ -1,24 +1,38 @@
-"""MoE / MLA benchmark: random-weight Mixtral-8x7B- and DeepSeek-V3-shaped models (fewer layers).
+"""MoE benchmark: random-weight Mixtral-8x7B- and DeepSeek-V3-shaped models (fewer layers).
 
-Measures, for each model and for each way of computing the routed experts,
-  * decode step latency at batch 1 and 64 (each sequence at a 512-token context),
-  * prefill of one 2048-token sequence,
-  * the expert FFN of one layer alone at 1, 64 and 2048 tokens,
-where the expert implementations are
-  * grouped: tokens sorted by expert, jax.lax.ragged_dot (jlight's default, models/moe.py);
-  * grouped_triton (GPU only): the same with JAX's Pallas-Triton ragged_dot lowering;
-  * dense: every expert on every token (the baseline).
-Layers are cut so one H200 holds the weights (stated in the output): Mixtral 8 of 32 layers,
-DeepSeek-V3 1 dense + 2 MoE layers of 3 + 58. Prints a table and writes DIR/moe.json.
+One run measures, for each model, three sections (written to DIR/moe.json after each):
+  * steps: the full jitted step (forward + LM head) for decode at batch 1 and 64 (each sequence
+    at a 512-token context) and prefill of one 2048-token sequence, with every layer unrolled
+    (layer_loop="unroll": `unstack_layers`, the GPU default, for both models, DeepSeek's dense
+    first layer included), per expert implementation (Kernels.moe_impl, models/moe.py):
+      dense       every expert on every token (the baseline);
+      ragged_dot  tokens sorted by expert + jax.lax.ragged_dot (XLA);
+      pallas      tokens sorted by expert + the Pallas grouped matmul (grouped_matmul_pallas.py);
+      gathered    the chosen experts' weights gathered per (token, expert) pair (decode only).
+    The logits are compared with dense's (max |difference|), so a wrong kernel shows.
+  * expert_ffn: one MoE layer's routed experts alone at 1, 64 and 2048 tokens, same
+    implementations, plus `mosaic_gpu`: the sorted path through JAX's bundled Mosaic GPU kernel
+    jax.experimental.pallas.ops.gpu.ragged_dot_mgpu (bf16 out; recorded as an error if it fails).
+  * grouped_matmul: the grouped matmul alone on a 2048-token prefill's 2048*k sorted rows, for the
+    w_gate/w_up shape [experts, hidden, mlp] and the w_down shape [experts, mlp, hidden]: ragged_dot,
+    Pallas (default tiles and a few others), Mosaic GPU, and as a peer one dense XLA GEMM of the
+    same M, K, N (what cuBLAS reaches on these FLOPs without groups). TFLOP/s against the H200's
+    645 TFLOP/s bf16 ceiling (docs/BENCHMARKS.md). Sampled rows are checked against x @ w[group].
+The Mosaic GPU rows run last, after both models (on fresh random expert weights of the same
+shapes), so that a crash there loses nothing else. Every case fails soft: an error (out of memory,
+a compile failure) is recorded and the run goes on.
+Layers are cut so one H200 holds the weights: Mixtral 8 of 32 layers, DeepSeek-V3 1 dense + 2 MoE
+layers of 3 + 58.
 
-  python benchmarks/moe.py --out DIR          # H200-sized (about 45 GB of bf16 weights per model)
-  python benchmarks/moe.py --tiny --out DIR   # tiny dims, runs on CPU in about a minute
+  python benchmarks/moe.py --out DIR           # H200 (about 2-3 minutes)
+  python benchmarks/moe.py --quick --out DIR   # tiny dims, float32, CPU smoke test (Pallas interpreted)
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import functools
+import inspect
 import json
 import os
 import time
@@ -29,16 +43,21 @@ import numpy as np
 
 from jlight.config import ModelConfig
 from jlight.models import get_model_family
-from jlight.models.moe import dense_expert_ffn, grouped_expert_ffn
+from jlight.models.moe import expert_ffn, grouped_expert_ffn
+from jlight.pallas_kernels import grouped_matmul_pallas
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
-from jlight.sharding import ops as parallel_ops
 
 PAGE_SIZE = 16
+BF16_TFLOPS = 645.0  # measured ceiling of this H200 kind (docs/BENCHMARKS.md, kernels)
+STEP_IMPLS = ("dense", "ragged_dot", "pallas", "gathered")  # gathered: decode only
+# Pallas tiles tried besides the defaults: (block_m, block_n, block_k, num_warps, num_stages).
+PALLAS_VARIANTS = ((64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))
+MGPU_TILES = dict(block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)  # block_m by rows per group
 
 
-def model_configs(tiny: bool) -> dict[str, ModelConfig]:
-    if tiny:
+def model_configs(quick: bool) -> dict[str, ModelConfig]:
+    if quick:
         mixtral = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
         ds = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -94,152 +113,311 @@ def batch_metadata(batch: int, q_len: int, context: int) -> BatchMetadata:
         logits_indices=jnp.asarray(np.arange(1, batch + 1, dtype=np.int32) * q_len - 1))
 
 
-class _DenseExperts(parallel_ops.ParallelOps):
-    def expert_ffn(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul):
-        return dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
-
-
-_TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
-
-
-@contextlib.contextmanager
-def expert_impl(name: str):
-    """Trace under the given expert FFN implementation."""
-    ops = _DenseExperts() if name == "dense" else parallel_ops.ParallelOps()
-    old = getattr(jax.config, _TRITON_FLAG, None)
-    if old is not None:
-        jax.config.update(_TRITON_FLAG, name == "grouped_triton")
-    try:
-        with parallel_ops.use(ops):
-            yield
-    finally:
-        if old is not None:
-            jax.config.update(_TRITON_FLAG, old)
-
-
-def triton_lowering_works() -> bool:
-    """JAX 0.11.2 has the flag but not the module behind it: try a tiny ragged_dot under it."""
-    if not hasattr(jax.config, _TRITON_FLAG):
-        return False
-    try:
-        with expert_impl("grouped_triton"):
-            x = jnp.ones((16, 64), jnp.bfloat16)
-            w = jnp.ones((2, 64, 64), jnp.bfloat16)
-            jax.block_until_ready(jax.jit(jax.lax.ragged_dot)(x, w, jnp.array([8, 8], jnp.int32)))
-        return True
-    except Exception as e:  # noqa: BLE001 - any failure means: measure without it
-        print(f"grouped_triton skipped: {type(e).__name__}: {e}")
-        return False
-
-
-def timed(fn, *args, iters: int) -> float:
-    """Median seconds per call after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
+def timed(fn, *args, iters: int):
+    """(median seconds per call after one warm-up/compile call, the warm-up call's output)."""
+    out = jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return float(np.median(times)), out
 
 
-def bench_model(name, config, params, impls, iters, prefill_len, context):
+def error_text(e: Exception) -> str:
+    lines = [l for l in str(e).splitlines() if l.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def mosaic_gpu_ragged_dot(rows_per_group: float):
+    """JAX's bundled Mosaic GPU ragged dot as a ragged_dot-contract callable, or raise if it is missing."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    params = inspect.signature(ragged_dot_mgpu.ragged_dot).parameters
+    tiles = dict(MGPU_TILES, block_m=64 if rows_per_group <= 96 else 128)
+    tiles = {k: v for k, v in tiles.items() if k in params}
+
+    def ragged_dot(x, w, group_sizes, preferred_element_type=None):
+        y = ragged_dot_mgpu.ragged_dot(x, w.astype(x.dtype), group_sizes=group_sizes, **tiles)  # x's dtype out
+        return y.astype(preferred_element_type or x.dtype)
+
+    return ragged_dot, tiles
+
+
+def random_expert_layer(config: ModelConfig, dtype) -> dict:
+    """Random routed-expert weights of one MoE layer (experts_gate/up/down without the layer axis)."""
+    shapes = get_model_family(config).param_shapes(config)["layers"]
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    out = {}
+    for key, name in zip(keys, ("experts_gate", "experts_up", "experts_down")):
+        shape = shapes[name][1:]
+        scale = 1.0 / np.sqrt(shape[-2])
+        out[name] = jax.jit(lambda k, s=shape, sc=scale: jax.random.normal(k, s, dtype) * jnp.asarray(sc, dtype))(key)
+    return out
+
+
+def random_routing(key, tokens: int, num_experts: int, top_k: int):
+    """Uniform random distinct top-k experts per token: (ids [T, k], weights [T, k])."""
+    scores = jax.random.uniform(key, (tokens, num_experts))
+    weights, ids = jax.lax.top_k(scores, top_k)
+    return ids.astype(jnp.int32), weights
+
+
+class Recorder:
+    """Collects rows per section and rewrites DIR/moe.json after each section."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path, self.result = path, dict(meta, steps=[], expert_ffn=[], grouped_matmul=[])
+
+    def add(self, section: str, row: dict):
+        self.result[section].append(row)
+
+    def save(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.result, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def timed_step(fn, params, caches, tokens, md, iters: int):
+    """Like timed, for a step that takes and returns the K/V pools (donated, as in the engine, so
+    no step copies the pools). caches: a one-element list holding (k_cache, v_cache), updated."""
+    logits, *kv = jax.block_until_ready(fn(params, *caches[0], tokens, md))
+    caches[0] = tuple(kv)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        _, *kv = jax.block_until_ready(fn(params, *caches[0], tokens, md))
+        times.append(time.perf_counter() - t)
+        caches[0] = tuple(kv)
+    return float(np.median(times)), logits
+
+
+def bench_steps(rec: Recorder, name, config, params, iters, prefill_len, context):
     family = get_model_family(config)
-    kernels = get_kernels("auto", "auto")
-    batches = [("decode", 1, 1), ("decode", 64, 1), ("prefill", 1, prefill_len)]
     max_ctx = max(context, prefill_len)
     num_pages = 1 + 64 * (-(-max_ctx // PAGE_SIZE))
     k_shape, v_shape = family.kv_cache_shapes(config, num_pages, PAGE_SIZE)
     dtype = params["final_norm"].dtype
-    k_cache, v_cache = jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)
-    rows = []
-    for impl in impls:
-        for kind, batch, q_len in batches:
-            ctx = prefill_len if kind == "prefill" else context
-            md = batch_metadata(batch, q_len, ctx)
-            tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, batch * q_len), jnp.int32)
+    new_caches = lambda: (jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype))
+    caches = [new_caches()]
+    for kind, batch, q_len in (("decode", 1, 1), ("decode", 64, 1), ("prefill", 1, prefill_len)):
+        ctx = prefill_len if kind == "prefill" else context
+        md = batch_metadata(batch, q_len, ctx)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, batch * q_len), jnp.int32)
+        dense_logits = None
+        for impl in STEP_IMPLS:
+            if impl == "gathered" and kind != "decode":
+                continue
+            kernels = get_kernels("auto", "auto", moe_impl=impl)
 
-            def step(params, k_cache, v_cache, tokens, md):
+            def step(params, k_cache, v_cache, tokens, md, kernels=kernels):
                 hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
                 return family.compute_logits(params, config, hidden[md.logits_indices], kernels), k_cache, v_cache
 
-            with expert_impl(impl):
-                fn = jax.jit(step)
-                try:
-                    seconds = timed(fn, params, k_cache, v_cache, tokens, md, iters=iters)
-                except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, measure the rest
-                    print(f"{name:22s} {impl:15s} {kind:8s} batch={batch:3d} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
-                    rows.append(dict(model=name, impl=impl, kind=kind, batch=batch, tokens=batch * q_len, context=ctx,
-                                     error=str(e).splitlines()[0]))
-                    continue
-            rows.append(dict(model=name, impl=impl, kind=kind, batch=batch, tokens=batch * q_len, context=ctx,
-                             ms=seconds * 1e3, tokens_per_s=batch * q_len / seconds))
-            print(f"{name:22s} {impl:15s} {kind:8s} batch={batch:3d} tokens={batch * q_len:5d} ctx={ctx:5d} "
-                  f"{seconds * 1e3:9.2f} ms  {batch * q_len / seconds:10.1f} tok/s", flush=True)
-    return rows
+            row = dict(model=name, impl=impl, kind=kind, batch=batch, tokens=batch * q_len, context=ctx,
+                       layer_loop="unroll" if isinstance(params["layers"], list) else "scan")
+            try:
+                if any(c.is_deleted() for c in caches[0]):  # donated into a call that failed
+                    caches[0] = new_caches()
+                seconds, logits = timed_step(jax.jit(step, donate_argnums=(1, 2)), params, caches, tokens, md, iters)
+                logits = np.asarray(logits, np.float32)
+                row.update(ms=seconds * 1e3, tokens_per_s=batch * q_len / seconds, finite=bool(np.isfinite(logits).all()))
+                if impl == "dense":
+                    dense_logits = logits
+                elif dense_logits is not None:
+                    row.update(max_abs_logit_diff_vs_dense=float(np.max(np.abs(logits - dense_logits))),
+                               logit_scale=float(np.max(np.abs(dense_logits))))
+                diff = f"  |dlogit| vs dense {row['max_abs_logit_diff_vs_dense']:.3g}" if "max_abs_logit_diff_vs_dense" in row else ""
+                print(f"{name:20s} step {impl:11s} {kind:7s} batch={batch:3d} tokens={batch * q_len:5d} "
+                      f"{seconds * 1e3:9.2f} ms {batch * q_len / seconds:10.1f} tok/s{diff}", flush=True)
+            except Exception as e:  # noqa: BLE001 - record (OOM, compile failure) and go on
+                row.update(error=error_text(e))
+                print(f"{name:20s} step {impl:11s} {kind:7s} batch={batch:3d} FAILED {row['error']}", flush=True)
+            rec.add("steps", row)
+    del caches
+    rec.save()
 
 
-def bench_expert_ffn(name, config, params, impls, iters, token_counts):
-    """One MoE layer's routed experts alone, on random routing."""
-    lp = jax.tree.map(lambda a: a[0], params["layers"])
-    wg, wu, wd = lp["experts_gate"], lp["experts_up"], lp["experts_down"]
+def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mgpu=None):
+    """One MoE layer's routed experts alone, on random routing. mgpu given: only the Mosaic GPU case."""
+    wg, wu, wd = layer["experts_gate"], layer["experts_up"], layer["experts_down"]
     num_experts, embed, mlp = wg.shape
     top_k = config.extra["num_experts_per_tok"]
-    rows = []
     for tokens in token_counts:
         key = jax.random.PRNGKey(tokens)
         x = jax.random.normal(key, (tokens, embed), wg.dtype)  # [T, embed]
-        scores = jax.random.uniform(jax.random.fold_in(key, 1), (tokens, num_experts))
-        weights, ids = jax.lax.top_k(scores, top_k)  # [T, k] distinct random experts per token
+        ids, weights = random_routing(jax.random.fold_in(key, 1), tokens, num_experts, top_k)
         touched = len(np.unique(np.asarray(ids)))
         weight_bytes = touched * 3 * embed * mlp * wg.dtype.itemsize  # bytes any implementation must read
+        impls = ["mosaic_gpu"] if mgpu is not None else [i for i in STEP_IMPLS if i != "gathered" or tokens <= 64]
         for impl in impls:
-            f = dense_expert_ffn if impl == "dense" else grouped_expert_ffn
-            with expert_impl(impl):
-                fn = jax.jit(lambda *a, f=f: f(*a, jax.nn.silu))
-                try:
-                    seconds = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
-                except jax.errors.JaxRuntimeError as e:
-                    print(f"{name:22s} expert FFN {impl:15s} tokens={tokens:5d} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
-                    rows.append(dict(model=name, impl=impl, tokens=tokens, error=str(e).splitlines()[0]))
-                    continue
-            rows.append(dict(model=name, impl=impl, tokens=tokens, experts_touched=touched, ms=seconds * 1e3,
-                             needed_weight_gb_per_s=weight_bytes / seconds / 1e9))
-            print(f"{name:22s} expert FFN {impl:15s} tokens={tokens:5d} experts touched={touched:3d} "
-                  f"{seconds * 1e3:9.3f} ms  needed-weights rate {weight_bytes / seconds / 1e9:8.1f} GB/s", flush=True)
-    return rows
+            row = dict(model=name, impl=impl, tokens=tokens, experts_touched=touched)
+            try:
+                if impl == "mosaic_gpu":
+                    if isinstance(mgpu, Exception):
+                        raise mgpu
+                    fn = jax.jit(lambda *a: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=mgpu[0]))
+                    row.update(tiles=mgpu[1])
+                else:
+                    fn = jax.jit(lambda *a, impl=impl: expert_ffn(*a, jax.nn.silu, impl))
+                seconds, _ = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
+                row.update(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9)
+                print(f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d} experts touched={touched:3d} "
+                      f"{seconds * 1e3:9.3f} ms  needed-weights rate {weight_bytes / seconds / 1e9:8.1f} GB/s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row.update(error=error_text(e))
+                print(f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d} FAILED {row['error']}", flush=True)
+            rec.add("expert_ffn", row)
+    rec.save()
+
+
+def _sampled_rows_error(out, x, w, group_sizes, key, samples: int = 64):
+    """max |out - x @ w[group]| over `samples` random rows, relative to the reference's max."""
+    m = x.shape[0]
+    rows = jax.random.randint(key, (samples,), 0, m)
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right")
+
+    @jax.jit
+    def reference(x_rows, group):  # one row at a time: no [samples, K, N] gather of weights
+        return jax.lax.map(lambda a: jnp.dot(a[0], w[a[1]], preferred_element_type=jnp.float32), (x_rows, group))
+
+    want = reference(x[rows], group)
+    got = out[rows].astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+
+
+def bench_grouped_matmul(rec: Recorder, name, config, layer, iters, prefill_len, quick, mgpu=None):
+    """The grouped matmul alone on a prefill's sorted rows (M = prefill_len * top_k).
+    mgpu given: only the Mosaic GPU case."""
+    top_k = config.extra["num_experts_per_tok"]
+    for label, w in (("w_gate/w_up", layer["experts_gate"]), ("w_down", layer["experts_down"])):
+        num_groups, k, n = w.shape
+        m = prefill_len * top_k
+        key = jax.random.PRNGKey(m + k)
+        x = jax.random.normal(key, (m, k), w.dtype)  # rows already "sorted": only the group sizes matter
+        ids, _ = random_routing(jax.random.fold_in(key, 1), prefill_len, num_groups, top_k)
+        group_sizes = jnp.bincount(ids.reshape(-1), length=num_groups).astype(jnp.int32)
+        flops = 2 * m * k * n
+        defaults = grouped_matmul_pallas.default_tiles(m, k, n, num_groups)
+        variants = [("pallas", {})]
+        for bm, bn, bk, nw, ns in PALLAS_VARIANTS:
+            tiles = dict(block_m=bm, block_n=min(bn, n), block_k=min(bk, k), num_warps=nw, num_stages=ns)
+            if quick or tiles == defaults or n % tiles["block_n"] or k % tiles["block_k"]:
+                continue
+            variants.append((f"pallas bm{bm} bn{bn} bk{bk} w{nw} s{ns}", tiles))
+        cases = [("ragged_dot", lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32), {})]
+        cases += [(label_, functools.partial(grouped_matmul_pallas.grouped_matmul, preferred_element_type=jnp.float32, **t),
+                   t or defaults) for label_, t in variants]
+        cases += [("xla_dense_gemm_same_mkn", lambda x, w, gs: jnp.dot(x, w[0], preferred_element_type=jnp.float32), {})]
+        if mgpu is not None:
+            cases = [("mosaic_gpu", None, {})]
+        for impl, f, tiles in cases:
+            row = dict(model=name, matrix=label, impl=impl, m=m, k=k, n=n, groups=num_groups,
+                       nonempty_groups=int(jnp.sum(group_sizes > 0)), gflop=flops / 1e9)
+            if tiles:
+                row.update(tiles=tiles)
+            try:
+                if impl == "mosaic_gpu":
+                    if isinstance(mgpu, Exception):
+                        raise mgpu
+                    f = lambda x, w, gs: mgpu[0](x, w, gs, preferred_element_type=jnp.float32)
+                    row.update(tiles=mgpu[1], note="bf16 output (the kernel writes x's dtype)")
+                seconds, out = timed(jax.jit(f), x, w, group_sizes, iters=iters)
+                tflops = flops / seconds / 1e12
+                row.update(ms=seconds * 1e3, tflops=tflops, fraction_of_bf16_ceiling=tflops / BF16_TFLOPS)
+                if impl != "xla_dense_gemm_same_mkn":
+                    row.update(sampled_rows_rel_error=_sampled_rows_error(out, x, w, group_sizes, jax.random.fold_in(key, 2)))
+                err = f"  sampled-row rel err {row['sampled_rows_rel_error']:.2g}" if "sampled_rows_rel_error" in row else ""
+                print(f"{name:20s} grouped matmul {label:11s} {impl:32s} M={m} K={k} N={n} {seconds * 1e3:8.3f} ms "
+                      f"{tflops:7.1f} TFLOP/s ({100 * tflops / BF16_TFLOPS:4.1f}% of {BF16_TFLOPS:.0f}){err}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row.update(error=error_text(e))
+                print(f"{name:20s} grouped matmul {label:11s} {impl:32s} FAILED {row['error']}", flush=True)
+            rec.add("grouped_matmul", row)
+    if mgpu is not None:
+        rec.save()
+        return
+    # Rows past sum(group_sizes) must be zeros (on the GPU the output buffer is not pre-zeroed).
+    w = layer["experts_down"]
+    num_groups, k, _ = w.shape
+    sizes = jnp.zeros((num_groups,), jnp.int32).at[: min(3, num_groups)].set(jnp.array([100, 0, 37][:num_groups], jnp.int32))
+    x = jax.random.normal(jax.random.PRNGKey(5), (200, k), w.dtype)
+    row = dict(model=name, matrix="w_down", impl="pallas tail check", m=200, rows_with_groups=137)
+    try:
+        out = np.asarray(jax.jit(lambda x, w, gs: grouped_matmul_pallas.grouped_matmul(
+            x, w, gs, preferred_element_type=jnp.float32))(x, w, sizes))
+        row.update(tail_rows_all_zero=bool((out[137:] == 0).all()), finite=bool(np.isfinite(out).all()),
+                   sampled_rows_rel_error=_sampled_rows_error(jnp.asarray(out[:137]), x[:137], w, sizes, jax.random.PRNGKey(6)))
+        print(f"{name:20s} grouped matmul tail check: rows past sum(group_sizes) all zero: {row['tail_rows_all_zero']}, "
+              f"sampled-row rel err {row['sampled_rows_rel_error']:.2g}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        row.update(error=error_text(e))
+        print(f"{name:20s} grouped matmul tail check FAILED {row['error']}", flush=True)
+    rec.add("grouped_matmul", row)
+    rec.save()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for moe.json")
-    ap.add_argument("--tiny", action="store_true", help="tiny dims (CPU check of the script)")
-    ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 5, tiny 2)")
+    ap.add_argument("--quick", "--tiny", action="store_true", help="tiny dims, float32 (CPU smoke test of the script)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 5, quick 1)")
+    ap.add_argument("--models", default="mixtral,deepseek", help="comma list: mixtral, deepseek")
+    ap.add_argument("--sections", default="steps,expert_ffn,grouped_matmul,mosaic_gpu",
+                    help="comma list of sections to run (mosaic_gpu: the Mosaic GPU rows of expert_ffn/grouped_matmul)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    iters = args.iters or (2 if args.tiny else 5)
-    on_gpu = jax.default_backend() == "gpu"
-    impls = ["grouped"] + (["grouped_triton"] if on_gpu and triton_lowering_works() else []) + ["dense"]
-    prefill_len, context = (64, 32) if args.tiny else (2048, 512)
-    dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), backend=jax.default_backend(),
-                  device=str(jax.devices()[0].device_kind), jax=jax.__version__, tiny=args.tiny, dtype=str(jnp.dtype(dtype)),
-                  note=("random weights; Mixtral-8x7B shapes with 8 of 32 layers; DeepSeek-V3 shapes with 1 dense + 2 MoE "
-                        "of 3 + 58 layers; decode at context 512; steps include the LM head"),
-                  steps=[], expert_ffn=[])
-    for name, config in model_configs(args.tiny).items():
+    iters = args.iters or (1 if args.quick else 5)
+    sections = set(args.sections.split(","))
+    prefill_len, context = (64, 32) if args.quick else (2048, 512)
+    dtype = jnp.float32 if args.quick else jnp.bfloat16
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), backend=jax.default_backend(),
+                device=str(jax.devices()[0].device_kind), jax=jax.__version__, quick=args.quick, dtype=str(jnp.dtype(dtype)),
+                iters=iters, bf16_tflops_ceiling=BF16_TFLOPS,
+                note=("random weights; Mixtral-8x7B shapes with 8 of 32 layers; DeepSeek-V3 shapes with 1 dense + 2 MoE "
+                      "of 3 + 58 layers; every layer unrolled (unstack_layers); decode at context 512; steps include "
+                      "the LM head; expert_ffn and grouped_matmul use the first MoE layer's weights and uniform random routing"))
+    rec = Recorder(os.path.join(args.out, "moe.json"), meta)
+    wanted = args.models.split(",")
+    configs = {name: c for name, c in model_configs(args.quick).items() if any(name.startswith(w) for w in wanted)}
+    for name, config in configs.items():
+        family = get_model_family(config)
         t = time.perf_counter()
         params = random_params(config, dtype)
         jax.block_until_ready(params)
-        print(f"{name}: {config.num_layers} layers, {sum(a.size for a in jax.tree.leaves(params)) / 1e9:.2f}B params "
+        num_params = sum(a.size for a in jax.tree.leaves(params))
+        params = family.unstack_layers(params, donate=True)  # layer_loop="unroll", the GPU default
+        jax.block_until_ready(params)
+        print(f"{name}: {config.num_layers} layers, {num_params / 1e9:.2f}B params, unrolled "
               f"(made in {time.perf_counter() - t:.1f} s)", flush=True)
-        result["steps"] += bench_model(name, config, params, impls, iters, prefill_len, context)
-        result["expert_ffn"] += bench_expert_ffn(name, config, params, impls, iters, sorted({1, 64, prefill_len}))
-        del params
-    path = os.path.join(args.out, "moe.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+        layer = params["layers"][0]  # the first MoE layer
+        if "steps" in sections:
+            bench_steps(rec, name, config, params, iters, prefill_len, context)
+        if "expert_ffn" in sections:
+            bench_expert_ffn(rec, name, config, layer, iters, sorted({1, 64, prefill_len}))
+        if "grouped_matmul" in sections:
+            bench_grouped_matmul(rec, name, config, layer, iters, prefill_len, args.quick)
+        del params, layer
+    # JAX's Mosaic GPU ragged dot last, on fresh random expert weights: if it takes the process
+    # down, everything above is already in moe.json.
+    if "mosaic_gpu" in sections:
+        for name, config in configs.items():
+            layer = random_expert_layer(config, dtype)
+            num_experts = layer["experts_gate"].shape[0]
+            top_k = config.extra["num_experts_per_tok"]
+            try:
+                mgpu = mosaic_gpu_ragged_dot(prefill_len * top_k / num_experts)
+            except Exception as e:  # noqa: BLE001 - not importable: recorded in every Mosaic GPU row
+                print(f"mosaic_gpu ragged_dot unavailable: {error_text(e)}", flush=True)
+                mgpu = e
+            if "expert_ffn" in sections:
+                bench_expert_ffn(rec, name, config, layer, iters, sorted({1, 64, prefill_len}), mgpu)
+            if "grouped_matmul" in sections:
+                bench_grouped_matmul(rec, name, config, layer, iters, prefill_len, args.quick, mgpu)
+            del layer
+    rec.save()
+    print(f"wrote {rec.path}")
 
 
 if __name__ == "__main__":
