@@ -358,6 +358,36 @@ def bench_grouped_matmul(rec: Recorder, name, config, layer, iters, prefill_len,
     rec.save()
 
 
+def summary(result: dict) -> str:
+    """Compact markdown tables of moe.json (the end of the printed output)."""
+    cell = lambda r, key, fmt: (fmt.format(r[key]) if key in r else "ERR " + r.get("error", "?")[:40])
+    lines = ["| model | step | " + " | ".join(STEP_IMPLS) + " |", "|---|---|" + "---|" * len(STEP_IMPLS)]
+    steps = result["steps"]
+    for model in dict.fromkeys(r["model"] for r in steps):
+        for kind, batch in dict.fromkeys((r["kind"], r["batch"]) for r in steps if r["model"] == model):
+            rows = {r["impl"]: r for r in steps if (r["model"], r["kind"], r["batch"]) == (model, kind, batch)}
+            cells = [cell(rows[i], "ms", "{:.2f} ms") if i in rows else "-" for i in STEP_IMPLS]
+            lines.append(f"| {model} | {kind} b={batch} | " + " | ".join(cells) + " |")
+    ffn_impls = STEP_IMPLS + ("mosaic_gpu",)
+    lines += ["", "| model | expert FFN tokens | " + " | ".join(ffn_impls) + " |", "|---|---|" + "---|" * len(ffn_impls)]
+    ffn = result["expert_ffn"]
+    for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in ffn):
+        rows = {r["impl"]: r for r in ffn if (r["model"], r["tokens"]) == (model, tokens)}
+        lines.append(f"| {model} | {tokens} | " + " | ".join(
+            cell(rows[i], "ms", "{:.3f} ms") if i in rows else "-" for i in ffn_impls) + " |")
+    lines += ["", "| model | matrix | impl | ms | TFLOP/s | % of 645 |", "|---|---|---|---|---|---|"]
+    for r in result["grouped_matmul"]:
+        if "tail_rows_all_zero" in r:
+            lines.append(f"| {r['model']} | {r['matrix']} | {r['impl']}: rows past the groups all zero = "
+                         f"{r['tail_rows_all_zero']}, sampled-row rel err {r['sampled_rows_rel_error']:.2g} | | | |")
+        elif "tflops" in r:
+            lines.append(f"| {r['model']} | {r['matrix']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | "
+                         f"{100 * r['fraction_of_bf16_ceiling']:.1f} |")
+        elif "error" in r:
+            lines.append(f"| {r['model']} | {r['matrix']} | {r['impl']} | ERR {r['error'][:60]} | | |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for moe.json")
@@ -417,6 +447,7 @@ def main():
                 bench_grouped_matmul(rec, name, config, layer, iters, prefill_len, args.quick, mgpu)
             del layer
     rec.save()
+    print(summary(rec.result))
     print(f"wrote {rec.path}")
 
 
