@@ -199,7 +199,7 @@ def bench_prefill_attention(rng, quick, reps, trials):
     return rows
 
 
-def bench_matmuls(rng, quick, reps, trials):
+def bench_gemv(rng, quick, reps, trials):
     rows = []
     reps = max(reps, 16)  # short kernels: amortise the per-call host overhead over more launches
     k, n = (4096, 14336) if not quick else (128, 256)
@@ -249,6 +249,14 @@ def bench_matmuls(rng, quick, reps, trials):
                     rows.append(dict(kernel=f"gemv {lk}x{ln}", impl=name, error=repr(e)[:300]))
             del wq, wb
 
+    return rows
+
+
+def bench_gemm(rng, quick, reps, trials):
+    rows = []
+    k, n = (4096, 14336) if not quick else (128, 256)
+    ws = [quantize_int8(jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)) for _ in range(2)]
+    w_bf16 = [jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16) for _ in range(2)]
     m = 4096 if not quick else 64
     xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
     flops = 2 * m * k * n
@@ -287,7 +295,7 @@ def main():
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--sections", default="decode,prefill,matmuls", help="comma-separated subset of decode,prefill,matmuls")
+    parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
     args = parser.parse_args()
     rng = np.random.default_rng(int(time.time()))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
@@ -306,7 +314,7 @@ def main():
                   f"rel_err={c['rel_err']:.2e} written={c['all_written']}")
         save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
-    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, matmuls=bench_matmuls)
+    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=bench_gemv, gemm=bench_gemm)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)
