@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv
 
 _MASKED = -1e30
 
@@ -16,15 +17,28 @@ _MASKED = -1e30
 def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
     """Scatter this step's K/V into the paged cache.
 
-    k_cache, v_cache: [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_layers, num_pages, page_size, num_kv_heads, head_dim], or QuantizedKV
+    pools of that shape (int8 KV cache: each token's vector per KV head is quantized here).
     k, v: [T, num_kv_heads, head_dim]; slot_mapping: [T] flat slots.
     """
     page_size = k_cache.shape[2]
     page = slot_mapping // page_size
     offset = slot_mapping % page_size
-    k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype))
-    return k_cache, v_cache
+
+    def write(cache, x):
+        if isinstance(cache, QuantizedKV):
+            values, scales = quantize_kv(x)
+            return QuantizedKV(cache.values.at[layer, page, offset].set(values), cache.scales.at[layer, page, offset].set(scales))
+        return cache.at[layer, page, offset].set(x.astype(cache.dtype))
+
+    return write(k_cache, k), write(v_cache, v)
+
+
+def load_pages(cache, layer, pages):
+    """cache[layer, pages] as float32 ([..., page_size, kv_heads, head_dim]), dequantized if int8."""
+    if isinstance(cache, QuantizedKV):
+        return cache.values[layer, pages].astype(jnp.float32) * cache.scales[layer, pages][..., None]
+    return cache[layer, pages].astype(jnp.float32)
 
 
 def online_softmax_step(carry, scores, mask, weighted_values):
@@ -46,7 +60,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     """Causal attention of each token over its own sequence's pages.
 
     q: [T, num_heads, head_dim]; returns [T, num_heads, head_dim] in q's dtype.
-    K/V of this step must already be written (write_kv) so a token sees itself.
+    K/V of this step must already be written (write_kv) so a token sees itself. int8 pools
+    (QuantizedKV) are dequantized page by page.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
@@ -58,8 +73,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
 
     def body(j, carry):
         page = token_pages[:, j]
-        k = k_cache[layer, page].astype(jnp.float32)  # [T, page_size, kv_heads, head_dim]
-        v = v_cache[layer, page].astype(jnp.float32)
+        k = load_pages(k_cache, layer, page)  # [T, page_size, kv_heads, head_dim]
+        v = load_pages(v_cache, layer, page)
         s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
         kv_pos = j * page_size + jnp.arange(page_size)
         mask = kv_pos[None, :] <= positions[:, None]  # [T, page_size]

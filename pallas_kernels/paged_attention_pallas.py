@@ -9,6 +9,11 @@ Decode buckets (T <= B) use block_q = 1 and, when that leaves the GPU under-fill
 each row's pages over several programs (split-K); the partial softmax states are merged
 with an online-softmax combine in XLA. Prefill uses block_q * group ~= 64 query rows.
 
+int8 KV cache (QuantizedKV pools): the kernel loads the int8 pages and their per-(token, head)
+scales, so it reads about half the bytes of a bf16 cache. It never dequantizes a tile: the
+int8 values go into the dots as they are (exact in bf16), K's scales multiply the score
+columns and V's scales the probabilities, (p * s_v) . V_int8 = p . (s_v * V_int8).
+
 The backend is Pallas' Triton backend; pallas_mode.py says why not Mosaic GPU.
 """
 import functools
@@ -20,6 +25,7 @@ from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import attention_reference, pallas_mode
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.quantization import QuantizedKV
 
 _MASKED = -1e30
 # Streaming multiprocessors of an H100/H200: used only to decide when a decode batch has
@@ -59,8 +65,12 @@ def _query_blocks(query_start, num_blocks: int, block_q: int):
     return jnp.where(used, row, zero), jnp.where(used, start, zero), jnp.where(used, end, zero)
 
 
-def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, *out_refs,
-            group, block_q, block_rows, page_size, pages_per_step, pages_per_split, scale, sliding_window):
+def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
+            group, block_q, block_rows, page_size, pages_per_step, pages_per_split, scale, sliding_window, quantized):
+    if quantized:  # int8 pages: their scales come next, [pages, page_size] of this KV head each
+        k_scale_ref, v_scale_ref, *out_refs = refs
+    else:
+        out_refs = refs
     block, split = pl.program_id(0), pl.program_id(2)
     row, start, end = row_ref[block], start_ref[block], end_ref[block]
     r = jnp.arange(block_rows)
@@ -86,7 +96,11 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         pages = page_table_ref[row, pl.ds(step * pages_per_step, pages_per_step)]  # [pages_per_step]
         k = k_ref[pages].reshape(kv_per_step, head_dim)  # [kv_per_step, head_dim]
         v = v_ref[pages].reshape(kv_per_step, head_dim)
+        if quantized:  # int8 -> q's dtype is exact; the scales are applied to s and p below
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = pltr.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [block_rows, kv_per_step]
+        if quantized:
+            s = s * k_scale_ref[pages].reshape(1, kv_per_step)
         kv_pos = step * kv_per_step + jnp.arange(kv_per_step)
         mask = kv_pos[None, :] <= pos[:, None]
         if sliding_window is not None:
@@ -96,6 +110,8 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=1)
+        if quantized:
+            p = p * v_scale_ref[pages].reshape(1, kv_per_step)
         acc = acc * correction[:, None] + pltr.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return m_new, l, acc
 
@@ -129,8 +145,12 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
                     num_warps: int = 4, num_stages: int = 2):
     """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim].
 
+    k_cache, v_cache: pools of q's dtype or int8 QuantizedKV pools (both alike).
     Outputs of padding tokens (beyond query_start[B]) are zeros.
     """
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized != isinstance(v_cache, QuantizedKV):
+        raise ValueError("k_cache and v_cache must both be int8 QuantizedKV pools or both plain arrays")
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     num_rows, max_pages = md.page_table.shape
@@ -152,8 +172,12 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     # every split reads whole steps inside the table; the padding points at scratch page 0.
     page_table = md.page_table + layer * num_pages
     page_table = jnp.pad(page_table, ((0, 0), (0, num_splits * pages_per_split - max_pages)))  # [B, padded_pages]
-    k_flat = k_cache.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
-    v_flat = v_cache.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
+    kv_args = []
+    for cache in (k_cache, v_cache):
+        values = cache.values if quantized else cache
+        kv_args.append(values.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim))
+    if quantized:
+        kv_args += [c.scales.reshape(num_layers * num_pages, page_size, num_kv_heads) for c in (k_cache, v_cache)]
     # Query rows grouped by KV head, padded by one block so no program reads past the end.
     num_q_rows = num_tokens * group
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
@@ -168,6 +192,9 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         full((num_blocks,)), full((num_blocks,)), full((num_blocks,)), full(page_table.shape), full((padded_rows,)),
         pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0)), kv_spec, kv_spec,
     ]
+    if quantized:
+        scale_spec = pl.BlockSpec((num_layers * num_pages, page_size, None), lambda b, h, s: (0, 0, h))
+        in_specs += [scale_spec, scale_spec]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_kv_heads, padded_rows, head_dim), q.dtype)
         out_specs = pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0))
@@ -184,7 +211,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         ]
     kernel = functools.partial(
         _kernel, group=group, block_q=block_q, block_rows=block_rows, page_size=page_size,
-        pages_per_step=pages_per_step, pages_per_split=pages_per_split, scale=scale, sliding_window=sliding_window)
+        pages_per_step=pages_per_step, pages_per_split=pages_per_split, scale=scale, sliding_window=sliding_window,
+        quantized=quantized)
     result = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_kv_heads, num_splits),
@@ -193,8 +221,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         out_shape=out_shape,
         interpret=pallas_mode.resolve(interpret),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_attention_bq{block_q}_g{group}_s{num_splits}",
-    )(row, start, end, page_table, pos_rows, q_rows, k_flat, v_flat)
+        name=f"paged_attention_bq{block_q}_g{group}_s{num_splits}{'_int8kv' if quantized else ''}",
+    )(row, start, end, page_table, pos_rows, q_rows, *kv_args)
 
     if num_splits == 1:
         out = result

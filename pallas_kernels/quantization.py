@@ -1,4 +1,5 @@
-"""int8 quantization: per-output-channel symmetric weight scales, per-token activation scales.
+"""int8 quantization: per-output-channel symmetric weight scales, per-token activation scales,
+and the int8 KV cache (one scale per token and KV head).
 
 Two weight types share one layout (values int8 [..., in, out], scales [..., out]):
   QuantizedWeight: weight-only int8 (W8A16): activations stay in bf16/f32.
@@ -74,3 +75,82 @@ def quantize_params(params: dict, mode: str) -> dict:
     if "lm_head" in params:
         out["lm_head"] = quantize("lm_head", params["lm_head"])
     return out
+
+
+# ---- int8 KV cache ------------------------------------------------------------------------
+# kv_cache_dtype="int8": each K/V page pool is a QuantizedKV. A token's K (or V) vector of one
+# KV head is quantized on its own, symmetric, scale = amax / 127, when write_kv scatters it; the
+# scale lives next to the values. Per-(token, head) scales fit the scatter: a token's write never
+# changes the scale of other tokens in its page, so no page is ever re-quantized, and a page that
+# is shared through the prefix cache stays bit-identical. They cost 4 bytes per token and head
+# (6% of the int8 bytes at head_dim 64, 3% at 128).
+
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+class QuantizedKV(NamedTuple):
+    values: jax.Array  # [layers, pages, page_size, kv_heads, head_dim] int8
+    scales: jax.Array  # [layers, pages, page_size, kv_heads] float32; x ~= values * scales[..., None]
+
+    @property
+    def shape(self):  # the logical pool shape, as for an unquantized pool
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] -> (values int8 [..., head_dim], scales float32 [...]), symmetric per vector."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scales = jnp.where(amax > 0, amax / 127.0, 1.0)
+    values = jnp.clip(jnp.round(x32 / scales[..., None]), -127, 127).astype(jnp.int8)
+    return values, scales
+
+
+def dequantize_kv(values: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_pool_bytes(shape, kv_cache_dtype: str, model_dtype) -> int:
+    """Bytes of one page pool of `shape` ([..., kv_heads, head_dim]), scales included."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    elements = 1
+    for n in shape:
+        elements *= int(n)
+    if kv_cache_dtype == "int8":
+        return elements + (elements // int(shape[-1])) * 4
+    return elements * jnp.dtype(model_dtype).itemsize
+
+
+def make_kv_pool(shape, kv_cache_dtype: str, model_dtype, shardings=None):
+    """A zeroed page pool: an array of the model dtype ("auto") or a QuantizedKV ("int8").
+
+    shardings: None, or a NamedSharding for the unquantized pool (the scales drop its last axis).
+    """
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        if shardings is None:
+            return jnp.zeros(shape, model_dtype)
+        return jax.jit(lambda: jnp.zeros(shape, model_dtype), out_shardings=shardings)()
+    shape = tuple(shape)
+    zeros = lambda: QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    if shardings is None:
+        return zeros()
+    return jax.jit(zeros, out_shardings=QuantizedKV(shardings, scales_sharding(shardings, len(shape))))()
+
+
+def scales_sharding(sharding, rank: int):
+    """The sharding of a QuantizedKV's scales, given its values' NamedSharding (or PartitionSpec)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+    spec = PartitionSpec(*spec[: rank - 1]) if len(spec) >= rank else spec
+    return NamedSharding(sharding.mesh, spec) if isinstance(sharding, NamedSharding) else spec

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jlight.config import ModelConfig
+from jlight.pallas_kernels.quantization import QuantizedKV, scales_sharding
 from jlight.sharding import ops as parallel_ops
 from jlight.sharding.mesh import describe, mesh_sizes
 from jlight.sharding.rules import KV_CACHE_AXES, logical_to_spec, param_specs
@@ -163,6 +164,14 @@ class ShardingPlan:
             spec = logical_to_spec(KV_CACHE_AXES)
         return P("dp", *spec) if self.dp > 1 else spec
 
+    def _kv_specs(self, cache):
+        """The spec (tree) of a pool as the step sees it: int8 QuantizedKV scales drop head_dim."""
+        shape = cache.shape[1:] if self.dp > 1 else cache.shape
+        spec = self._kv_spec(shape)
+        if isinstance(cache, QuantizedKV):
+            return QuantizedKV(spec, scales_sharding(spec, len(cache.shape)))
+        return spec
+
     def kv_cache_global_shapes(self, k_shape, v_shape):
         """The pool shapes to allocate: (dp, *shape) with dp > 1, else unchanged."""
         lead = (self.dp,) if self.dp > 1 else ()
@@ -213,8 +222,7 @@ class ShardingPlan:
 
         def fn(params, k_cache, v_cache, tokens, md):
             specs = param_specs(self.param_axes, params)
-            k_spec, v_spec = self._kv_spec(k_cache.shape[1:] if dp > 1 else k_cache.shape), \
-                self._kv_spec(v_cache.shape[1:] if dp > 1 else v_cache.shape)
+            k_spec, v_spec = self._kv_specs(k_cache), self._kv_specs(v_cache)
             sharded = jax.shard_map(
                 per_device, mesh=self.mesh,
                 in_specs=(specs, k_spec, v_spec, batch_spec, batch_spec),

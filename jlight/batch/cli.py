@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory, .gguf, converted checkpoint or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "w8a8"], help="quantize the weights at load time")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="int8: int8 K/V cache with a scale per token and head")
     parser.add_argument("--mesh", default=None, help='device mesh of each process, e.g. "tp=2"')
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace, llm=None) -> int:
 def _make_llm(args):
     import jlight
 
-    return jlight.LLM(args.model, dtype=args.dtype, quantization=args.quantization, mesh=args.mesh,
+    return jlight.LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, mesh=args.mesh,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages)
 

@@ -17,6 +17,9 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
+    # "auto": K/V pages in the model's dtype; "int8": int8 values + a float32 scale per token and
+    # KV head (about half the bytes, so about twice the pages). Llama/MoE families; not MLA.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
@@ -46,6 +49,8 @@ class EngineConfig:
             bad("kv_cache_memory_fraction", "must be in (0, 1]")
         if self.quantization not in (None, "int8", "w8a8"):
             bad("quantization", "must be None, 'int8' or 'w8a8'")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            bad("kv_cache_dtype", "must be 'auto' (the model's dtype) or 'int8'")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
         if self.max_model_len is not None and self.max_model_len < 2:

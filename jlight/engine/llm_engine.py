@@ -96,6 +96,9 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if on_gpu() else 512)
         kv_dtype = params["final_norm"].dtype  # the model's compute dtype
+        if cfg.kv_cache_dtype != "auto" and mc.family == "deepseek":
+            raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
+                             "cache stays in the model dtype); use kv_cache_dtype='auto'")
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len)
@@ -103,7 +106,7 @@ class LLMEngine:
             self.family, mc, params, get_kernels(cfg.attention_impl, cfg.matmul_impl),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-            sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce)
+            kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
@@ -156,10 +159,16 @@ class LLMEngine:
             loaded.params = None  # drop the stacked copy
         return params, None
 
+    def kv_bytes_per_page(self, kv_dtype) -> int:
+        """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""
+        from jlight.pallas_kernels.quantization import kv_pool_bytes
+
+        k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, self.config.page_size)
+        return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
+
     def _size_kv_pool(self, kv_dtype, plan) -> int:
         cfg = self.config
-        k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, cfg.page_size)
-        bytes_per_page = (int(np.prod(k_shape)) + int(np.prod(v_shape))) * np.dtype(kv_dtype).itemsize
+        bytes_per_page = self.kv_bytes_per_page(kv_dtype)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
         wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1

@@ -19,6 +19,7 @@ import numpy as np
 from jlight.engine import sampler
 from jlight.engine.scheduler import SchedulePlan
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.quantization import make_kv_pool
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
-                 max_model_len, kv_dtype, sharding_plan=None, collective_matmul=True, int8_all_reduce=False):
+                 max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=True,
+                 int8_all_reduce=False):
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_seqs = max_num_seqs
@@ -64,13 +66,10 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.buckets = token_buckets(max_num_batched_tokens)
         k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
-        if sharding_plan is not None:
-            k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape)
-            self.k_cache = jax.jit(lambda: jnp.zeros(k_shape, kv_dtype), out_shardings=k_shard)()
-            self.v_cache = jax.jit(lambda: jnp.zeros(v_shape, kv_dtype), out_shardings=v_shard)()
-        else:
-            self.k_cache = jnp.zeros(k_shape, kv_dtype)  # [layers, pages, page_size, kv_heads, head_dim]
-            self.v_cache = jnp.zeros(v_shape, kv_dtype)
+        k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape) if sharding_plan is not None else (None, None)
+        # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools
+        self.k_cache = make_kv_pool(k_shape, kv_cache_dtype, kv_dtype, k_shard)
+        self.v_cache = make_kv_pool(v_shape, kv_cache_dtype, kv_dtype, v_shard)
         self.history_dummy_slot = max_num_seqs
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len + 1), jnp.int32)  # [slots + dummy, tokens]
         self.prev_sampled = jnp.zeros((max_num_seqs,), jnp.int32)

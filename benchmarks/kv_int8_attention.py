@@ -1,0 +1,187 @@
+"""The int8 KV cache in the Pallas paged-attention kernel: check it against the XLA reference on
+the same int8 pools, then time it against the bf16 cache.
+
+  python benchmarks/kv_int8_attention.py --out DIR          # GPU: checks, then timings
+  python benchmarks/kv_int8_attention.py --quick --out DIR  # CPU smoke run (interpret mode, tiny sizes)
+
+Decode attention (B=64 rows, 4096 tokens of context each, 32 query / 8 KV heads, head_dim 128,
+page 16) reads the whole K/V of every row once, so it is bound by memory: bf16 pools move
+2 x 64 x 4096 x 8 x 128 x 2 B = 1.07 GB, int8 pools 2 x 64 x 4096 x 8 x (128 + 4) B = 0.55 GB
+(values plus one float32 scale per token and head). The question is how much of that 1.94x
+fewer bytes turns into time. The prefill chunk is bound by compute and shows what the int8 ->
+bf16 conversion costs there.
+
+Timing as in benchmarks/kernels.py: `reps` input sets per jitted call (no host dispatch between
+launches), device time from CUPTI on a GPU (host clock elsewhere), median of `trials` calls.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from kernel_batches import random_batch  # noqa: E402
+
+from jlight.pallas_kernels import attention_reference, paged_attention_pallas  # noqa: E402
+from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv  # noqa: E402
+
+COPY_BW = 3.70e12
+
+
+def time_call(fn, args, reps, trials):
+    """Seconds per kernel launch (see the module docstring)."""
+    jax.block_until_ready(fn(*args))
+    if jax.default_backend() == "gpu":
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            _, per_call = profiler.measure(fn, aggregate=False, iterations=trials)(*args)
+            return statistics.median(sum(ms for _, ms in kernels) for kernels in per_call) / 1e3 / reps
+        except Exception as e:  # noqa: BLE001
+            print(f"CUPTI timing unavailable ({e!r:.200}); using the host clock", flush=True)
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / reps
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def int8_pools(rng, shape):
+    """int8 K or V pool of random vectors (magnitudes varying per token and head), and its float32 source."""
+    x = jnp.asarray(rng.standard_normal(shape, np.float32) * rng.uniform(0.2, 3.0, size=shape[:-1] + (1,)).astype(np.float32))
+    return QuantizedKV(*quantize_kv(x)), x
+
+
+def check(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None):
+    page_size, num_kv_heads, num_layers = 16, 2, 2
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 8
+    md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    (kq, k), (vq, v) = int8_pools(rng, shape), int8_pools(rng, shape)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
+    layer, kw = jnp.int32(1), dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
+    want = attention_reference.paged_attention(q.astype(jnp.float32), kq, vq, layer, md, **kw)
+    got = paged_attention_pallas.paged_attention(q, kq, vq, layer, md, **kw)
+    exact = attention_reference.paged_attention(q.astype(jnp.float32), k, v, layer, md, **kw)
+    n = int(md.query_start[-1])
+    return dict(rel_err_vs_int8_reference=rel_err(got[:n], want[:n]), int8_vs_unquantized=rel_err(want[:n], exact[:n]),
+                all_written=bool(np.all(np.isfinite(np.asarray(got[:n], np.float32)))))
+
+
+def run_checks(rng, quick):
+    rows = []
+    cases = [
+        ("decode ragged", [1] * 6, [1, 16, 17, 0, 300, 2047 if not quick else 90], 6),
+        ("prefill+decode", [37, 1, 0, 16, 5], [37, 200, 0, 48, 700 if not quick else 70], 64),
+        ("long prefill chunk", [256 if not quick else 40], [3000 if not quick else 100], 256 if not quick else 48),
+    ]
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for group in (1, 4, 8):
+            for head_dim in (64, 128):
+                for name, q_lens, ctx, t in cases:
+                    rows.append(dict(case=name, dtype=jnp.dtype(dtype).name, group=group, head_dim=head_dim,
+                                     **check(rng, dtype, group, head_dim, q_lens, ctx, t)))
+    rows.append(dict(case="sliding window 64", dtype="bfloat16", group=4, head_dim=128,
+                     **check(rng, jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, sliding_window=64)))
+    return rows
+
+
+def bench_decode(rng, quick, reps, trials):
+    batch, ctx, num_heads, num_kv_heads, head_dim, page_size = (64, 4096, 32, 8, 128, 16) if not quick else (4, 64, 8, 2, 64, 16)
+    num_pages = batch * (ctx // page_size) + 1
+    md = random_batch(rng, [1] * batch, [ctx] * batch, page_size=page_size, num_pages=num_pages)
+    shape = (1, num_pages, page_size, num_kv_heads, head_dim)
+    kq, k32 = int8_pools(rng, shape)
+    vq, v32 = int8_pools(rng, shape)
+    k, v = k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)
+    del k32, v32
+    qs = [jnp.asarray(rng.standard_normal((batch, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
+    scale, layer = head_dim ** -0.5, jnp.int32(0)
+    tokens = batch * ctx * num_kv_heads
+    caches = {"bf16 KV": ((k, v), 2 * tokens * head_dim * 2), "int8 KV": ((kq, vq), 2 * tokens * (head_dim + 4))}
+    configs = [dict()] + ([] if quick else [dict(pages_per_step=pps, num_warps=w, num_stages=st)
+                                            for pps in (4, 8) for w in (4, 8) for st in (2, 3)] + [dict(num_splits=2)])
+    rows = []
+    for cache_name, ((kc, vc), nbytes) in caches.items():
+        for cfg in configs:
+            fn = jax.jit(lambda qs, kc, vc, md, cfg=cfg: [paged_attention_pallas.paged_attention(q, kc, vc, layer, md, scale=scale, **cfg) for q in qs])
+            try:
+                t = time_call(fn, (qs, kc, vc, md), reps, trials)
+                rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", cache=cache_name, impl=f"pallas {cfg or 'default'}",
+                                 seconds=t, bytes=nbytes, bw=nbytes / t, pct_copy=100 * nbytes / t / COPY_BW))
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+                rows.append(dict(kernel="decode attention", cache=cache_name, impl=f"pallas {cfg}", error=repr(e)[:300]))
+    return rows
+
+
+def bench_prefill(rng, quick, reps, trials):
+    tokens, num_heads, num_kv_heads, head_dim, page_size = (4096, 32, 8, 128, 16) if not quick else (64, 8, 2, 64, 16)
+    num_pages = tokens // page_size + 1
+    md = random_batch(rng, [tokens], [tokens], page_size=page_size, num_pages=num_pages)
+    shape = (1, num_pages, page_size, num_kv_heads, head_dim)
+    (kq, k32), (vq, v32) = int8_pools(rng, shape), int8_pools(rng, shape)
+    caches = {"bf16 KV": (k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)), "int8 KV": (kq, vq)}
+    qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(max(1, reps // 2))]
+    flops = 2 * 2 * num_heads * head_dim * tokens * (tokens + 1) / 2
+    rows = []
+    for cache_name, (kc, vc) in caches.items():
+        fn = jax.jit(lambda qs, kc, vc, md: [paged_attention_pallas.paged_attention(q, kc, vc, jnp.int32(0), md, scale=head_dim ** -0.5) for q in qs])
+        try:
+            t = time_call(fn, (qs, kc, vc, md), len(qs), trials)
+            rows.append(dict(kernel=f"prefill attention {tokens}-token chunk", cache=cache_name, impl="pallas default",
+                             seconds=t, flops=flops, tflops=flops / t / 1e12))
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(kernel="prefill attention", cache=cache_name, error=repr(e)[:300]))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--trials", type=int, default=20)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), backend=jax.default_backend(),
+                  device=str(jax.devices()[0].device_kind), jax=jax.__version__, args=vars(a))
+    checks = run_checks(rng, a.quick)
+    bad = [c for c in checks if not c["all_written"] or c["rel_err_vs_int8_reference"] > (3e-2 if c["dtype"] == "bfloat16" else 1e-3)]
+    result["checks"], result["checks_failed"] = checks, len(bad)
+    print(f"checks: {len(checks) - len(bad)}/{len(checks)} passed; worst rel err vs int8 reference "
+          f"{max(c['rel_err_vs_int8_reference'] for c in checks):.2e}; int8 vs unquantized attention "
+          f"{min(c['int8_vs_unquantized'] for c in checks):.1e}..{max(c['int8_vs_unquantized'] for c in checks):.1e}", flush=True)
+    for c in bad:
+        print("FAILED", c, flush=True)
+    result["timings"] = bench_decode(rng, a.quick, 2 if a.quick else a.reps, 3 if a.quick else a.trials)
+    result["timings"] += bench_prefill(rng, a.quick, 2 if a.quick else a.reps, 3 if a.quick else a.trials)
+    for r in result["timings"]:
+        if "error" in r:
+            print(f"{r['kernel']:<40} {r['cache']:<8} {r.get('impl', '')}: ERROR {r['error']}", flush=True)
+        elif "bw" in r:
+            print(f"{r['kernel']:<40} {r['cache']:<8} {r['impl']:<55} {r['seconds'] * 1e6:9.1f} us  {r['bw'] / 1e12:5.2f} TB/s  "
+                  f"{r['pct_copy']:5.1f}% of copy", flush=True)
+        else:
+            print(f"{r['kernel']:<40} {r['cache']:<8} {r['impl']:<55} {r['seconds'] * 1e6:9.1f} us  {r['tflops']:6.1f} TFLOP/s", flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "kv_int8_attention.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
