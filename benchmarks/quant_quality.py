@@ -1,0 +1,165 @@
+"""Quality of jlight's quantization, measured: SmolLM2-135M-Instruct teacher-forced over a fixed text.
+
+Each configuration runs the text through the engine (the path `jlight.LLM` runs: quantized
+weights through the engine's matmuls, the int8 KV cache through write_kv and paged attention
+reading int8 pages) and records, at every position, the top-1 next token and the logprob of
+the true next token (the engine's prompt_logprobs). Reported against the bfloat16 model:
+
+  top-1 agreement: fraction of positions whose argmax equals the bfloat16 model's argmax;
+  perplexity:      exp(mean NLL of the true next token), and its change relative to bfloat16.
+
+The text (benchmarks/data/quant_quality_text.txt, written for this benchmark) is cut into
+segments of --segment-len tokens; each segment is one request, prefilled in chunks of
+--max-num-batched-tokens, so later chunks attend to K/V that earlier chunks left in the cache.
+
+    python benchmarks/quant_quality.py                  # the whole text, the table in Markdown
+    python benchmarks/quant_quality.py --max-tokens 1024 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quant_quality_text.txt")
+
+# (name, engine options); the first is the baseline the others are compared with.
+CONFIGS = [
+    ("bfloat16", dict(dtype="bfloat16")),
+    ("float32 (for scale)", dict(dtype="float32")),
+    ("int8 weights (W8A16)", dict(dtype="bfloat16", quantization="int8")),
+    ("w8a8", dict(dtype="bfloat16", quantization="w8a8")),
+    ("int8 KV cache", dict(dtype="bfloat16", kv_cache_dtype="int8")),
+    ("int8 weights + int8 KV cache", dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")),
+]
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    options: dict
+    top1: list[int]  # argmax next token at each position
+    logprobs: list[float]  # logprob of the true next token at each position
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-sum(self.logprobs) / len(self.logprobs))
+
+
+def text_token_ids(tokenizer, path: str = TEXT_PATH) -> list[int]:
+    with open(path, encoding="utf-8") as f:
+        return tokenizer.encode(f.read())
+
+
+def segments_of(ids: list[int], segment_len: int, max_tokens: int | None = None) -> list[list[int]]:
+    ids = ids[:max_tokens] if max_tokens else ids
+    segs = [ids[i:i + segment_len] for i in range(0, len(ids), segment_len)]
+    return [s for s in segs if len(s) >= 2]
+
+
+def teacher_forced(engine, segments: list[list[int]]) -> tuple[list[int], list[float]]:
+    """Top-1 ids and true-token logprobs over every segment (positions 1.. of each), in order."""
+    from jlight import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    for i, seg in enumerate(segments):
+        engine.add_request(f"seg-{i}", None, params, prompt_token_ids=seg)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    top1, logprobs = [], []
+    for i, seg in enumerate(segments):
+        plp = outs[f"seg-{i}"].prompt_logprobs
+        assert len(plp) == len(seg), (len(plp), len(seg))
+        for pos in range(1, len(seg)):
+            d = plp[pos]  # {top-1 id: logprob, true id: logprob}; the top-1 entry comes first
+            top1.append(next(iter(d)))
+            logprobs.append(d[seg[pos]])
+    return top1, logprobs
+
+
+def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_batched_tokens: int = 512,
+            page_size: int = 16, log=print) -> list[Run]:
+    """Run each configuration over the segments (one engine each; a model loaded once per dtype)."""
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+    from jlight.loading import load_model
+
+    max_len = max(len(s) for s in segments) + 8
+    loaded_by_dtype, runs = {}, []
+    for name, opts in configs:
+        dtype = opts.get("dtype", "auto")
+        if dtype not in loaded_by_dtype:
+            loaded_by_dtype[dtype] = load_model(model, dtype=dtype)
+        cfg = EngineConfig(model=model, max_num_seqs=max(1, min(len(segments), 8)), max_num_batched_tokens=max_num_batched_tokens,
+                           max_model_len=max_len, page_size=page_size, layer_loop="scan", warmup=False, **opts)
+        t0 = time.perf_counter()
+        engine = LLMEngine(cfg, loaded=loaded_by_dtype[dtype])
+        top1, logprobs = teacher_forced(engine, segments)
+        runs.append(Run(name, opts, top1, logprobs, time.perf_counter() - t0))
+        log(f"{name}: {len(top1)} positions, perplexity {runs[-1].perplexity:.4f}, {runs[-1].seconds:.1f} s")
+        del engine
+    return runs
+
+
+def compare(runs: list[Run]) -> list[dict]:
+    """One row per run, against the first (the baseline)."""
+    base = runs[0]
+    rows = []
+    for r in runs:
+        agree = sum(a == b for a, b in zip(r.top1, base.top1)) / len(base.top1)
+        rows.append(dict(name=r.name, options=r.options, positions=len(r.top1), top1_agreement=agree,
+                         perplexity=r.perplexity, perplexity_change=r.perplexity / base.perplexity - 1.0,
+                         seconds=round(r.seconds, 1)))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| configuration | top-1 agreement with bf16 | perplexity | vs bf16 |", "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {100 * r['top1_agreement']:.2f}% | {r['perplexity']:.4f} | {100 * r['perplexity_change']:+.2f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF, fetched into $JLIGHT_CACHE)")
+    p.add_argument("--segment-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=None, help="use only the text's first N tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+
+    from jlight.loading import load_model
+
+    tokenizer = load_model(args.model, dtype="float32").tokenizer
+    segments = segments_of(text_token_ids(tokenizer), args.segment_len, args.max_tokens)
+    print(f"text: {sum(map(len, segments))} tokens in {len(segments)} segments of <= {args.segment_len}", file=sys.stderr)
+    t0 = time.perf_counter()
+    rows = compare(measure(segments, model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
+                           log=lambda s: print(s, file=sys.stderr)))
+    import jax
+
+    meta = dict(date=datetime.date.today().isoformat(), host=platform.node(), machine=platform.machine(),
+                backend=jax.default_backend(), devices=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                command="python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+                tokens=sum(map(len, segments)), segments=len(segments), total_seconds=round(time.perf_counter() - t0, 1))
+    print(json.dumps(meta))
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
