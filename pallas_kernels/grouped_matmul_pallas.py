@@ -105,7 +105,9 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, bloc
     rows = row0 + jnp.arange(block_m)
     mine = (rows >= start) & (rows < end)  # [block_m]
     w_group = jnp.minimum(group, num_groups - 1)  # the zero tail has no weights
-    steps = jnp.where(group < num_groups, num_k_steps, 0)
+    # int32 operands spelled out: with two Python ints, jnp.where's select was lowered to i1
+    # operands on the GPU (JAX 0.11.2 Triton lowering), so the loop bounds had mismatched types.
+    steps = jnp.where(group < num_groups, jnp.int32(num_k_steps), jnp.int32(0))
     block_n = o_ref.shape[1]
 
     def body(step, acc):
