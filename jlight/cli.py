@@ -39,13 +39,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
+    p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
+                   help="how MoE experts run (auto: gathered for small decode batches, else grouped matmuls)")
 
 
 def engine_options(args: argparse.Namespace, **defaults) -> dict:
     """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "kv_cache_dtype", "attention_impl", "matmul_impl"):
+                 "num_pages", "kv_cache_memory_fraction", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

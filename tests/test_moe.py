@@ -129,3 +129,19 @@ def test_too_many_experts_per_token_is_a_value_error():
         num_hidden_layers=1, num_attention_heads=2, num_local_experts=4, num_experts_per_tok=5))
     with pytest.raises(ValueError, match="num_experts_per_tok=5"):
         mixtral.param_shapes(cfg)
+
+
+@pytest.mark.parametrize("moe_impl", ["dense", "pallas"])
+def test_engine_moe_impl_option_keeps_greedy_tokens(models, moe_impl):
+    """EngineConfig.moe_impl reaches the MoE layers: forcing the all-experts baseline or the Pallas
+    grouped matmul (interpret mode here) gives transformers' greedy tokens."""
+    import jlight.api
+    from jlight import SamplingParams
+
+    path, hf_model = models["Qwen3MoeForCausalLM"]
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 250, 12)]
+    llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, num_pages=16,
+                         moe_impl=moe_impl, compilation_cache_dir=None)
+    assert llm.engine.config.moe_impl == moe_impl
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 8)

@@ -23,6 +23,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
+    # MoE experts: "auto" (gathered at small decode batches, else the Pallas grouped matmul on GPU
+    # and ragged_dot elsewhere; models/moe.py), or force "pallas", "ragged_dot", "gathered", "dense".
+    moe_impl: str = "auto"
     # "scan": one compiled layer body looped over stacked weights (fast compiles; CPU default);
     # "unroll": one body per layer over per-layer weights (no per-step weight slicing; GPU default).
     layer_loop: str = "auto"
@@ -51,6 +54,10 @@ class EngineConfig:
             bad("quantization", "must be None, 'int8' or 'w8a8'")
         if self.kv_cache_dtype not in ("auto", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype) or 'int8'")
+        from jlight.pallas_kernels.dispatch import MOE_IMPLS
+
+        if self.moe_impl not in MOE_IMPLS:
+            bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
         if self.max_model_len is not None and self.max_model_len < 2:
