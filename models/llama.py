@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.config import ModelConfig
-from jlight.models.layers import activation, rms_norm
+from jlight.models.layers import activation, rms_norm, split_layers
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.sharding import ops as parallel_ops
@@ -152,16 +152,15 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     return h, k_cache, v_cache
 
 
-def unstack_layers(params: dict) -> dict:
+def unstack_layers(params: dict, donate: bool = False) -> dict:
     """Split the stacked [layers, ...] weights into one dict per layer (for the unrolled forward).
 
     Costs a longer compile (the layer body is compiled num_layers times) and buys weights that
     the matmul kernels read where they lie, instead of a per-step slice copy out of the stack.
+    donate=True frees each stacked weight as it is split, so the peak is the weights plus one
+    leaf rather than twice the weights (models/layers.split_layers).
     """
-    layers = params["layers"]
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    split = jax.jit(lambda tree: [jax.tree.map(lambda x: x[i], tree) for i in range(num_layers)])
-    return dict(params, layers=split(layers))
+    return dict(params, layers=split_layers(params["layers"], donate))
 
 
 def compute_logits(params: dict, config: ModelConfig, hidden, kernels):

@@ -194,3 +194,36 @@ def test_no_compilation_after_warmup(llm):
     engine.run_to_completion()
     assert events[base:] == [], f"{len(events) - base} compilations after warm-up"
     assert engine.block_manager.num_used_pages == 0
+
+
+def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, monkeypatch):
+    """layer_loop="unroll" (the GPU default) gives transformers' greedy tokens, and an engine that
+    loaded its own weights frees each stacked array as it splits it (peak ~ one copy of the
+    weights); weights handed in (shared by data-parallel replicas) are left intact."""
+    import jlight.loading
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+
+    own_stacked = []
+    real_load = jlight.loading.load_model
+
+    def load_and_record(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        own_stacked.extend(jax.tree.leaves(loaded.params["layers"]))
+        return loaded
+
+    monkeypatch.setattr(jlight.loading, "load_model", load_and_record)
+    config = EngineConfig(model=model_dir, dtype="float32", layer_loop="unroll", max_num_seqs=2,
+                          max_num_batched_tokens=16, num_pages=64, compilation_cache_dir=None, warmup=False)
+    engine = LLMEngine(config)
+    assert own_stacked and all(leaf.is_deleted() for leaf in own_stacked)  # freed as they were split ...
+    prompt = random_prompts(1, 5, 20, seed=9)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("unrolled", None, params, prompt_token_ids=prompt)
+    tokens = [out for _ in range(64) for out in engine.step() if out.finished]
+    assert tokens[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 8)
+
+    shared = real_load(model_dir, dtype="float32")
+    stacked = jax.tree.leaves(shared.params["layers"])
+    LLMEngine(config, loaded=shared)
+    assert not any(leaf.is_deleted() for leaf in stacked)  # ... but handed-in weights are not freed

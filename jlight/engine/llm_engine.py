@@ -77,6 +77,9 @@ class LLMEngine:
         from jlight.models import get_model_family
         from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
 
+        # Weights this engine loads itself are its own to free while unstacking them (below); weights
+        # handed in (data-parallel replicas share one load) must stay intact for the others.
+        owns_weights = loaded is None
         mesh = None
         if cfg.mesh:
             from jlight.sharding.mesh import make_mesh
@@ -91,7 +94,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(loaded, "name", None) or str(cfg.model or "SmolLM2-135M-Instruct")
         self.family = get_model_family(self.model_config)
-        params, sharding_plan = self._prepare_params(loaded, mesh, on_gpu())
+        params, sharding_plan = self._prepare_params(loaded, mesh, on_gpu(), owns_weights)
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if on_gpu() else 512)
@@ -136,7 +139,7 @@ class LLMEngine:
         return seconds
 
     # ---- set-up helpers ---------------------------------------------------------------------
-    def _prepare_params(self, loaded, mesh, gpu: bool):
+    def _prepare_params(self, loaded, mesh, gpu: bool, owns_weights: bool = False):
         """Quantize, shard or unroll the loaded weights as the config asks. Returns (params, plan)."""
         cfg = self.config
         params = loaded.params
@@ -154,7 +157,9 @@ class LLMEngine:
             return plan.prepare_params(params), plan
         unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
         if unroll and hasattr(self.family, "unstack_layers"):
-            params = self.family.unstack_layers(params)
+            # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
+            # Mixtral-8x7B, 93 GB, fits one H200 only that way).
+            params = self.family.unstack_layers(params, donate=owns_weights)
             jax.block_until_ready(params)
             loaded.params = None  # drop the stacked copy
         return params, None
