@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,34 +27,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from kernel_batches import random_batch  # noqa: E402
 
+from kernels import rel_err, time_call  # noqa: E402  (benchmarks/kernels.py: CUPTI device timing)
+
 from jlight.pallas_kernels import attention_reference, paged_attention_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv  # noqa: E402
 
 COPY_BW = 3.70e12
-
-
-def time_call(fn, args, reps, trials):
-    """Seconds per kernel launch (see the module docstring)."""
-    jax.block_until_ready(fn(*args))
-    if jax.default_backend() == "gpu":
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-
-            _, per_call = profiler.measure(fn, aggregate=False, iterations=trials)(*args)
-            return statistics.median(sum(ms for _, ms in kernels) for kernels in per_call) / 1e3 / reps
-        except Exception as e:  # noqa: BLE001
-            print(f"CUPTI timing unavailable ({e!r:.200}); using the host clock", flush=True)
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / reps
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def int8_pools(rng, shape):

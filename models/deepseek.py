@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jlight.config import ModelConfig
 from jlight.models import llama
-from jlight.models.layers import activation, rms_norm, split_layers
+from jlight.models.layers import activation, rms_norm, run_layers, split_layers
 from jlight.models.moe import deepseek_v2_topk, deepseek_v3_topk
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.models.rope_yarn import softmax_scale_multiplier, yarn_inv_frequencies
@@ -212,21 +212,11 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
             return (h, cache), None
         return layer
 
-    def run(layer, carry, group, first: int):
-        """One stack of layers [first, first + n): lax.scan, or unrolled over per-layer weights."""
-        if isinstance(group, (list, tuple)):  # unstack_layers
-            for i, lp in enumerate(group):
-                carry, _ = layer(carry, (lp, jnp.int32(first + i)))
-            return carry
-        n = jax.tree.leaves(group)[0].shape[0]
-        carry, _ = jax.lax.scan(layer, carry, (group, jnp.arange(first, first + n, dtype=jnp.int32)))
-        return carry
-
     h = ops.embed(params["embed"], tokens).astype(params["final_norm"].dtype)  # [T, embed]
     k = s["num_dense"]
     if k:
-        h, k_cache = run(make_layer(False), (h, k_cache), params["dense_layers"], 0)
-    h, k_cache = run(make_layer(True), (h, k_cache), params["layers"], k)
+        h, k_cache = run_layers(make_layer(False), (h, k_cache), params["dense_layers"], 0)
+    h, k_cache = run_layers(make_layer(True), (h, k_cache), params["layers"], k)
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)
     return h, k_cache, v_cache

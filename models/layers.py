@@ -40,3 +40,20 @@ def split_layers(stacked, donate: bool = False) -> list:
             jax.block_until_ready(per_leaf[-1])
             leaf.delete()
     return [jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(num_layers)]
+
+
+def run_layers(layer, carry, layers, first: int = 0):
+    """Apply `layer(carry, (layer_params, layer_index)) -> (carry, _)` over a stack of layers.
+
+    `layers` is either stacked [n, ...] weights, run under lax.scan (one compiled body), or a list
+    of per-layer trees from `split_layers`, run unrolled: each layer's weights are then their own
+    buffers, which the matmuls read in place, where a scan would slice them out of the stack on
+    every step. Layer indices (for the KV pools) are first, first + 1, ...
+    """
+    if isinstance(layers, (list, tuple)):
+        for i, layer_params in enumerate(layers):
+            carry, _ = layer(carry, (layer_params, jnp.int32(first + i)))
+        return carry
+    n = jax.tree.leaves(layers)[0].shape[0]
+    carry, _ = jax.lax.scan(layer, carry, (layers, jnp.arange(first, first + n, dtype=jnp.int32)))
+    return carry

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.config import ModelConfig
-from jlight.models.layers import activation, rms_norm, split_layers
+from jlight.models.layers import activation, rms_norm, run_layers, split_layers
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.sharding import ops as parallel_ops
@@ -137,16 +137,7 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     h = ops.embed(params["embed"], tokens)
     dtype = params["final_norm"].dtype
     h = h.astype(dtype)
-    if isinstance(params["layers"], (list, tuple)):
-        # Unrolled (see unstack_layers): each layer's weights are their own buffers, which the
-        # matmuls read in place; a scan would slice them out of the stack on every step.
-        carry = (h, k_cache, v_cache)
-        for i, lp in enumerate(params["layers"]):
-            carry, _ = layer(carry, (lp, jnp.int32(i)))
-        h, k_cache, v_cache = carry
-    else:
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
+    h, k_cache, v_cache = run_layers(layer, (h, k_cache, v_cache), params["layers"])  # scanned or unrolled
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)  # whole [T, embed] again if the residual stream was split on tokens
     return h, k_cache, v_cache

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jlight.config import ModelConfig
 from jlight.errors import UnsupportedModelError
 from jlight.models import llama
-from jlight.models.layers import activation, rms_norm, split_layers
+from jlight.models.layers import activation, rms_norm, run_layers, split_layers
 from jlight.models.moe import softmax_topk
 from jlight.models.rope import inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
@@ -125,14 +125,7 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
         return (h, k_cache, v_cache), None
 
     h = ops.embed(params["embed"], tokens).astype(params["final_norm"].dtype)  # [T, embed]
-    if isinstance(params["layers"], (list, tuple)):  # unrolled (unstack_layers), as in llama.forward
-        carry = (h, k_cache, v_cache)
-        for i, lp in enumerate(params["layers"]):
-            carry, _ = layer(carry, (lp, jnp.int32(i)))
-        h, k_cache, v_cache = carry
-    else:
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (h, k_cache, v_cache), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (params["layers"], layer_ids))
+    h, k_cache, v_cache = run_layers(layer, (h, k_cache, v_cache), params["layers"])  # scanned or unrolled
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     h = ops.gather_sequence(h)
     return h, k_cache, v_cache

@@ -114,7 +114,10 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
         y = jax.lax.ragged_dot(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
     else:
         raise ValueError(f"grouped matmul impl={impl!r} is not one of {', '.join(GROUPED_MATMULS)}")
-    return y * w.scales.astype(jnp.float32)[row_expert] if quantized else y
+    if not quantized:
+        return y
+    num_experts = values.shape[0]  # rows of the "no local expert" id (see expert_ffn) are zeros: any scale will do
+    return y * w.scales.astype(jnp.float32)[jnp.minimum(row_expert, num_experts - 1)]
 
 
 def _gathered_matmul(rows, w, ids):
@@ -129,7 +132,8 @@ def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
     """Few (token, expert) pairs (decode): gather just the chosen experts' weights, so a step reads
     T*k experts instead of all of them (XLA's ragged_dot pads every group to a dense contraction)."""
     num_tokens, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    # The "no local expert" id (see expert_ffn) has weight 0: any expert's weights will do for it.
+    flat_ids = jnp.minimum(topk_ids.reshape(-1), _num_experts(w_gate) - 1)  # [T*k]
     rows = jnp.repeat(x, k, axis=0)  # [T*k, E], row t*k + j is token t
     hidden = (act(_gathered_matmul(rows, w_gate, flat_ids)) * _gathered_matmul(rows, w_up, flat_ids)).astype(x.dtype)
     out_rows = _gathered_matmul(hidden, w_down, flat_ids) * topk_weights.reshape(-1, 1).astype(jnp.float32)
@@ -145,6 +149,8 @@ def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, gro
     order = jnp.argsort(flat_ids, stable=True)  # [T*k] rows grouped by expert
     row_expert = flat_ids[order]
     row_token = order // k
+    # Ids == num_experts ("no local expert") are not counted, so their rows sort last, past every
+    # group: ragged_dot and the Pallas kernel return zeros there, the kernel without any work.
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [X]
     rows = x[row_token]  # [T*k, E]
     mm = lambda r, w: _grouped_matmul(r, w, group_sizes, row_expert, grouped_matmul)
@@ -191,7 +197,11 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down) -> str:
 
 
 def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str = "auto"):
-    """The routed experts' output [T, E] by `impl` (see the module docstring); all give the same answer."""
+    """The routed experts' output [T, E] by `impl` (see the module docstring); all give the same answer.
+
+    A pair whose id equals the number of experts in w_* (with weight 0) is computed by no expert
+    here: expert parallelism marks so the pairs routed to other devices' experts.
+    """
     impl = resolve_expert_impl(impl, topk_ids.size, w_gate, w_down)
     if impl == "dense":
         return dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)

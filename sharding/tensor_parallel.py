@@ -80,10 +80,12 @@ class TensorParallelOps(ParallelOps):
         split on tp; x: [T, embed] ([T/tp, embed] under sequence parallelism); topk: [T, k].
 
         Each device runs its experts on the (token, expert) pairs routed to them; pairs of
-        other devices' experts get weight 0 (and a clipped id) so shapes stay static. The
-        partial sums are then added over ep and tp. Note: every device still pushes all T*k
-        rows through its grouped matmul (masked), so ep splits expert memory, not FLOPs; an
-        all-to-all dispatch that sends only routed rows is not implemented.
+        other devices' experts get weight 0 and the id `local_experts` ("no local expert"), so
+        shapes stay static. The grouped paths sort those rows past every group, where the Pallas
+        grouped matmul does no work for them, so ep splits expert FLOPs as well as memory there
+        (ragged_dot pads them like every row). The partial sums are then added over ep and tp.
+        Every device still gathers and sorts all T*k rows: an all-to-all dispatch that sends
+        only routed rows is not implemented.
         """
         from jlight.models.moe import expert_ffn  # the MoE computation lives with the models
 
@@ -96,7 +98,7 @@ class TensorParallelOps(ParallelOps):
         local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
         mine = (local_ids >= 0) & (local_ids < local_experts)
         y = expert_ffn(
-            x, jnp.where(mine, local_ids, 0), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act, impl
+            x, jnp.where(mine, local_ids, local_experts), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act, impl
         )  # [T, embed], a partial sum over this device's experts and mlp slice
         if self.ep > 1:
             y = jax.lax.psum(y, self.ep_axis_name)

@@ -145,3 +145,27 @@ def test_engine_moe_impl_option_keeps_greedy_tokens(models, moe_impl):
     assert llm.engine.config.moe_impl == moe_impl
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 8)
+
+
+@pytest.mark.parametrize("impl", ["dense", "gathered", "ragged_dot", "pallas"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_no_local_expert_id_contributes_nothing(impl, quantized):
+    """Expert parallelism marks pairs routed to other devices' experts with id == num_experts and
+    weight 0: every implementation must give exactly what it gives without those pairs."""
+    from jlight.models.moe import expert_ffn
+    from jlight.pallas_kernels.quantization import quantize_int8
+
+    rng = np.random.default_rng(31)
+    num_tokens, embed, k, num_experts = 9, 16, 2, 6
+    ws = _random_experts(jax.random.key(3), num_experts=num_experts, embed=embed, mlp=32)  # Pallas: multiples of 16
+    if quantized:
+        ws = tuple(quantize_int8(w) for w in ws)
+    x = jnp.asarray(rng.standard_normal((num_tokens, embed)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, num_experts, (num_tokens, k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (num_tokens, k)), jnp.float32)
+    remote = jnp.asarray(rng.uniform(size=(num_tokens, k)) < 0.5)
+    marked = expert_ffn(x, jnp.where(remote, num_experts, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, impl)
+    # The same local pairs, the remote ones replaced by a real expert with weight 0.
+    zeroed = expert_ffn(x, jnp.where(remote, 0, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, "dense")
+    assert np.all(np.isfinite(np.asarray(marked)))
+    np.testing.assert_allclose(np.asarray(marked), np.asarray(zeroed), rtol=1e-4, atol=1e-5)
