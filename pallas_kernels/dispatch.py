@@ -55,8 +55,9 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
     # "auto" keeps XLA's matmuls even on GPU: end to end on the H200 (Llama-3-8B shape, int8
-    # weights, batch-1 decode) XLA's fused dequantize-dot took 4.53 ms per token against 7.69 ms
-    # with the Pallas W8A16 kernel (docs/BENCHMARKS.md). matmul_impl="pallas" still selects it.
+    # weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against 6.82 ms
+    # with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step pads to
+    # the 8-token bucket, which the GEMV path (<= 4 rows) does not take. matmul_impl="pallas" selects them.
     if matmul_impl == "pallas":
         from jlight.pallas_kernels import matmul_pallas
 
