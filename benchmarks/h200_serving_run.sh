@@ -3,7 +3,7 @@
 # checkpoint, loaded by the serving benchmark (`jlight bench serve`: Poisson arrivals at each
 # rate, streaming /v1/completions, TTFT/TPOT/ITL/E2EL, JSON + PNG).
 #
-#   bash benchmarks/h200_serving_run.sh "$OUT"        (device machine; carry .whl)
+#   bash benchmarks/h200_serving_run.sh "$OUT"        (device machine; carry .whl, made by benchmarks/fetch_server_wheels.sh)
 #   SHAPE=small NUM_PROMPTS=24 INPUT_LEN=192 OUTPUT_LEN=48 WARMUP=2 \
 #     SERVE_OPTS="--dtype bfloat16 --max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 256" \
 #     bash benchmarks/h200_serving_run.sh /tmp/out     (the same steps on a 2-core CPU, ~1-2 min)
