@@ -88,8 +88,9 @@ def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, s
     return rel_err(got[:n], want[:n]), finite
 
 
-def run_checks(rng, quick):
-    rows = []
+def attention_cases(quick):
+    """The paged-attention check grid (also used by kv_int8_attention.py): tuples of
+    (case, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window)."""
     cases = [
         ("decode ragged", [1] * 6, [1, 16, 17, 0, 300, 2047 if not quick else 90], 6),
         ("prefill+decode", [37, 1, 0, 16, 5], [37, 200, 0, 48, 700 if not quick else 70], 64),
@@ -99,11 +100,16 @@ def run_checks(rng, quick):
         for group in (1, 4, 8):
             for head_dim in (64, 128):
                 for name, q_lens, ctx, t in cases:
-                    err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t)
-                    rows.append(dict(kernel="attention", case=name, dtype=jnp.dtype(dtype).name, group=group,
-                                     head_dim=head_dim, rel_err=err, all_written=finite))
-    err, finite = check_attention(rng, jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, sliding_window=64)
-    rows.append(dict(kernel="attention", case="sliding window 64", dtype="bfloat16", group=4, head_dim=128, rel_err=err, all_written=finite))
+                    yield name, dtype, group, head_dim, q_lens, ctx, t, None
+    yield "sliding window 64", jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, 64
+
+
+def run_checks(rng, quick):
+    rows = []
+    for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick):
+        err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window)
+        rows.append(dict(kernel="attention", case=name, dtype=jnp.dtype(dtype).name, group=group,
+                         head_dim=head_dim, rel_err=err, all_written=finite))
     for m, k, n in [(1, 4096, 14336), (7, 576, 1536), (512, 1536, 576), (4096, 4096, 1024)] if not quick else [(1, 128, 64), (20, 64, 48)]:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))

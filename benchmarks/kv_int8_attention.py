@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from kernel_batches import random_batch  # noqa: E402
 
-from kernels import rel_err, time_call  # noqa: E402  (benchmarks/kernels.py: CUPTI device timing)
+from kernels import attention_cases, rel_err, time_call  # noqa: E402  (benchmarks/kernels.py: CUPTI device timing)
 
 from jlight.pallas_kernels import attention_reference, paged_attention_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv  # noqa: E402
@@ -58,21 +58,10 @@ def check(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_win
 
 
 def run_checks(rng, quick):
-    rows = []
-    cases = [
-        ("decode ragged", [1] * 6, [1, 16, 17, 0, 300, 2047 if not quick else 90], 6),
-        ("prefill+decode", [37, 1, 0, 16, 5], [37, 200, 0, 48, 700 if not quick else 70], 64),
-        ("long prefill chunk", [256 if not quick else 40], [3000 if not quick else 100], 256 if not quick else 48),
-    ]
-    for dtype in (jnp.bfloat16, jnp.float32):
-        for group in (1, 4, 8):
-            for head_dim in (64, 128):
-                for name, q_lens, ctx, t in cases:
-                    rows.append(dict(case=name, dtype=jnp.dtype(dtype).name, group=group, head_dim=head_dim,
-                                     **check(rng, dtype, group, head_dim, q_lens, ctx, t)))
-    rows.append(dict(case="sliding window 64", dtype="bfloat16", group=4, head_dim=128,
-                     **check(rng, jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, sliding_window=64)))
-    return rows
+    """The same case grid as benchmarks/kernels.py's checks, on int8 pools."""
+    return [dict(case=name, dtype=jnp.dtype(dtype).name, group=group, head_dim=head_dim,
+                 **check(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window))
+            for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick)]
 
 
 def bench_decode(rng, quick, reps, trials):
