@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from direct_forward import PAGE_SIZE, SingleSequenceRunner, hf_greedy, hf_logits
-from test_moe_common import load_jlight, make_tiny_moe_model, relative_error
+from direct_forward import PAGE_SIZE, SingleSequenceRunner, hf_greedy
+from test_moe_common import (check_against_transformers, check_unrolled_matches_scanned, load_jlight,
+                              make_tiny_moe_model)
 
 from jlight.models import deepseek
 
@@ -26,25 +27,16 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_and_greedy_match_transformers(models, arch):
-    path, hf_model = models[arch]
-    config, params = load_jlight(path)
-    runner = SingleSequenceRunner(params, config, prefill_bucket=32)
-    assert relative_error(runner.prefill_logits(PROMPT), hf_logits(hf_model, PROMPT)) < 1e-4
-    assert runner.greedy(PROMPT, 32) == hf_greedy(hf_model, PROMPT, 32)
+    check_against_transformers(*models[arch], PROMPT)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_layers_match_scanned(models, arch):
     """layer_loop="unroll" (GPU default): both stacks (the first dense layer and the MoE layers)
     unrolled over per-layer weights compute what the two lax.scans do."""
-    path, _ = models[arch]
-    config, params = load_jlight(path)
-    unstacked = deepseek.unstack_layers(params)
+    config, unstacked, scanned, unrolled = check_unrolled_matches_scanned(models[arch][0], PROMPT)
     assert isinstance(unstacked["dense_layers"], list) and isinstance(unstacked["layers"], list)
     assert len(unstacked["dense_layers"]) + len(unstacked["layers"]) == config.num_layers
-    scanned, unrolled = (SingleSequenceRunner(p, config, prefill_bucket=32) for p in (params, unstacked))
-    np.testing.assert_allclose(unrolled.prefill_logits(PROMPT), scanned.prefill_logits(PROMPT), rtol=1e-5, atol=1e-5)
-    assert unrolled.greedy(PROMPT, 8) == scanned.greedy(PROMPT, 8)
     np.testing.assert_allclose(np.asarray(unrolled.k_cache), np.asarray(scanned.k_cache), rtol=1e-5, atol=1e-6)
 
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from direct_forward import SingleSequenceRunner, hf_greedy, hf_logits
-from test_moe_common import load_jlight, make_tiny_moe_model, relative_error
+from direct_forward import hf_greedy
+from test_moe_common import (check_against_transformers, check_unrolled_matches_scanned, make_tiny_moe_model)
 
 from jlight.models.moe import dense_expert_ffn, grouped_expert_ffn
 from jlight.pallas_kernels.quantization import quantize_int8
@@ -29,25 +29,14 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_and_greedy_match_transformers(models, arch):
-    path, hf_model = models[arch]
-    config, params = load_jlight(path)
-    runner = SingleSequenceRunner(params, config, prefill_bucket=32)
-    assert relative_error(runner.prefill_logits(PROMPT), hf_logits(hf_model, PROMPT)) < 1e-4
-    assert runner.greedy(PROMPT, 32) == hf_greedy(hf_model, PROMPT, 32)
+    check_against_transformers(*models[arch], PROMPT)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_layers_match_scanned(models, arch):
     """layer_loop="unroll" (per-layer weights, the GPU default) computes what the lax.scan does."""
-    from jlight.models import get_model_family
-
-    path, _ = models[arch]
-    config, params = load_jlight(path)
-    unstacked = get_model_family(config).unstack_layers(params)
+    config, unstacked, _, _ = check_unrolled_matches_scanned(models[arch][0], PROMPT)
     assert isinstance(unstacked["layers"], list) and len(unstacked["layers"]) == config.num_layers
-    scanned, unrolled = (SingleSequenceRunner(p, config, prefill_bucket=32) for p in (params, unstacked))
-    np.testing.assert_allclose(unrolled.prefill_logits(PROMPT), scanned.prefill_logits(PROMPT), rtol=1e-5, atol=1e-5)
-    assert unrolled.greedy(PROMPT, 8) == scanned.greedy(PROMPT, 8)
 
 
 def test_engine_batched_chunked_prefix_cached_greedy_matches_transformers(models):

@@ -89,3 +89,29 @@ def load_jlight(path: str, dtype=jnp.float32):
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
     """max |ours - ref| relative to the logits' scale (max |ref|)."""
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def check_against_transformers(path: str, hf_model, prompt: list[int]) -> None:
+    """float32 prefill logits within 1e-4 of transformers', and 32 identical greedy tokens."""
+    from direct_forward import SingleSequenceRunner, hf_greedy, hf_logits
+
+    config, params = load_jlight(path)
+    runner = SingleSequenceRunner(params, config, prefill_bucket=32)
+    assert relative_error(runner.prefill_logits(prompt), hf_logits(hf_model, prompt)) < 1e-4
+    assert runner.greedy(prompt, 32) == hf_greedy(hf_model, prompt, 32)
+
+
+def check_unrolled_matches_scanned(path: str, prompt: list[int]):
+    """The unrolled layer loop (family.unstack_layers, the GPU default) computes what the scan
+    does: logits and 8 greedy tokens. Returns (config, unstacked params, scanned, unrolled runners)
+    for family-specific checks."""
+    from direct_forward import SingleSequenceRunner
+
+    from jlight.models import get_model_family
+
+    config, params = load_jlight(path)
+    unstacked = get_model_family(config).unstack_layers(params)
+    scanned, unrolled = (SingleSequenceRunner(p, config, prefill_bucket=32) for p in (params, unstacked))
+    np.testing.assert_allclose(unrolled.prefill_logits(prompt), scanned.prefill_logits(prompt), rtol=1e-5, atol=1e-5)
+    assert unrolled.greedy(prompt, 8) == scanned.greedy(prompt, 8)
+    return config, unstacked, scanned, unrolled
