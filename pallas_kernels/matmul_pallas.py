@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import matmul_reference, pallas_mode
-from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, quantize_activations
+from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, int8_to_f32, quantize_activations
 
 _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
 # The Pallas W8A8 kernel reached 258 TOP/s on the H200 at 4096x4096x14336, XLA's own int8
@@ -27,6 +27,9 @@ _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
 # wins, matmul() sends W8A8 weights to XLA. Set True to use the kernel.
 USE_PALLAS_W8A8 = False
 _GEMV_MAX_ROWS = 4  # up to this many rows, W8A16 reduces on CUDA cores (no tensor-core tile)
+# w8a16_matmul keywords that matmul() (the engine's path) passes; "gemv_max_rows" overrides
+# _GEMV_MAX_ROWS. benchmarks/decode_latency.py sets these to compare variants end to end.
+W8A16_OPTIONS: dict = {}
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -36,37 +39,27 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale):
+def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, magic_convert,
+                  tf32):
+    """Tensor-core tiles. The int8 tile is converted in registers: to x's dtype (exact), or with
+    `tf32` to float32 and multiplied with x in float32 at TF32 precision, which is exact here
+    too (bf16 x and int8 w both fit TF32's 10-bit mantissa) and skips the float32 -> bf16 step."""
     split = pl.program_id(2)
     first = split * steps_per_split
     last = jnp.minimum(first + steps_per_split, num_steps)
 
     def body(step, acc):
         x = x_ref[:, pl.ds(step * block_k, block_k)]  # [block_m, block_k]
-        w = w_ref[pl.ds(step * block_k, block_k), :].astype(x.dtype)  # [block_k, block_n]
+        w = w_ref[pl.ds(step * block_k, block_k), :]  # [block_k, block_n] int8
+        if tf32:
+            return acc + pltr.dot(x.astype(jnp.float32), int8_to_f32(w, magic_convert), allow_tf32=True)
+        w = int8_to_f32(w, True).astype(x.dtype) if magic_convert else w.astype(x.dtype)
         return acc + pltr.dot(x, w).astype(jnp.float32)
 
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros(o_ref.shape, jnp.float32))  # [block_m, block_n]
     if apply_scale:
         acc = acc * s_ref[...].astype(jnp.float32)[None, :]
     o_ref[...] = acc.astype(o_ref.dtype)
-
-
-# int8 -> float32 by exponent bits: for v in [-128, 127], the float32 with bits
-# 0x4B000000 + (v + 128) is exactly 2**23 + v + 128 (v + 128 fills the low mantissa bits).
-_MAGIC_BITS = 0x4B000000 + 128
-_MAGIC_VALUE = float(2 ** 23 + 128)
-
-
-def _int8_to_f32(w, magic: bool):
-    """Exact int8 -> float32. `magic` uses an integer add and a float subtract (full-rate ALU
-    ops) instead of the int-to-float conversion instruction, which Hopper issues at 16 per
-    clock per SM, an eighth of its FMA rate: in a GEMV that converts every weight byte,
-    the conversion alone needs ~14 us for a 4096x14336 layer (~16 us of HBM reads)."""
-    if not magic:
-        return w.astype(jnp.float32)
-    bits = w.astype(jnp.int32) + _MAGIC_BITS
-    return jax.lax.bitcast_convert_type(bits, jnp.float32) - _MAGIC_VALUE
 
 
 def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, num_rows,
@@ -87,7 +80,7 @@ def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, 
 
     def body(step, accs):
         k = pl.ds(step * block_k, block_k)
-        w = _int8_to_f32(w_ref[k, :], magic_convert)  # [block_k, block_n]
+        w = int8_to_f32(w_ref[k, :], magic_convert)  # [block_k, block_n]
         products = [x_ref[r, k].astype(jnp.float32)[:, None] * w for r in range(num_rows)]
         if reduce_each_step:
             return tuple(acc + jnp.sum(p, axis=0) for acc, p in zip(accs, products))
@@ -118,10 +111,13 @@ def _pad_rows(x, multiple):
     return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv", "reduce_each_step", "magic_convert"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv", "reduce_each_step", "magic_convert", "tf32"))
 def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_n=None, block_k=None, num_splits=None,
-                 num_warps=None, num_stages=4, gemv=None, reduce_each_step=False, magic_convert=False):
-    """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out]."""
+                 num_warps=None, num_stages=4, gemv=None, reduce_each_step=False, magic_convert=False, tf32=False):
+    """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out].
+
+    `magic_convert` converts int8 by exponent bits (quantization.int8_to_f32); `tf32` makes the
+    tensor-core path multiply in float32/TF32 (_w8a16_kernel). Both give the same sums."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = w.values.shape[1]
@@ -142,7 +138,7 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     common = dict(block_k=block_k, steps_per_split=steps_per_split, num_steps=num_steps, apply_scale=num_splits == 1)
     kernel = (functools.partial(_w8a16_gemv_kernel, num_rows=m, reduce_each_step=reduce_each_step,
                                 magic_convert=magic_convert, **common) if gemv
-              else functools.partial(_w8a16_kernel, **common))
+              else functools.partial(_w8a16_kernel, magic_convert=magic_convert, tf32=tf32, **common))
     out_type = out_dtype if num_splits == 1 else jnp.float32
     y = pl.pallas_call(
         kernel,
@@ -212,6 +208,10 @@ def matmul(x, w, out_dtype=None, *, interpret=None):
         return matmul_reference.matmul(x, w, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    fn = w8a8_matmul if isinstance(w, W8A8Weight) else w8a16_matmul
-    y = fn(x2, w, out_dtype, interpret=interpret)
+    if isinstance(w, W8A8Weight):
+        y = w8a8_matmul(x2, w, out_dtype, interpret=interpret)
+    else:
+        opts = dict(W8A16_OPTIONS)
+        gemv = x2.shape[0] <= opts.pop("gemv_max_rows", _GEMV_MAX_ROWS)
+        y = w8a16_matmul(x2, w, out_dtype, interpret=interpret, gemv=gemv, **opts)
     return y.reshape(*lead, y.shape[-1])

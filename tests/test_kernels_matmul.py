@@ -6,7 +6,7 @@ import pytest
 
 from jlight.pallas_kernels import matmul_pallas, matmul_reference
 from jlight.pallas_kernels.quantization import (
-    LINEAR_WEIGHTS, QuantizedWeight, W8A8Weight, dequantize, quantize_int8, quantize_params)
+    LINEAR_WEIGHTS, QuantizedWeight, W8A8Weight, dequantize, int8_to_f32, quantize_int8, quantize_params)
 
 
 def _weights(rng, k, n):
@@ -43,9 +43,40 @@ def test_w8a16_gemv_reduce_variants_agree(m):
     np.testing.assert_allclose(np.asarray(early), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cfg", [dict(magic_convert=True), dict(tf32=True), dict(tf32=True, magic_convert=True)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_w8a16_tensor_core_conversions_agree(cfg, dtype):
+    """The tensor-core path's int8 conversions (exponent bits, TF32 dots) give the default's sums."""
+    rng = np.random.default_rng(30)
+    w = quantize_int8(_weights(rng, 256, 128))
+    x = jnp.asarray(rng.standard_normal((8, 256)), dtype)
+    default = np.asarray(matmul_pallas.w8a16_matmul(x, w, gemv=False, out_dtype=jnp.float32))
+    got = np.asarray(matmul_pallas.w8a16_matmul(x, w, gemv=False, out_dtype=jnp.float32, **cfg))
+    np.testing.assert_allclose(got, default, atol=1e-4, rtol=1e-4)
+    want = np.asarray(x.astype(jnp.float32) @ dequantize(w))
+    np.testing.assert_allclose(got, want, atol=2e-2 if dtype == jnp.bfloat16 else 1e-4, rtol=1e-2)
+
+
+def test_matmul_takes_the_w8a16_options(monkeypatch):
+    """matmul() (the engine's path) passes W8A16_OPTIONS; gemv_max_rows picks the path."""
+    rng = np.random.default_rng(31)
+    w = quantize_int8(_weights(rng, 128, 64))
+    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+    calls = []
+    real = matmul_pallas.w8a16_matmul
+    monkeypatch.setattr(matmul_pallas, "w8a16_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(matmul_pallas, "W8A16_OPTIONS", dict(gemv_max_rows=8, magic_convert=True))
+    got = matmul_pallas.matmul(x, w)
+    assert calls[-1]["gemv"] is True and calls[-1]["magic_convert"] is True
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(w)), atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(matmul_pallas, "W8A16_OPTIONS", {})
+    matmul_pallas.matmul(x, w)
+    assert calls[-1]["gemv"] is False  # 8 rows > _GEMV_MAX_ROWS
+
+
 def test_int8_to_f32_magic_conversion_is_exact():
     v = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
-    np.testing.assert_array_equal(np.asarray(matmul_pallas._int8_to_f32(v, magic=True)), np.arange(-128, 128, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(int8_to_f32(v, magic=True)), np.arange(-128, 128, dtype=np.float32))
 
 
 def test_w8a16_split_k_equals_one_pass():

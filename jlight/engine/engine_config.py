@@ -14,6 +14,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 512 on CPU, 2048 on GPU
+    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8 (see llm_engine).
+    min_token_bucket: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
@@ -44,6 +46,8 @@ class EngineConfig:
             bad("max_num_seqs", "must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+        if self.min_token_bucket is not None and (self.min_token_bucket < 1 or self.min_token_bucket & (self.min_token_bucket - 1)):
+            bad("min_token_bucket", "must be a power of two >= 1 (or None for the default)")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             bad("page_size", "must be a power of two")
         if self.num_pages is not None and self.num_pages < 2:

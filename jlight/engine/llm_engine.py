@@ -109,7 +109,8 @@ class LLMEngine:
             self.family, mc, params, get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-            kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce)
+            kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
+            min_token_bucket=cfg.min_token_bucket or 8)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}

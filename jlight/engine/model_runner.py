@@ -58,13 +58,13 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=True,
-                 int8_all_reduce=False):
+                 int8_all_reduce=False, min_token_bucket=8):
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens))
         k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
         k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape) if sharding_plan is not None else (None, None)
         # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools

@@ -1,0 +1,100 @@
+"""Batch-1 decode latency (ms/token, full engine steps) of one random-weight model under
+several engine variants, in one process so the random weights are made once.
+
+  python benchmarks/decode_latency.py --model-config llama3-8b --out DIR
+  python benchmarks/decode_latency.py --model-config tiny --variants bf16-b8,int8-pallas-b1-magic  # CPU smoke run
+
+A variant names the weights (bf16 / int8), the matmul path (XLA's fused dequantize-dot or the
+Pallas W8A16 kernels with their options) and the smallest compiled step: "b1" compiles a
+1-token step for batch-1 decode, "b8" pads it to 8 tokens (the engine's default until now),
+which takes the Pallas kernel off its GEMV path (<= 4 rows). The roofline is the weight bytes
+a step must read over the copy bandwidth measured in the same run.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from model_configs import random_loaded_model  # noqa: E402
+from offline_throughput import copy_bandwidth_bytes_per_s, decode_latency, weight_bytes  # noqa: E402
+
+from jlight.engine.engine_config import EngineConfig  # noqa: E402
+from jlight.engine.llm_engine import LLMEngine  # noqa: E402
+from jlight.pallas_kernels import matmul_pallas  # noqa: E402
+
+# name -> (quantization, matmul_impl, min_token_bucket, matmul_pallas.W8A16_OPTIONS)
+VARIANTS = {
+    "bf16-b8": (None, "auto", 8, {}),
+    "bf16-b1": (None, "auto", 1, {}),
+    "int8-xla-b8": ("int8", "reference", 8, {}),
+    "int8-xla-b1": ("int8", "reference", 1, {}),
+    "int8-pallas-b1": ("int8", "pallas", 1, {}),
+    "int8-pallas-b1-magic": ("int8", "pallas", 1, dict(magic_convert=True)),
+    "int8-pallas-b8-gemv8-magic": ("int8", "pallas", 8, dict(magic_convert=True, gemv_max_rows=8)),
+    "int8-pallas-b8-tf32-magic": ("int8", "pallas", 8, dict(magic_convert=True, tf32=True)),
+}
+DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-xla-b1,int8-pallas-b1,int8-pallas-b1-magic"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-config", default="llama3-8b", help="random weights of this shape (benchmarks/model_configs.py)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--tokens", type=int, default=96, help="decode tokens per variant (the first quarter is skipped)")
+    ap.add_argument("--prompt-len", type=int, default=1, help="1: the prompt step has the decode step's shape, one compile per variant")
+    ap.add_argument("--out", default=None, help="directory for decode_latency.json")
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+
+    loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=4096)
+    gpu = jax.default_backend() == "gpu"
+    bw = copy_bandwidth_bytes_per_s() if gpu else None
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
+                  jax=jax.__version__, model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, command=" ".join(sys.argv),
+                  variants={})
+    pages = -(-(a.prompt_len + a.tokens + 16) // 16) + 2
+    for name in names:
+        quant, matmul_impl, min_bucket, opts = VARIANTS[name]
+        matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
+        try:
+            engine = LLMEngine(EngineConfig(
+                model=None, quantization=quant, matmul_impl=matmul_impl, min_token_bucket=min_bucket, max_num_seqs=4,
+                max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
+                layer_loop="unroll" if gpu else "auto", warmup=False), loaded=loaded)
+            seconds = decode_latency(engine, a.prompt_len, a.tokens)
+            row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets)
+            line = f"{name:28s} {row['ms']:7.2f} ms/token"
+            if bw:
+                row["roofline_ms"] = row["weight_bytes"] / bw * 1e3
+                line += f"  roofline {row['roofline_ms']:.2f} ms ({row['weight_bytes'] / 1e9:.2f} GB) -> {row['ms'] / row['roofline_ms']:.2f}x"
+            del engine
+        except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
+            row = dict(error=f"{type(e).__name__}: {e}"[:400])
+            line = f"{name:28s} FAILED {row['error']}"
+        finally:
+            matmul_pallas.W8A16_OPTIONS = {}
+            gc.collect()
+        print(line, flush=True)
+        result["variants"][name] = row
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "decode_latency.json"), "w") as f:
+                json.dump(result, f, indent=1)
+    base = result["variants"].get("bf16-b8", {}).get("ms")
+    if base:
+        for name, row in result["variants"].items():
+            if "ms" in row:
+                print(f"speed-up over bf16-b8: {name:28s} {base / row['ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
