@@ -170,7 +170,7 @@ class Recorder:
         self.path, self.result = path, dict(meta, steps=[], expert_ffn=[], grouped_matmul=[])
 
     def add(self, section: str, row: dict):
-        self.result[section].append(row)
+        self.result.setdefault(section, []).append(row)
 
     def save(self):
         tmp = self.path + ".tmp"
@@ -269,6 +269,50 @@ def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mg
                 row.update(error=error_text(e))
                 print(f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d} FAILED {row['error']}", flush=True)
             rec.add("expert_ffn", row)
+    rec.save()
+
+
+# Decode-shape tiles for the Pallas grouped matmul (block_n, block_k); block_m stays the default
+# (16 rows at decode). The 2026-11-29 13:58 run had the defaults (64, 64) read the needed expert
+# weights at 0.94 TB/s at batch 1 on DeepSeek (8 of 256 experts) and lose to dense at batch 64 on Mixtral.
+DECODE_TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256)]
+
+
+def bench_decode_tiles(rec: Recorder, name, config, layer, iters, quick):
+    """One MoE layer's routed experts at decode sizes (1 and 64 tokens): the Pallas grouped matmul
+    with each of DECODE_TILES against dense and gathered; every output compared with dense's."""
+    wg, wu, wd = layer["experts_gate"], layer["experts_up"], layer["experts_down"]
+    num_experts, embed, mlp = wg.shape
+    top_k = config.extra["num_experts_per_tok"]
+    tiles = [(16, 16)] if quick else DECODE_TILES
+    for tokens in (1, 64):
+        key = jax.random.PRNGKey(100 + tokens)
+        x = jax.random.normal(key, (tokens, embed), wg.dtype)
+        ids, weights = random_routing(jax.random.fold_in(key, 1), tokens, num_experts, top_k)
+        touched = len(np.unique(np.asarray(ids)))
+        weight_bytes = touched * 3 * embed * mlp * wg.dtype.itemsize
+        cases = [("dense", "dense"), ("gathered", "gathered"), ("pallas default", "pallas")]
+        cases += [(f"pallas bn{bn} bk{bk}", functools.partial(grouped_matmul_pallas.grouped_matmul, block_n=bn, block_k=bk))
+                  for bn, bk in tiles]
+        want = None
+        for label, impl in cases:
+            row = dict(model=name, impl=label, tokens=tokens, experts_touched=touched)
+            try:
+                if callable(impl):
+                    fn = jax.jit(lambda *a, impl=impl: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=impl))
+                else:
+                    fn = jax.jit(lambda *a, impl=impl: expert_ffn(*a, jax.nn.silu, impl))
+                seconds, out = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
+                out = np.asarray(out, np.float32)
+                want = out if want is None else want
+                row.update(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9,
+                           max_abs_diff_vs_dense=float(np.abs(out - want).max()))
+                print(f"{name:20s} decode tiles {label:22s} tokens={tokens:3d} {seconds * 1e3:8.3f} ms  needed-weights "
+                      f"{weight_bytes / seconds / 1e9:7.1f} GB/s  max|diff| vs dense {row['max_abs_diff_vs_dense']:.3g}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row.update(error=error_text(e))
+                print(f"{name:20s} decode tiles {label:22s} tokens={tokens:3d} FAILED {row['error']}", flush=True)
+            rec.add("decode_tiles", row)
     rec.save()
 
 
@@ -395,7 +439,8 @@ def main():
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 5, quick 1)")
     ap.add_argument("--models", default="mixtral,deepseek", help="comma list: mixtral, deepseek")
     ap.add_argument("--sections", default="steps,expert_ffn,grouped_matmul,mosaic_gpu",
-                    help="comma list of sections to run (mosaic_gpu: the Mosaic GPU rows of expert_ffn/grouped_matmul)")
+                    help="comma list of sections to run (mosaic_gpu: the Mosaic GPU rows of expert_ffn/grouped_matmul; "
+                         "decode_tiles, not in the default: Pallas decode-shape tile sweep)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     iters = args.iters or (1 if args.quick else 5)
@@ -431,6 +476,11 @@ def main():
         del params, layer
     # JAX's Mosaic GPU ragged dot last, on fresh random expert weights: if it takes the process
     # down, everything above is already in moe.json.
+    if "decode_tiles" in sections:  # one random MoE layer per model (no steps): cheap to make
+        for name, config in configs.items():
+            layer = random_expert_layer(config, dtype)
+            bench_decode_tiles(rec, name, config, layer, iters, args.quick)
+            del layer
     if "mosaic_gpu" in sections:
         for name, config in configs.items():
             layer = random_expert_layer(config, dtype)

@@ -40,7 +40,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
-                   help="how MoE experts run (auto: gathered for small decode batches, else grouped matmuls)")
+                   help="how MoE experts run (auto: the Pallas grouped matmul on GPU; gathered or ragged_dot elsewhere)")
 
 
 def engine_options(args: argparse.Namespace, **defaults) -> dict:

@@ -10,7 +10,7 @@ Two jobs, both pure functions:
       "ragged_dot" the same with `jax.lax.ragged_dot` (XLA pads every group: dense-sized FLOPs);
       "gathered"   gather the chosen experts' weights per pair (few pairs: decode);
       "dense"      every expert on every token (the baseline, and a cross-check);
-      "auto"       "gathered" when 3*T*k <= experts; else "pallas" on GPU, "ragged_dot" elsewhere.
+      "auto"       "pallas" on GPU; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
     No token is ever dropped by any of them.
 
 Model code reaches the expert FFN through `sharding.ops.current().expert_ffn` with the impl from
@@ -120,12 +120,22 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
     return y * w.scales.astype(jnp.float32)[jnp.minimum(row_expert, num_experts - 1)]
 
 
+# Largest gathered weight tensor ([rows, in, out]) one einsum may index: on the H200 the gathered
+# path's logits went wrong (max |dlogit| 3.17 against dense) at 64 tokens, where that tensor holds
+# 7.5e9 elements, past int32 indexing; at 1 token they matched. So larger gathers run in chunks.
+_MAX_GATHER_ELEMENTS = 2 ** 31 - 1
+
+
 def _gathered_matmul(rows, w, ids):
     """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts."""
-    if isinstance(w, QuantizedWeight):
-        y = jnp.einsum("ri,rio->ro", rows, w.values[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
-        return y * w.scales[ids].astype(jnp.float32)
-    return jnp.einsum("ri,rio->ro", rows, w[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
+    values = w.values if isinstance(w, QuantizedWeight) else w
+    per_row = values.shape[1] * values.shape[2]
+    chunk = max(1, _MAX_GATHER_ELEMENTS // per_row)
+    if rows.shape[0] > chunk:
+        return jnp.concatenate([_gathered_matmul(rows[i:i + chunk], w, ids[i:i + chunk])
+                                for i in range(0, rows.shape[0], chunk)])
+    y = jnp.einsum("ri,rio->ro", rows, values[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
+    return y * w.scales[ids].astype(jnp.float32) if isinstance(w, QuantizedWeight) else y
 
 
 def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
@@ -177,22 +187,23 @@ def _pallas_fits(w_gate, w_down) -> bool:
 def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down) -> str:
     """The implementation "auto" stands for, for this many (token, expert) pairs and these weights.
 
-    When the pairs are few next to the experts (decode at small batch), the gathered path: it
-    reads only the chosen experts' weights; a gather copies what it reads, hence the factor 3.
-    On the H200 (benchmarks/moe.py, 2026-11-29) it beat every other path at batch-1 decode:
-    Mixtral-shaped step 5.69 ms vs 6.69 dense, DeepSeek-V3-shaped 5.55 vs 14.49.
-    Otherwise, on GPU, the Pallas grouped matmul: at Mixtral's prefill shape it ran 3.55x faster
-    than XLA's ragged_dot, which pads every group to a dense contraction (and runs out of memory at
-    DeepSeek-V3 prefill). Elsewhere ragged_dot.
+    On GPU, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py, 2026-11-29
+    13:58, random weights, ms) it was the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
+    gathered, 6.34 dense; DeepSeek-V3-shaped 5.01 vs 5.23 gathered, 14.40 dense), at batch-64
+    decode on DeepSeek (9.24 vs 18.21 dense) and at 2048-token prefill (33.6 vs 82.1 dense
+    Mixtral; 325.8 vs 454.6 dense DeepSeek; XLA's ragged_dot pads every group to a dense
+    contraction: 123.6 and 1303.5). It lost one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
+    Elsewhere (CPU): the gathered path when the pairs are few next to the experts (it reads only
+    the chosen experts' weights; a gather copies what it reads, hence the factor 3), else ragged_dot.
     """
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"moe_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}")
     if impl != "auto":
         return impl
-    if 3 * num_pairs <= _num_experts(w_gate):
-        return "gathered"
     if jax.default_backend() == "gpu" and _pallas_fits(w_gate, w_down):
         return "pallas"
+    if 3 * num_pairs <= _num_experts(w_gate):
+        return "gathered"
     return "ragged_dot"
 
 

@@ -25,8 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
-    # MoE experts: "auto" (gathered at small decode batches, else the Pallas grouped matmul on GPU
-    # and ragged_dot elsewhere; models/moe.py), or force "pallas", "ragged_dot", "gathered", "dense".
+    # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode
+    # batches, else ragged_dot; models/moe.py), or force "pallas", "ragged_dot", "gathered", "dense".
     moe_impl: str = "auto"
     # "scan": one compiled layer body looped over stacked weights (fast compiles; CPU default);
     # "unroll": one body per layer over per-layer weights (no per-step weight slicing; GPU default).
