@@ -34,12 +34,15 @@ VARIANTS = {
     "bf16-b1": (None, "auto", 1, {}),
     "int8-xla-b8": ("int8", "reference", 8, {}),
     "int8-xla-b1": ("int8", "reference", 1, {}),
-    "int8-pallas-b1": ("int8", "pallas", 1, {}),
-    "int8-pallas-b1-magic": ("int8", "pallas", 1, dict(magic_convert=True)),
-    "int8-pallas-b8-gemv8-magic": ("int8", "pallas", 8, dict(magic_convert=True, gemv_max_rows=8)),
-    "int8-pallas-b8-tf32-magic": ("int8", "pallas", 8, dict(magic_convert=True, tf32=True)),
+    "int8-pallas-b1": ("int8", "pallas", 1, {}),  # the GEMV path (int8 converted by exponent bits)
+    "int8-pallas-b1-cvt": ("int8", "pallas", 1, dict(magic_convert=False)),
+    "int8-pallas-b1-prefetch1": ("int8", "pallas", 1, dict(prefetch=1)),
+    "int8-pallas-b1-prefetch2": ("int8", "pallas", 1, dict(prefetch=2)),
+    "int8-pallas-b8": ("int8", "pallas", 8, {}),  # the tensor-core path
+    "int8-pallas-b8-gemv8": ("int8", "pallas", 8, dict(gemv_max_rows=8)),
+    "int8-pallas-b8-tf32": ("int8", "pallas", 8, dict(tf32=True)),
 }
-DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-xla-b1,int8-pallas-b1,int8-pallas-b1-magic"
+DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b1-prefetch1,int8-pallas-b1-prefetch2"
 
 
 def main():
@@ -48,6 +51,7 @@ def main():
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--tokens", type=int, default=96, help="decode tokens per variant (the first quarter is skipped)")
     ap.add_argument("--prompt-len", type=int, default=1, help="1: the prompt step has the decode step's shape, one compile per variant")
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"], help="auto: unroll on GPU")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -69,7 +73,7 @@ def main():
             engine = LLMEngine(EngineConfig(
                 model=None, quantization=quant, matmul_impl=matmul_impl, min_token_bucket=min_bucket, max_num_seqs=4,
                 max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
-                layer_loop="unroll" if gpu else "auto", warmup=False), loaded=loaded)
+                layer_loop=a.layer_loop, warmup=False), loaded=loaded)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
             row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets)
             line = f"{name:28s} {row['ms']:7.2f} ms/token"

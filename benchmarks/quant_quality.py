@@ -14,6 +14,11 @@ segments of --segment-len tokens; each segment is one request, prefilled in chun
 
     python benchmarks/quant_quality.py                  # the whole text, the table in Markdown
     python benchmarks/quant_quality.py --max-tokens 1024 --json out.json
+    python benchmarks/quant_quality.py --configs "int8 weights (W8A16)" "int8 weights, lm_head bf16"
+
+The "lm_head bf16" rows quantize the weights here, with quantize_params(..., keep=("lm_head",)),
+and hand the engine those params with quantization=None (the engine has no option for `keep`);
+the matmuls that run are the same ones.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ CONFIGS = [
     ("float32 (for scale)", dict(dtype="float32")),
     ("int8 weights (W8A16)", dict(dtype="bfloat16", quantization="int8")),
     ("w8a8", dict(dtype="bfloat16", quantization="w8a8")),
+    ("int8 weights, lm_head bf16", dict(dtype="bfloat16", quantization="int8", keep=("lm_head",))),
+    ("w8a8, lm_head bf16", dict(dtype="bfloat16", quantization="w8a8", keep=("lm_head",))),
     ("int8 KV cache", dict(dtype="bfloat16", kv_cache_dtype="int8")),
     ("int8 weights + int8 KV cache", dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")),
 ]
@@ -89,10 +96,15 @@ def teacher_forced(engine, segments: list[list[int]]) -> tuple[list[int], list[f
 
 def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_batched_tokens: int = 512,
             page_size: int = 16, log=print) -> list[Run]:
-    """Run each configuration over the segments (one engine each; a model loaded once per dtype)."""
+    """Run each configuration over the segments (one engine each; a model loaded once per dtype).
+
+    An option keep=(names...) quantizes here with quantize_params(params, quantization, keep=keep)
+    and gives the engine the quantized params with quantization=None.
+    """
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
     from jlight.loading import load_model
+    from jlight.pallas_kernels.quantization import quantize_params
 
     max_len = max(len(s) for s in segments) + 8
     loaded_by_dtype, runs = {}, []
@@ -100,10 +112,14 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
         dtype = opts.get("dtype", "auto")
         if dtype not in loaded_by_dtype:
             loaded_by_dtype[dtype] = load_model(model, dtype=dtype)
-        cfg = EngineConfig(model=model, max_num_seqs=max(1, min(len(segments), 8)), max_num_batched_tokens=max_num_batched_tokens,
-                           max_model_len=max_len, page_size=page_size, layer_loop="scan", warmup=False, **opts)
+        engine_opts, loaded = dict(opts), loaded_by_dtype[dtype]
         t0 = time.perf_counter()
-        engine = LLMEngine(cfg, loaded=loaded_by_dtype[dtype])
+        if "keep" in engine_opts:
+            keep, mode = engine_opts.pop("keep"), engine_opts.pop("quantization")
+            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, mode, keep=keep))
+        cfg = EngineConfig(model=model, max_num_seqs=max(1, min(len(segments), 8)), max_num_batched_tokens=max_num_batched_tokens,
+                           max_model_len=max_len, page_size=page_size, layer_loop="scan", warmup=False, **engine_opts)
+        engine = LLMEngine(cfg, loaded=loaded)
         top1, logprobs = teacher_forced(engine, segments)
         runs.append(Run(name, opts, top1, logprobs, time.perf_counter() - t0))
         log(f"{name}: {len(top1)} positions, perplexity {runs[-1].perplexity:.4f}, {runs[-1].seconds:.1f} s")
@@ -137,7 +153,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="use only the text's first N tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--configs", nargs="+", default=None, metavar="NAME",
+                   help="run only these configurations (bfloat16, the baseline, always runs): " + "; ".join(n for n, _ in CONFIGS[1:]))
     args = p.parse_args(argv)
+    configs = CONFIGS
+    if args.configs:
+        unknown = [n for n in args.configs if n not in dict(CONFIGS)]
+        if unknown:
+            p.error(f"unknown --configs {unknown}; choose from {[n for n, _ in CONFIGS]}")
+        configs = [c for c in CONFIGS if c[0] == CONFIGS[0][0] or c[0] in args.configs]
 
     from jlight.loading import load_model
 
@@ -145,7 +169,7 @@ def main(argv=None) -> int:
     segments = segments_of(text_token_ids(tokenizer), args.segment_len, args.max_tokens)
     print(f"text: {sum(map(len, segments))} tokens in {len(segments)} segments of <= {args.segment_len}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = compare(measure(segments, model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
+    rows = compare(measure(segments, configs, model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
                            log=lambda s: print(s, file=sys.stderr)))
     import jax
 

@@ -227,3 +227,5 @@ def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, 
     stacked = jax.tree.leaves(shared.params["layers"])
     LLMEngine(config, loaded=shared)
     assert not any(leaf.is_deleted() for leaf in stacked)  # ... but handed-in weights are not freed
+    assert shared.params["layers"] is not None  # and stay usable: a second engine can be built from them
+    LLMEngine(config, loaded=shared)

@@ -38,6 +38,10 @@ def test_w8a16_gemv_reduce_variants_agree(m):
     early = matmul_pallas.w8a16_matmul(x, w, gemv=True, reduce_each_step=True)
     magic = matmul_pallas.w8a16_matmul(x, w, gemv=True, magic_convert=True)
     want = np.asarray(x @ dequantize(w))
+    # tiles loaded 1 or 2 steps ahead, with split-K so that splits end mid-matrix
+    for prefetch in (1, 2):
+        ahead = matmul_pallas.w8a16_matmul(x, w, gemv=True, prefetch=prefetch, block_k=32, num_splits=3)
+        np.testing.assert_allclose(np.asarray(ahead), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(magic), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(late), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(early), want, atol=1e-4, rtol=1e-4)

@@ -54,7 +54,8 @@ def test_paged_attention_modules_verify(kv_dtype, batch, cfg):
 
 
 @pytest.mark.parametrize("m,cfg", [
-    (1, {}), (1, dict(magic_convert=True)), (1, dict(reduce_each_step=True)), (1, dict(block_n=256, num_splits=4)),
+    (1, {}), (1, dict(magic_convert=False)), (1, dict(reduce_each_step=True)), (1, dict(block_n=256, num_splits=4)),
+    (1, dict(prefetch=1)), (1, dict(prefetch=2, block_k=64)), (3, dict(prefetch=1)),
     (3, {}), (8, {}), (8, dict(magic_convert=True)), (8, dict(tf32=True)), (8, dict(tf32=True, magic_convert=True)),
     (8, dict(gemv=True, magic_convert=True)), (64, {}),
 ])

@@ -162,7 +162,8 @@ class LLMEngine:
             # Mixtral-8x7B, 93 GB, fits one H200 only that way).
             params = self.family.unstack_layers(params, donate=owns_weights)
             jax.block_until_ready(params)
-            loaded.params = None  # drop the stacked copy
+            if owns_weights:
+                loaded.params = None  # drop the stacked copy; a caller's LoadedModel keeps its params
         return params, None
 
     def kv_bytes_per_page(self, kv_dtype) -> int:
