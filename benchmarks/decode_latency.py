@@ -45,6 +45,39 @@ VARIANTS = {
 DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b1-prefetch1,int8-pallas-b1-prefetch2"
 
 
+def _spy_on_steps(runner) -> list:
+    """Record the (params, inputs) of each step the runner launches (for kernel_breakdown)."""
+    calls, step = [], runner._step
+
+    def spy(params, k_cache, v_cache, history, prev_sampled, inp):
+        calls.append((params, inp))
+        return step(params, k_cache, v_cache, history, prev_sampled, inp)
+
+    runner._step = spy
+    return calls
+
+
+def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
+    """Device time per kernel (CUPTI) of one step with the last decode step's inputs, summed by
+    kernel name: where a step's milliseconds go. Run without donation, on the runner's live pools."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    params, inp = step_args
+    _, kernels = profiler.measure(jax.jit(runner._step_impl), aggregate=False)(
+        params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, inp)
+    by_name: dict[str, list] = {}
+    for name, ms in kernels or []:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+    rows = sorted(({"kernel": n, "count": c, "ms": ms} for n, (c, ms) in by_name.items()), key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    print(f"  device time of one step: {total:.2f} ms in {sum(r['count'] for r in rows)} kernels; the largest:")
+    for r in rows[:top]:
+        print(f"    {r['ms']:7.3f} ms  x{r['count']:<4d} {r['kernel'][:110]}")
+    return [dict(total_ms=total)] + rows[:top]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", default="llama3-8b", help="random weights of this shape (benchmarks/model_configs.py)")
@@ -52,6 +85,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=96, help="decode tokens per variant (the first quarter is skipped)")
     ap.add_argument("--prompt-len", type=int, default=1, help="1: the prompt step has the decode step's shape, one compile per variant")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"], help="auto: unroll on GPU")
+    ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -74,8 +108,15 @@ def main():
                 model=None, quantization=quant, matmul_impl=matmul_impl, min_token_bucket=min_bucket, max_num_seqs=4,
                 max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
                 layer_loop=a.layer_loop, warmup=False), loaded=loaded)
+            step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
             row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets)
+            if a.kernel_breakdown and gpu:
+                try:
+                    row["kernels"] = kernel_breakdown(engine.runner, step_args[-1])
+                except Exception as e:  # noqa: BLE001 - the latency above stands without it
+                    row["kernels"] = f"failed: {type(e).__name__}: {e}"[:300]
+                    print(f"  kernel breakdown {row['kernels']}", flush=True)
             line = f"{name:28s} {row['ms']:7.2f} ms/token"
             if bw:
                 row["roofline_ms"] = row["weight_bytes"] / bw * 1e3
