@@ -136,7 +136,7 @@ def test_quantize_params_stacked_layers(mode, weight_type):
         assert w.values.shape == (L, k, n) and w.scales.shape == (L, n)
         err = np.abs(np.asarray(dequantize(w)) - np.asarray(params["layers"][name])).max()
         assert err <= np.abs(np.asarray(params["layers"][name])).max() / 127
-    assert type(qp["lm_head"]) is weight_type
+    assert type(qp["lm_head"]) is weight_type  # the default quantizes the lm_head too (keep=())
     assert qp["layers"]["attn_norm"] is params["layers"]["attn_norm"] and qp["embed"] is params["embed"]
 
     # lax.scan slices values and scales per layer and keeps the weight type
@@ -150,9 +150,27 @@ def test_quantize_params_stacked_layers(mode, weight_type):
     np.testing.assert_allclose(np.asarray(h), np.asarray(want), rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("mode,weight_type", [("int8", QuantizedWeight), ("w8a8", W8A8Weight)])
+def test_quantize_params_keep(mode, weight_type):
+    """keep=(...) leaves the named weights as they are: the lm_head, or one layer weight in every layer."""
+    params = _tiny_params(np.random.default_rng(7))
+    qp = quantize_params(params, mode, keep=("lm_head",))
+    assert qp["lm_head"] is params["lm_head"]
+    assert all(type(qp["layers"][name]) is weight_type for name in LINEAR_WEIGHTS)
+    assert quantize_params(params, mode, keep="lm_head")["lm_head"] is params["lm_head"]  # one name as a string
+    qp = quantize_params(params, mode, keep=("w_down", "lm_head"))
+    assert qp["layers"]["w_down"] is params["layers"]["w_down"] and qp["lm_head"] is params["lm_head"]
+    assert all(type(qp["layers"][name]) is weight_type for name in LINEAR_WEIGHTS if name != "w_down")
+    # the quantized tree with a bf16 lm_head runs the model's matmuls (lm_head: a plain dot)
+    x = jnp.ones((2, 64), jnp.float32)
+    np.testing.assert_allclose(np.asarray(matmul_pallas.matmul(x, qp["lm_head"])), np.asarray(x @ params["lm_head"]), rtol=1e-5)
+
+
 def test_quantize_params_rejects_bad_input():
     params = _tiny_params(np.random.default_rng(6))
     with pytest.raises(ValueError, match="mode='fp4'"):
         quantize_params(params, "fp4")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_params(quantize_params(params, "int8"), "w8a8")
+    with pytest.raises(ValueError, match="'embed' not in"):
+        quantize_params(params, "int8", keep=("embed",))
