@@ -15,7 +15,9 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +52,10 @@ def _spy_on_steps(runner) -> list:
     calls, step = [], runner._step
 
     def spy(params, k_cache, v_cache, history, prev_sampled, inp):
-        calls.append((params, inp))
-        return step(params, k_cache, v_cache, history, prev_sampled, inp)
+        t0 = time.perf_counter()
+        out = step(params, k_cache, v_cache, history, prev_sampled, inp)
+        calls.append((params, inp, time.perf_counter() - t0))  # the host's dispatch time (the step runs async)
+        return out
 
     runner._step = spy
     return calls
@@ -62,7 +66,7 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     kernel name: where a step's milliseconds go. Run without donation, on the runner's live pools."""
     from jax.experimental.mosaic.gpu import profiler
 
-    params, inp = step_args
+    params, inp, _ = step_args
     _, kernels = profiler.measure(jax.jit(runner._step_impl), aggregate=False)(
         params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, inp)
     by_name: dict[str, list] = {}
@@ -110,7 +114,10 @@ def main():
                 layer_loop=a.layer_loop, warmup=False), loaded=loaded)
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
-            row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets)
+            dispatch_ms = 1e3 * statistics.median(t for _, _, t in step_args[len(step_args) // 2:])
+            row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets,
+                       dispatch_ms=dispatch_ms)
+            print(f"  host time to dispatch one step (median of the later half): {dispatch_ms:.2f} ms", flush=True)
             if a.kernel_breakdown and gpu:
                 try:
                     row["kernels"] = kernel_breakdown(engine.runner, step_args[-1])
