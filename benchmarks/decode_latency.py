@@ -38,13 +38,10 @@ VARIANTS = {
     "int8-xla-b1": ("int8", "reference", 1, {}),
     "int8-pallas-b1": ("int8", "pallas", 1, {}),  # the GEMV path (int8 converted by exponent bits)
     "int8-pallas-b1-cvt": ("int8", "pallas", 1, dict(magic_convert=False)),
-    "int8-pallas-b1-prefetch1": ("int8", "pallas", 1, dict(prefetch=1)),
-    "int8-pallas-b1-prefetch2": ("int8", "pallas", 1, dict(prefetch=2)),
     "int8-pallas-b8": ("int8", "pallas", 8, {}),  # the tensor-core path
     "int8-pallas-b8-gemv8": ("int8", "pallas", 8, dict(gemv_max_rows=8)),
-    "int8-pallas-b8-tf32": ("int8", "pallas", 8, dict(tf32=True)),
 }
-DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b1-prefetch1,int8-pallas-b1-prefetch2"
+DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b8"
 
 
 def _spy_on_steps(runner) -> list:

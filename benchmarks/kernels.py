@@ -153,19 +153,18 @@ def bench_decode_attention(rng, quick, reps, trials):
     # A sweep of the kernel's launch knobs (the default first); the best one found on the
     # H200 becomes the default in paged_attention_pallas.py.
     # The 2026-11-29 12:21 sweep (pages/step 4/8/16 x warps 4/8 x stages 2/3/4, split-K 2/4) left
-    # the default within 1% of the best; what is compared now is the launch order of the programs
-    # (KV heads of one sequence next to each other) and, for int8 pages, the int8 conversion.
+    # the default within 1% of the best; at 14:30, launching the KV heads of a sequence next to
+    # each other (grid order) changed nothing, and converting int8 pages by exponent bits made the
+    # int8 case 37% slower (docs/BENCHMARKS.md). The runner-up configs stay as a check.
     configs = [dict()]
     if not quick:
-        configs += [dict(num_stages=3), dict(heads_fastest=True), dict(heads_fastest=True, num_stages=3),
-                    dict(heads_fastest=True, num_splits=2)]
+        configs += [dict(num_stages=3), dict(num_splits=2)]
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
     kq, vq = QuantizedKV(*quantize_kv(k)), QuantizedKV(*quantize_kv(v))
     int8_bytes = 2 * batch * ctx * num_kv_heads * (head_dim + 4)  # int8 values + a float32 scale per token and head
-    for cfg in [dict()] + ([] if quick else [dict(heads_fastest=True), dict(magic_convert=True),
-                                              dict(heads_fastest=True, magic_convert=True)]):
+    for cfg in [dict()]:
         variants[f"pallas int8 KV {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, kq, vq, l, md, scale=scale, **cfg))
     for name, attn in variants.items():
@@ -233,17 +232,13 @@ def _device_bf16_weights(key, k, n, sets):
 
 
 # W8A16 variants per row count: M=1 takes the CUDA-core GEMV path; M=8 is a batch-1 decode
-# step padded to an 8-token bucket, which takes the tensor-core path. On the H200 (2026-11-29
-# 14:10) the GEMV path's exponent-bit conversion won at every M=1 shape (now the default there);
-# at M=8 neither it nor TF32 dots nor the GEMV path helped (docs/BENCHMARKS.md), so M=8 keeps
-# the default only. What is compared now at M=1: weight tiles loaded ahead, and a few launch knobs.
+# step padded to the engine's 8-token bucket, which takes the tensor-core path. Tried on the H200
+# on 2026-11-29 and dropped (docs/BENCHMARKS.md): at M=8, TF32 dots and the GEMV path (both
+# slower); at M=1, weight tiles loaded ahead in the loop carry (slower at every shape).
 GEMV_VARIANTS = {
     1: {"pallas default (magic_convert)": {}, "pallas int8->f32 cvt": dict(magic_convert=False),
-        "pallas prefetch=1": dict(prefetch=1), "pallas prefetch=2": dict(prefetch=2),
-        "pallas prefetch=1 4 warps": dict(prefetch=1, num_warps=4),
-        "pallas prefetch=2 bk64": dict(prefetch=2, block_k=64),
-        "pallas prefetch=1 bn256 split4": dict(prefetch=1, block_n=256, num_splits=4)},
-    8: {"pallas default (tensor cores)": {}},
+        "pallas bn256 split4": dict(block_n=256, num_splits=4)},
+    8: {"pallas default (tensor cores)": {}, "pallas magic_convert": dict(magic_convert=True)},
 }
 
 

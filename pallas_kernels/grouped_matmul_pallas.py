@@ -56,16 +56,20 @@ def fits(k: int, n: int) -> bool:
 
 
 def default_tiles(m: int, k: int, n: int, num_groups: int) -> dict:
-    """Tile sizes for Hopper bf16 (not yet tuned on the H200; benchmarks/moe.py sweeps a few).
+    """Tile sizes for Hopper bf16 (benchmarks/moe.py's decode_tiles sweep on the H200).
 
     block_m follows the average rows per group: with many small groups (DeepSeek: 256 experts)
     a 128-row tile would be mostly padding, and at decode the kernel is bound by reading the
     chosen experts' weights, so a 16-row tile is enough.
+    With at most 16 rows (batch-1 decode: top-k rows) few programs have work, so each reads
+    128-deep K steps: the expert FFN took 0.512 instead of 0.602 ms (Mixtral-shaped) and 0.767
+    instead of 0.904 ms (DeepSeek-V3-shaped) on 2026-11-29; at 64 tokens 64-deep steps stayed best
+    for Mixtral (1.24 vs 1.50 ms).
     """
     rows_per_group = m / max(num_groups, 1)
     block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64 if rows_per_group <= 96 else 128
     block_n = _largest_pow2_divisor(n, 64 if block_m <= 32 else 128)  # small tiles: more programs
-    block_k = _largest_pow2_divisor(k, 64)
+    block_k = _largest_pow2_divisor(k, 128 if m <= 16 else 64)
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     num_stages = 3 if block_m * block_n >= 128 * 128 else 4
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)

@@ -39,11 +39,8 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, magic_convert,
-                  tf32):
-    """Tensor-core tiles. The int8 tile is converted in registers: to x's dtype (exact), or with
-    `tf32` to float32 and multiplied with x in float32 at TF32 precision, which is exact here
-    too (bf16 x and int8 w both fit TF32's 10-bit mantissa) and skips the float32 -> bf16 step."""
+def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, magic_convert):
+    """Tensor-core tiles; the int8 tile is converted to x's dtype (exact) in registers."""
     split = pl.program_id(2)
     first = split * steps_per_split
     last = jnp.minimum(first + steps_per_split, num_steps)
@@ -51,8 +48,6 @@ def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_s
     def body(step, acc):
         x = x_ref[:, pl.ds(step * block_k, block_k)]  # [block_m, block_k]
         w = w_ref[pl.ds(step * block_k, block_k), :]  # [block_k, block_n] int8
-        if tf32:
-            return acc + pltr.dot(x.astype(jnp.float32), int8_to_f32(w, magic_convert), allow_tf32=True)
         w = int8_to_f32(w, True).astype(x.dtype) if magic_convert else w.astype(x.dtype)
         return acc + pltr.dot(x, w).astype(jnp.float32)
 
@@ -63,7 +58,7 @@ def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_s
 
 
 def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, num_rows,
-                       reduce_each_step, magic_convert, prefetch):
+                       reduce_each_step, magic_convert):
     """For a few rows: multiply-and-reduce on the CUDA cores instead of a 16-row
     tensor-core tile that would be mostly padding; the weight tile is loaded once.
 
@@ -71,10 +66,8 @@ def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, 
     products and reduces it over `in` once, after the loop: the loop body is then loads,
     converts and FMAs only, with no cross-thread reduction per step.
     `reduce_each_step=True` is the earlier variant (reduce every step), kept for the benchmark.
-
-    `prefetch` > 0 loads the weight tiles that many steps ahead and carries them through the loop
-    in registers, so their HBM reads overlap this step's math: Triton's software pipeliner stages
-    the loads that feed tensor-core dots, and this loop has none.
+    (Loading weight tiles one or two steps ahead in the loop carry was tried on the H200 and was
+    slower at every shape, e.g. 26.0 -> 38.3 us at 4096x14336: docs/BENCHMARKS.md.)
     """
     split = pl.program_id(2)
     first = split * steps_per_split
@@ -82,24 +75,15 @@ def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, 
     block_n = o_ref.shape[1]
     acc_shape = (block_n,) if reduce_each_step else (block_k, block_n)
 
-    def load(step):  # [block_k, block_n] int8; steps past the end re-read the last tile (unused)
-        return w_ref[pl.ds(jnp.minimum(step, num_steps - 1) * block_k, block_k), :]
-
-    def body(step, carry):
-        accs, ahead = carry
+    def body(step, accs):
         k = pl.ds(step * block_k, block_k)
-        if prefetch:
-            tile, ahead = ahead[0], ahead[1:] + (load(step + prefetch),)
-        else:
-            tile = w_ref[k, :]
-        w = int8_to_f32(tile, magic_convert)  # [block_k, block_n]
+        w = int8_to_f32(w_ref[k, :], magic_convert)  # [block_k, block_n]
         products = [x_ref[r, k].astype(jnp.float32)[:, None] * w for r in range(num_rows)]
         if reduce_each_step:
-            return tuple(acc + jnp.sum(p, axis=0) for acc, p in zip(accs, products)), ahead
-        return tuple(acc + p for acc, p in zip(accs, products)), ahead
+            return tuple(acc + jnp.sum(p, axis=0) for acc, p in zip(accs, products))
+        return tuple(acc + p for acc, p in zip(accs, products))
 
-    init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_rows)), tuple(load(first + i) for i in range(prefetch)))
-    accs, _ = jax.lax.fori_loop(first, last, body, init)
+    accs = jax.lax.fori_loop(first, last, body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_rows)))
     for r, acc in enumerate(accs):  # rows past num_rows are padding, sliced off by the caller
         if not reduce_each_step:
             acc = jnp.sum(acc, axis=0)
@@ -124,17 +108,15 @@ def _pad_rows(x, multiple):
     return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv", "reduce_each_step", "magic_convert", "tf32", "prefetch"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "gemv", "reduce_each_step", "magic_convert"))
 def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_n=None, block_k=None, num_splits=None,
-                 num_warps=None, num_stages=4, gemv=None, reduce_each_step=False, magic_convert=None, tf32=False,
-                 prefetch=0):
+                 num_warps=None, num_stages=4, gemv=None, reduce_each_step=False, magic_convert=None):
     """x: [M, in] (bf16/f32) times int8 w.values [in, out] * w.scales [out] -> [M, out].
 
-    `magic_convert` converts int8 by exponent bits (quantization.int8_to_f32; default: on the GEMV
-    path, where the H200 run of 2026-11-29 14:10 measured it faster at every Llama-3-8B shape, e.g.
-    30.5 -> 26.4 us at 4096x14336; no difference on the tensor-core path); `tf32` makes the
-    tensor-core path multiply in float32/TF32 (_w8a16_kernel; slower there); `prefetch`: GEMV
-    tiles loaded ahead (_w8a16_gemv_kernel). All give the same sums."""
+    `magic_convert` converts int8 by exponent bits (quantization.int8_to_f32). Default: on the GEMV
+    path, where the H200 runs of 2026-11-29 measured it faster at every Llama-3-8B shape (e.g.
+    30.5 -> 26.4 us at 4096x14336, 320 -> 200 us for the lm_head); it made no difference on the
+    tensor-core path. Both conversions are exact."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = w.values.shape[1]
@@ -155,8 +137,8 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     xp = _pad_rows(x, block_m)  # [M_pad, in]
     common = dict(block_k=block_k, steps_per_split=steps_per_split, num_steps=num_steps, apply_scale=num_splits == 1)
     kernel = (functools.partial(_w8a16_gemv_kernel, num_rows=m, reduce_each_step=reduce_each_step,
-                                magic_convert=magic_convert, prefetch=prefetch, **common) if gemv
-              else functools.partial(_w8a16_kernel, magic_convert=magic_convert, tf32=tf32, **common))
+                                magic_convert=magic_convert, **common) if gemv
+              else functools.partial(_w8a16_kernel, magic_convert=magic_convert, **common))
     out_type = out_dtype if num_splits == 1 else jnp.float32
     y = pl.pallas_call(
         kernel,

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import attention_reference, pallas_mode
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.quantization import QuantizedKV, int8_to_f32
+from jlight.pallas_kernels.quantization import QuantizedKV
 
 _MASKED = -1e30
 # Streaming multiprocessors of an H100/H200: used only to decide when a decode batch has
@@ -66,13 +66,12 @@ def _query_blocks(query_start, num_blocks: int, block_q: int):
 
 
 def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
-            group, block_q, block_rows, page_size, pages_per_step, pages_per_split, scale, sliding_window, quantized,
-            heads_fastest, magic_convert):
+            group, block_q, block_rows, page_size, pages_per_step, pages_per_split, scale, sliding_window, quantized):
     if quantized:  # int8 pages: their scales come next, [pages, page_size] of this KV head each
         k_scale_ref, v_scale_ref, *out_refs = refs
     else:
         out_refs = refs
-    block, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
+    block, split = pl.program_id(0), pl.program_id(2)
     row, start, end = row_ref[block], start_ref[block], end_ref[block]
     r = jnp.arange(block_rows)
     valid = (r < block_q * group) & (start + r // group < end)  # [block_rows]
@@ -98,8 +97,7 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         k = k_ref[pages].reshape(kv_per_step, head_dim)  # [kv_per_step, head_dim]
         v = v_ref[pages].reshape(kv_per_step, head_dim)
         if quantized:  # int8 -> q's dtype is exact; the scales are applied to s and p below
-            convert = (lambda t: int8_to_f32(t, True).astype(q.dtype)) if magic_convert else (lambda t: t.astype(q.dtype))
-            k, v = convert(k), convert(v)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = pltr.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [block_rows, kv_per_step]
         if quantized:
             s = s * k_scale_ref[pages].reshape(1, kv_per_step)
@@ -141,17 +139,14 @@ def _choose_splits(num_programs: int, num_steps: int) -> int:
     return max(1, min(-(-2 * _NUM_SMS // num_programs), num_steps // 2))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "pages_per_step", "num_warps", "num_stages", "heads_fastest", "magic_convert"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "pages_per_step", "num_warps", "num_stages"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     interpret: bool | None = None, num_splits: int | None = None, pages_per_step: int | None = None,
-                    num_warps: int = 4, num_stages: int = 2, heads_fastest: bool = False, magic_convert: bool = False):
+                    num_warps: int = 4, num_stages: int = 2):
     """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim].
 
     k_cache, v_cache: pools of q's dtype or int8 QuantizedKV pools (both alike).
     Outputs of padding tokens (beyond query_start[B]) are zeros.
-    `heads_fastest` launches the KV heads of one query block next to each other (grid axis 0),
-    so programs running together read neighbouring bytes of the same pages; `magic_convert`
-    converts int8 pages by exponent bits (quantization.int8_to_f32). Benchmark knobs.
     """
     quantized = isinstance(k_cache, QuantizedKV)
     if quantized != isinstance(v_cache, QuantizedKV):
@@ -191,20 +186,18 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     padded_rows = num_q_rows + block_rows
     row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
 
-    # Index maps take (block, head, split); with heads_fastest the grid is (head, block, split).
-    spec = (lambda shape, f: pl.BlockSpec(shape, lambda h, b, s: f(b, h, s))) if heads_fastest else pl.BlockSpec
-    full = lambda shape: spec(shape, lambda b, h, s: (0,) * len(shape))
-    kv_spec = spec((num_layers * num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
+    kv_spec = pl.BlockSpec((num_layers * num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
     in_specs = [
         full((num_blocks,)), full((num_blocks,)), full((num_blocks,)), full(page_table.shape), full((padded_rows,)),
-        spec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0)), kv_spec, kv_spec,
+        pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0)), kv_spec, kv_spec,
     ]
     if quantized:
-        scale_spec = spec((num_layers * num_pages, page_size, None), lambda b, h, s: (0, 0, h))
+        scale_spec = pl.BlockSpec((num_layers * num_pages, page_size, None), lambda b, h, s: (0, 0, h))
         in_specs += [scale_spec, scale_spec]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_kv_heads, padded_rows, head_dim), q.dtype)
-        out_specs = spec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0))
+        out_specs = pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0))
     else:
         out_shape = [
             jax.ShapeDtypeStruct((num_splits, num_kv_heads, padded_rows, head_dim), jnp.float32),  # acc
@@ -212,17 +205,17 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
             jax.ShapeDtypeStruct((num_splits, num_kv_heads, padded_rows), jnp.float32),  # m
         ]
         out_specs = [
-            spec((None, None, padded_rows, head_dim), lambda b, h, s: (s, h, 0, 0)),
-            spec((None, None, padded_rows), lambda b, h, s: (s, h, 0)),
-            spec((None, None, padded_rows), lambda b, h, s: (s, h, 0)),
+            pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h, s: (s, h, 0, 0)),
+            pl.BlockSpec((None, None, padded_rows), lambda b, h, s: (s, h, 0)),
+            pl.BlockSpec((None, None, padded_rows), lambda b, h, s: (s, h, 0)),
         ]
     kernel = functools.partial(
         _kernel, group=group, block_q=block_q, block_rows=block_rows, page_size=page_size,
         pages_per_step=pages_per_step, pages_per_split=pages_per_split, scale=scale, sliding_window=sliding_window,
-        quantized=quantized, heads_fastest=heads_fastest, magic_convert=magic_convert)
+        quantized=quantized)
     result = pl.pallas_call(
         kernel,
-        grid=(num_kv_heads, num_blocks, num_splits) if heads_fastest else (num_blocks, num_kv_heads, num_splits),
+        grid=(num_blocks, num_kv_heads, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

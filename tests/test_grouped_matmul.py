@@ -51,6 +51,18 @@ def test_matches_ragged_dot(sizes, m, block_m, dtype):
     _check(got, x, w, gs, 1e-5 if dtype == jnp.float32 else 1e-4)
 
 
+def test_default_tiles_follow_the_rows():
+    """Decode (few rows): 16-row tiles with 128-deep K steps; prefill: larger tiles, 64-deep steps."""
+    from jlight.pallas_kernels.grouped_matmul_pallas import default_tiles
+
+    one_token = default_tiles(2, 4096, 14336, 8)  # Mixtral, batch 1: top-2 rows
+    assert (one_token["block_m"], one_token["block_k"]) == (16, 128)
+    batch64 = default_tiles(128, 4096, 14336, 8)
+    assert (batch64["block_m"], batch64["block_k"]) == (16, 64)
+    prefill = default_tiles(4096, 4096, 14336, 8)
+    assert (prefill["block_m"], prefill["block_n"], prefill["block_k"]) == (128, 128, 64)
+
+
 def test_output_in_input_dtype_and_default_tiles():
     """No preferred_element_type: bf16 out; default tile sizes; M below one block."""
     rng = np.random.default_rng(7)

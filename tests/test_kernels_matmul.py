@@ -36,21 +36,17 @@ def test_w8a16_gemv_reduce_variants_agree(m):
     x = jnp.asarray(rng.standard_normal((m, 384)), jnp.float32)
     late = matmul_pallas.w8a16_matmul(x, w, gemv=True)
     early = matmul_pallas.w8a16_matmul(x, w, gemv=True, reduce_each_step=True)
-    magic = matmul_pallas.w8a16_matmul(x, w, gemv=True, magic_convert=True)
+    magic = matmul_pallas.w8a16_matmul(x, w, gemv=True, magic_convert=False)  # the convert instruction (default: exponent bits)
     want = np.asarray(x @ dequantize(w))
-    # tiles loaded 1 or 2 steps ahead, with split-K so that splits end mid-matrix
-    for prefetch in (1, 2):
-        ahead = matmul_pallas.w8a16_matmul(x, w, gemv=True, prefetch=prefetch, block_k=32, num_splits=3)
-        np.testing.assert_allclose(np.asarray(ahead), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(magic), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(late), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(early), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cfg", [dict(magic_convert=True), dict(tf32=True), dict(tf32=True, magic_convert=True)])
+@pytest.mark.parametrize("cfg", [dict(magic_convert=True), dict(magic_convert=False)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_w8a16_tensor_core_conversions_agree(cfg, dtype):
-    """The tensor-core path's int8 conversions (exponent bits, TF32 dots) give the default's sums."""
+    """The tensor-core path's two int8 conversions (exponent bits, the convert instruction) agree."""
     rng = np.random.default_rng(30)
     w = quantize_int8(_weights(rng, 256, 128))
     x = jnp.asarray(rng.standard_normal((8, 256)), dtype)
