@@ -2,12 +2,8 @@
 # One device call: engine correctness with the Pallas kernels, then the Llama-3-8B-shaped
 # engine benchmarks (bf16 throughput + batch-1 latency, int8 batch-1 latency).
 # Usage on the GPU machine: bash benchmarks/h200_engine_run.sh "$OUT"
-set -u
-OUT=${1:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/h200_setup.sh"
 # The package maps models/, sharding/, ... to jlight.* (pyproject package-dir): install it, offline.
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 # 1. Greedy outputs with the Pallas kernels (auto on GPU) equal transformers' on tiny float32 models.

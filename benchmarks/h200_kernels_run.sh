@@ -3,11 +3,7 @@
 # then Llama-3-8B-shaped batch-1 decode latency: bf16 vs int8 weights through XLA's fused
 # dequantize-dot vs the Pallas W8A16 GEMV (unrolled layer loop).
 # Usage on the GPU machine: bash benchmarks/h200_kernels_run.sh "$OUT"
-set -u
-OUT=${1:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/h200_setup.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 timeout 330 python3 benchmarks/kernels.py --out "$OUT" --trials 20 > "$OUT/kernels.txt" 2>&1
 echo "kernels.py exit $?"; grep -v "^check" "$OUT/kernels.txt" | sed -n '/=== summary/,$p' | head -70

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Llama-3-8B-shaped batch-1 decode latency, bf16 vs int8 weights, scanned vs
 # unrolled layer loop. Usage on the GPU machine: bash benchmarks/h200_latency_run.sh "$OUT"
-set -u
-OUT=${1:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/h200_setup.sh"
 for quant in none int8; do
   for loop in scan unroll; do
     q=""; [ "$quant" = int8 ] && q="--quantization int8"

@@ -2,11 +2,8 @@
 # One device call: the MoE benchmark (dense / ragged_dot / Pallas grouped / gathered experts),
 # the W8A16 GEMV conversion variants, and the int8 KV cache in the Pallas decode attention.
 # Usage on the GPU machine: bash benchmarks/h200_moe_kv_run.sh "$OUT"
-set -u
-OUT=${1:-/tmp/out}
+source "$(dirname "$0")/h200_setup.sh"
 mkdir -p "$OUT/moe" "$OUT/gemv" "$OUT/kv"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 250 python3 benchmarks/moe.py --out "$OUT/moe" > "$OUT/moe/moe.txt" 2>&1
 echo "moe.py exit $?"
 timeout 100 python3 benchmarks/kernels.py --skip-checks --sections gemv --out "$OUT/gemv" --trials 20 > "$OUT/gemv/gemv.txt" 2>&1

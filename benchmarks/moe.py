@@ -239,17 +239,30 @@ def bench_steps(rec: Recorder, name, config, params, iters, prefill_len, context
     rec.save()
 
 
+def expert_ffn_inputs(config, layer, tokens: int, seed: int):
+    """Random tokens and routing for one MoE layer: (x, ids, weights, experts touched, the expert
+    weight bytes any implementation must read)."""
+    wg = layer["experts_gate"]
+    num_experts, embed, mlp = wg.shape
+    key = jax.random.PRNGKey(seed)
+    x = jax.random.normal(key, (tokens, embed), wg.dtype)  # [T, embed]
+    ids, weights = random_routing(jax.random.fold_in(key, 1), tokens, num_experts, config.extra["num_experts_per_tok"])
+    touched = len(np.unique(np.asarray(ids)))
+    return x, ids, weights, touched, touched * 3 * embed * mlp * wg.dtype.itemsize
+
+
+def jitted_expert_ffn(impl):
+    """impl: an expert_ffn implementation name, or a grouped matmul callable (ragged_dot's contract)."""
+    if callable(impl):
+        return jax.jit(lambda *a: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=impl))
+    return jax.jit(lambda *a: expert_ffn(*a, jax.nn.silu, impl))
+
+
 def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mgpu=None):
     """One MoE layer's routed experts alone, on random routing. mgpu given: only the Mosaic GPU case."""
     wg, wu, wd = layer["experts_gate"], layer["experts_up"], layer["experts_down"]
-    num_experts, embed, mlp = wg.shape
-    top_k = config.extra["num_experts_per_tok"]
     for tokens in token_counts:
-        key = jax.random.PRNGKey(tokens)
-        x = jax.random.normal(key, (tokens, embed), wg.dtype)  # [T, embed]
-        ids, weights = random_routing(jax.random.fold_in(key, 1), tokens, num_experts, top_k)
-        touched = len(np.unique(np.asarray(ids)))
-        weight_bytes = touched * 3 * embed * mlp * wg.dtype.itemsize  # bytes any implementation must read
+        x, ids, weights, touched, weight_bytes = expert_ffn_inputs(config, layer, tokens, seed=tokens)
         impls = ["mosaic_gpu"] if mgpu is not None else [i for i in STEP_IMPLS if i != "gathered" or tokens <= 64]
         for impl in impls:
             row = dict(model=name, impl=impl, tokens=tokens, experts_touched=touched)
@@ -257,10 +270,10 @@ def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mg
                 if impl == "mosaic_gpu":
                     if isinstance(mgpu, Exception):
                         raise mgpu
-                    fn = jax.jit(lambda *a: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=mgpu[0]))
+                    fn = jitted_expert_ffn(mgpu[0])
                     row.update(tiles=mgpu[1])
                 else:
-                    fn = jax.jit(lambda *a, impl=impl: expert_ffn(*a, jax.nn.silu, impl))
+                    fn = jitted_expert_ffn(impl)
                 seconds, _ = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
                 row.update(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9)
                 print(f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d} experts touched={touched:3d} "
@@ -273,7 +286,7 @@ def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mg
 
 
 # Decode-shape tiles for the Pallas grouped matmul (block_n, block_k); block_m stays the default
-# (16 rows at decode). The 2026-11-29 13:58 run had the defaults (64, 64) read the needed expert
+# (16 rows at decode). The 2026-11-29 14:02 UTC run had the defaults (64, 64) read the needed expert
 # weights at 0.94 TB/s at batch 1 on DeepSeek (8 of 256 experts) and lose to dense at batch 64 on Mixtral.
 DECODE_TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256)]
 
@@ -282,15 +295,9 @@ def bench_decode_tiles(rec: Recorder, name, config, layer, iters, quick):
     """One MoE layer's routed experts at decode sizes (1 and 64 tokens): the Pallas grouped matmul
     with each of DECODE_TILES against dense and gathered; every output compared with dense's."""
     wg, wu, wd = layer["experts_gate"], layer["experts_up"], layer["experts_down"]
-    num_experts, embed, mlp = wg.shape
-    top_k = config.extra["num_experts_per_tok"]
     tiles = [(16, 16)] if quick else DECODE_TILES
     for tokens in (1, 64):
-        key = jax.random.PRNGKey(100 + tokens)
-        x = jax.random.normal(key, (tokens, embed), wg.dtype)
-        ids, weights = random_routing(jax.random.fold_in(key, 1), tokens, num_experts, top_k)
-        touched = len(np.unique(np.asarray(ids)))
-        weight_bytes = touched * 3 * embed * mlp * wg.dtype.itemsize
+        x, ids, weights, touched, weight_bytes = expert_ffn_inputs(config, layer, tokens, seed=100 + tokens)
         cases = [("dense", "dense"), ("gathered", "gathered"), ("pallas default", "pallas")]
         cases += [(f"pallas bn{bn} bk{bk}", functools.partial(grouped_matmul_pallas.grouped_matmul, block_n=bn, block_k=bk))
                   for bn, bk in tiles]
@@ -298,11 +305,7 @@ def bench_decode_tiles(rec: Recorder, name, config, layer, iters, quick):
         for label, impl in cases:
             row = dict(model=name, impl=label, tokens=tokens, experts_touched=touched)
             try:
-                if callable(impl):
-                    fn = jax.jit(lambda *a, impl=impl: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=impl))
-                else:
-                    fn = jax.jit(lambda *a, impl=impl: expert_ffn(*a, jax.nn.silu, impl))
-                seconds, out = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
+                seconds, out = timed(jitted_expert_ffn(impl), x, ids, weights, wg, wu, wd, iters=iters)
                 out = np.asarray(out, np.float32)
                 want = out if want is None else want
                 row.update(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9,
