@@ -188,7 +188,7 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down) -> str:
     """The implementation "auto" stands for, for this many (token, expert) pairs and these weights.
 
     On GPU, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py, 2026-11-29
-    13:58, random weights, ms) it was the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
+    14:02 UTC, random weights, ms) it was the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
     gathered, 6.34 dense; DeepSeek-V3-shaped 5.01 vs 5.23 gathered, 14.40 dense), at batch-64
     decode on DeepSeek (9.24 vs 18.21 dense) and at 2048-token prefill (33.6 vs 82.1 dense
     Mixtral; 325.8 vs 454.6 dense DeepSeek; XLA's ragged_dot pads every group to a dense
