@@ -1,0 +1,24 @@
+"""The benchmark scripts that device runs depend on, smoke-run on CPU (tiny shapes), so that a
+broken script is found here and not after a machine has been started for it."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_decode_latency_runs_every_variant_from_one_loaded_model(tmp_path):
+    # unrolled layers: an engine built from the script's shared LoadedModel must leave it usable
+    # for the next variant (it once set loaded.params = None and every later variant failed).
+    variants = "bf16-b8,int8-xla-b1,int8-pallas-b1"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_latency.py"), "--model-config", "tiny",
+                    "--variants", variants, "--tokens", "8", "--layer-loop", "unroll", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "decode_latency.json").read_text())
+    assert list(result["variants"]) == variants.split(",")
+    for name, row in result["variants"].items():
+        assert "error" not in row, (name, row)
+        assert row["ms"] > 0 and row["dispatch_ms"] > 0
+    assert result["variants"]["int8-pallas-b1"]["buckets"][0] == 1
+    assert result["variants"]["bf16-b8"]["buckets"][0] == 8
