@@ -153,7 +153,7 @@ def bench_decode_attention(rng, quick, reps, trials):
     # A sweep of the kernel's launch knobs (the default first); the best one found on the
     # H200 becomes the default in paged_attention_pallas.py.
     # The 2026-11-29 12:21 sweep (pages/step 4/8/16 x warps 4/8 x stages 2/3/4, split-K 2/4) left
-    # the default within 1% of the best; at 14:30, launching the KV heads of a sequence next to
+    # the default within 1% of the best; at 14:17, launching the KV heads of a sequence next to
     # each other (grid order) changed nothing, and converting int8 pages by exponent bits made the
     # int8 case 37% slower (docs/BENCHMARKS.md). The runner-up configs stay as a check.
     configs = [dict()]
