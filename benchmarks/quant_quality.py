@@ -19,6 +19,13 @@ segments of --segment-len tokens; each segment is one request, prefilled in chun
 The "lm_head bf16" rows quantize the weights here, with quantize_params(..., keep=("lm_head",)),
 and hand the engine those params with quantization=None (the engine has no option for `keep`);
 the matmuls that run are the same ones.
+
+The "GPTQ" rows keep that int8 format (int8 values, one float32 scale per output channel, the
+same scales as round-to-nearest) but choose the int8 values with GPTQ (pallas_kernels/gptq.py's
+defaults: act-order, layer by layer with the earlier weights already quantized, 1% dampening),
+calibrated on benchmarks/data/calibration_text.txt (2168 tokens written for calibration, none of
+them from the evaluation text) in segments of CALIBRATION_SEGMENT_LEN tokens. The engine gets the
+params as for the "lm_head bf16" rows. The engine's loading path has no GPTQ option.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ import sys
 import time
 
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quant_quality_text.txt")
+CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration_text.txt")
+CALIBRATION_SEGMENT_LEN = 512
 
 # (name, engine options); the first is the baseline the others are compared with.
 CONFIGS = [
@@ -42,6 +51,8 @@ CONFIGS = [
     ("w8a8", dict(dtype="bfloat16", quantization="w8a8")),
     ("int8 weights, lm_head bf16", dict(dtype="bfloat16", quantization="int8", keep=("lm_head",))),
     ("w8a8, lm_head bf16", dict(dtype="bfloat16", quantization="w8a8", keep=("lm_head",))),
+    ("int8 weights, GPTQ", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=())),
+    ("int8 weights, GPTQ, lm_head bf16", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=("lm_head",))),
     ("int8 KV cache", dict(dtype="bfloat16", kv_cache_dtype="int8")),
     ("int8 weights + int8 KV cache", dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")),
 ]
@@ -99,7 +110,8 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
     """Run each configuration over the segments (one engine each; a model loaded once per dtype).
 
     An option keep=(names...) quantizes here with quantize_params(params, quantization, keep=keep)
-    and gives the engine the quantized params with quantization=None.
+    and gives the engine the quantized params with quantization=None; with gptq=True as well,
+    with gptq_params (GPTQ, calibrated on the calibration text).
     """
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
@@ -107,14 +119,18 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
     from jlight.pallas_kernels.quantization import quantize_params
 
     max_len = max(len(s) for s in segments) + 8
-    loaded_by_dtype, runs = {}, []
+    loaded_by_dtype, gptq_cache, runs = {}, {}, []
     for name, opts in configs:
         dtype = opts.get("dtype", "auto")
         if dtype not in loaded_by_dtype:
             loaded_by_dtype[dtype] = load_model(model, dtype=dtype)
         engine_opts, loaded = dict(opts), loaded_by_dtype[dtype]
         t0 = time.perf_counter()
-        if "keep" in engine_opts:
+        if engine_opts.pop("gptq", False):
+            keep, mode = engine_opts.pop("keep"), engine_opts.pop("quantization")
+            assert mode == "int8", "GPTQ here is weight-only int8"
+            loaded = dataclasses.replace(loaded, params=gptq_params(loaded, keep, cache=gptq_cache.setdefault(dtype, {}), log=log))
+        elif "keep" in engine_opts:
             keep, mode = engine_opts.pop("keep"), engine_opts.pop("quantization")
             loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, mode, keep=keep))
         cfg = EngineConfig(model=model, max_num_seqs=max(1, min(len(segments), 8)), max_num_batched_tokens=max_num_batched_tokens,
@@ -125,6 +141,27 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
         log(f"{name}: {len(top1)} positions, perplexity {runs[-1].perplexity:.4f}, {runs[-1].seconds:.1f} s")
         del engine
     return runs
+
+
+def calibration_segments(tokenizer, path: str = CALIBRATION_PATH, segment_len: int = CALIBRATION_SEGMENT_LEN) -> list[list[int]]:
+    return segments_of(text_token_ids(tokenizer, path), segment_len)
+
+
+def gptq_params(loaded, keep=(), cache=None, log=print) -> dict:
+    """loaded.params with GPTQ int8 weights (keep: names left unquantized), calibrated on the
+    calibration text. Layers come before the lm_head in GPTQ's order, so keep=("lm_head",) is
+    the full result with the lm_head put back: one GPTQ run serves both rows (cache)."""
+    from jlight.pallas_kernels.gptq import gptq_quantize_params
+
+    keep = tuple(keep)
+    cache = {} if cache is None else cache
+    if set(keep) <= {"lm_head"}:
+        if "full" not in cache:
+            t0 = time.perf_counter()
+            cache["full"] = gptq_quantize_params(loaded.params, loaded.config, calibration_segments(loaded.tokenizer))
+            log(f"GPTQ: {time.perf_counter() - t0:.1f} s")
+        return dict(cache["full"], lm_head=loaded.params["lm_head"]) if keep else cache["full"]
+    return gptq_quantize_params(loaded.params, loaded.config, calibration_segments(loaded.tokenizer), keep=keep)
 
 
 def compare(runs: list[Run]) -> list[dict]:

@@ -11,6 +11,12 @@ it turns into a failure (XPASS) the day the configuration meets the bar, so the 
 The "lm_head bf16" configurations are quantize_params(..., keep=("lm_head",)) (the benchmark
 quantizes and hands the engine the params): the usual practice of leaving the output projection
 in 16 bits. It helps (int8: 95.55% -> 96.48% here) but does not reach the 97% bar either.
+
+The "GPTQ" configurations keep the same int8 format and scales but choose the int8 values with
+GPTQ (pallas_kernels/gptq.py), calibrated on benchmarks/data/calibration_text.txt, not on the
+evaluated text. With the lm_head in bf16 it meets the bar here (97.21%), by 0.21 points: about 4 of
+the 2046 positions. Other calibration settings moved the agreement by about +-0.5 points
+(docs/BENCHMARKS.md), so this pass is narrow. GPTQ with the lm_head int8 as well misses (96.73%).
 """
 import importlib.util
 import os
@@ -32,9 +38,10 @@ MISSES = {
     ("int8 weights, lm_head bf16", "agreement"): "measured 96.48% top-1 agreement < 97% (perplexity +0.37% passes)",
     ("w8a8, lm_head bf16", "agreement"): "measured 88.95% top-1 agreement < 97%",
     ("w8a8, lm_head bf16", "perplexity"): "measured perplexity +2.87% > 2%",
+    ("int8 weights, GPTQ", "agreement"): "measured 96.73% top-1 agreement < 97% (perplexity +0.34% passes)",
 }
 CONFIG_NAMES = ["int8 weights (W8A16)", "w8a8", "int8 weights, lm_head bf16", "w8a8, lm_head bf16",
-                "int8 KV cache", "int8 weights + int8 KV cache"]
+                "int8 KV cache", "int8 weights + int8 KV cache", "int8 weights, GPTQ", "int8 weights, GPTQ, lm_head bf16"]
 
 
 def _quant_quality():
