@@ -222,3 +222,39 @@ def test_jlight_convert_dir_loads_like_any_model(tiny_model, tmp_path):
     original = jlight.api.LLM(model_dir, quantization=quantization, **kwargs)
     want = [o.outputs[0].text for o in original.generate(prompts, params, use_tqdm=False)]
     assert got == want and any(got)
+
+
+def test_gptq_calibrated_convert_keeps_the_int8_format(tiny_model, tmp_path):
+    """convert(..., quantization="int8", calibration=text): GPTQ int8 layers with round-to-nearest's
+    scales, the lm_head left unquantized, and a checkpoint that loads and generates."""
+    import jlight.api
+    from jlight.convert import convert
+
+    model_dir = tiny_model("LlamaForCausalLM")
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"Sentence {i} talks about rivers, prime numbers, bread and the weather in spring." for i in range(40)))
+    out = str(tmp_path / "gptq")
+    convert(model_dir, out, dtype="float32", quantization="int8", calibration=str(text))
+    manifest = json.load(open(os.path.join(out, orbax_loader.MANIFEST_NAME)))
+    assert manifest["quantization"] == "int8" and manifest["calibration"].startswith("GPTQ on calibration.txt")
+
+    _, params = orbax_loader.load_orbax_model(out)
+    _, original = load_hf_params(model_dir)
+    assert not isinstance(params["lm_head"], QuantizedWeight)  # kept in the model dtype
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(original["lm_head"]))
+    changed = 0
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        q, rtn = params["layers"][name], quantize_int8(original["layers"][name])
+        assert isinstance(q, QuantizedWeight) and q.values.dtype == jnp.int8
+        np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(rtn.scales))  # same scales as round-to-nearest
+        changed += int(np.sum(np.asarray(q.values) != np.asarray(rtn.values)))
+    assert changed > 0  # GPTQ chose other values than round-to-nearest somewhere
+
+    llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert len(got[0].outputs[0].token_ids) == 6
+
+    with pytest.raises(ValueError, match="--calibration needs --quantization int8"):
+        convert(model_dir, str(tmp_path / "x"), dtype="float32", calibration=str(text))
+    with pytest.raises(ValueError, match="no such file"):
+        convert(model_dir, str(tmp_path / "y"), dtype="float32", quantization="int8", calibration=str(tmp_path / "missing.txt"))
