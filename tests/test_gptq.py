@@ -71,3 +71,27 @@ def test_gptq_quantize_params_keeps_the_int8_layout():
         assert type(q["lm_head"]) is QuantizedWeight
     kept = gptq_quantize_params(params, config, segments, keep=("lm_head",))
     assert kept["lm_head"] is params["lm_head"] and type(kept["layers"]["wq"]) is QuantizedWeight
+
+
+def test_calibration_forward_matches_the_model():
+    """GPTQ's host-side calibration forward computes the model's own function: its logits equal
+    the engine reference path's (models/llama.py over a paged cache) on the same tokens."""
+    from jlight.config import ModelConfig
+    from jlight.models.llama import init_params
+    from jlight.models.layers import rms_norm
+    from jlight.pallas_kernels import gptq
+    from test_convert import prefill_logits
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    params = init_params(config, jax.random.PRNGKey(3), jnp.float32)
+    tokens = list(range(3, 30))
+    h = params["embed"][jnp.asarray(tokens)]
+    for i in range(config.num_layers):
+        lp = gptq._layer(params, i)
+        x = gptq._attn_inputs(config, h, lp)
+        attn = gptq._attention(config, x, lp["wq"], lp["wk"], lp["wv"])
+        h, x = gptq._mlp_inputs(config, h, attn, lp["wo"], lp)
+        h = gptq._residual(h, gptq._down_inputs(config, x, lp["w_gate"], lp["w_up"]), lp["w_down"])
+    logits = rms_norm(h, params["final_norm"], config.rms_norm_eps) @ params["lm_head"]
+    np.testing.assert_allclose(np.asarray(logits), prefill_logits(params, config, tokens), atol=1e-4, rtol=1e-4)
