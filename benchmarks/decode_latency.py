@@ -1,14 +1,16 @@
 """Batch-1 decode latency (ms/token, full engine steps) of one random-weight model under
 several engine variants, in one process so the random weights are made once.
 
-  python benchmarks/decode_latency.py --model-config llama3-8b --out DIR
-  python benchmarks/decode_latency.py --model-config tiny --variants bf16-b8,int8-pallas-b1-magic  # CPU smoke run
+  python benchmarks/decode_latency.py --model-config llama3-8b --kernel-breakdown --out DIR
+  python benchmarks/decode_latency.py --model-config tiny --variants bf16-b8,int8-pallas-b1  # CPU smoke run
 
 A variant names the weights (bf16 / int8), the matmul path (XLA's fused dequantize-dot or the
-Pallas W8A16 kernels with their options) and the smallest compiled step: "b1" compiles a
-1-token step for batch-1 decode, "b8" pads it to 8 tokens (the engine's default until now),
-which takes the Pallas kernel off its GEMV path (<= 4 rows). The roofline is the weight bytes
-a step must read over the copy bandwidth measured in the same run.
+Pallas W8A16 kernels with their options) and the smallest compiled step
+(EngineConfig.min_token_bucket): "b1" compiles a 1-token step for batch-1 decode, "b8" pads it
+to 8 tokens (the engine's default), which takes the Pallas kernel off its GEMV path (<= 4 rows).
+Each variant also reports the host's dispatch time per step and, with --kernel-breakdown on a
+GPU, the device time per kernel of one step. The roofline is the weight bytes a step must read
+over the copy bandwidth measured in the same run.
 """
 import argparse
 import datetime
@@ -45,7 +47,7 @@ DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b8"
 
 
 def _spy_on_steps(runner) -> list:
-    """Record the (params, inputs) of each step the runner launches (for kernel_breakdown)."""
+    """Record (params, inputs, host seconds of the call) for each step the runner launches."""
     calls, step = [], runner._step
 
     def spy(params, k_cache, v_cache, history, prev_sampled, inp):
