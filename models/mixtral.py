@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jlight.config import ModelConfig
 from jlight.errors import UnsupportedModelError
 from jlight.models import llama
-from jlight.models.layers import activation, rms_norm, run_layers, split_layers
+from jlight.models.layers import activation, rms_norm, run_layers
 from jlight.models.moe import softmax_topk
 from jlight.models.rope import inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
@@ -131,10 +131,8 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
     return h, k_cache, v_cache
 
 
-def unstack_layers(params: dict, donate: bool = False) -> dict:
-    """Per-layer weights for the unrolled forward (GPU default, see llama.unstack_layers).
-    donate=True frees each stacked weight as it is split (models/layers.split_layers)."""
-    return dict(params, layers=split_layers(params["layers"], donate))
+# Per-layer weights for the unrolled forward: one "layers" stack, as in llama.py.
+unstack_layers = llama.unstack_layers
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:

@@ -101,7 +101,7 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
     (rows, values, group_sizes, preferred_element_type=...) (benchmarks compare other kernels).
     """
     quantized = isinstance(w, QuantizedWeight)
-    values = w.values if quantized else w
+    values = _values(w)
     if callable(impl):
         y = impl(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     elif impl == "pallas":
@@ -128,7 +128,7 @@ _MAX_GATHER_ELEMENTS = 2 ** 31 - 1
 
 def _gathered_matmul(rows, w, ids):
     """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts."""
-    values = w.values if isinstance(w, QuantizedWeight) else w
+    values = _values(w)
     per_row = values.shape[1] * values.shape[2]
     chunk = max(1, _MAX_GATHER_ELEMENTS // per_row)
     if rows.shape[0] > chunk:
@@ -173,14 +173,19 @@ def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, gro
     return out.astype(x.dtype)
 
 
+def _values(w):
+    """The weight array of a plain or int8 expert weight ([X, in, out])."""
+    return w.values if isinstance(w, QuantizedWeight) else w
+
+
 def _num_experts(w):
-    return (w.values if isinstance(w, QuantizedWeight) else w).shape[0]
+    return _values(w).shape[0]
 
 
 def _pallas_fits(w_gate, w_down) -> bool:
     from jlight.pallas_kernels.grouped_matmul_pallas import fits
 
-    embed, mlp = (w_gate.values if isinstance(w_gate, QuantizedWeight) else w_gate).shape[1:]
+    embed, mlp = _values(w_gate).shape[1:]
     return fits(embed, mlp) and fits(mlp, embed)
 
 

@@ -39,3 +39,14 @@ def random_batch(rng: np.random.Generator, q_lens, context_lens, *, page_size: i
     logits_indices = np.maximum(query_start[1:] - 1, 0)
     return BatchMetadata(*(jnp.asarray(a) for a in (positions, slot_mapping, token_seq, page_table,
                                                      np.asarray(context_lens, np.int32), query_start, logits_indices)))
+
+
+def check_attention_output(got, want, md: BatchMetadata, dtype) -> None:
+    """A Pallas attention output against its reference: every real token's output written and
+    close (tolerance by input dtype), every padding token's output zero."""
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    real = int(md.query_start[-1])
+    assert np.all(np.isfinite(got)), "some output elements were never written"
+    assert np.all(got[real:] == 0), "padding tokens must get zeros"
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
