@@ -172,6 +172,18 @@ class Recorder:
     def add(self, section: str, row: dict):
         self.result.setdefault(section, []).append(row)
 
+    def run_case(self, section: str, row: dict, label: str, measure):
+        """One measurement: measure() -> (fields for the row, text for the log line). Records the
+        row (with the error instead, if it failed: the run goes on) and prints one line."""
+        try:
+            fields, text = measure()
+            row.update(fields)
+            print(f"{label} {text}", flush=True)
+        except Exception as e:  # noqa: BLE001 - an out-of-memory or a compile failure is a result too
+            row.update(error=error_text(e))
+            print(f"{label} FAILED {row['error']}", flush=True)
+        self.add(section, row)
+
     def save(self):
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
@@ -266,7 +278,8 @@ def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mg
         impls = ["mosaic_gpu"] if mgpu is not None else [i for i in STEP_IMPLS if i != "gathered" or tokens <= 64]
         for impl in impls:
             row = dict(model=name, impl=impl, tokens=tokens, experts_touched=touched)
-            try:
+
+            def measure(impl=impl, row=row):
                 if impl == "mosaic_gpu":
                     if isinstance(mgpu, Exception):
                         raise mgpu
@@ -275,13 +288,11 @@ def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mg
                 else:
                     fn = jitted_expert_ffn(impl)
                 seconds, _ = timed(fn, x, ids, weights, wg, wu, wd, iters=iters)
-                row.update(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9)
-                print(f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d} experts touched={touched:3d} "
-                      f"{seconds * 1e3:9.3f} ms  needed-weights rate {weight_bytes / seconds / 1e9:8.1f} GB/s", flush=True)
-            except Exception as e:  # noqa: BLE001
-                row.update(error=error_text(e))
-                print(f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d} FAILED {row['error']}", flush=True)
-            rec.add("expert_ffn", row)
+                return (dict(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9),
+                        f"experts touched={touched:3d} {seconds * 1e3:9.3f} ms  needed-weights rate "
+                        f"{weight_bytes / seconds / 1e9:8.1f} GB/s")
+
+            rec.run_case("expert_ffn", row, f"{name:20s} expert FFN {impl:11s} tokens={tokens:5d}", measure)
     rec.save()
 
 
@@ -301,21 +312,20 @@ def bench_decode_tiles(rec: Recorder, name, config, layer, iters, quick):
         cases = [("dense", "dense"), ("gathered", "gathered"), ("pallas default", "pallas")]
         cases += [(f"pallas bn{bn} bk{bk}", functools.partial(grouped_matmul_pallas.grouped_matmul, block_n=bn, block_k=bk))
                   for bn, bk in tiles]
-        want = None
+        dense = []  # the first case's output, which every case is compared with
+
+        def measure(impl):
+            seconds, out = timed(jitted_expert_ffn(impl), x, ids, weights, wg, wu, wd, iters=iters)
+            out = np.asarray(out, np.float32)
+            dense[:] = dense or [out]
+            diff = float(np.abs(out - dense[0]).max())
+            return (dict(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9, max_abs_diff_vs_dense=diff),
+                    f"{seconds * 1e3:8.3f} ms  needed-weights {weight_bytes / seconds / 1e9:7.1f} GB/s  max|diff| vs dense {diff:.3g}")
+
         for label, impl in cases:
             row = dict(model=name, impl=label, tokens=tokens, experts_touched=touched)
-            try:
-                seconds, out = timed(jitted_expert_ffn(impl), x, ids, weights, wg, wu, wd, iters=iters)
-                out = np.asarray(out, np.float32)
-                want = out if want is None else want
-                row.update(ms=seconds * 1e3, needed_weight_gb_per_s=weight_bytes / seconds / 1e9,
-                           max_abs_diff_vs_dense=float(np.abs(out - want).max()))
-                print(f"{name:20s} decode tiles {label:22s} tokens={tokens:3d} {seconds * 1e3:8.3f} ms  needed-weights "
-                      f"{weight_bytes / seconds / 1e9:7.1f} GB/s  max|diff| vs dense {row['max_abs_diff_vs_dense']:.3g}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                row.update(error=error_text(e))
-                print(f"{name:20s} decode tiles {label:22s} tokens={tokens:3d} FAILED {row['error']}", flush=True)
-            rec.add("decode_tiles", row)
+            rec.run_case("decode_tiles", row, f"{name:20s} decode tiles {label:22s} tokens={tokens:3d}",
+                         lambda impl=impl: measure(impl))
     rec.save()
 
 
