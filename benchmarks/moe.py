@@ -374,7 +374,8 @@ def bench_grouped_matmul(rec: Recorder, name, config, layer, iters, prefill_len,
                        nonempty_groups=int(jnp.sum(group_sizes > 0)), gflop=flops / 1e9)
             if tiles:
                 row.update(tiles=tiles)
-            try:
+
+            def measure(impl=impl, f=f, row=row):
                 if impl == "mosaic_gpu":
                     if isinstance(mgpu, Exception):
                         raise mgpu
@@ -382,16 +383,14 @@ def bench_grouped_matmul(rec: Recorder, name, config, layer, iters, prefill_len,
                     row.update(tiles=mgpu[1], note="bf16 output (the kernel writes x's dtype)")
                 seconds, out = timed(jax.jit(f), x, w, group_sizes, iters=iters)
                 tflops = flops / seconds / 1e12
-                row.update(ms=seconds * 1e3, tflops=tflops, fraction_of_bf16_ceiling=tflops / BF16_TFLOPS)
+                fields = dict(ms=seconds * 1e3, tflops=tflops, fraction_of_bf16_ceiling=tflops / BF16_TFLOPS)
                 if impl != "xla_dense_gemm_same_mkn":
-                    row.update(sampled_rows_rel_error=_sampled_rows_error(out, x, w, group_sizes, jax.random.fold_in(key, 2)))
-                err = f"  sampled-row rel err {row['sampled_rows_rel_error']:.2g}" if "sampled_rows_rel_error" in row else ""
-                print(f"{name:20s} grouped matmul {label:11s} {impl:32s} M={m} K={k} N={n} {seconds * 1e3:8.3f} ms "
-                      f"{tflops:7.1f} TFLOP/s ({100 * tflops / BF16_TFLOPS:4.1f}% of {BF16_TFLOPS:.0f}){err}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                row.update(error=error_text(e))
-                print(f"{name:20s} grouped matmul {label:11s} {impl:32s} FAILED {row['error']}", flush=True)
-            rec.add("grouped_matmul", row)
+                    fields.update(sampled_rows_rel_error=_sampled_rows_error(out, x, w, group_sizes, jax.random.fold_in(key, 2)))
+                err = f"  sampled-row rel err {fields['sampled_rows_rel_error']:.2g}" if "sampled_rows_rel_error" in fields else ""
+                return fields, (f"M={m} K={k} N={n} {seconds * 1e3:8.3f} ms {tflops:7.1f} TFLOP/s "
+                                f"({100 * tflops / BF16_TFLOPS:4.1f}% of {BF16_TFLOPS:.0f}){err}")
+
+            rec.run_case("grouped_matmul", row, f"{name:20s} grouped matmul {label:11s} {impl:32s}", measure)
     if mgpu is not None:
         rec.save()
         return
@@ -401,17 +400,16 @@ def bench_grouped_matmul(rec: Recorder, name, config, layer, iters, prefill_len,
     sizes = jnp.zeros((num_groups,), jnp.int32).at[: min(3, num_groups)].set(jnp.array([100, 0, 37][:num_groups], jnp.int32))
     x = jax.random.normal(jax.random.PRNGKey(5), (200, k), w.dtype)
     row = dict(model=name, matrix="w_down", impl="pallas tail check", m=200, rows_with_groups=137)
-    try:
+
+    def tail_check():
         out = np.asarray(jax.jit(lambda x, w, gs: grouped_matmul_pallas.grouped_matmul(
             x, w, gs, preferred_element_type=jnp.float32))(x, w, sizes))
-        row.update(tail_rows_all_zero=bool((out[137:] == 0).all()), finite=bool(np.isfinite(out).all()),
-                   sampled_rows_rel_error=_sampled_rows_error(jnp.asarray(out[:137]), x[:137], w, sizes, jax.random.PRNGKey(6)))
-        print(f"{name:20s} grouped matmul tail check: rows past sum(group_sizes) all zero: {row['tail_rows_all_zero']}, "
-              f"sampled-row rel err {row['sampled_rows_rel_error']:.2g}", flush=True)
-    except Exception as e:  # noqa: BLE001
-        row.update(error=error_text(e))
-        print(f"{name:20s} grouped matmul tail check FAILED {row['error']}", flush=True)
-    rec.add("grouped_matmul", row)
+        fields = dict(tail_rows_all_zero=bool((out[137:] == 0).all()), finite=bool(np.isfinite(out).all()),
+                      sampled_rows_rel_error=_sampled_rows_error(jnp.asarray(out[:137]), x[:137], w, sizes, jax.random.PRNGKey(6)))
+        return fields, (f"rows past sum(group_sizes) all zero: {fields['tail_rows_all_zero']}, "
+                        f"sampled-row rel err {fields['sampled_rows_rel_error']:.2g}")
+
+    rec.run_case("grouped_matmul", row, f"{name:20s} grouped matmul tail check:", tail_check)
     rec.save()
 
 
