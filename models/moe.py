@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jlight.pallas_kernels.dispatch import MOE_IMPLS
 from jlight.pallas_kernels.quantization import QuantizedWeight
 
 
@@ -91,7 +92,7 @@ def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: i
 # ---------------------------------------------------------------------------------------------
 
 GROUPED_MATMULS = ("ragged_dot", "pallas")
-EXPERT_IMPLS = ("auto",) + GROUPED_MATMULS + ("gathered", "dense")
+EXPERT_IMPLS = MOE_IMPLS  # the engine's moe_impl values (EngineConfig, --moe-impl)
 
 
 def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):

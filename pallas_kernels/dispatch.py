@@ -20,7 +20,7 @@ from jlight.pallas_kernels import attention_reference, matmul_reference
 IMPLS = ("auto", "reference", "pallas")
 
 
-MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # = models.moe.EXPERT_IMPLS
+MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
 
 
 class Kernels(NamedTuple):
