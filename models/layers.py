@@ -1,6 +1,7 @@
 """Small layers shared by the model families."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rms_norm(x, weight, eps: float):
@@ -57,3 +58,84 @@ def run_layers(layer, carry, layers, first: int = 0):
     n = jax.tree.leaves(layers)[0].shape[0]
     carry, _ = jax.lax.scan(layer, carry, (layers, jnp.arange(first, first + n, dtype=jnp.int32)))
     return carry
+
+
+# Column projections that read the same input, fused into one weight so that a step reads them
+# in one matmul (one kernel launch, one wider GEMV that fills the GPU better at batch 1):
+# q/k/v, and gate/up of the gated MLPs. The fused name -> the projections it replaces, in order.
+FUSED_PROJECTIONS = {
+    "wqkv": ("wq", "wk", "wv"),
+    "w_gate_up": ("w_gate", "w_up"),
+    "shared_gate_up": ("shared_gate", "shared_up"),
+}
+
+
+@jax.tree_util.register_pytree_node_class
+class FusedWeight:
+    """Several [in, out_i] weights concatenated on `out`: weight [..., in, sum(out_i)] (a plain
+    array or an int8 QuantizedWeight); `widths` = (out_i, ...) is static, so slicing a stacked
+    FusedWeight (lax.scan) keeps it."""
+
+    def __init__(self, weight, widths: tuple[int, ...]):
+        self.weight, self.widths = weight, tuple(widths)
+
+    def tree_flatten(self):
+        return (self.weight,), self.widths
+
+    @classmethod
+    def tree_unflatten(cls, widths, children):
+        return cls(children[0], widths)
+
+
+def _out_width(w) -> int:
+    return (w.values if hasattr(w, "values") else w).shape[-1]
+
+
+def _fusable(weights) -> bool:
+    """Same container type, same dtypes, same leading dims: only `out` may differ."""
+    kinds = {(type(w), tuple((leaf.dtype, leaf.shape[:-1]) for leaf in jax.tree.leaves(w))) for w in weights}
+    if len(kinds) != 1:
+        return False
+    leaves = jax.tree.leaves(weights[0])
+    return all(leaf.ndim >= 1 for leaf in leaves) and leaves[0].ndim >= 2
+
+
+_concat_out = jax.jit(lambda ws: jax.tree.map(lambda *leaves: jnp.concatenate(leaves, axis=-1), *ws))
+
+
+def fuse_projections(layers, delete_parts: bool = False):
+    """Replace each complete group of FUSED_PROJECTIONS in a layer tree by one FusedWeight.
+
+    `layers`: stacked weights (a dict) or per-layer dicts (a list, from split_layers). A group
+    whose parts differ in type or dtype (e.g. one kept in bf16 by quantize_params(keep=...)) stays
+    as it is. delete_parts=True frees each group's parts once fused, so the extra memory at any
+    time is one group (one layer's group when per-layer); the caller must not use them afterwards.
+    Single device only: fused columns do not split into whole q/k/v heads across devices.
+    """
+    if isinstance(layers, (list, tuple)):
+        return [fuse_projections(lp, delete_parts) for lp in layers]
+    lp = dict(layers)
+    for fused_name, names in FUSED_PROJECTIONS.items():
+        parts = [lp.get(n) for n in names]
+        if any(p is None for p in parts) or not _fusable(parts):
+            continue
+        lp[fused_name] = FusedWeight(_concat_out(parts), tuple(_out_width(p) for p in parts))
+        for n in names:
+            del lp[n]
+        if delete_parts:
+            jax.block_until_ready(lp[fused_name].weight)
+            for leaf in jax.tree.leaves(parts):
+                leaf.delete()
+    return lp
+
+
+def column_projections(ops, x, lp, names: tuple[str, ...], matmul) -> list:
+    """x times each column projection `names` of layer weights lp: one matmul if they were fused
+    (fuse_projections), split back into the parts' outputs."""
+    fused_name = next(f for f, group in FUSED_PROJECTIONS.items() if group == names)
+    fused = lp.get(fused_name)
+    if fused is None:
+        return [ops.column_linear(x, lp[n], matmul) for n in names]
+    y = ops.column_linear(x, fused.weight, matmul)
+    bounds = np.cumsum(fused.widths)[:-1].tolist()
+    return jnp.split(y, bounds, axis=-1)

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.config import ModelConfig
-from jlight.models.layers import activation, rms_norm, run_layers, split_layers
+# fuse_projections is part of this family's interface: the engine fuses q/k/v and gate/up with it
+# for single-device runs (EngineConfig.fuse_projections).
+from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, run_layers, split_layers  # noqa: F401
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.sharding import ops as parallel_ops
@@ -92,9 +94,7 @@ def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetad
     ops = parallel_ops.current()
     mm = kernels.matmul
     num_tokens = md.positions.shape[0]  # all T tokens: x is [T/tp, embed] under sequence parallelism
-    q = ops.column_linear(x, lp["wq"], mm)
-    k = ops.column_linear(x, lp["wk"], mm)
-    v = ops.column_linear(x, lp["wv"], mm)
+    q, k, v = column_projections(ops, x, lp, ("wq", "wk", "wv"), mm)
     if c.attention_bias:
         q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
     q = q.reshape(num_tokens, -1, c.head_dim)  # [T, local heads, head_dim]
@@ -129,8 +129,7 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
         attn, k_cache, v_cache = attention(c, lp, x, k_cache, v_cache, layer_idx, md, kernels, inv_freq, rope_factor)
         h = h + attn
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        gate = ops.column_linear(x, lp["w_gate"], mm)
-        up = ops.column_linear(x, lp["w_up"], mm)
+        gate, up = column_projections(ops, x, lp, ("w_gate", "w_up"), mm)
         h = h + ops.row_linear(act(gate) * up, lp["w_down"], mm)
         return (h, k_cache, v_cache), None
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jlight.config import ModelConfig
 from jlight.errors import UnsupportedModelError
 from jlight.models import llama
-from jlight.models.layers import activation, rms_norm, run_layers
+# fuse_projections: as in llama.py (q/k/v and the shared expert's gate/up).
+from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, run_layers  # noqa: F401
 from jlight.models.moe import softmax_topk
 from jlight.models.rope import inv_frequencies
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
@@ -100,8 +101,7 @@ def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
                          kernels.moe_impl)
     if s["shared_size"]:
         mm = kernels.matmul
-        gate = ops.column_linear(x, lp["shared_gate"], mm)
-        up = ops.column_linear(x, lp["shared_up"], mm)
+        gate, up = column_projections(ops, x, lp, ("shared_gate", "shared_up"), mm)
         shared = ops.row_linear(act(gate) * up, lp["shared_down"], mm)
         shared_scale = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), lp["shared_expert_gate"].astype(jnp.float32)))  # [T, 1]
         out = out + (shared.astype(jnp.float32) * shared_scale).astype(out.dtype)

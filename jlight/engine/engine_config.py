@@ -33,6 +33,10 @@ class EngineConfig:
     # "scan": one compiled layer body looped over stacked weights (fast compiles; CPU default);
     # "unroll": one body per layer over per-layer weights (no per-step weight slicing; GPU default).
     layer_loop: str = "auto"
+    # One matmul for q/k/v and one for gate/up (models/layers.fuse_projections): fewer, wider
+    # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
+    # With layer_loop="scan" fusing copies each stacked group once at start-up (transient memory).
+    fuse_projections: bool = True
     collective_matmul: bool = True
     int8_all_reduce: bool = False
     seed: int = 0

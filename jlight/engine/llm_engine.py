@@ -157,13 +157,18 @@ class LLMEngine:
             self.model_config = plan.config  # e.g. KV heads replicated up to tp
             return plan.prepare_params(params), plan
         unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
-        if unroll and hasattr(self.family, "unstack_layers"):
+        unrolled = unroll and hasattr(self.family, "unstack_layers")
+        if unrolled:
             # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
             # Mixtral-8x7B, 93 GB, fits one H200 only that way).
             params = self.family.unstack_layers(params, donate=owns_weights)
             jax.block_until_ready(params)
             if owns_weights:
                 loaded.params = None  # drop the stacked copy; a caller's LoadedModel keeps its params
+        if cfg.fuse_projections and hasattr(self.family, "fuse_projections"):
+            # Per-layer weights are this engine's own copies (split_layers made them), so their parts
+            # are freed as they are fused; a caller's stacked weights are left intact.
+            params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
         return params, None
 
     def kv_bytes_per_page(self, kv_dtype) -> int:
