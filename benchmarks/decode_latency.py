@@ -7,7 +7,8 @@ several engine variants, in one process so the random weights are made once.
 A variant names the weights (bf16 / int8), the matmul path (XLA's fused dequantize-dot or the
 Pallas W8A16 kernels with their options) and the smallest compiled step
 (EngineConfig.min_token_bucket): "b1" compiles a 1-token step for batch-1 decode, "b8" pads it
-to 8 tokens (the engine's default), which takes the Pallas kernel off its GEMV path (<= 4 rows).
+to 8 tokens (the engine's default), which takes the Pallas kernel off its GEMV path (<= 4 rows);
+"-sep" keeps q/k/v and gate/up as separate matmuls (EngineConfig.fuse_projections=False).
 Each variant also reports the host's dispatch time per step and, with --kernel-breakdown on a
 GPU, the device time per kernel of one step. The roofline is the weight bytes a step must read
 over the copy bandwidth measured in the same run.
@@ -32,16 +33,22 @@ from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas  # noqa: E402
 
-# name -> (quantization, matmul_impl, min_token_bucket, matmul_pallas.W8A16_OPTIONS)
+# name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS). "-sep": q/k/v and gate/up as separate
+# matmuls (fuse_projections=False), the engine's default before 2026-11-29's fourth session.
+_INT8_XLA = dict(quantization="int8", matmul_impl="reference")
+_INT8_PALLAS = dict(quantization="int8", matmul_impl="pallas")
 VARIANTS = {
-    "bf16-b8": (None, "auto", 8, {}),
-    "bf16-b1": (None, "auto", 1, {}),
-    "int8-xla-b8": ("int8", "reference", 8, {}),
-    "int8-xla-b1": ("int8", "reference", 1, {}),
-    "int8-pallas-b1": ("int8", "pallas", 1, {}),  # the GEMV path (int8 converted by exponent bits)
-    "int8-pallas-b1-cvt": ("int8", "pallas", 1, dict(magic_convert=False)),
-    "int8-pallas-b8": ("int8", "pallas", 8, {}),  # the tensor-core path
-    "int8-pallas-b8-gemv8": ("int8", "pallas", 8, dict(gemv_max_rows=8)),
+    "bf16-b8": (dict(min_token_bucket=8), {}),
+    "bf16-b8-sep": (dict(min_token_bucket=8, fuse_projections=False), {}),
+    "bf16-b1": (dict(min_token_bucket=1), {}),
+    "int8-xla-b8": (dict(_INT8_XLA, min_token_bucket=8), {}),
+    "int8-xla-b8-sep": (dict(_INT8_XLA, min_token_bucket=8, fuse_projections=False), {}),
+    "int8-xla-b1": (dict(_INT8_XLA, min_token_bucket=1), {}),
+    "int8-pallas-b1": (dict(_INT8_PALLAS, min_token_bucket=1), {}),  # the GEMV path (int8 converted by exponent bits)
+    "int8-pallas-b1-sep": (dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False), {}),
+    "int8-pallas-b1-cvt": (dict(_INT8_PALLAS, min_token_bucket=1), dict(magic_convert=False)),
+    "int8-pallas-b8": (dict(_INT8_PALLAS, min_token_bucket=8), {}),  # the tensor-core path
+    "int8-pallas-b8-gemv8": (dict(_INT8_PALLAS, min_token_bucket=8), dict(gemv_max_rows=8)),
 }
 DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b8"
 
@@ -104,13 +111,12 @@ def main():
                   variants={})
     pages = -(-(a.prompt_len + a.tokens + 16) // 16) + 2
     for name in names:
-        quant, matmul_impl, min_bucket, opts = VARIANTS[name]
+        engine_fields, opts = VARIANTS[name]
         matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
         try:
             engine = LLMEngine(EngineConfig(
-                model=None, quantization=quant, matmul_impl=matmul_impl, min_token_bucket=min_bucket, max_num_seqs=4,
-                max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
-                layer_loop=a.layer_loop, warmup=False), loaded=loaded)
+                model=None, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
+                layer_loop=a.layer_loop, warmup=False, **engine_fields), loaded=loaded)
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
             dispatch_ms = 1e3 * statistics.median(t for _, _, t in step_args[len(step_args) // 2:])
