@@ -93,7 +93,8 @@ def tile_table(group_sizes, num_rows: int, block_m: int):
     cu_tiles = jnp.cumsum(tiles_per_group)  # inclusive
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     used = tile < cu_tiles[-1]
-    group = jnp.minimum(jnp.searchsorted(cu_tiles, tile, side="right"), num_groups).astype(jnp.int32)
+    # compare_all, not the default while loop, which XLA:GPU would drive from the host.
+    group = jnp.minimum(jnp.searchsorted(cu_tiles, tile, side="right", method="compare_all"), num_groups).astype(jnp.int32)
     block = first_block[group] + tile - (cu_tiles[group] - tiles_per_group[group])
     row_start = jnp.maximum(starts[group], block * block_m)
     row_end = jnp.minimum(ends[group], (block + 1) * block_m)

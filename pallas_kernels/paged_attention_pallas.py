@@ -57,7 +57,8 @@ def _query_blocks(query_start, num_blocks: int, block_q: int):
     cu_blocks = jnp.cumsum(blocks_per_row)  # [B], inclusive
     block = jnp.arange(num_blocks, dtype=jnp.int32)  # [num_blocks]
     used = block < cu_blocks[-1]
-    row = jnp.minimum(jnp.searchsorted(cu_blocks, block, side="right"), num_rows - 1).astype(jnp.int32)
+    # compare_all: the default method is a while loop, which XLA:GPU drives from the host (a sync per step).
+    row = jnp.minimum(jnp.searchsorted(cu_blocks, block, side="right", method="compare_all"), num_rows - 1).astype(jnp.int32)
     first_block_of_row = cu_blocks[row] - blocks_per_row[row]
     start = query_start[row] + (block - first_block_of_row) * block_q
     end = jnp.minimum(start + block_q, query_start[row + 1])
