@@ -2,6 +2,10 @@
 
 No checkpoint is needed: the weights are random of the right shape and scale, which is
 all a speed measurement needs.
+
+NAMED_CONFIGS: Llama-family shapes (ModelConfig fields). MOE_CONFIGS: Mixtral- and
+DeepSeek-V3-shaped MoE models as HF config.json dicts, at the real models' layer counts;
+benchmarks cut the layers (`make_config(name, num_layers=...)`) so the weights fit a GPU.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from jlight.config import ModelConfig
 NAMED_CONFIGS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                       num_kv_heads=8, head_dim=128, rope_theta=500000.0),
     "llama3-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                       num_kv_heads=8, head_dim=64, rope_theta=500000.0),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -21,11 +27,70 @@ NAMED_CONFIGS = {
 }
 
 
-def make_config(name: str, max_position_embeddings: int = 8192) -> ModelConfig:
+_MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", max_position_embeddings=32768,
+                rope_theta=1e6, rms_norm_eps=1e-5)
+_DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", max_position_embeddings=163840,
+                    rms_norm_eps=1e-6, routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc",
+                    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                                      beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+
+
+def _deepseek_v3(**fields) -> dict:
+    return dict(fields, **_DEEPSEEK_V3, num_key_value_heads=fields["num_attention_heads"])  # MLA: one latent, all heads
+
+
+MOE_CONFIGS = {
+    # Mixtral-8x7B: 32 layers (~2.9 GB each in bf16: 8 experts of 3 x 4096 x 14336).
+    "mixtral-8x7b": dict(_MIXTRAL, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+    # DeepSeek-V3: 3 dense + 58 MoE layers; a MoE layer is ~22.5 GB of routed experts in bf16
+    # (256 x 3 x 7168 x 2048), a dense layer ~1.2 GB, the embedding and LM head ~1.85 GB each.
+    "deepseek-v3": _deepseek_v3(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                                num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                                moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3, n_group=8,
+                                topk_group=4),
+    # Tiny dims of the same families (CPU smoke runs).
+    "tiny-mixtral": dict(_MIXTRAL, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+    "tiny-deepseek-v3": _deepseek_v3(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                     qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4,
+                                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                                     topk_group=2),
+}
+
+CONFIG_NAMES = sorted(NAMED_CONFIGS) + sorted(MOE_CONFIGS)
+
+
+def make_config(name: str, max_position_embeddings: int | None = None, num_layers: int | None = None,
+                num_dense_layers: int | None = None) -> ModelConfig:
+    """The ModelConfig of a named shape. max_position_embeddings: default 8192 for the Llama shapes,
+    the HF value for the MoE ones. num_layers cuts (or extends) the layer count; for DeepSeek the
+    first num_dense_layers stay dense (default: the real model's first_k_dense_replace, at most
+    num_layers - 1, so at least one MoE layer remains)."""
+    if name in MOE_CONFIGS:
+        cfg = dict(MOE_CONFIGS[name])
+        if max_position_embeddings is not None:
+            cfg["max_position_embeddings"] = max_position_embeddings
+        if num_layers is not None:
+            cfg["num_hidden_layers"] = num_layers
+        if "first_k_dense_replace" in cfg:
+            if num_dense_layers is None:
+                num_dense_layers = min(cfg["first_k_dense_replace"], cfg["num_hidden_layers"] - 1)
+            cfg["first_k_dense_replace"] = num_dense_layers
+        elif num_dense_layers:
+            raise ValueError(f"model config {name!r} has no dense layers to set; drop num_dense_layers")
+        return ModelConfig.from_hf_dict(cfg)
     if name not in NAMED_CONFIGS:
-        raise ValueError(f"unknown model config {name!r}; choose one of {', '.join(NAMED_CONFIGS)}")
-    return ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=max_position_embeddings,
-                       rms_norm_eps=1e-5, **NAMED_CONFIGS[name])
+        raise ValueError(f"unknown model config {name!r}; choose one of {', '.join(CONFIG_NAMES)}")
+    if num_dense_layers:
+        raise ValueError(f"model config {name!r} is a dense Llama shape; num_dense_layers applies to DeepSeek shapes only")
+    fields = dict(NAMED_CONFIGS[name])
+    if num_layers is not None:
+        fields["num_layers"] = num_layers
+    return ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=max_position_embeddings or 8192,
+                       rms_norm_eps=1e-5, **fields)
 
 
 def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192):

@@ -47,6 +47,7 @@ from jlight.models.moe import expert_ffn, grouped_expert_ffn
 from jlight.pallas_kernels import grouped_matmul_pallas
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
+from model_configs import make_config
 
 PAGE_SIZE = 16
 BF16_TFLOPS = 645.0  # measured ceiling of this H200 kind (docs/BENCHMARKS.md, kernels)
@@ -57,30 +58,13 @@ MGPU_TILES = dict(block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=
 
 
 def model_configs(quick: bool) -> dict[str, ModelConfig]:
+    """The two shapes of benchmarks/model_configs.py, cut so one H200 holds the weights: Mixtral-8x7B
+    8 of 32 layers (~2.9 GB per layer in bf16); DeepSeek-V3 1 dense + 2 MoE layers of 3 + 58 (~22.5 GB
+    of routed experts per MoE layer). quick: tiny dims of the same families."""
     if quick:
-        mixtral = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
-        ds = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                  n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
-                  first_k_dense_replace=1, n_group=4, topk_group=2)
-    else:
-        # Mixtral-8x7B: 32 layers in the real model; 8 here (~12 GB/layer of experts in bf16).
-        mixtral = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
-                       num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)
-        # DeepSeek-V3: 3 dense + 58 MoE layers in the real model; 1 dense + 2 MoE here (~22.5 GB per MoE layer).
-        ds = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=3,
-                  num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                  qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
-                  moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4)
-    mixtral.update(architectures=["MixtralForCausalLM"], model_type="mixtral", max_position_embeddings=32768,
-                   rope_theta=1e6, rms_norm_eps=1e-5)
-    ds.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", max_position_embeddings=163840,
-              num_key_value_heads=ds["num_attention_heads"], rms_norm_eps=1e-6, routed_scaling_factor=2.5,
-              norm_topk_prob=True, topk_method="noaux_tc",
-              rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
-                                beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
-    return {"mixtral-8x7b-shaped": ModelConfig.from_hf_dict(mixtral), "deepseek-v3-shaped": ModelConfig.from_hf_dict(ds)}
+        return {"mixtral-8x7b-shaped": make_config("tiny-mixtral"), "deepseek-v3-shaped": make_config("tiny-deepseek-v3")}
+    return {"mixtral-8x7b-shaped": make_config("mixtral-8x7b", num_layers=8),
+            "deepseek-v3-shaped": make_config("deepseek-v3", num_layers=3, num_dense_layers=1)}
 
 
 def random_params(config: ModelConfig, dtype):
