@@ -102,27 +102,3 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     top5 = np.argsort(-probs)[:5]
     assert abs(np.mean(np.isin(draws, top5)) - probs[top5].sum()) < 0.12
 
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sort_free_selections_match_sorting(seed):
-    """kth_largest_key and top_n (reductions only) against numpy's sort, with ties, negative
-    zero, -inf entries and k = 1 and V."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(0, 3, (B, V)).astype(np.float32)
-    x[0, :50] = 1.5  # ties
-    x[1, :10] = -0.0
-    x[1, 10:20] = 0.0
-    x[2, 100:] = -np.inf
-    x[3] = np.round(x[3])  # many ties
-    keys = np.asarray(sampler.sortable_keys(jnp.asarray(x)))
-    order = np.argsort(x, axis=-1)
-    rising = np.diff(np.take_along_axis(x, order, axis=-1), axis=-1) > 0
-    assert (np.diff(np.take_along_axis(keys, order, axis=-1), axis=-1)[rising] > 0).all()  # the floats' order
-    for k in (1, 2, 20, 49, 50, 51, 150, V):
-        kth = np.asarray(sampler.kth_largest_key(jnp.asarray(keys), jnp.full(B, k, jnp.int32)))
-        np.testing.assert_array_equal(kth, -np.sort(-keys, axis=-1)[:, k - 1], err_msg=f"k={k}")
-    values, ids = (np.asarray(a) for a in jax.jit(sampler.top_n, static_argnums=1)(jnp.asarray(x), 20))
-    ref_vals, ref_ids = (np.asarray(a) for a in jax.lax.top_k(jnp.asarray(x), 20))
-    np.testing.assert_array_equal(values, ref_vals)
-    np.testing.assert_array_equal(ids, ref_ids)
-    assert ids.dtype == np.int32

@@ -99,8 +99,8 @@ class ModelRunner:
             logits_all = self.family.compute_logits(params, self.config, h, self.kernels)[:, : self.config.vocab_size]
             lp_all = jax.nn.log_softmax(logits_all, axis=-1)
             target = jnp.take_along_axis(lp_all, jnp.maximum(inp.next_token, 0)[:, None], axis=-1)[:, 0]
-            vals, ids = sampler.top_n(lp_all, n)  # no sort: see sampler.py
-            return target, ids, vals
+            vals, ids = jax.lax.top_k(lp_all, n)
+            return target, ids.astype(jnp.int32), vals
 
         none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32), jnp.zeros((num_tokens, n), jnp.float32))
         p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)

@@ -3,8 +3,7 @@
 Order of logit processing (as in vLLM): logit bias and banned tokens (min_tokens), then
 repetition / presence / frequency penalties, then temperature, top-k, top-p and min-p;
 greedy rows take the argmax. Expensive parts run under `lax.cond` so a batch that does
-not use them pays nothing, and no parameter value ever changes a compiled shape. Nothing sorts
-(see apply_filters), so every cond stays inside XLA's CUDA graphs on the GPU.
+not use them pays nothing, and no parameter value ever changes a compiled shape.
 
 Randomness: each row's key is derived from its request seed and the index of the token
 being sampled, so a seeded request gets the same tokens whatever else is in the batch.
@@ -69,77 +68,31 @@ def apply_penalties(logits, counts_output, seen, s: SamplingInputs):
     return logits
 
 
-# Why no jnp.sort / lax.top_k here: every part of the sampler that is skipped when unused sits in a
-# lax.cond, and XLA:GPU turns a sort of one long row into a CUB custom call, which cannot be
-# recorded into a CUDA graph. A cond holding one then runs on the host, which must wait for the
-# device to finish the whole forward pass to read the predicate: on the H200 (2026-11-29) that made
-# a 1-row step take 7-9 ms to dispatch instead of ~2.5. The selections below use only reductions.
-_BISECTION_STEPS = 32  # halvings of the int32 key range: exact
-
-
-def sortable_keys(x):
-    """float32 -> int32 with the same order (-0.0 sorts just below +0.0)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _midpoint(lo, hi):
-    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
-
-
-def _bisect(keys, satisfied, lo, hi):
-    """Per row, the smallest t in (lo, hi] with satisfied(t) (non-decreasing in t), given that
-    satisfied(hi) holds. keys: [B, V]; lo, hi: [B] int32. Unrolled: no while loop on the host."""
-    for _ in range(_BISECTION_STEPS):
-        mid = _midpoint(lo, hi)
-        ok = satisfied(mid)
-        lo, hi = jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-    return hi
-
-
-def kth_largest_key(keys, k):
-    """keys: [B, V] int32, k: [B] in 1..V -> [B], the k-th largest key of each row (with repeats)."""
-    lo, hi = jnp.min(keys, axis=-1) - 1, jnp.max(keys, axis=-1)
-    # The largest t with count(keys >= t) >= k is the smallest t whose successor fails it.
-    fails_next = lambda t: jnp.sum(keys >= (t + 1)[:, None], axis=-1) < k  # noqa: E731
-    return _bisect(keys, fails_next, lo, hi)  # no finite float has the lowest int32 key, so lo cannot wrap
-
-
+# A known cost (H200, 2026-11-29): when a step samples ONE row, XLA:GPU turns these [1, V] sorts
+# into CUB custom calls, which cannot be recorded into a CUDA graph, so the lax.conds holding them
+# run on the host, which then waits for the forward pass to read each predicate: a 1-row step took
+# 7-9 ms to dispatch against ~2.5 ms for 4+ rows (docs/BENCHMARKS.md). A sort-free version
+# (bisection over int32 keys, argmax passes) removed the sorts but made the 4-row steps' dispatch
+# slower (2.3-2.8 -> 3.5-4.0 ms; their CUDA graphs grew by ~250 nodes), so it was not kept.
 def apply_filters(logits, s: SamplingInputs):
-    """Top-k, then top-p, then min-p over temperature-scaled logits; removed entries -> -inf-ish.
-
-    The same sets as sorting the logits (transformers' warpers; tests/test_sampler.py): top-k keeps
-    keys >= the k-th largest; top-p keeps the largest tokens while the probability mass above them
-    is < top_p (so always the first), i.e. keys >= the smallest key whose mass above is < top_p.
-    """
+    """Top-k, then top-p, then min-p over temperature-scaled logits; removed entries -> -inf-ish."""
     vocab = logits.shape[-1]
-    keys = sortable_keys(logits)  # [B, V]
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
+    # top-k: keep logits >= the k-th largest.
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
-    kth = kth_largest_key(keys, k)  # [B]
-    in_top_k = keys >= kth[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, logits, _NEG), axis=-1)
-    mass_above = lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1)  # noqa: E731
-    max_key = jnp.max(keys, axis=-1)
-    p_threshold = _bisect(keys, lambda t: mass_above(t) < s.top_p, kth - 1, max_key)  # within the top-k
-    keep = in_top_k & (keys >= p_threshold[:, None])
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    sorted_logits = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_logits, _NEG)
+    # top-p: keep the smallest prefix whose probability reaches top_p (always the first).
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = cum_before < s.top_p[:, None]
+    last_kept = jnp.sum(keep_sorted, axis=-1) - 1
+    p_threshold = jnp.take_along_axis(sorted_logits, last_kept[:, None], axis=-1)
     # min-p: keep tokens whose probability is at least min_p * max probability.
-    max_logit = jnp.max(logits, axis=-1, keepdims=True)
+    max_logit = sorted_logits[:, :1]
     minp_threshold = jnp.where(s.min_p[:, None] > 0, max_logit + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30)), _NEG)
-    keep &= logits >= minp_threshold
-    return jnp.where(keep, logits, _NEG)
-
-
-def top_n(x, n: int):
-    """The n largest entries of each row, descending: (values [B, n], ids [B, n] int32); ties go
-    to the lower id (as lax.top_k). n argmax passes instead of a sort (see above)."""
-    rows = jnp.arange(x.shape[0])
-    values, ids = [], []
-    for _ in range(n):
-        i = jnp.argmax(x, axis=-1).astype(jnp.int32)
-        values.append(x[rows, i])
-        ids.append(i)
-        x = x.at[rows, i].set(-jnp.inf)
-    return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1)
+    threshold = jnp.maximum(jnp.maximum(kth, p_threshold), minp_threshold)
+    return jnp.where(logits >= threshold, logits, _NEG)
 
 
 def sample(logits, s: SamplingInputs, history=None):
@@ -175,8 +128,8 @@ def sample(logits, s: SamplingInputs, history=None):
     token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
     def top(lp):
-        vals, ids = top_n(lp, NUM_TOP_LOGPROBS)
-        return ids, vals
+        vals, ids = jax.lax.top_k(lp, NUM_TOP_LOGPROBS)
+        return ids.astype(jnp.int32), vals
 
     empty = (jnp.zeros((logits.shape[0], NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP_LOGPROBS), jnp.float32))
     top_ids, top_lps = jax.lax.cond(s.want_logprobs, top, lambda lp: empty, raw_logprobs)
