@@ -11,6 +11,7 @@ Roofline ceilings are the measured H200 numbers given in the brief (copy 3.70 TB
 bf16 645 TFLOP/s, int8 762 TOP/s); the copy bandwidth is also re-measured in the run.
 """
 import argparse
+import functools
 import datetime
 import json
 import os
@@ -34,7 +35,7 @@ BF16_RATE = 645e12
 INT8_RATE = 762e12
 
 
-def time_call(fn, args, reps, trials):
+def time_call(fn, args, reps, trials, by_kernel=None):
     """Seconds per kernel launch of fn(*args), where one call runs `reps` kernels.
 
     On a GPU: the summed device time of every kernel the call launched, from CUPTI
@@ -51,6 +52,10 @@ def time_call(fn, args, reps, trials):
 
             _, per_call = profiler.measure(fn, aggregate=False, iterations=trials)(*args)
             totals = [sum(ms for _, ms in kernels) for kernels in per_call]
+            if by_kernel is not None:  # seconds per launch of each kernel name (median call)
+                median_call = sorted(per_call, key=lambda kernels: sum(ms for _, ms in kernels))[len(per_call) // 2]
+                for name, ms in median_call:
+                    by_kernel[name] = by_kernel.get(name, 0.0) + ms / 1e3 / reps
             return statistics.median(totals) / 1e3 / reps
         except Exception as e:  # noqa: BLE001 - fall back to the host clock, and say so once
             if not getattr(time_call, "warned", False):
@@ -237,22 +242,34 @@ def _device_bf16_weights(key, k, n, sets):
 # slower); at M=1, weight tiles loaded ahead in the loop carry (slower at every shape).
 GEMV_VARIANTS = {
     1: {"pallas default (magic_convert)": {}, "pallas int8->f32 cvt": dict(magic_convert=False),
-        "pallas bn256 split4": dict(block_n=256, num_splits=4)},
+        "pallas bn256 split4": dict(block_n=256, num_splits=4),
+        # fewer programs and no split-K reduction kernel, or more, narrower programs:
+        "pallas bn128 split1": dict(block_n=128, num_splits=1), "pallas bn64 split1": dict(block_n=64, num_splits=1),
+        "pallas bn64 split2": dict(block_n=64, num_splits=2), "pallas bn32 split1": dict(block_n=32, num_splits=1),
+        "pallas bn128 split2": dict(block_n=128, num_splits=2), "pallas bn128 split4": dict(block_n=128, num_splits=4)},
     8: {"pallas default (tensor cores)": {}, "pallas magic_convert": dict(magic_convert=True)},
 }
 
 
-def bench_gemv(rng, quick, reps, trials):
-    """W8A16 at decode shapes: the Llama-3-8B layers (wq, wk/wv, wo, gate/up, down, lm_head)."""
+# The Llama-3-8B layers (gate, down, lm_head, wq/wo, wk/wv) and the fused ones the engine runs
+# (q/k/v, gate/up: models/layers.fuse_projections).
+GEMV_SHAPES = [(4096, 14336), (14336, 4096), (4096, 128256), (4096, 4096), (4096, 1024), (4096, 6144), (4096, 28672)]
+
+
+def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8"):
+    """W8A16 at decode shapes (K x N as `gemv_shapes`, default GEMV_SHAPES), M = each of gemv_rows."""
     rows = []
     key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
-    shapes = [(128, 256)] if quick else [(4096, 14336), (14336, 4096), (4096, 128256), (4096, 4096), (4096, 1024)]
+    shapes = [(128, 256)] if quick else GEMV_SHAPES
+    if gemv_shapes:
+        shapes = [tuple(int(d) for d in shape.split("x")) for shape in gemv_shapes.split(",")]
     for k, n in shapes:
         # enough weight sets that one call streams >= 256 MB (past the 50 MB L2), at most 16
         sets = 2 if quick else max(2, min(16, -(-(256 << 20) // (k * n))))
         key, kw, kb = jax.random.split(key, 3)
         wq, wb = _device_int8_weights(kw, k, n, sets), _device_bf16_weights(kb, k, n, sets)
-        for m, variants in GEMV_VARIANTS.items():
+        for m in (int(r) for r in gemv_rows.split(",")):
+            variants = GEMV_VARIANTS[m]
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             int8_bytes = k * n + 4 * n + 2 * m * (k + n)
             cases = [("xla bf16 weights", matmul_reference.matmul, wb, 2 * k * n + 2 * m * (k + n)),
@@ -265,8 +282,12 @@ def bench_gemv(rng, quick, reps, trials):
                 try:
                     if weights is wq:  # every int8 variant computes the same sums
                         row["rel_err"] = rel_err(fn(x, wq[0]).astype(jnp.float32), want)
-                    t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, weights), sets, trials)
+                    kernels = {}
+                    t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, weights), sets, trials, kernels)
                     row.update(seconds=t, bytes=nbytes, bw=nbytes / t)
+                    if kernels and name.startswith("pallas"):  # the kernel alone, without padding and split-K sums
+                        main = sum(v for kname, v in kernels.items() if kname.startswith("w8a16"))
+                        row.update(kernel_only_seconds=main, kernel_only_bw=nbytes / main if main else None)
                 except Exception as e:  # noqa: BLE001 - one failed variant must not lose the rest
                     row["error"] = repr(e)[:300]
                 rows.append(row)
@@ -307,6 +328,8 @@ def print_table(rows):
             print(f"{r['kernel']:<38} {r['impl']:<58} ERROR {r['error'][:150]}")
         elif "bw" in r:
             err = f"  rel_err {r['rel_err']:.1e}" if "rel_err" in r else ""
+            if r.get("kernel_only_bw"):
+                err += f"  kernel alone {r['kernel_only_seconds'] * 1e6:.1f} us ({100 * r['kernel_only_bw'] / COPY_BW:.0f}%)"
             print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['bw'] / 1e12:6.2f} TB/s {100 * r['bw'] / COPY_BW:5.1f}% of copy{err}")
         else:
             ceiling = r.get("ceiling", BF16_RATE)
@@ -321,6 +344,8 @@ def main():
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
+    parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
+    parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (of 1, 8)")
     args = parser.parse_args()
     rng = np.random.default_rng(int(time.time()))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
@@ -339,7 +364,8 @@ def main():
                   f"rel_err={c['rel_err']:.2e} written={c['all_written']}")
         save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
-    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=bench_gemv, gemm=bench_gemm)
+    gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows)
+    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=gemv, gemm=bench_gemm)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)
