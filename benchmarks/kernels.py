@@ -256,7 +256,7 @@ GEMV_VARIANTS = {
 GEMV_SHAPES = [(4096, 14336), (14336, 4096), (4096, 128256), (4096, 4096), (4096, 1024), (4096, 6144), (4096, 28672)]
 
 
-def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8"):
+def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv_splits=None):
     """W8A16 at decode shapes (K x N as `gemv_shapes`, default GEMV_SHAPES), M = each of gemv_rows."""
     rows = []
     key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
@@ -270,6 +270,8 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8"):
         wq, wb = _device_int8_weights(kw, k, n, sets), _device_bf16_weights(kb, k, n, sets)
         for m in (int(r) for r in gemv_rows.split(",")):
             variants = GEMV_VARIANTS[m]
+            if gemv_splits:  # a split-K sweep of the default tiles instead of the named variants
+                variants = {"pallas default": {}} | {f"pallas split{n}": dict(num_splits=int(n)) for n in gemv_splits.split(",")}
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             int8_bytes = k * n + 4 * n + 2 * m * (k + n)
             cases = [("xla bf16 weights", matmul_reference.matmul, wb, 2 * k * n + 2 * m * (k + n)),
@@ -346,6 +348,7 @@ def main():
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
     parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (of 1, 8)")
+    parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
     args = parser.parse_args()
     rng = np.random.default_rng(int(time.time()))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
@@ -364,7 +367,7 @@ def main():
                   f"rel_err={c['rel_err']:.2e} written={c['all_written']}")
         save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
-    gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows)
+    gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows, gemv_splits=args.gemv_splits)
     sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=gemv, gemm=bench_gemm)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
