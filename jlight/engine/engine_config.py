@@ -16,7 +16,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default: 512 on CPU, 2048 on GPU
     # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8. On the H200
     # (Llama-3-8B shape, 2026-11-29) 1 made batch-1 decode slower, not faster: 14.4 vs 4.9 ms/token
-    # in bf16; the host's dispatch of a 1-token step took 13 ms against 2.9 (cause not found yet).
+    # in bf16; the host's dispatch of a 1-token step took 7-13 ms against 2.3-2.9, because a 1-row
+    # sort in the sampler's lax.conds leaves them outside XLA's CUDA graphs (sampler.py).
     min_token_bucket: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
