@@ -31,6 +31,7 @@ from offline_throughput import copy_bandwidth_bytes_per_s, decode_latency, weigh
 
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
+from jlight.engine.sampling_params import SamplingParams  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas  # noqa: E402
 
 # name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS). "-sep": q/k/v and gate/up as separate
@@ -65,6 +66,17 @@ def _spy_on_steps(runner) -> list:
 
     runner._step = spy
     return calls
+
+
+def greedy_tokens(engine, n: int) -> list[int]:
+    """The greedy continuation of a fixed 5-token prompt."""
+    engine.add_request("greedy-check", None, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                       prompt_token_ids=[11, 22, 33, 44, 55])
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids_delta)
+    return tokens
 
 
 def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
@@ -120,8 +132,9 @@ def main():
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
             dispatch_ms = 1e3 * statistics.median(t for _, _, t in step_args[len(step_args) // 2:])
+            greedy = greedy_tokens(engine, 16)  # to compare variants (and XLA flags) for correctness
             row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets,
-                       dispatch_ms=dispatch_ms)
+                       dispatch_ms=dispatch_ms, greedy_tokens=greedy)
             print(f"  host time to dispatch one step (median of the later half): {dispatch_ms:.2f} ms", flush=True)
             if a.kernel_breakdown and gpu:
                 try:

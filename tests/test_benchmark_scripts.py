@@ -22,5 +22,8 @@ def test_decode_latency_runs_every_variant_from_one_loaded_model(tmp_path):
         assert row["ms"] > 0 and row["dispatch_ms"] > 0
     assert result["variants"]["int8-pallas-b1"]["buckets"][0] == 1
     assert result["variants"]["bf16-b8"]["buckets"][0] == 8
+    # the same random model decodes the same greedy tokens with fused and separate projections
+    assert len(result["variants"]["bf16-b8"]["greedy_tokens"]) == 16
+    assert result["variants"]["bf16-b8"]["greedy_tokens"] == result["variants"]["bf16-b8-sep"]["greedy_tokens"]
     # fused projections (the default) read the same weights as separate ones (-sep)
     assert result["variants"]["bf16-b8"]["weight_bytes"] == result["variants"]["bf16-b8-sep"]["weight_bytes"]
