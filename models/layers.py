@@ -43,6 +43,17 @@ def split_layers(stacked, donate: bool = False) -> list:
     return [jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(num_layers)]
 
 
+def split_layer_axes(axes: dict, params: dict) -> dict:
+    """The logical axes of per-layer weights from those of the stacked ones: each group that
+    `params` holds as a list (split_layers) gets one axes tree per layer, the `layers` axis dropped.
+    A sharding plan over this tree places and runs the unrolled layers under a mesh."""
+    out = dict(axes)
+    for group, value in params.items():
+        if isinstance(value, list) and isinstance(axes.get(group), dict):
+            out[group] = [{name: a[1:] for name, a in axes[group].items()} for _ in value]
+    return out
+
+
 def run_layers(layer, carry, layers, first: int = 0):
     """Apply `layer(carry, (layer_params, layer_index)) -> (carry, _)` over a stack of layers.
 

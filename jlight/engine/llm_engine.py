@@ -141,35 +141,43 @@ class LLMEngine:
 
     # ---- set-up helpers ---------------------------------------------------------------------
     def _prepare_params(self, loaded, mesh, gpu: bool, owns_weights: bool = False):
-        """Quantize, shard or unroll the loaded weights as the config asks. Returns (params, plan)."""
+        """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan)."""
         cfg = self.config
         params = loaded.params
         if cfg.quantization:
             from jlight.pallas_kernels.quantization import quantize_params
 
             params = quantize_params(params, cfg.quantization)
+        plan = None
         if mesh is not None:
             from jlight.sharding.plan import ShardingPlan
 
             plan = ShardingPlan(mesh, self.model_config, self.family.param_axes(self.model_config))
             if plan.dp > 1:
                 raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
-            self.model_config = plan.config  # e.g. KV heads replicated up to tp
-            return plan.prepare_params(params), plan
+            params = plan.prepare_params(params)
         unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
         unrolled = unroll and hasattr(self.family, "unstack_layers")
         if unrolled:
             # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
-            # Mixtral-8x7B, 93 GB, fits one H200 only that way).
+            # Mixtral-8x7B, 93 GB, fits one H200 only that way). Sharded weights keep their
+            # shardings when split, and a plan over the per-layer tree runs them under the mesh.
             params = self.family.unstack_layers(params, donate=owns_weights)
             jax.block_until_ready(params)
             if owns_weights:
                 loaded.params = None  # drop the stacked copy; a caller's LoadedModel keeps its params
-        if cfg.fuse_projections and hasattr(self.family, "fuse_projections"):
+            if plan is not None:
+                from jlight.models.layers import split_layer_axes
+                from jlight.sharding.plan import ShardingPlan
+
+                plan = ShardingPlan(mesh, plan.source_config, split_layer_axes(plan.param_axes, params))
+        if plan is not None:
+            self.model_config = plan.config  # e.g. KV heads replicated up to tp
+        elif cfg.fuse_projections and hasattr(self.family, "fuse_projections"):
             # Per-layer weights are this engine's own copies (split_layers made them), so their parts
             # are freed as they are fused; a caller's stacked weights are left intact.
             params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
-        return params, None
+        return params, plan
 
     def kv_bytes_per_page(self, kv_dtype) -> int:
         """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""

@@ -1,0 +1,53 @@
+"""The engine under a mesh with unrolled layers (layer_loop="unroll", the GPU default): the
+sharded stacked weights are split per layer and run under a plan over the per-layer tree. Greedy
+tokens must equal one device's, for bf16-style float32 weights, int8 weights and an MoE model with
+expert parallelism (2 simulated CPU devices)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    import jlight
+    from jlight import SamplingParams
+    from tiny_models import make_tiny_model
+    from test_moe_common import make_tiny_moe_model
+
+    paths = {{"llama": make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024),
+              "moe": make_tiny_moe_model({tmp!r}, "Qwen3MoeForCausalLM")[0]}}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 30)]  # 30: a chunked prefill
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    out = {{}}
+    for name, (kind, options) in {runs!r}.items():
+        llm = jlight.LLM(paths[kind], dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
+                         num_pages=128, **options)
+        layers = llm.engine.runner.params["layers"]
+        assert isinstance(layers, list) == (options.get("layer_loop") == "unroll"), name
+        out[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_tp2_and_ep2_unrolled_layers_match_one_device(tmp_path):
+    unroll = {"layer_loop": "unroll"}
+    runs = {
+        "single": ("llama", unroll), "tp=2": ("llama", dict(unroll, mesh="tp=2")),
+        "int8 single": ("llama", dict(unroll, quantization="int8")),
+        "int8 tp=2": ("llama", dict(unroll, quantization="int8", mesh="tp=2")),
+        "moe single": ("moe", unroll), "moe ep=2": ("moe", dict(unroll, mesh="ep=2")),
+    }
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+    assert all(len(t) == 10 for t in out["single"])
+    assert out["tp=2"] == out["single"]
+    assert out["int8 tp=2"] == out["int8 single"]
+    assert out["moe ep=2"] == out["moe single"]
