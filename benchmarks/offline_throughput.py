@@ -50,7 +50,8 @@ def weight_bytes(params) -> int:
 def build_engine(a) -> LLMEngine:
     opts = dict(dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 quantization=a.quantization, attention_impl=a.attention_impl, matmul_impl=a.matmul_impl,
-                max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop, kv_cache_dtype=a.kv_cache_dtype)
+                max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop, kv_cache_dtype=a.kv_cache_dtype,
+                mesh=a.mesh)
     if a.model_config:
         from model_configs import random_loaded_model
 
@@ -87,6 +88,7 @@ def main():
     ap.add_argument("--num-pages", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
+    ap.add_argument("--mesh", default=None, help='one engine replica over a mesh, e.g. "tp=2" (no dp)')
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--matmul-impl", default="auto")
     ap.add_argument("--latency-tokens", type=int, default=128, help="tokens for the batch-1 decode latency (0 = skip)")
