@@ -140,13 +140,17 @@ def mla_attention(c, s, lp, x, cache, layer_idx, md: BatchMetadata, kernels, rop
     mm = kernels.matmul
     num_tokens = md.positions.shape[0]  # not x.shape[0]: under collective matmul x may be split on tokens
     C, nope = s["kv_lora_rank"], s["nope_dim"]
+    # Under sequence parallelism x holds only this device's T/tp tokens. The replicated low-rank
+    # projections (wq_a, wkv_a) are row-wise, so each device runs them on its own tokens and the
+    # narrow results, not x, are made whole: the query latent by column_linear's all-gather into
+    # wq_b, the KV latent by gather_sequence (kv_lora_rank + rope values a token instead of embed).
     if s["q_lora_rank"]:
         q = ops.column_linear(rms_norm(mm(x, lp["wq_a"]), lp["q_a_norm"], c.rms_norm_eps), lp["wq_b"], mm)
     else:
         q = ops.column_linear(x, lp["wq"], mm)
     q = q.reshape(num_tokens, -1, nope + s["rope_dim"])  # [T, local heads, nope + rope]
     q_nope, q_rope = q[..., :nope], q[..., nope:]
-    kv = mm(x, lp["wkv_a"])  # [T, C + rope]: one latent shared by all heads
+    kv = ops.gather_sequence(mm(x, lp["wkv_a"]))  # [T, C + rope]: one latent shared by all heads
     latent = rms_norm(kv[:, :C], lp["kv_a_norm"], c.rms_norm_eps)
     k_rope = kv[:, None, C:]  # [T, 1, rope]
     if s["interleaved_rope"]:

@@ -27,8 +27,9 @@ class ParallelOps:
         return jnp.take(table, tokens, axis=0)
 
     def gather_sequence(self, h):
-        """Hidden states [T, embed] after the last layer, made whole if the tensor-parallel ops
-        split the residual stream on tokens (sequence parallelism). Identity here."""
+        """Activations [T, ...] made whole on tokens if the tensor-parallel ops split the residual
+        stream on tokens (sequence parallelism): the hidden states after the last layer, or the
+        output of a replicated weight applied to the split stream (MLA's KV latent). Identity here."""
         return h
 
     def lm_head(self, x, w, matmul):
