@@ -11,13 +11,14 @@ Roofline ceilings are the measured H200 numbers given in the brief (copy 3.70 TB
 bf16 645 TFLOP/s, int8 762 TOP/s); the copy bandwidth is also re-measured in the run.
 """
 import argparse
-import functools
 import datetime
+import functools
 import json
 import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,6 +232,11 @@ def _device_int8_weights(key, k, n, sets):
     return [make(kk) for kk in keys]
 
 
+class TransposedInt8(NamedTuple):
+    values_t: jax.Array  # [N, K] int8
+    scales: jax.Array  # [N]
+
+
 def _device_bf16_weights(key, k, n, sets):
     make = jax.jit(lambda key: jax.random.normal(key, (k, n), jnp.bfloat16))
     return [make(kk) for kk in jax.random.split(key, sets)]
@@ -256,6 +262,26 @@ GEMV_VARIANTS = {
 GEMV_SHAPES = [(4096, 14336), (14336, 4096), (4096, 128256), (4096, 4096), (4096, 1024), (4096, 6144), (4096, 28672)]
 
 
+# JAX's bundled Mosaic GPU mixed-type matmul computes int8 LHS x bf16 RHS on wgmma tiles, so it is
+# run transposed: y^T = W^T (int8 [N, K], the 64-row operand) @ x^T (bf16 [K, 16]; tokens padded to
+# 16, its smallest tile), then scaled per output channel. W^T is made once, outside the timing.
+MIXED_CONFIGS = {"tk128 s4": (128, 4), "tk256 s4": (256, 4), "tk128 s8": (128, 8)}  # tk256 s6 exceeds shared memory
+
+
+def bundled_mixed_matmul(tile_k, steps):
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+
+    cfg = mixed.TuningConfig(tile_m=64, tile_n=16, tile_k=tile_k, max_concurrent_steps=steps, epi_tile_n=16,
+                             epi_tile_m=64, wg_dimension=mixed.MatmulDimension.M)
+
+    def fn(x, w_t, scales):  # x [M <= 16, K]; w_t int8 [N, K]; scales [N]
+        xt = jnp.pad(x, ((0, 16 - x.shape[0]), (0, 0))).T  # [K, 16]
+        yt = mixed.mixed_matmul_kernel(w_t, xt, out_dtype=jnp.float32, config=cfg)  # [N, 16]
+        return (yt[:, : x.shape[0]].T * scales).astype(x.dtype)
+
+    return fn
+
+
 def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv_splits=None):
     """W8A16 at decode shapes (K x N as `gemv_shapes`, default GEMV_SHAPES), M = each of gemv_rows."""
     rows = []
@@ -268,6 +294,8 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
         sets = 2 if quick else max(2, min(16, -(-(256 << 20) // (k * n))))
         key, kw, kb = jax.random.split(key, 3)
         wq, wb = _device_int8_weights(kw, k, n, sets), _device_bf16_weights(kb, k, n, sets)
+        # The same int8 weights stored transposed, [N, K], for the bundled Mosaic GPU kernel.
+        wq_t = [TransposedInt8(jnp.asarray(w.values.T), w.scales) for w in wq] if not quick else []
         for m in (int(r) for r in gemv_rows.split(",")):
             variants = GEMV_VARIANTS[m]
             if gemv_splits:  # a split-K sweep of the default tiles instead of the named variants
@@ -278,12 +306,17 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
                      ("xla int8 reference", matmul_reference.matmul, wq, int8_bytes)]
             cases += [(name, lambda x, w, cfg=cfg: matmul_pallas.w8a16_matmul(x, w, **cfg), wq, int8_bytes)
                       for name, cfg in variants.items()]
+            if not quick and jax.default_backend() == "gpu":
+                for name, (tile_k, steps) in MIXED_CONFIGS.items():
+                    mm = bundled_mixed_matmul(tile_k, steps)
+                    cases.append((f"jax bundled mixed-type matmul (Mosaic GPU, W^T) {name}",
+                                  lambda x, w, mm=mm: mm(x, w.values_t, w.scales), wq_t, int8_bytes))
             want = np.asarray(matmul_reference.matmul(x, wq[0], jnp.float32))
             for name, fn, weights, nbytes in cases:
                 row = dict(kernel=f"w8a16 M={m} {k}x{n}", impl=name)
                 try:
-                    if weights is wq:  # every int8 variant computes the same sums
-                        row["rel_err"] = rel_err(fn(x, wq[0]).astype(jnp.float32), want)
+                    if weights is wq or weights is wq_t:  # every int8 variant computes the same sums
+                        row["rel_err"] = rel_err(fn(x, weights[0]).astype(jnp.float32), want)
                     kernels = {}
                     t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, weights), sets, trials, kernels)
                     row.update(seconds=t, bytes=nbytes, bw=nbytes / t)
@@ -295,7 +328,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
                 rows.append(row)
                 print_table([row])  # as it comes: a run cut off by its time limit keeps what it measured
                 sys.stdout.flush()
-        del wq, wb
+        del wq, wb, wq_t
     return rows
 
 
