@@ -48,7 +48,6 @@ VARIANTS = {
     "int8-pallas-b1": (dict(_INT8_PALLAS, min_token_bucket=1), {}),  # the GEMV path (int8 converted by exponent bits)
     "int8-pallas-b1-sep": (dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False), {}),
     "int8-pallas-b1-cvt": (dict(_INT8_PALLAS, min_token_bucket=1), dict(magic_convert=False)),
-    "int8-mosaic-b8": (dict(quantization="int8", matmul_impl="mosaic", min_token_bucket=8), {}),  # JAX's bundled kernel
     "int8-pallas-b8": (dict(_INT8_PALLAS, min_token_bucket=8), {}),  # the tensor-core path
     "int8-pallas-b8-gemv8": (dict(_INT8_PALLAS, min_token_bucket=8), dict(gemv_max_rows=8)),
 }

@@ -1,7 +1,7 @@
 """Picks an implementation for each kernel: Pallas on GPU, the XLA reference elsewhere.
 
 `attention_impl` / `matmul_impl` in the engine config override the choice
-("auto", "reference", "pallas"; matmul_impl also "mosaic"). Every implementation has the reference's signature:
+("auto", "reference", "pallas"). Every implementation has the reference's signature:
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
@@ -18,9 +18,6 @@ import jax
 from jlight.pallas_kernels import attention_reference, matmul_reference
 
 IMPLS = ("auto", "reference", "pallas")
-# "mosaic": int8 weights stored transposed for JAX's bundled Mosaic GPU mixed-type matmul
-# (matmul_mosaic.py); single-device engines only.
-MATMUL_IMPLS = IMPLS + ("mosaic",)
 
 
 MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
@@ -33,9 +30,9 @@ class Kernels(NamedTuple):
     moe_impl: str = "auto"
 
 
-def _check(name, impl, allowed=IMPLS):
-    if impl not in allowed:
-        raise ValueError(f"{name}={impl!r} is not one of {', '.join(allowed)}")
+def _check(name, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"{name}={impl!r} is not one of {', '.join(IMPLS)}")
 
 
 def on_gpu() -> bool:
@@ -48,7 +45,7 @@ def _use_pallas(impl: str) -> bool:
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> Kernels:
     _check("attention_impl", attention_impl)
-    _check("matmul_impl", matmul_impl, MATMUL_IMPLS)
+    _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
@@ -65,8 +62,4 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul
-    elif matmul_impl == "mosaic":
-        from jlight.pallas_kernels import matmul_mosaic
-
-        matmul = matmul_mosaic.matmul
     return Kernels(write_kv, attention, matmul, moe_impl)

@@ -27,8 +27,6 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
-    # "auto" (XLA), "reference", "pallas" (jlight's W8A16/W8A8 kernels) or "mosaic" (int8 weights
-    # stored transposed for JAX's bundled Mosaic GPU mixed-type matmul; one device only).
     matmul_impl: str = "auto"
     # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode
     # batches, else ragged_dot; models/moe.py), or force "pallas", "ragged_dot", "gathered", "dense".

@@ -177,14 +177,6 @@ class LLMEngine:
             # Per-layer weights are this engine's own copies (split_layers made them), so their parts
             # are freed as they are fused; a caller's stacked weights are left intact.
             params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
-        if cfg.matmul_impl == "mosaic":
-            if plan is not None:
-                raise ValueError(f"matmul_impl='mosaic' runs on one device; with mesh={cfg.mesh!r} use matmul_impl='auto'")
-            from jlight.pallas_kernels.matmul_mosaic import transpose_int8_weights
-
-            # The int8 weights are this engine's own copies (quantize_params made them) unless a
-            # caller handed in quantized weights without asking the engine to quantize.
-            params = transpose_int8_weights(params, delete_originals=bool(cfg.quantization))
         return params, plan
 
     def kv_bytes_per_page(self, kv_dtype) -> int:
