@@ -2,11 +2,10 @@
 device: tensor parallel with collective matmul (long prefill chunks) and with KV heads
 replicated (tp > num_kv_heads), data-parallel replicas, expert-parallel axes, and a converted
 (orbax) checkpoint restored straight into the mesh."""
-import json
 import os
-import subprocess
-import sys
 import textwrap
+
+from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -47,13 +46,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def run_meshes(tmp_path, num_devices: int, runs: dict) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return run_script(SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs), num_devices)
 
 
 def test_two_devices_tp2_with_collective_matmul_and_orbax_restore(tmp_path):

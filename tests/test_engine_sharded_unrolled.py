@@ -2,11 +2,10 @@
 sharded stacked weights are split per layer and run under a plan over the per-layer tree. Greedy
 tokens must equal one device's, for bf16-style float32 weights, int8 weights and an MoE model with
 expert parallelism (2 simulated CPU devices)."""
-import json
 import os
-import subprocess
-import sys
 import textwrap
+
+from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -41,12 +40,8 @@ def test_tp2_and_ep2_unrolled_layers_match_one_device(tmp_path):
         "int8 tp=2": ("llama", dict(unroll, quantization="int8", mesh="tp=2")),
         "moe single": ("moe", unroll), "moe ep=2": ("moe", dict(unroll, mesh="ep=2")),
     }
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+    out = run_script(SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs), num_devices=2)
     assert all(len(t) == 10 for t in out["single"])
     assert out["tp=2"] == out["single"]
     assert out["int8 tp=2"] == out["int8 single"]

@@ -8,9 +8,9 @@ The bars are the issue's and are not loosened. Where the current implementation 
 check is marked xfail(strict=True) with the measured figure: it still runs and is reported, and
 it turns into a failure (XPASS) the day the configuration meets the bar, so the mark gets removed.
 
-The "lm_head bf16" configurations are quantize_params(..., keep=("lm_head",)) (the benchmark
-quantizes and hands the engine the params): the usual practice of leaving the output projection
-in 16 bits. It helps (int8: 95.55% -> 96.48% here) but does not reach the 97% bar either.
+"lm_head bf16" is quantize_params(..., keep=("lm_head",)) (the benchmark quantizes and hands the
+engine the params): the usual practice of leaving the output projection in 16 bits. Round-to-nearest
+with it (int8: 95.55% -> 96.48% here) does not reach the 97% bar either.
 
 The "GPTQ" configurations keep the same int8 format and scales but choose the int8 values with
 GPTQ (pallas_kernels/gptq.py), calibrated on benchmarks/data/calibration_text.txt, not on the
@@ -35,13 +35,12 @@ MISSES = {
     ("w8a8", "agreement"): "measured 88.03% top-1 agreement < 97%",
     ("w8a8", "perplexity"): "measured perplexity +3.65% > 2%",
     ("int8 weights + int8 KV cache", "agreement"): "measured 95.45% top-1 agreement < 97% (int8 KV alone: 97.56%)",
-    ("int8 weights, lm_head bf16", "agreement"): "measured 96.48% top-1 agreement < 97% (perplexity +0.37% passes)",
-    ("w8a8, lm_head bf16", "agreement"): "measured 88.95% top-1 agreement < 97%",
-    ("w8a8, lm_head bf16", "perplexity"): "measured perplexity +2.87% > 2%",
     ("int8 weights, GPTQ", "agreement"): "measured 96.73% top-1 agreement < 97% (perplexity +0.34% passes)",
 }
-CONFIG_NAMES = ["int8 weights (W8A16)", "w8a8", "int8 weights, lm_head bf16", "w8a8, lm_head bf16",
-                "int8 KV cache", "int8 weights + int8 KV cache", "int8 weights, GPTQ", "int8 weights, GPTQ, lm_head bf16"]
+# (The round-to-nearest "lm_head bf16" variants, int8 96.48% and w8a8 88.95% agreement, both misses,
+# are measured by benchmarks/quant_quality.py and kept out of the suite for its running time.)
+CONFIG_NAMES = ["int8 weights (W8A16)", "w8a8", "int8 KV cache", "int8 weights + int8 KV cache", "int8 weights, GPTQ",
+                "int8 weights, GPTQ, lm_head bf16"]
 
 
 def _quant_quality():

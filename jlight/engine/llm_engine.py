@@ -164,8 +164,6 @@ class LLMEngine:
             # shardings when split, and a plan over the per-layer tree runs them under the mesh.
             params = self.family.unstack_layers(params, donate=owns_weights)
             jax.block_until_ready(params)
-            if owns_weights:
-                loaded.params = None  # drop the stacked copy; a caller's LoadedModel keeps its params
             if plan is not None:
                 from jlight.models.layers import split_layer_axes
                 from jlight.sharding.plan import ShardingPlan
@@ -177,6 +175,8 @@ class LLMEngine:
             # Per-layer weights are this engine's own copies (split_layers made them), so their parts
             # are freed as they are fused; a caller's stacked weights are left intact.
             params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
+        if owns_weights:
+            loaded.params = None  # the loaded tree (stacked, unfused) is spent; a caller's LoadedModel keeps its params
         return params, plan
 
     def kv_bytes_per_page(self, kv_dtype) -> int:
