@@ -216,7 +216,8 @@ def test_jlight_convert_dir_loads_like_any_model(tiny_model, tmp_path):
     params = jlight.SamplingParams(max_tokens=8, temperature=0.0)
     prompts = ["the quick brown fox", "Paris is the capital of", "1 2 3"]
     converted = jlight.api.LLM(out, **kwargs)
-    leaf = converted.engine.loaded.params["layers"]["wq"]
+    layers = converted.engine.runner.params["layers"]  # the engine's weights (q/k/v fused on one device)
+    leaf = layers["wqkv"].weight if "wqkv" in layers else layers["wq"]
     assert (leaf.values.dtype == jnp.int8) if quantization else (leaf.dtype == jnp.float32)
     got = [o.outputs[0].text for o in converted.generate(prompts, params, use_tqdm=False)]
     original = jlight.api.LLM(model_dir, quantization=quantization, **kwargs)
