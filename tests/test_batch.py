@@ -221,3 +221,26 @@ def test_job_arguments_are_checked(tmp_path):
         batch_cli.run(batch_args(input_path, str(tmp_path / "o.jsonl"), "--top-p", "0"))
     with pytest.raises(ValueError, match="does not exist"):
         batch_cli.run(batch_args(str(tmp_path / "missing.jsonl"), str(tmp_path / "o.jsonl")))
+
+
+def test_batch_takes_every_engine_option_of_generate_and_serve(tmp_path, monkeypatch):
+    """`jlight batch` shares generate/serve's engine options (jlight.cli.add_engine_arguments), with
+    its own default sizes when none are given."""
+    import jlight
+
+    seen = {}
+    monkeypatch.setattr(jlight, "LLM", lambda model, **options: seen.update(model=model, **options))
+    input_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = str(tmp_path / "o.jsonl")
+    parser = argparse.ArgumentParser()
+    batch_cli.add_arguments(parser)
+    args = parser.parse_args([input_path, "-o", out, "--model", "m", "-tp", "2", "--page-size", "8", "--matmul-impl",
+                              "reference", "--moe-impl", "dense", "--no-prefix-caching", "--kv-cache-memory-fraction", "0.5"])
+    batch_cli._make_llm(args)
+    assert seen == dict(model="m", dtype="auto", mesh="tp=2", page_size=8, matmul_impl="reference", moe_impl="dense",
+                        enable_prefix_caching=False, kv_cache_memory_fraction=0.5, **batch_cli.BATCH_ENGINE_DEFAULTS)
+    args = parser.parse_args([input_path, "-o", out, "--max-num-seqs", "4", "--max-num-batched-tokens", "32"])
+    batch_cli._make_llm(args)
+    assert seen["max_num_seqs"] == 4 and seen["max_num_batched_tokens"] == 32
+    with pytest.raises(ValueError, match="--mesh or --tensor-parallel-size"):
+        batch_cli._make_llm(parser.parse_args([input_path, "-o", out, "--mesh", "tp=2", "-tp", "2"]))

@@ -15,7 +15,10 @@ from jlight.batch import merge
 from jlight.batch.part_log import PartLog
 from jlight.batch.runner import ShardRunner
 from jlight.batch.source import JsonlSource, make_loader, shard_interval, shard_options
+from jlight.cli import add_engine_arguments, engine_options
 
+# Engine sizes of a batch job unless given: enough rows and tokens per step to keep a GPU busy.
+BATCH_ENGINE_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=512)
 # CLI flag -> SamplingParams field used as the job-wide default (a line's own field wins).
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "seed": int}
@@ -24,15 +27,9 @@ _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="JSONL file: one {\"prompt\": ...} or {\"messages\": [...]} object per line")
     parser.add_argument("-o", "--output", required=True, help="JSONL file to write, one answer per input line, in input order")
-    parser.add_argument("--model", default=None, help="HF directory, .gguf, converted checkpoint or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["int8", "w8a8"], help="quantize the weights at load time")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="int8: int8 K/V cache with a scale per token and head")
-    parser.add_argument("--mesh", default=None, help='device mesh of each process, e.g. "tp=2"')
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--num-pages", type=int, default=None)
+    # The engine options of generate/chat/serve (the mesh is each process's own); batch's own
+    # defaults for the sizes are in BATCH_ENGINE_DEFAULTS.
+    add_engine_arguments(parser)
     sampling = parser.add_argument_group("sampling defaults (each input line may override them)")
     for name, kind in _SAMPLING_FLAGS.items():
         sampling.add_argument("--" + name.replace("_", "-"), type=kind, default=None, dest=name)
@@ -97,7 +94,7 @@ def run(args: argparse.Namespace, llm=None) -> int:
         runner = ShardRunner(
             llm, make_loader(source, defaults, shard), PartLog(parts_dir, process_index, process_count),
             job_fingerprint=fingerprint, shard_size=end - start,
-            max_inflight=args.max_inflight or 2 * args.max_num_seqs,
+            max_inflight=args.max_inflight or 2 * (args.max_num_seqs or BATCH_ENGINE_DEFAULTS["max_num_seqs"]),
             checkpoint_interval_s=args.checkpoint_interval, show_progress=not args.no_progress,
         )
         summary = runner.run()
@@ -116,9 +113,7 @@ def run(args: argparse.Namespace, llm=None) -> int:
 def _make_llm(args):
     import jlight
 
-    return jlight.LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, mesh=args.mesh,
-                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages)
+    return jlight.LLM(args.model, **engine_options(args, **BATCH_ENGINE_DEFAULTS))
 
 
 def main(argv=None) -> int:
