@@ -1,12 +1,13 @@
-"""DeepSeek (MLA) under tensor parallelism with collective matmul on a long prefill chunk.
+"""MoE and MLA models under tensor parallelism with collective matmul on a long prefill chunk.
 
 Steps of >= 256 tokens (plan.DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS) split the residual stream on
-tokens (sequence parallelism), so MLA's replicated low-rank projections see only T/tp tokens and
-their outputs must be gathered before RoPE, the latent cache write and attention. This once
-failed to trace ("mul got incompatible shapes for broadcasting"). Run on 2 simulated CPU devices,
-the tp=2 engine must give the single-device greedy tokens, for V3 (q_lora_rank: wq_a + wq_b),
-with layer_loop "scan" and "unroll" (the GPU default). (V2's single wq changes nothing here: the
-KV latent's projection is the same; it was checked once and dropped to keep the suite short.)
+tokens (sequence parallelism), so every weight applied outside the column/row-parallel ops sees only
+T/tp tokens. DeepSeek's MLA once failed to trace here ("mul got incompatible shapes for
+broadcasting"): its replicated KV-latent projection now gathers its output on tokens. Run on 2
+simulated CPU devices, the tp=2 engine must give the single-device greedy tokens for DeepSeek-V3
+(q_lora_rank: wq_a + wq_b) with layer_loop "scan" and "unroll" (the GPU default), and for Qwen2-MoE
+(router, shared expert with its gate, QKV bias). (DeepSeek-V2's single wq, Qwen3-MoE and Mixtral
+passed the same check once and were left out to keep the suite short.)
 """
 import os
 import textwrap
@@ -29,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     prompts = [rng.integers(3, 250, size=n).tolist() for n in (300, 9)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     out = {{}}
-    for arch, loops in (("DeepseekV3ForCausalLM", ("scan", "unroll")),):
+    for arch, loops in (("DeepseekV3ForCausalLM", ("scan", "unroll")), ("Qwen2MoeForCausalLM", ("scan",))):
         path = make_tiny_moe_model({tmp!r}, arch)[0]
         for mesh, loop in [(None, "scan")] + [("tp=2", l) for l in loops]:
             llm = jlight.LLM(path, dtype="float32", mesh=mesh, layer_loop=loop, max_num_seqs=2,
@@ -41,11 +42,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_deepseek_tp2_collective_matmul_long_prefill_matches_single_device(tmp_path):
+def test_tp2_collective_matmul_long_prefill_matches_single_device(tmp_path):
     assert BATCHED_TOKENS >= DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS  # else the step is not sequence-parallel
     tests = os.path.dirname(os.path.abspath(__file__))
     out = run_script(SCRIPT.format(tests=tests, tmp=str(tmp_path), batched=BATCHED_TOKENS), num_devices=2)
-    for arch in ("DeepseekV3ForCausalLM",):
+    for arch in ("DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"):
         single = out[f"{arch} None scan"]
         assert all(len(t) == 8 for t in single)
         for name, tokens in out.items():
