@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 
 from jlight.config import ModelConfig
 from jlight.models import get_model_family
+from jlight.models.layers import split_layer_axes
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec
@@ -113,13 +114,12 @@ def layer_layout(shapes: dict, axes: dict, unroll: bool) -> tuple[dict, dict]:
     axis dropped), the layout of family.unstack_layers that the unrolled forward runs over."""
     if not unroll:
         return shapes, axes
-    shapes, axes = dict(shapes), dict(axes)
+    shapes = dict(shapes)
     for group in LAYER_GROUPS:
         if group in shapes:
             n = next(iter(shapes[group].values()))[0]
             shapes[group] = [{k: s[1:] for k, s in shapes[group].items()} for _ in range(n)]
-            axes[group] = [{k: a[1:] for k, a in axes[group].items()} for _ in range(n)]
-    return shapes, axes
+    return shapes, split_layer_axes(axes, shapes)  # the engine's per-layer axes (models/layers.py)
 
 
 def random_weights(shapes: dict, axes: dict, mesh, dtype, seed: int = 0):

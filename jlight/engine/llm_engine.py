@@ -164,9 +164,8 @@ class LLMEngine:
             # shardings when split, and a plan over the per-layer tree runs them under the mesh.
             params = self.family.unstack_layers(params, donate=owns_weights)
             jax.block_until_ready(params)
-            if plan is not None:
+            if plan is not None:  # ShardingPlan was imported with the mesh above
                 from jlight.models.layers import split_layer_axes
-                from jlight.sharding.plan import ShardingPlan
 
                 plan = ShardingPlan(mesh, plan.source_config, split_layer_axes(plan.param_axes, params))
         if plan is not None:
