@@ -29,11 +29,13 @@ from kernel_batches import random_batch  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_pallas  # noqa: E402
-from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv  # noqa: E402
+from jlight.pallas_kernels.quantization import (  # noqa: E402
+    QuantizedKV, QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv, transpose_w8a8)
 
 COPY_BW = 3.70e12
 BF16_RATE = 645e12
 INT8_RATE = 762e12
+FP8_RATE = 778e12
 
 
 def time_call(fn, args, reps, trials, by_kernel=None):
@@ -119,7 +121,9 @@ def run_checks(rng, quick):
     for m, k, n in [(1, 4096, 14336), (7, 576, 1536), (512, 1536, 576), (4096, 4096, 1024)] if not quick else [(1, 128, 64), (20, 64, 48)]:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
-        for name, fn, weight in (("w8a16", matmul_pallas.w8a16_matmul, w), ("w8a8", matmul_pallas.w8a8_matmul, W8A8Weight(*w))):
+        w8 = W8A8Weight(*w)
+        for name, fn, weight in (("w8a16", matmul_pallas.w8a16_matmul, w), ("w8a8", matmul_pallas.w8a8_matmul, w8),
+                                 ("w8a8 K-major", matmul_pallas.w8a8_matmul, transpose_w8a8([w8])[0])):
             got = fn(x, weight)
             want = matmul_reference.matmul(x.astype(jnp.float32), weight)
             rows.append(dict(kernel=name, case=f"{m}x{k}x{n}", dtype="bfloat16", rel_err=rel_err(got, want),
@@ -163,8 +167,9 @@ def bench_decode_attention(rng, quick, reps, trials):
     # each other (grid order) changed nothing, and converting int8 pages by exponent bits made the
     # int8 case 37% slower (docs/BENCHMARKS.md). The runner-up configs stay as a check.
     configs = [dict()]
-    if not quick:
-        configs += [dict(num_stages=3), dict(num_splits=2)]
+    if not quick:  # 2026-11-29 fifth session: smaller steps and fewer warps (more programs resident per SM)
+        configs += [dict(num_stages=3), dict(pages_per_step=2), dict(pages_per_step=2, num_stages=4),
+                    dict(num_warps=2), dict(pages_per_step=2, num_warps=2, num_stages=4), dict(pages_per_step=8, num_stages=3)]
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
@@ -247,12 +252,13 @@ def _device_bf16_weights(key, k, n, sets):
 # on 2026-11-29 and dropped (docs/BENCHMARKS.md): at M=8, TF32 dots and the GEMV path (both
 # slower); at M=1, weight tiles loaded ahead in the loop carry (slower at every shape).
 GEMV_VARIANTS = {
-    1: {"pallas default (magic_convert)": {}, "pallas int8->f32 cvt": dict(magic_convert=False),
-        "pallas bn256 split4": dict(block_n=256, num_splits=4),
-        # fewer programs and no split-K reduction kernel, or more, narrower programs:
+    # M=1 since the fifth session: no pad of x (row block = 1). A single kernel (split 1, narrow
+    # tiles for enough programs) leaves no split-K sum kernel either, so the call is one launch.
+    1: {"pallas default (magic_convert)": {},
         "pallas bn128 split1": dict(block_n=128, num_splits=1), "pallas bn64 split1": dict(block_n=64, num_splits=1),
-        "pallas bn64 split2": dict(block_n=64, num_splits=2), "pallas bn32 split1": dict(block_n=32, num_splits=1),
-        "pallas bn128 split2": dict(block_n=128, num_splits=2), "pallas bn128 split4": dict(block_n=128, num_splits=4)},
+        "pallas bn32 split1": dict(block_n=32, num_splits=1), "pallas bn16 split1": dict(block_n=16, num_splits=1),
+        "pallas bn64 split2": dict(block_n=64, num_splits=2), "pallas bn128 split2": dict(block_n=128, num_splits=2),
+        "pallas bn32 split1 4 warps": dict(block_n=32, num_splits=1, num_warps=4)},
     8: {"pallas default (tensor cores)": {}, "pallas magic_convert": dict(magic_convert=True)},
 }
 
@@ -332,28 +338,55 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
     return rows
 
 
-def bench_gemm(rng, quick, reps, trials):
+def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
+    """W8A8 (and bf16 / fp8 peers) at a 4096 x 14336 layer, M = each of gemm_rows (prefill chunks
+    and, at 8 or 64 rows, decode steps)."""
     rows = []
     k, n = (4096, 14336) if not quick else (128, 256)
     ws = [quantize_int8(jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)) for _ in range(2)]
     w_bf16 = [jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16) for _ in range(2)]
-    m = 4096 if not quick else 64
-    xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
-    flops = 2 * m * k * n
-    w8 = [W8A8Weight(*w) for w in ws[:2]]
-    gemm = {
-        "xla bf16 dot": (lambda x, w: matmul_reference.matmul(x, w), w_bf16[:2], BF16_RATE),
-        "xla w8a8 reference": (lambda x, w: matmul_reference.matmul(x, w), w8, INT8_RATE),
-    }
-    cfgs = [dict()] if quick else [dict(), dict(block_m=256, block_k=64, num_stages=3, num_warps=8)]
-    for cfg in cfgs:
-        gemm[f"pallas w8a8 {cfg or 'default'}"] = (lambda x, w, cfg=cfg: matmul_pallas.w8a8_matmul(x, w, **cfg), w8, INT8_RATE)
-    for name, (fn, weights, ceiling) in gemm.items():
-        try:
-            t = time_call(jax.jit(lambda xs, ws, fn=fn: [fn(x, w) for x, w in zip(xs, ws)]), (xs, weights), 2, trials)
-            rows.append(dict(kernel=f"gemm M={m} {k}x{n}", impl=name, seconds=t, flops=flops, rate=flops / t, ceiling=ceiling))
-        except Exception as e:
-            rows.append(dict(kernel="gemm", impl=name, error=repr(e)[:300]))
+    w8 = [W8A8Weight(*w) for w in ws]
+    w8_t = transpose_w8a8(w8)  # [N, K], K-major: Hopper's 8-bit wgmma wants both operands contiguous along K
+    # The same weights in e4m3 (int8 range mapped onto e4m3's +-448), scales adjusted to match.
+    w_f8 = [((w.values.astype(jnp.float32) * (448.0 / 127.0)).astype(jnp.float8_e4m3fn), w.scales * (127.0 / 448.0)) for w in w8]
+
+    def fp8_dot(x, w):  # per-token e4m3 activations, f32 sums, both scales after
+        values, scales = w
+        xs = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 448.0
+        xq = (x / xs).astype(jnp.float8_e4m3fn)
+        return (jnp.dot(xq, values, preferred_element_type=jnp.float32) * xs * scales).astype(x.dtype)
+
+    pallas = lambda cfg: (lambda x, w: matmul_pallas.w8a8_matmul(x, w, **cfg))
+    for m in [int(r) for r in gemm_rows.split(",")] if not quick else [64]:
+        xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
+        flops = 2 * m * k * n
+        gemm = {
+            "xla bf16 dot": (matmul_reference.matmul, w_bf16, BF16_RATE),
+            "xla w8a8 reference, [in, out] weights": (matmul_reference.matmul, w8, INT8_RATE),
+            "xla w8a8 reference, K-major weights": (matmul_reference.matmul, w8_t, INT8_RATE),
+            "pallas w8a8 K-major (default tiles)": (pallas({}), w8_t, INT8_RATE),
+        }
+        if m >= 1024 and not quick:  # the best [in, out] config, and the K-major tile sweep of 2026-11-29
+            gemm["pallas w8a8 [in, out] 256x64x64 8 warps 3 stages"] = (
+                pallas(dict(block_m=256, block_k=64, num_stages=3, num_warps=8)), w8, INT8_RATE)
+            for cfg in (dict(block_n=128, num_warps=8), dict(block_n=256, num_warps=8), dict(block_m=256, num_warps=8),
+                        dict(block_k=64, num_stages=4), dict(num_stages=4), dict(block_n=64)):
+                gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)
+            gemm["xla fp8 e4m3 dot (per-token x, scaled after)"] = (fp8_dot, w_f8, FP8_RATE)
+        elif not quick:  # decode-sized steps: narrower tiles for more programs
+            for cfg in (dict(block_n=64), dict(block_n=32), dict(block_n=64, num_stages=4)):
+                gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)
+        want = np.asarray(matmul_reference.matmul(xs[0], w8[0], jnp.float32))  # the int8 variants' exact int32 sums, scaled
+        for name, (fn, weights, ceiling) in gemm.items():
+            try:
+                err = None if weights is w_bf16 else rel_err(jax.jit(fn)(xs[0], weights[0]).astype(jnp.float32), want)
+                t = time_call(jax.jit(lambda xs, ws, fn=fn: [fn(x, w) for x, w in zip(xs, ws)]), (xs, weights), 2, trials)
+                rows.append(dict(kernel=f"gemm M={m} {k}x{n}", impl=name, seconds=t, flops=flops, rate=flops / t,
+                                 ceiling=ceiling, rel_err=err))
+            except Exception as e:  # noqa: BLE001 - one failed variant must not lose the rest
+                rows.append(dict(kernel=f"gemm M={m}", impl=name, error=repr(e)[:300]))
+            print_table(rows[-1:])
+            sys.stdout.flush()
     return rows
 
 
@@ -368,7 +401,8 @@ def print_table(rows):
             print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['bw'] / 1e12:6.2f} TB/s {100 * r['bw'] / COPY_BW:5.1f}% of copy{err}")
         else:
             ceiling = r.get("ceiling", BF16_RATE)
-            print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['rate'] / 1e12:6.1f} T/s  {100 * r['rate'] / ceiling:5.1f}% of {ceiling / 1e12:.0f}")
+            err = f"  rel_err {r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
+            print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['rate'] / 1e12:6.1f} T/s  {100 * r['rate'] / ceiling:5.1f}% of {ceiling / 1e12:.0f}{err}")
 
 
 def main():
@@ -382,6 +416,7 @@ def main():
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
     parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (of 1, 8)")
     parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
+    parser.add_argument("--gemm-rows", default="4096", help="gemm section: row counts, e.g. 4096,512,64,8")
     args = parser.parse_args()
     rng = np.random.default_rng(int(time.time()))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
@@ -401,7 +436,8 @@ def main():
         save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
     gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows, gemv_splits=args.gemv_splits)
-    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=gemv, gemm=bench_gemm)
+    gemm = functools.partial(bench_gemm, gemm_rows=args.gemm_rows)
+    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)

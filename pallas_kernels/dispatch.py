@@ -54,12 +54,21 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
-    # "auto" keeps XLA's matmuls even on GPU: end to end on the H200 (Llama-3-8B shape, int8
-    # weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against 6.82 ms
-    # with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step pads to
-    # the 8-token bucket, which the GEMV path (<= 4 rows) does not take. matmul_impl="pallas" selects them.
-    if matmul_impl == "pallas":
+    # "auto" on GPU keeps XLA's matmuls but for W8A8: end to end on the H200 (Llama-3-8B shape,
+    # int8 weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against
+    # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step
+    # pads to the 8-token bucket, which the GEMV path (<= 4 rows) does not take. The Pallas W8A8
+    # kernel on K-major weights beats XLA's int8 dot 2.3x (fifth session), so "auto" uses it.
+    # matmul_impl="pallas" selects every Pallas matmul.
+    if _use_pallas(matmul_impl):
         from jlight.pallas_kernels import matmul_pallas
 
-        matmul = matmul_pallas.matmul
+        matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_w8a8_only
     return Kernels(write_kv, attention, matmul, moe_impl)
+
+
+def wants_kmajor_w8a8(matmul_impl: str) -> bool:
+    """Whether the engine should store W8A8 weights K-major (quantization.transpose_w8a8) for the
+    Pallas W8A8 kernel: when the matmuls run on the Pallas path, and not under a mesh (the
+    sharding rules name the [in, out] layout)."""
+    return _use_pallas(matmul_impl)

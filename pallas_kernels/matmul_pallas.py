@@ -5,13 +5,15 @@ registers, so HBM traffic is one byte per weight: the decode (GEMV-like) path, w
 reading the weights is the whole cost. Few output tiles (small `out`, batch 1) are
 split along `in` (split-K) so the GPU is full; partial sums are added in XLA.
 
-W8A8 (W8A8Weight): activations are quantized per token in XLA, then int8 x int8 tiles
-accumulate in int32 on the tensor cores; both scales are applied once at the end.
-Serves prefill, where the matmul is compute-bound and int8 doubles the bf16 rate.
+W8A8 (W8A8WeightT, weights stored [out, in]): activations are quantized per token in XLA,
+then int8 x int8 tiles accumulate in int32 on the tensor cores; both scales are applied
+once at the end. Serves prefill, where the matmul is compute-bound; it is the engine's W8A8
+path on GPU by default (matmul_w8a8_only), 2.3x faster than XLA's int8 dot on the H200.
 
 Plain (unquantized) weights go to XLA's dot (cuBLAS), which a Pallas GEMM would not beat.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +21,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import matmul_reference, pallas_mode
-from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, int8_to_f32, quantize_activations
+from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations
 
 _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
-# The Pallas W8A8 kernel reached 258 TOP/s on the H200 at 4096x4096x14336, XLA's own int8
-# dot (the reference, same int32 sums, so the same numbers) 456 TOP/s: until the kernel
-# wins, matmul() sends W8A8 weights to XLA. Set True to use the kernel.
-USE_PALLAS_W8A8 = False
+# Steps of fewer rows (decode) send K-major W8A8 weights to XLA's int8 dot: the kernel's 128-row
+# tiles are for prefill. (H200 figures in docs/BENCHMARKS.md.)
+W8A8_PALLAS_MIN_ROWS = 128
 _GEMV_MAX_ROWS = 4  # up to this many rows, W8A16 reduces on CUDA cores (no tensor-core tile)
 # w8a16_matmul keywords that matmul() (the engine's path) passes; "gemv_max_rows" overrides
 # _GEMV_MAX_ROWS. benchmarks/decode_latency.py sets these to compare variants end to end.
@@ -92,15 +93,21 @@ def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, 
         o_ref[r, :] = acc.astype(o_ref.dtype)
 
 
-def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps):
+def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps, kmajor):
     def body(step, acc):
-        x = x_ref[:, pl.ds(step * block_k, block_k)]  # [block_m, block_k] int8
-        w = w_ref[pl.ds(step * block_k, block_k), :]  # [block_k, block_n] int8
-        return acc + pltr.dot(x, w)  # int32
+        k = pl.ds(step * block_k, block_k)
+        x = x_ref[:, k]  # [block_m, block_k] int8
+        if kmajor:  # w_ref holds W^T, [block_n, K]: both dot operands contiguous along K
+            return acc + pltr.dot(x, w_ref[:, k], trans_b=True)  # int32
+        return acc + pltr.dot(x, w_ref[k, :])  # [block_k, block_n] int8 -> int32
 
     acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros(o_ref.shape, jnp.int32))  # [block_m, block_n]
     out = acc.astype(jnp.float32) * xs_ref[...][:, None] * s_ref[...].astype(jnp.float32)[None, :]
     o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _pad_rows(x, multiple):
@@ -120,8 +127,10 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = w.values.shape[1]
-    block_m = 16 if m <= 16 else 64
     gemv = m <= _GEMV_MAX_ROWS if gemv is None else gemv
+    # The GEMV path reads only its num_rows rows, so its row block is the rows themselves (a power
+    # of two): no XLA pad of x before the kernel, no slice after it. Tensor-core tiles need 16 rows.
+    block_m = _next_pow2(m) if gemv else 16 if m <= 16 else 64
     magic_convert = gemv if magic_convert is None else magic_convert
     # Tile sizes from the H200 sweep in docs/BENCHMARKS.md (best of those tried at M=1).
     block_n = block_n or _largest_pow2_divisor(n, 128 if gemv or m > 16 else 64)
@@ -160,58 +169,87 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
-def w8a8_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block_m=None, block_n=None, block_k=None,
-                num_warps=4, num_stages=4):
-    """Per-token int8 x: [M, in] times int8 w -> [M, out]; int32 accumulation."""
+def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=None, block_k=None, num_warps=None,
+                num_stages=None):
+    """Per-token int8 x: [M, in] times int8 weights -> [M, out]; int32 accumulation.
+
+    w: a W8A8WeightT (values [out, in], K-major), the fast layout: Hopper's 8-bit wgmma takes both
+    operands contiguous along the summed axis. An [in, out] QuantizedWeight also works, but Triton
+    then cannot use wgmma (H200, 4096x4096x14336: 1291 us at best vs 386 us K-major,
+    docs/BENCHMARKS.md); it stays for that comparison."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
-    n = w.values.shape[1]
+    kmajor = isinstance(w, W8A8WeightT)
+    values = w.values_t if kmajor else w.values
+    n = values.shape[0 if kmajor else 1]
     xq, x_scales = quantize_activations(x)  # [M, in] int8, [M, 1] f32
     block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
-    # 128 x 64 tiles with 4 warps were the fastest tried on the H200 (docs/BENCHMARKS.md).
-    block_n = block_n or _largest_pow2_divisor(n, 64)
+    # Tile defaults: the fastest tried on the H200 at 4096 x 4096 x 14336 (docs/BENCHMARKS.md):
+    # K-major 128 x 128 x 128, 4 warps, 3 stages; [in, out] 128 x 64 x 128, 4 warps, 4 stages.
+    block_n = block_n or _largest_pow2_divisor(n, 128 if kmajor else 64)
     block_k = block_k or _largest_pow2_divisor(k, 128)
+    num_warps = num_warps or 4
+    num_stages = num_stages or (3 if kmajor else 4)
     xq = _pad_rows(xq, block_m)
     x_scales = _pad_rows(x_scales[:, 0], block_m)  # [M_pad]
-    kernel = functools.partial(_w8a8_kernel, block_k=block_k, num_steps=k // block_k)
+    kernel = functools.partial(_w8a8_kernel, block_k=block_k, num_steps=k // block_k, kmajor=kmajor)
     y = pl.pallas_call(
         kernel,
         grid=(xq.shape[0] // block_m, n // block_n),
         in_specs=[
             pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
             pl.BlockSpec((block_m,), lambda i, j: (i,)),
-            pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((block_n, k), lambda i, j: (j, 0)) if kmajor else pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
             pl.BlockSpec((block_n,), lambda i, j: (j,)),
         ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((xq.shape[0], n), out_dtype),  # [M_pad, out]
         interpret=pallas_mode.resolve(interpret),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"w8a8_bm{block_m}_bn{block_n}_bk{block_k}",
-    )(xq, x_scales, w.values, w.scales)
+        name=f"w8a8_bm{block_m}_bn{block_n}_bk{block_k}{'_kmajor' if kmajor else ''}",
+    )(xq, x_scales, values, w.scales)
     return y[:m]
 
 
 def _fits(w) -> bool:
     """Tiles need `in` and `out` to be multiples of 16 (tensor-core minimum)."""
-    k, n = w.values.shape[-2:]
-    return w.values.ndim == 2 and k % 16 == 0 and n % 16 == 0
+    values = w.values_t if isinstance(w, W8A8WeightT) else w.values
+    k, n = values.shape[-2:]
+    return values.ndim == 2 and k % 16 == 0 and n % 16 == 0
+
+
+def _rows(x) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def _w8a8(x, w, out_dtype, interpret):
+    """K-major W8A8 weights: the Pallas kernel from W8A8_PALLAS_MIN_ROWS rows, XLA's int8 dot below."""
+    if not _fits(w) or _rows(x) < W8A8_PALLAS_MIN_ROWS:
+        return matmul_reference.matmul(x, w, out_dtype)
+    y = w8a8_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def matmul(x, w, out_dtype=None, *, interpret=None):
-    """Same contract as matmul_reference.matmul: x [..., in] times w [in, out] -> [..., out]."""
-    if not isinstance(w, QuantizedWeight) or not _fits(w):
-        # Plain weights: cuBLAS. Odd-shaped int8 weights (never seen in Llama-family
-        # models) take the XLA path rather than failing.
-        return matmul_reference.matmul(x, w, out_dtype)
-    if isinstance(w, W8A8Weight) and not USE_PALLAS_W8A8:
+    """matmul_impl="pallas". Same contract as matmul_reference.matmul: x [..., in] times w -> [..., out]."""
+    if isinstance(w, W8A8WeightT):
+        return _w8a8(x, w, out_dtype, interpret)
+    if not isinstance(w, QuantizedWeight) or isinstance(w, W8A8Weight) or not _fits(w):
+        # Plain weights: cuBLAS. [in, out] W8A8 weights (the engine makes them K-major when this
+        # path is on, except under a mesh): XLA's int8 dot. Odd-shaped int8 weights (never seen
+        # in Llama-family models) take the XLA path rather than failing.
         return matmul_reference.matmul(x, w, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if isinstance(w, W8A8Weight):
-        y = w8a8_matmul(x2, w, out_dtype, interpret=interpret)
-    else:
-        opts = dict(W8A16_OPTIONS)
-        gemv = x2.shape[0] <= opts.pop("gemv_max_rows", _GEMV_MAX_ROWS)
-        y = w8a16_matmul(x2, w, out_dtype, interpret=interpret, gemv=gemv, **opts)
+    opts = dict(W8A16_OPTIONS)
+    gemv = x2.shape[0] <= opts.pop("gemv_max_rows", _GEMV_MAX_ROWS)
+    y = w8a16_matmul(x2, w, out_dtype, interpret=interpret, gemv=gemv, **opts)
     return y.reshape(*lead, y.shape[-1])
+
+
+def matmul_w8a8_only(x, w, out_dtype=None, *, interpret=None):
+    """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights, XLA for everything else
+    (XLA's fused dequantize-dot beat the W8A16 kernel end to end: dispatch.py)."""
+    if isinstance(w, W8A8WeightT):
+        return _w8a8(x, w, out_dtype, interpret)
+    return matmul_reference.matmul(x, w, out_dtype)

@@ -1,19 +1,21 @@
 """Pure-XLA matmuls over plain or int8-quantized weights (the reference and CPU path)."""
 import jax.numpy as jnp
 
-from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, quantize_activations
+from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_activations
 
 
 def matmul(x, w, out_dtype=None):
-    """x: [..., in] times w: [in, out] (an array, QuantizedWeight or W8A8Weight) -> [..., out].
+    """x: [..., in] times w: [in, out] (an array, QuantizedWeight, W8A8Weight, or a W8A8WeightT
+    holding [out, in]) -> [..., out].
 
     Accumulates in float32 (int32 for W8A8); the result is cast to out_dtype (default: x's dtype).
     """
     out_dtype = out_dtype or x.dtype
-    if isinstance(w, W8A8Weight):
+    if isinstance(w, (W8A8Weight, W8A8WeightT)):
         # Per-token int8 activations times int8 weights, exact int32 sums, both scales after.
         xq, x_scales = quantize_activations(x)
-        y = jnp.dot(xq, w.values, preferred_element_type=jnp.int32).astype(jnp.float32)
+        values = w.values if isinstance(w, W8A8Weight) else jnp.swapaxes(w.values_t, -1, -2)
+        y = jnp.dot(xq, values, preferred_element_type=jnp.int32).astype(jnp.float32)
         return (y * x_scales * w.scales.astype(jnp.float32)).astype(out_dtype)
     if isinstance(w, QuantizedWeight):
         # Dequantize in the compute dtype; XLA fuses the scale multiply into the dot's epilogue.

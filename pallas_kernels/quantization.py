@@ -27,6 +27,36 @@ class W8A8Weight(QuantizedWeight):
     """Same fields as QuantizedWeight; selects int8 x int8 matmuls."""
 
 
+class W8A8WeightT(NamedTuple):
+    """A W8A8Weight stored transposed ("K-major"), the layout the Pallas W8A8 kernel reads: Hopper's
+    8-bit tensor-core instructions (wgmma) take both operands contiguous along the summed `in` axis.
+    The engine makes these from W8A8Weights when its matmuls run on the Pallas path
+    (transpose_w8a8); checkpoints and sharding rules keep the [in, out] layout. Not a
+    QuantizedWeight: code that reads `.values` as [in, out] must not take it for one."""
+    values_t: jax.Array  # [..., out, in] int8
+    scales: jax.Array  # [..., out] float32
+
+
+@jax.jit
+def _transpose_last_two(values):
+    return jnp.swapaxes(values, -1, -2)
+
+
+def transpose_w8a8(tree, delete_source: bool = False):
+    """Every W8A8Weight in `tree` (plain or inside a FusedWeight, per layer or stacked) as a
+    W8A8WeightT. delete_source: free each [in, out] copy once transposed, so the peak is the
+    model plus one weight (only for arrays the caller owns no other reference to)."""
+    def convert(leaf):
+        if not isinstance(leaf, W8A8Weight):
+            return leaf
+        values_t = _transpose_last_two(leaf.values)
+        if delete_source:
+            leaf.values.delete()
+        return W8A8WeightT(values_t, leaf.scales)
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, W8A8Weight))
+
+
 def quantize_int8(w: jax.Array) -> QuantizedWeight:
     """Quantize a [..., in, out] weight to int8 with one scale per output channel."""
     w32 = w.astype(jnp.float32)

@@ -6,7 +6,8 @@ import pytest
 
 from jlight.pallas_kernels import matmul_pallas, matmul_reference
 from jlight.pallas_kernels.quantization import (
-    LINEAR_WEIGHTS, QuantizedWeight, W8A8Weight, dequantize, int8_to_f32, quantize_int8, quantize_params)
+    LINEAR_WEIGHTS, QuantizedWeight, W8A8Weight, W8A8WeightT, dequantize, int8_to_f32, quantize_int8, quantize_params,
+    transpose_w8a8)
 
 
 def _weights(rng, k, n):
@@ -170,3 +171,64 @@ def test_quantize_params_rejects_bad_input():
         quantize_params(quantize_params(params, "int8"), "w8a8")
     with pytest.raises(ValueError, match="'embed' not in"):
         quantize_params(params, "int8", keep=("embed",))
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_w8a8_kmajor_weights_give_the_same_sums(m):
+    """W^T stored [out, in] (W8A8WeightT, the layout Hopper's 8-bit wgmma wants) gives exactly the
+    [in, out] kernel's result, and XLA's on either layout."""
+    rng = np.random.default_rng(50 + m)
+    w = W8A8Weight(*quantize_int8(_weights(rng, 256, 128)))
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    (w_t,) = transpose_w8a8([w])
+    assert type(w_t) is W8A8WeightT and w_t.values_t.shape == (128, 256)
+    got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))
+    np.testing.assert_array_equal(got, np.asarray(matmul_pallas.w8a8_matmul(x, w, block_n=32)))
+    np.testing.assert_allclose(np.asarray(matmul_reference.matmul(x, w_t)), got, rtol=1e-6, atol=1e-6)
+
+
+def test_matmul_routes_kmajor_w8a8_by_rows(monkeypatch):
+    """Both GPU matmul choices send K-major W8A8 weights to the kernel from W8A8_PALLAS_MIN_ROWS rows
+    (leading dims flattened), to XLA below; everything else goes where it went before."""
+    rng = np.random.default_rng(55)
+    (w_t,) = transpose_w8a8([W8A8Weight(*quantize_int8(_weights(rng, 64, 32)))])
+    calls = []
+    real = matmul_pallas.w8a8_matmul
+    monkeypatch.setattr(matmul_pallas, "w8a8_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(matmul_pallas, "W8A8_PALLAS_MIN_ROWS", 6)
+    for fn in (matmul_pallas.matmul, matmul_pallas.matmul_w8a8_only):
+        calls.clear()
+        small = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+        big = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+        np.testing.assert_allclose(np.asarray(fn(small, w_t)), np.asarray(matmul_reference.matmul(small, w_t)), rtol=1e-6)
+        got = fn(big, w_t)
+        assert got.shape == (2, 3, 32) and calls == [(6, 64)]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(matmul_reference.matmul(big, w_t)), rtol=1e-6, atol=1e-6)
+    q = quantize_int8(_weights(rng, 64, 32))  # W8A16 stays XLA's under "auto"
+    np.testing.assert_array_equal(np.asarray(matmul_pallas.matmul_w8a8_only(small, q)), np.asarray(matmul_reference.matmul(small, q)))
+
+
+def test_transpose_w8a8_reaches_fused_and_stacked_weights():
+    from jlight.models.layers import FusedWeight
+
+    rng = np.random.default_rng(56)
+    stacked = W8A8Weight(*quantize_int8(jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.float32)))
+    fused = FusedWeight(W8A8Weight(*quantize_int8(_weights(rng, 64, 48))), (16, 32))
+    plain = quantize_int8(_weights(rng, 64, 16))  # weight-only int8: left as it is
+    out = transpose_w8a8({"a": stacked, "b": fused, "c": plain, "d": jnp.ones(3)})
+    assert type(out["a"]) is W8A8WeightT and out["a"].values_t.shape == (3, 32, 64)
+    np.testing.assert_array_equal(np.asarray(out["a"].values_t), np.swapaxes(np.asarray(stacked.values), 1, 2))
+    assert isinstance(out["b"], FusedWeight) and out["b"].widths == (16, 32) and out["b"].weight.values_t.shape == (48, 64)
+    assert type(out["c"]) is QuantizedWeight and out["c"].values is plain.values
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_w8a16_gemv_row_block_without_padding(m):
+    """The GEMV path's row block is the rows (next power of two): every row is right, nothing extra."""
+    rng = np.random.default_rng(60 + m)
+    w = quantize_int8(_weights(rng, 256, 64))
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    for splits in (1, 2):
+        got = np.asarray(matmul_pallas.w8a16_matmul(x, w, gemv=True, num_splits=splits, block_k=64))
+        assert got.shape == (m, 64)
+        np.testing.assert_allclose(got, np.asarray(x @ dequantize(w)), atol=1e-4, rtol=1e-4)

@@ -142,6 +142,8 @@ class LLMEngine:
     # ---- set-up helpers ---------------------------------------------------------------------
     def _prepare_params(self, loaded, mesh, gpu: bool, owns_weights: bool = False):
         """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan)."""
+        from jlight.pallas_kernels.dispatch import wants_kmajor_w8a8
+
         cfg = self.config
         params = loaded.params
         if cfg.quantization:
@@ -174,6 +176,12 @@ class LLMEngine:
             # Per-layer weights are this engine's own copies (split_layers made them), so their parts
             # are freed as they are fused; a caller's stacked weights are left intact.
             params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
+        if plan is None and wants_kmajor_w8a8(cfg.matmul_impl):
+            from jlight.pallas_kernels.quantization import transpose_w8a8
+
+            # W8A8 weights K-major for the Pallas kernel. The [in, out] copies are freed as they go
+            # when they are this engine's own (quantized here, or loaded by it).
+            params = transpose_w8a8(params, delete_source=owns_weights or bool(cfg.quantization))
         if owns_weights:
             loaded.params = None  # the loaded tree (stacked, unfused) is spent; a caller's LoadedModel keeps its params
         return params, plan
