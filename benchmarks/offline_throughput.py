@@ -51,7 +51,7 @@ def build_engine(a) -> LLMEngine:
     opts = dict(dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 quantization=a.quantization, attention_impl=a.attention_impl, matmul_impl=a.matmul_impl,
                 max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop, kv_cache_dtype=a.kv_cache_dtype,
-                mesh=a.mesh)
+                mesh=a.mesh, min_token_bucket=a.min_token_bucket)
     if a.model_config:
         from model_configs import random_loaded_model
 
@@ -92,6 +92,8 @@ def main():
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--matmul-impl", default="auto")
     ap.add_argument("--latency-tokens", type=int, default=128, help="tokens for the batch-1 decode latency (0 = skip)")
+    ap.add_argument("--min-token-bucket", type=int, default=None,
+                    help="smallest compiled step (EngineConfig.min_token_bucket); e.g. 1024 for a prefill-only run with few compiles")
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     a = ap.parse_args()
 
@@ -139,8 +141,9 @@ def main():
     result.update(num_requests=a.num_requests, output_tokens=generated, total_input_tokens=int(in_lens.sum()),
                   elapsed_s=elapsed, output_tok_s=generated / elapsed, steps=steps, step_ms=elapsed / steps * 1e3,
                   host_ms_per_step=breakdown, preemptions=engine.stats().num_preemptions)
+    result["total_tok_s"] = (int(in_lens.sum()) + generated) / elapsed
     print(f"{a.num_requests} requests, {int(in_lens.sum())} input / {generated} output tokens in {elapsed:.1f} s: "
-          f"{generated / elapsed:.0f} output tok/s, {steps} steps ({elapsed / steps * 1e3:.1f} ms/step), "
+          f"{generated / elapsed:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s, {steps} steps ({elapsed / steps * 1e3:.1f} ms/step), "
           f"preemptions {result['preemptions']}")
     print("per-step host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in breakdown.items()))
     _write(result, a)
