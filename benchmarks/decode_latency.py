@@ -9,9 +9,10 @@ Pallas W8A16 kernels with their options) and the smallest compiled step
 (EngineConfig.min_token_bucket): "b1" compiles a 1-token step for batch-1 decode, "b8" pads it
 to 8 tokens (the engine's default), which takes the Pallas kernel off its GEMV path (<= 4 rows);
 "-sep" keeps q/k/v and gate/up as separate matmuls (EngineConfig.fuse_projections=False).
-Each variant also reports the host's dispatch time per step and, with --kernel-breakdown on a
-GPU, the device time per kernel of one step. The roofline is the weight bytes a step must read
-over the copy bandwidth measured in the same run.
+Each variant also reports the host's dispatch time per step, a breakdown of it (the transfer of
+the step's inputs as ~30 arrays or as two packed buffers, and the jitted call alone) and, with
+--kernel-breakdown on a GPU, the device time per kernel of one step. The roofline is the weight
+bytes a step must read over the copy bandwidth measured in the same run.
 """
 import argparse
 import datetime
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from model_configs import random_loaded_model  # noqa: E402
 from offline_throughput import copy_bandwidth_bytes_per_s, decode_latency, weight_bytes  # noqa: E402
 
+from jlight.engine import step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
@@ -55,17 +57,44 @@ DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b8"
 
 
 def _spy_on_steps(runner) -> list:
-    """Record (params, inputs, host seconds of the call) for each step the runner launches."""
-    calls, step = [], runner._step
+    """Record (StepInputs, host seconds of the launch: packing and the jitted call) for each step."""
+    calls, launch = [], runner.launch
 
-    def spy(params, k_cache, v_cache, history, prev_sampled, inp):
+    def spy(inp):
         t0 = time.perf_counter()
-        out = step(params, k_cache, v_cache, history, prev_sampled, inp)
-        calls.append((params, inp, time.perf_counter() - t0))  # the host's dispatch time (the step runs async)
+        out = launch(inp)
+        calls.append((inp, time.perf_counter() - t0))  # the host's dispatch time (the step runs async)
         return out
 
-    runner._step = spy
+    runner.launch = spy
     return calls
+
+
+def dispatch_breakdown(runner, inp, reps: int = 50) -> dict:
+    """Parts of a step's dispatch (ms, each the median of `reps`, waiting for each): the transfer of
+    its numpy inputs as the StepInputs tree (one copy per leaf, as every step did before packing)
+    and as the two packed buffers (packing included), and the host time of the jitted call when
+    its buffers are already on the device. The calls run real steps on the runner's pools."""
+    def median_ms(fn):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    row = dict(transfer_unpacked_ms=median_ms(lambda: jax.device_put(inp)),
+               transfer_packed_ms=median_ms(lambda: jax.device_put(step_packing.pack(inp)[:2])))
+    ints, floats, layout = step_packing.pack(inp)
+    ints, floats = jax.block_until_ready(jax.device_put((ints, floats)))
+    r, times = runner, []
+    for _ in range(reps + 1):  # the first call is not timed: it may trace for device-resident buffers
+        t0 = time.perf_counter()
+        out = r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, layout)
+        times.append(time.perf_counter() - t0)
+        r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(out)
+    row["call_on_device_inputs_ms"] = 1e3 * statistics.median(times[1:])
+    return row
 
 
 def greedy_tokens(engine, n: int) -> list[int]:
@@ -84,9 +113,9 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     kernel name: where a step's milliseconds go. Run without donation, on the runner's live pools."""
     from jax.experimental.mosaic.gpu import profiler
 
-    params, inp, _ = step_args
-    _, kernels = profiler.measure(jax.jit(runner._step_impl), aggregate=False)(
-        params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, inp)
+    inp, _ = step_args
+    _, kernels = profiler.measure(jax.jit(runner._packed_step, static_argnums=7), aggregate=False)(
+        runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, *step_packing.pack(inp))
     by_name: dict[str, list] = {}
     for name, ms in kernels or []:
         entry = by_name.setdefault(name, [0, 0.0])
@@ -131,11 +160,17 @@ def main():
                 layer_loop=a.layer_loop, warmup=False, **engine_fields), loaded=loaded)
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
-            dispatch_ms = 1e3 * statistics.median(t for _, _, t in step_args[len(step_args) // 2:])
+            dispatch_ms = 1e3 * statistics.median(t for _, t in step_args[len(step_args) // 2:])
+            last_decode = step_args[-1][0]
             greedy = greedy_tokens(engine, 16)  # to compare variants (and XLA flags) for correctness
             row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets,
                        dispatch_ms=dispatch_ms, greedy_tokens=greedy)
             print(f"  host time to dispatch one step (median of the later half): {dispatch_ms:.2f} ms", flush=True)
+            # After the greedy check: the breakdown's steps overwrite the pools (nothing reads them afterwards).
+            row.update(dispatch_breakdown(engine.runner, last_decode))
+            print(f"  dispatch breakdown (median of 50): transfer unpacked {row['transfer_unpacked_ms']:.3f} ms, "
+                  f"packed {row['transfer_packed_ms']:.3f} ms; call on device inputs {row['call_on_device_inputs_ms']:.3f} ms",
+                  flush=True)
             if a.kernel_breakdown and gpu:
                 try:
                     row["kernels"] = kernel_breakdown(engine.runner, step_args[-1])

@@ -20,6 +20,7 @@ def test_decode_latency_runs_every_variant_from_one_loaded_model(tmp_path):
     for name, row in result["variants"].items():
         assert "error" not in row, (name, row)
         assert row["ms"] > 0 and row["dispatch_ms"] > 0
+        assert all(row[k] > 0 for k in ("transfer_unpacked_ms", "transfer_packed_ms", "call_on_device_inputs_ms"))
     assert result["variants"]["int8-pallas-b1"]["buckets"][0] == 1
     assert result["variants"]["bf16-b8"]["buckets"][0] == 8
     # the same random model decodes the same greedy tokens with fused and separate projections

@@ -5,6 +5,7 @@ start-up. The step embeds, runs the model over the ragged batch, samples on devi
 returns only the sampled ids (plus logprobs when asked). Decode tokens sampled by the
 previous step never visit the host: the step reads them from the previous step's output
 (`from_prev`), so the host can launch step N+1 before it has seen step N's tokens.
+The step's host inputs travel packed in two buffers (step_packing.py says why).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.engine import sampler
+from jlight.engine import sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.quantization import make_kv_pool
@@ -82,10 +83,14 @@ class ModelRunner:
         if sharding_plan is not None:
             model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
         self._model_fn = model_fn
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2, 3))
+        self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(7,))
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
 
     # ---- the device function ------------------------------------------------------------
+    def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, layout: step_packing.Layout):
+        inp = step_packing.unpack(layout, ints, floats)
+        return self._step_impl(params, k_cache, v_cache, history, prev_sampled, inp)
+
     def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs):
         tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
         (hidden, logits), k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
@@ -209,7 +214,7 @@ class ModelRunner:
     def launch(self, inp: StepInputs) -> StepOutputs:
         """Dispatch one step (returns at once; outputs are device arrays)."""
         self.k_cache, self.v_cache, self.history, self.prev_sampled, out = self._step(
-            self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, inp)
+            self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, *step_packing.pack(inp))
         return out
 
     def warmup(self, progress=None) -> float:
@@ -231,7 +236,8 @@ class ModelRunner:
 
 
 def _pad_to_bucket(inp: StepInputs, T: int, B: int, runner: ModelRunner) -> StepInputs:
-    """An all-padding batch of exactly T tokens and B rows (for warm-up)."""
+    """An all-padding batch of exactly T tokens and B rows (for warm-up). Its leaves have the shapes
+    and dtypes of `prepare`'s for the bucket, so it packs to the same layout: the same compiled step."""
     def tok(a, fill=0):
         return np.full((T,) + a.shape[1:], fill, a.dtype)
 
