@@ -30,7 +30,7 @@ from kernel_batches import random_batch  # noqa: E402
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import (  # noqa: E402
-    QuantizedKV, QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv, transpose_w8a8)
+    QuantizedKV, QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv, transpose_w8a8)
 
 COPY_BW = 3.70e12
 BF16_RATE = 645e12
@@ -373,6 +373,9 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
                         dict(block_k=64, num_stages=4), dict(num_stages=4), dict(block_n=64)):
                 gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)
             gemm["xla fp8 e4m3 dot (per-token x, scaled after)"] = (fp8_dot, w_f8, FP8_RATE)
+            w_f8_t = [W8A8WeightT(jnp.asarray(v.T), sc) for v, sc in w_f8]
+            for cfg in (dict(), dict(block_n=256, num_warps=8)):
+                gemm[f"pallas fp8 e4m3 K-major {cfg or '(default tiles)'}"] = (pallas(cfg), w_f8_t, FP8_RATE)
         elif not quick:  # decode-sized steps: narrower tiles for more programs
             for cfg in (dict(block_n=64), dict(block_n=32), dict(block_n=64, num_stages=4)):
                 gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)

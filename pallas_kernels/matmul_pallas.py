@@ -101,7 +101,8 @@ def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps, kmaj
             return acc + pltr.dot(x, w_ref[:, k], trans_b=True)  # int32
         return acc + pltr.dot(x, w_ref[k, :])  # [block_k, block_n] int8 -> int32
 
-    acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros(o_ref.shape, jnp.int32))  # [block_m, block_n]
+    acc_dtype = jnp.int32 if jnp.issubdtype(x_ref.dtype, jnp.integer) else jnp.float32  # fp8: f32 sums
+    acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros(o_ref.shape, acc_dtype))  # [block_m, block_n]
     out = acc.astype(jnp.float32) * xs_ref[...][:, None] * s_ref[...].astype(jnp.float32)[None, :]
     o_ref[...] = out.astype(o_ref.dtype)
 
@@ -187,13 +188,14 @@ def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=N
     w: a W8A8WeightT (values [out, in], K-major), the fast layout: Hopper's 8-bit wgmma takes both
     operands contiguous along the summed axis. An [in, out] QuantizedWeight also works, but Triton
     then cannot use wgmma (H200, 4096x4096x14336: 1291 us at best vs 386 us K-major,
-    docs/BENCHMARKS.md); it stays for that comparison."""
+    docs/BENCHMARKS.md); it stays for that comparison. Weights in fp8 (e4m3) make it an fp8 x fp8
+    matmul with float32 sums (benchmarks only so far: no quantization mode makes them)."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     kmajor = isinstance(w, W8A8WeightT)
     values = w.values_t if kmajor else w.values
     n = values.shape[0 if kmajor else 1]
-    xq, x_scales = quantize_activations(x)  # [M, in] int8, [M, 1] f32
+    xq, x_scales = quantize_activations(x, values.dtype)  # [M, in] int8 (or fp8 for fp8 weights), [M, 1] f32
     block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
     # Tile defaults: the fastest tried on the H200 at 4096 x 4096 x 14336 (docs/BENCHMARKS.md):
     # K-major 128 x 128 x 128, 4 warps, 3 stages; [in, out] 128 x 64 x 128, 4 warps, 4 stages.

@@ -66,10 +66,14 @@ def quantize_int8(w: jax.Array) -> QuantizedWeight:
     return QuantizedWeight(values, scales)
 
 
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token symmetric int8: x [..., in] -> (values int8 [..., in], scales f32 [..., 1])."""
+def quantize_activations(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """Per-token symmetric int8 (or fp8 e4m3 with dtype=jnp.float8_e4m3fn, scaled to its +-448):
+    x [..., in] -> (values [..., in], scales f32 [..., 1])."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    if dtype == jnp.float8_e4m3fn:
+        scales = jnp.where(amax > 0, amax / 448.0, 1.0)
+        return (x32 / scales).astype(dtype), scales  # the cast rounds to nearest
     scales = jnp.where(amax > 0, amax / 127.0, 1.0)  # [..., 1]
     values = jnp.clip(jnp.round(x32 / scales), -127, 127).astype(jnp.int8)
     return values, scales

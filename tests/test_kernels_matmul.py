@@ -232,3 +232,15 @@ def test_w8a16_gemv_row_block_without_padding(m):
         got = np.asarray(matmul_pallas.w8a16_matmul(x, w, gemv=True, num_splits=splits, block_k=64))
         assert got.shape == (m, 64)
         np.testing.assert_allclose(got, np.asarray(x @ dequantize(w)), atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_weights_run_the_same_kernel_with_float_sums():
+    """fp8 (e4m3) K-major weights: per-token e4m3 activations, float32 sums; close to the float product."""
+    rng = np.random.default_rng(57)
+    w = _weights(rng, 128, 64)
+    scales = jnp.max(jnp.abs(w), axis=0) / 448.0
+    w_t = W8A8WeightT((w / scales).T.astype(jnp.float8_e4m3fn), scales)
+    x = jnp.asarray(rng.standard_normal((20, 128)), jnp.float32)
+    got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))
+    exact = np.asarray(x @ w)
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 6e-2
