@@ -7,18 +7,18 @@
 # host's dispatch breakdown (benchmarks/decode_latency.py).
 # Usage on the GPU machine: bash benchmarks/h200_w8a8_run.sh "$OUT"
 source "$(dirname "$0")/h200_setup.sh"
-timeout 170 python3 benchmarks/kernels.py --skip-checks --trials 20 --sections gemm,gemv --gemm-rows 4096,512,64,8 \
+timeout 150 python3 benchmarks/kernels.py --skip-checks --trials 20 --sections gemm,gemv --gemm-rows 4096,512,64,8 \
   --gemv-shapes 4096x14336,14336x4096,4096x6144 --gemv-rows 1 --gemv-splits 2,3,4,6,8 --out "$OUT" > "$OUT/kernels.txt" 2>&1
 echo "kernels.py exit $?"; grep -E " us |ERROR" "$OUT/kernels.txt" | grep -v "^copy" | awk '!seen[$0]++' | cut -c1-200
 for variant in "bf16:none:auto" "w8a8-pallas:w8a8:auto" "w8a8-xla:w8a8:reference"; do
   IFS=: read name quant mimpl <<< "$variant"
   q=(); [ "$quant" != none ] && q=(--quantization "$quant")
-  timeout 100 python3 benchmarks/offline_throughput.py --model-config llama3-8b --dtype bfloat16 "${q[@]}" --matmul-impl "$mimpl" \
+  timeout 90 python3 benchmarks/offline_throughput.py --model-config llama3-8b --dtype bfloat16 "${q[@]}" --matmul-impl "$mimpl" \
     --layer-loop unroll --num-requests 16 --input-len 2048 2048 --output-len 1 1 --max-num-seqs 16 \
     --max-num-batched-tokens 2048 --min-token-bucket 1024 --max-model-len 4096 --latency-tokens 0 --out "$OUT/prefill_$name" \
     > "/tmp/prefill_$name.txt" 2>&1
   echo "== prefill $name exit $?"; grep -E "ready|requests|rror" "/tmp/prefill_$name.txt" | tail -3
 done
-timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode_latency.py --model-config llama3-8b --variants bf16-b8,int8-xla-b8,int8-pallas-b1 \
+timeout ${DECODE_TIMEOUT:-140} python3 benchmarks/decode_latency.py --model-config llama3-8b --variants bf16-b8,int8-xla-b8,int8-pallas-b1 \
   --out "$OUT" > "$OUT/decode.txt" 2>&1
 echo "decode_latency.py exit $?"; grep -vE "^\s*$" "$OUT/decode.txt" | tail -20
