@@ -1,19 +1,20 @@
 """int8 quantization: per-output-channel symmetric weight scales, per-token activation scales,
 and the int8 KV cache (one scale per token and KV head).
 
-Two weight types share one layout (values int8 [..., in, out], scales [..., out]):
+Two weight types share one layout (values 8-bit [..., in, out], scales [..., out]):
   QuantizedWeight: weight-only int8 (W8A16): activations stay in bf16/f32.
   W8A8Weight: also quantizes the activations per token at run time and multiplies in
-    int8 with int32 accumulation. It subclasses QuantizedWeight so code that only moves
-    or shards weights (lax.scan slicing, sharding rules) treats both alike; matmuls tell
-    them apart with isinstance(w, W8A8Weight).
+    8 bits: int8 values (mode "w8a8", int32 sums) or fp8 e4m3 values (mode "fp8", float32
+    sums; the activations then go to e4m3 too). It subclasses QuantizedWeight so code that
+    only moves or shards weights (lax.scan slicing, sharding rules) treats both alike;
+    matmuls tell them apart with isinstance(w, W8A8Weight) and the values' dtype.
 """
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-QUANT_MODES = ("int8", "w8a8")
+QUANT_MODES = ("int8", "w8a8", "fp8")
 # The 2-D-per-layer linear weights of models/llama.py.
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -66,13 +67,24 @@ def quantize_int8(w: jax.Array) -> QuantizedWeight:
     return QuantizedWeight(values, scales)
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(w: jax.Array) -> QuantizedWeight:
+    """A [..., in, out] weight in fp8 (e4m3) with one scale per output channel (amax -> 448)."""
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-2)
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return QuantizedWeight((w32 / scales[..., None, :]).astype(jnp.float8_e4m3fn), scales)
+
+
 def quantize_activations(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
     """Per-token symmetric int8 (or fp8 e4m3 with dtype=jnp.float8_e4m3fn, scaled to its +-448):
     x [..., in] -> (values [..., in], scales f32 [..., 1])."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
     if dtype == jnp.float8_e4m3fn:
-        scales = jnp.where(amax > 0, amax / 448.0, 1.0)
+        scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
         return (x32 / scales).astype(dtype), scales  # the cast rounds to nearest
     scales = jnp.where(amax > 0, amax / 127.0, 1.0)  # [..., 1]
     values = jnp.clip(jnp.round(x32 / scales), -127, 127).astype(jnp.int8)
@@ -91,7 +103,8 @@ QUANTIZABLE = LINEAR_WEIGHTS + ("lm_head",)
 def quantize_params(params: dict, mode: str, keep=()) -> dict:
     """Return a copy of a Llama-family params tree with its linear weights in int8.
 
-    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight.
+    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight; "fp8": W8A8Weight with
+    e4m3 values (per-channel scales, amax -> 448), activations in e4m3 per token at run time.
     Stacked layer weights [L, in, out] become values [L, in, out], scales [L, out], so
     lax.scan slices both per layer. Norms, biases and the embedding table stay as they are.
 
@@ -111,13 +124,14 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
     if unknown:
         raise ValueError(f"keep={keep!r}: {', '.join(map(repr, unknown))} not in {', '.join(QUANTIZABLE)}")
     weight_type = QuantizedWeight if mode == "int8" else W8A8Weight
+    to_8bit = quantize_fp8 if mode == "fp8" else quantize_int8
 
     def quantize(name, w):
         if isinstance(w, QuantizedWeight):
             raise ValueError(f"params[{name!r}] is already quantized; pass the unquantized params")
         if w.ndim < 2:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
-        return weight_type(*quantize_int8(w))
+        return weight_type(*to_8bit(w))
 
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:

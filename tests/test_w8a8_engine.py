@@ -1,9 +1,11 @@
 """The engine's W8A8 path on the Pallas kernel (interpret mode on CPU): weights made K-major at
 load (quantization.transpose_w8a8), the kernel called for the model's matmuls, and the same greedy
-tokens as XLA's int8 dot on the [in, out] weights (both sum exactly in int32)."""
+tokens as XLA's int8 dot on the [in, out] weights (both sum exactly in int32); the same for fp8
+(e4m3) weights and activations, whose float32 sums differ only in order."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jlight
@@ -15,8 +17,8 @@ from jlight.pallas_kernels.quantization import W8A8WeightT
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
 
 
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
-def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop):
+@pytest.mark.parametrize("quantization,layer_loop", [("w8a8", "unroll"), ("w8a8", "scan"), ("fp8", "unroll")])
+def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, quantization, layer_loop):
     path = tiny_model("LlamaForCausalLM")
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     kernel_rows = []
@@ -25,7 +27,7 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop
     monkeypatch.setattr(matmul_pallas, "W8A8_PALLAS_MIN_ROWS", 1)  # the tiny steps take the kernel too
     outputs = {}
     for impl in ("pallas", "reference"):
-        llm = jlight.LLM(path, dtype="float32", quantization="w8a8", matmul_impl=impl, layer_loop=layer_loop, max_num_seqs=2,
+        llm = jlight.LLM(path, dtype="float32", quantization=quantization, matmul_impl=impl, layer_loop=layer_loop, max_num_seqs=2,
                          max_num_batched_tokens=16, num_pages=16, compilation_cache_dir=None)
         params = llm.engine.runner.params
         kmajor = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, W8A8WeightT))
@@ -35,6 +37,7 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop
             first = params["layers"][0] if layer_loop == "unroll" else params["layers"]
             assert isinstance(first["wqkv"], FusedWeight) and isinstance(first["wqkv"].weight, W8A8WeightT)
             assert isinstance(params["lm_head"], W8A8WeightT)
+            assert params["lm_head"].values_t.dtype == (jnp.int8 if quantization == "w8a8" else jnp.float8_e4m3fn)
         outputs[impl] = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
         if impl == "pallas":
             assert kernel_rows, "the Pallas W8A8 kernel was never called"
