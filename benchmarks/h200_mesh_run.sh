@@ -26,20 +26,7 @@ mkdir -p "$OUT"
 BUDGET=${BUDGET:-350}
 T0=$(date +%s)
 
-sweep() {  # sweep NAME CAP_SECONDS MESH_SWEEP_ARGS...
-  local name=$1 cap=$2
-  shift 2
-  local left=$(( BUDGET - ($(date +%s) - T0) ))
-  local limit=$(( cap < left ? cap : left ))
-  if [ "$limit" -lt 45 ]; then
-    echo "== $name skipped: $left s of the $BUDGET s budget left"
-    return
-  fi
-  echo "== $name: timeout $limit s, at $(( $(date +%s) - T0 )) s"
-  timeout -k 10 "$limit" python3 benchmarks/mesh_sweep.py --out "$OUT" --name "$name" --plot 0 \
-    --layer-loop unroll --trials 5 --batch 64 --context 512 --prompt-len 2048 "$@"
-  echo "== $name exit $? at $(( $(date +%s) - T0 )) s"
-}
+source "$(dirname "$0")/h200_sweep_lib.sh"  # sweep NAME CAP ARGS..., sweep_summary
 
 main() {
   source "$(dirname "$0")/h200_setup.sh" "$OUT"  # PYTHONUNBUFFERED, jlight installed from this tree
@@ -51,17 +38,7 @@ main() {
     --collective-matmul 0 1
   sweep llama70b_l80_tp2 120 --model-config llama3-70b --meshes tp=2
   sweep mixtral_l8 90 --model-config mixtral-8x7b --num-layers 8 --meshes ep=1 ep=2 tp=2
-  echo "== summary (ms; pipelined = steps launched back to back)"
-  python3 - "$OUT" <<'EOF'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")), key=os.path.getmtime):
-    d = json.load(open(path))
-    print(f"{os.path.basename(path)}: {d['model_config']}, {d['num_layers']} layers, {d['num_params_b']}B params, {d['layer_loop']}")
-    for r in d["results"]:
-        cells = [f"{k[:-3]} {r[k]:.2f} ({r[k[:-3] + '_pipelined_ms']:.2f})" for k in r if k.endswith("_ms") and "pipelined" not in k]
-        errors = [f"{k}: {v}" for k, v in r.items() if k.endswith("error")]
-        print(f"  {r['label']:<16} {r.get('param_gb_per_device', '?')} GB/dev  " + "  ".join(cells + errors))
-EOF
+  sweep_summary
 }
 
 main 2>&1 | tee "$OUT/run.log"
