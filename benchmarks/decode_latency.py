@@ -34,7 +34,10 @@ from jlight.engine import step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from jlight.pallas_kernels import matmul_pallas  # noqa: E402
+from jlight.pallas_kernels import dispatch, matmul_pallas  # noqa: E402
+from jlight.pallas_kernels.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
+
+KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT)
 
 # name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS). "-sep": q/k/v and gate/up as separate
 # matmuls (fuse_projections=False), the engine's default before 2026-11-29's fourth session.
@@ -47,6 +50,9 @@ VARIANTS = {
     "int8-xla-b8": (dict(_INT8_XLA, min_token_bucket=8), {}),
     "int8-xla-b8-sep": (dict(_INT8_XLA, min_token_bucket=8, fuse_projections=False), {}),
     "int8-xla-b1": (dict(_INT8_XLA, min_token_bucket=1), {}),
+    # matmul_impl "auto" with dispatch.KMAJOR_W8A16_FOR_XLA on: the int8 weights stored [out, in]
+    "int8-auto-b8-kmajor": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
+    "int8-auto-b8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     "int8-pallas-b1": (dict(_INT8_PALLAS, min_token_bucket=1), {}),  # the GEMV path (int8 converted by exponent bits)
     "int8-pallas-b1-sep": (dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False), {}),
     "int8-pallas-b1-cvt": (dict(_INT8_PALLAS, min_token_bucket=1), dict(magic_convert=False)),
@@ -151,9 +157,11 @@ def main():
                   jax=jax.__version__, model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, command=" ".join(sys.argv),
                   variants={})
     pages = -(-(a.prompt_len + a.tokens + 16) // 16) + 2
+    kmajor_default = dispatch.KMAJOR_W8A16_FOR_XLA
     for name in names:
         engine_fields, opts = VARIANTS[name]
         matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
+        dispatch.KMAJOR_W8A16_FOR_XLA = name.endswith("-kmajor")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
                 model=None, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
@@ -163,9 +171,13 @@ def main():
             dispatch_ms = 1e3 * statistics.median(t for _, t in step_args[len(step_args) // 2:])
             last_decode = step_args[-1][0]
             greedy = greedy_tokens(engine, 16)  # to compare variants (and XLA flags) for correctness
+            kmajor = [w for w in jax.tree.leaves(engine.runner.params, is_leaf=lambda x: isinstance(x, KMAJOR_TYPES))
+                      if isinstance(w, KMAJOR_TYPES)]
             row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets,
+                       kmajor_weights=len(kmajor),
                        dispatch_ms=dispatch_ms, greedy_tokens=greedy)
-            print(f"  host time to dispatch one step (median of the later half): {dispatch_ms:.2f} ms", flush=True)
+            print(f"  host time to dispatch one step (median of the later half): {dispatch_ms:.2f} ms; "
+                  f"{len(kmajor)} K-major weights", flush=True)
             # After the greedy check: the breakdown's steps overwrite the pools (nothing reads them afterwards).
             row.update(dispatch_breakdown(engine.runner, last_decode))
             print(f"  dispatch breakdown (median of 50): transfer unpacked {row['transfer_unpacked_ms']:.3f} ms, "
@@ -187,6 +199,7 @@ def main():
             line = f"{name:28s} FAILED {row['error']}"
         finally:
             matmul_pallas.W8A16_OPTIONS = {}
+            dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default
             gc.collect()
         print(line, flush=True)
         result["variants"][name] = row

@@ -30,7 +30,7 @@ from kernel_batches import random_batch  # noqa: E402
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import (  # noqa: E402
-    QuantizedKV, QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv, transpose_w8a8)
+    QuantizedKV, QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv, transpose_to_kmajor)
 
 COPY_BW = 3.70e12
 BF16_RATE = 645e12
@@ -123,7 +123,7 @@ def run_checks(rng, quick):
         w = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
         w8 = W8A8Weight(*w)
         for name, fn, weight in (("w8a16", matmul_pallas.w8a16_matmul, w), ("w8a8", matmul_pallas.w8a8_matmul, w8),
-                                 ("w8a8 K-major", matmul_pallas.w8a8_matmul, transpose_w8a8([w8])[0])):
+                                 ("w8a8 K-major", matmul_pallas.w8a8_matmul, transpose_to_kmajor([w8])[0])):
             got = fn(x, weight)
             want = matmul_reference.matmul(x.astype(jnp.float32), weight)
             rows.append(dict(kernel=name, case=f"{m}x{k}x{n}", dtype="bfloat16", rel_err=rel_err(got, want),
@@ -302,6 +302,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
         wq, wb = _device_int8_weights(kw, k, n, sets), _device_bf16_weights(kb, k, n, sets)
         # The same int8 weights stored transposed, [N, K], for the bundled Mosaic GPU kernel.
         wq_t = [TransposedInt8(jnp.asarray(w.values.T), w.scales) for w in wq] if not quick else []
+        wq_k = transpose_to_kmajor(wq, kinds=(QuantizedWeight,))  # [N, K] for XLA's dequantize-dot
         for m in (int(r) for r in gemv_rows.split(",")):
             variants = GEMV_VARIANTS[m]
             if gemv_splits:  # a split-K sweep of the default tiles instead of the named variants
@@ -309,7 +310,8 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             int8_bytes = k * n + 4 * n + 2 * m * (k + n)
             cases = [("xla bf16 weights", matmul_reference.matmul, wb, 2 * k * n + 2 * m * (k + n)),
-                     ("xla int8 reference", matmul_reference.matmul, wq, int8_bytes)]
+                     ("xla int8 reference", matmul_reference.matmul, wq, int8_bytes),
+                     ("xla int8 reference, K-major weights", matmul_reference.matmul, wq_k, int8_bytes)]
             cases += [(name, lambda x, w, cfg=cfg: matmul_pallas.w8a16_matmul(x, w, **cfg), wq, int8_bytes)
                       for name, cfg in variants.items()]
             if not quick and jax.default_backend() == "gpu":
@@ -321,7 +323,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
             for name, fn, weights, nbytes in cases:
                 row = dict(kernel=f"w8a16 M={m} {k}x{n}", impl=name)
                 try:
-                    if weights is wq or weights is wq_t:  # every int8 variant computes the same sums
+                    if weights is not wb:  # every int8 variant computes the same sums
                         row["rel_err"] = rel_err(fn(x, weights[0]).astype(jnp.float32), want)
                     kernels = {}
                     t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, weights), sets, trials, kernels)
@@ -334,7 +336,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
                 rows.append(row)
                 print_table([row])  # as it comes: a run cut off by its time limit keeps what it measured
                 sys.stdout.flush()
-        del wq, wb, wq_t
+        del wq, wb, wq_t, wq_k
     return rows
 
 
@@ -346,7 +348,7 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
     ws = [quantize_int8(jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)) for _ in range(2)]
     w_bf16 = [jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16) for _ in range(2)]
     w8 = [W8A8Weight(*w) for w in ws]
-    w8_t = transpose_w8a8(w8)  # [N, K], K-major: Hopper's 8-bit wgmma wants both operands contiguous along K
+    w8_t = transpose_to_kmajor(w8)  # [N, K], K-major: Hopper's 8-bit wgmma wants both operands contiguous along K
     # The same weights in e4m3 (int8 range mapped onto e4m3's +-448), scales adjusted to match.
     w_f8 = [((w.values.astype(jnp.float32) * (448.0 / 127.0)).astype(jnp.float8_e4m3fn), w.scales * (127.0 / 448.0)) for w in w8]
 

@@ -67,8 +67,19 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     return Kernels(write_kv, attention, matmul, moe_impl)
 
 
-def wants_kmajor_w8a8(matmul_impl: str) -> bool:
-    """Whether the engine should store W8A8 weights K-major (quantization.transpose_w8a8) for the
-    Pallas W8A8 kernel: when the matmuls run on the Pallas path, and not under a mesh (the
-    sharding rules name the [in, out] layout)."""
-    return _use_pallas(matmul_impl)
+# Weight-only int8 stored K-major for XLA's dequantize-dot ("auto" on GPU). A switch, read when the
+# engine prepares its weights, so that benchmarks/decode_latency.py can compare both layouts.
+KMAJOR_W8A16_FOR_XLA = False
+
+
+def kmajor_weight_types(matmul_impl: str) -> tuple:
+    """The quantized weight types the engine stores K-major (quantization.transpose_to_kmajor) for
+    its matmuls (never under a mesh: the sharding rules name the [in, out] layout): W8A8 weights
+    for the Pallas kernel on the Pallas path; weight-only int8 when XLA runs it on GPU and
+    KMAJOR_W8A16_FOR_XLA is on."""
+    from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
+
+    kinds = (W8A8Weight,) if _use_pallas(matmul_impl) else ()
+    if matmul_impl == "auto" and on_gpu() and KMAJOR_W8A16_FOR_XLA:
+        kinds += (QuantizedWeight,)
+    return kinds

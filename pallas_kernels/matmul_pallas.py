@@ -24,9 +24,9 @@ from jlight.pallas_kernels import matmul_reference, pallas_mode
 from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations
 
 _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
-# Steps of fewer rows (decode) send K-major W8A8 weights to XLA's int8 dot: the kernel's 128-row
-# tiles are for prefill. (H200 figures in docs/BENCHMARKS.md.)
-W8A8_PALLAS_MIN_ROWS = 128
+# Steps of fewer rows send K-major W8A8 weights to XLA's int8 dot. H200, 4096x14336 (docs/BENCHMARKS.md):
+# 8 rows XLA 21.2 us vs the kernel's best 21.7; 64 rows 28.3 vs 23.7; 512 rows 82.4 vs 62.0.
+W8A8_PALLAS_MIN_ROWS = 64
 _GEMV_MAX_ROWS = 4  # up to this many rows, W8A16 reduces on CUDA cores (no tensor-core tile)
 # w8a16_matmul keywords that matmul() (the engine's path) passes; "gemv_max_rows" overrides
 # _GEMV_MAX_ROWS. benchmarks/decode_latency.py sets these to compare variants end to end.
@@ -197,12 +197,14 @@ def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=N
     n = values.shape[0 if kmajor else 1]
     xq, x_scales = quantize_activations(x, values.dtype)  # [M, in] int8 (or fp8 for fp8 weights), [M, 1] f32
     block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
-    # Tile defaults: the fastest tried on the H200 at 4096 x 4096 x 14336 (docs/BENCHMARKS.md):
-    # K-major 128 x 128 x 128, 4 warps, 3 stages; [in, out] 128 x 64 x 128, 4 warps, 4 stages.
-    block_n = block_n or _largest_pow2_divisor(n, 128 if kmajor else 64)
+    # Tile defaults: the fastest tried on the H200 at 4096 x 14336 (docs/BENCHMARKS.md): K-major,
+    # 128 x 128 x 128, 4 warps, 3 stages from 128 rows, 64-wide tiles with 4 stages below (more
+    # programs); [in, out] 128 x 64 x 128, 4 warps, 4 stages.
+    few_rows = m <= 64
+    block_n = block_n or _largest_pow2_divisor(n, 128 if kmajor and not few_rows else 64)
     block_k = block_k or _largest_pow2_divisor(k, 128)
     num_warps = num_warps or 4
-    num_stages = num_stages or (3 if kmajor else 4)
+    num_stages = num_stages or (3 if kmajor and not few_rows else 4)
     xq = _pad_rows(xq, block_m)
     x_scales = _pad_rows(x_scales[:, 0], block_m)  # [M_pad]
     kernel = functools.partial(_w8a8_kernel, block_k=block_k, num_steps=k // block_k, kmajor=kmajor)
@@ -236,8 +238,10 @@ def _rows(x) -> int:
 
 
 def _w8a8(x, w, out_dtype, interpret):
-    """K-major W8A8 weights: the Pallas kernel from W8A8_PALLAS_MIN_ROWS rows, XLA's int8 dot below."""
-    if not _fits(w) or _rows(x) < W8A8_PALLAS_MIN_ROWS:
+    """K-major W8A8 weights: the Pallas kernel from W8A8_PALLAS_MIN_ROWS rows, XLA's int8 dot below.
+    fp8 weights always go to XLA: the kernel's fp8 tiles were slower than XLA's fp8 dot on the H200
+    (4096 x 4096 x 14336: 1007 vs 798 us), unlike its int8 tiles (382 vs 523 us)."""
+    if not _fits(w) or _rows(x) < W8A8_PALLAS_MIN_ROWS or w.values_t.dtype != jnp.int8:
         return matmul_reference.matmul(x, w, out_dtype)
     y = w8a8_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret)
     return y.reshape(*x.shape[:-1], y.shape[-1])

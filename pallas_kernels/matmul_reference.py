@@ -1,12 +1,12 @@
 """Pure-XLA matmuls over plain or int8-quantized weights (the reference and CPU path)."""
 import jax.numpy as jnp
 
-from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_activations
+from jlight.pallas_kernels.quantization import QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, quantize_activations
 
 
 def matmul(x, w, out_dtype=None):
-    """x: [..., in] times w: [in, out] (an array, QuantizedWeight, W8A8Weight, or a W8A8WeightT
-    holding [out, in]) -> [..., out].
+    """x: [..., in] times w: [in, out] (an array, QuantizedWeight, W8A8Weight, or their K-major
+    QuantizedWeightT / W8A8WeightT holding [out, in]) -> [..., out].
 
     Accumulates in float32 (int32 for W8A8); the result is cast to out_dtype (default: x's dtype).
     """
@@ -19,8 +19,9 @@ def matmul(x, w, out_dtype=None):
         sums = jnp.int32 if values.dtype == jnp.int8 else jnp.float32
         y = jnp.dot(xq, values, preferred_element_type=sums).astype(jnp.float32)
         return (y * x_scales * w.scales.astype(jnp.float32)).astype(out_dtype)
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, QuantizedWeightT)):
         # Dequantize in the compute dtype; XLA fuses the scale multiply into the dot's epilogue.
-        y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+        values = w.values if isinstance(w, QuantizedWeight) else jnp.swapaxes(w.values_t, -1, -2)
+        y = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scales.astype(jnp.float32)).astype(out_dtype)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)

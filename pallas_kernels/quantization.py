@@ -32,10 +32,20 @@ class W8A8WeightT(NamedTuple):
     """A W8A8Weight stored transposed ("K-major"), the layout the Pallas W8A8 kernel reads: Hopper's
     8-bit tensor-core instructions (wgmma) take both operands contiguous along the summed `in` axis.
     The engine makes these from W8A8Weights when its matmuls run on the Pallas path
-    (transpose_w8a8); checkpoints and sharding rules keep the [in, out] layout. Not a
+    (transpose_to_kmajor); checkpoints and sharding rules keep the [in, out] layout. Not a
     QuantizedWeight: code that reads `.values` as [in, out] must not take it for one."""
+    values_t: jax.Array  # [..., out, in] 8-bit
+    scales: jax.Array  # [..., out] float32
+
+
+class QuantizedWeightT(NamedTuple):
+    """A weight-only int8 QuantizedWeight stored transposed ([out, in], K-major), for XLA's fused
+    dequantize-dot on GPU (dispatch.kmajor_weight_types says when the engine makes them)."""
     values_t: jax.Array  # [..., out, in] int8
     scales: jax.Array  # [..., out] float32
+
+
+_KMAJOR = {QuantizedWeight: QuantizedWeightT, W8A8Weight: W8A8WeightT}
 
 
 @jax.jit
@@ -43,19 +53,20 @@ def _transpose_last_two(values):
     return jnp.swapaxes(values, -1, -2)
 
 
-def transpose_w8a8(tree, delete_source: bool = False):
-    """Every W8A8Weight in `tree` (plain or inside a FusedWeight, per layer or stacked) as a
-    W8A8WeightT. delete_source: free each [in, out] copy once transposed, so the peak is the
-    model plus one weight (only for arrays the caller owns no other reference to)."""
+def transpose_to_kmajor(tree, kinds=(W8A8Weight,), delete_source: bool = False):
+    """Every weight in `tree` whose type is one of `kinds` (QuantizedWeight, W8A8Weight; plain or
+    inside a FusedWeight, per layer or stacked) as its K-major counterpart. delete_source: free each
+    [in, out] copy once transposed, so the peak is the model plus one weight (only for arrays the
+    caller holds no other reference to)."""
     def convert(leaf):
-        if not isinstance(leaf, W8A8Weight):
+        if type(leaf) not in kinds:
             return leaf
         values_t = _transpose_last_two(leaf.values)
         if delete_source:
             leaf.values.delete()
-        return W8A8WeightT(values_t, leaf.scales)
+        return _KMAJOR[type(leaf)](values_t, leaf.scales)
 
-    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, W8A8Weight))
+    return jax.tree.map(convert, tree, is_leaf=lambda x: type(x) in _KMAJOR)
 
 
 def quantize_int8(w: jax.Array) -> QuantizedWeight:

@@ -6,8 +6,8 @@ import pytest
 
 from jlight.pallas_kernels import matmul_pallas, matmul_reference
 from jlight.pallas_kernels.quantization import (
-    LINEAR_WEIGHTS, QuantizedWeight, W8A8Weight, W8A8WeightT, dequantize, int8_to_f32, quantize_int8, quantize_params,
-    transpose_w8a8)
+    LINEAR_WEIGHTS, QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, dequantize, int8_to_f32, quantize_int8, quantize_params,
+    transpose_to_kmajor)
 
 
 def _weights(rng, k, n):
@@ -180,7 +180,7 @@ def test_w8a8_kmajor_weights_give_the_same_sums(m):
     rng = np.random.default_rng(50 + m)
     w = W8A8Weight(*quantize_int8(_weights(rng, 256, 128)))
     x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
-    (w_t,) = transpose_w8a8([w])
+    (w_t,) = transpose_to_kmajor([w])
     assert type(w_t) is W8A8WeightT and w_t.values_t.shape == (128, 256)
     got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))
     np.testing.assert_array_equal(got, np.asarray(matmul_pallas.w8a8_matmul(x, w, block_n=32)))
@@ -191,7 +191,7 @@ def test_matmul_routes_kmajor_w8a8_by_rows(monkeypatch):
     """Both GPU matmul choices send K-major W8A8 weights to the kernel from W8A8_PALLAS_MIN_ROWS rows
     (leading dims flattened), to XLA below; everything else goes where it went before."""
     rng = np.random.default_rng(55)
-    (w_t,) = transpose_w8a8([W8A8Weight(*quantize_int8(_weights(rng, 64, 32)))])
+    (w_t,) = transpose_to_kmajor([W8A8Weight(*quantize_int8(_weights(rng, 64, 32)))])
     calls = []
     real = matmul_pallas.w8a8_matmul
     monkeypatch.setattr(matmul_pallas, "w8a8_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -208,18 +208,26 @@ def test_matmul_routes_kmajor_w8a8_by_rows(monkeypatch):
     np.testing.assert_array_equal(np.asarray(matmul_pallas.matmul_w8a8_only(small, q)), np.asarray(matmul_reference.matmul(small, q)))
 
 
-def test_transpose_w8a8_reaches_fused_and_stacked_weights():
+def test_transpose_to_kmajor_reaches_fused_and_stacked_weights():
     from jlight.models.layers import FusedWeight
 
     rng = np.random.default_rng(56)
     stacked = W8A8Weight(*quantize_int8(jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.float32)))
     fused = FusedWeight(W8A8Weight(*quantize_int8(_weights(rng, 64, 48))), (16, 32))
     plain = quantize_int8(_weights(rng, 64, 16))  # weight-only int8: left as it is
-    out = transpose_w8a8({"a": stacked, "b": fused, "c": plain, "d": jnp.ones(3)})
+    out = transpose_to_kmajor({"a": stacked, "b": fused, "c": plain, "d": jnp.ones(3)})
     assert type(out["a"]) is W8A8WeightT and out["a"].values_t.shape == (3, 32, 64)
     np.testing.assert_array_equal(np.asarray(out["a"].values_t), np.swapaxes(np.asarray(stacked.values), 1, 2))
     assert isinstance(out["b"], FusedWeight) and out["b"].widths == (16, 32) and out["b"].weight.values_t.shape == (48, 64)
     assert type(out["c"]) is QuantizedWeight and out["c"].values is plain.values
+    # weight-only int8 too, when asked: the reference matmul reads it as it read the [in, out] one
+    both = transpose_to_kmajor({"a": stacked, "c": plain}, kinds=(QuantizedWeight, W8A8Weight))
+    assert type(both["c"]) is QuantizedWeightT and type(both["a"]) is W8A8WeightT
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(matmul_reference.matmul(x, both["c"])), np.asarray(matmul_reference.matmul(x, plain)),
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(matmul_pallas.matmul(x, both["c"])), np.asarray(matmul_reference.matmul(x, plain)),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])

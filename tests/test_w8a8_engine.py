@@ -1,7 +1,7 @@
 """The engine's W8A8 path on the Pallas kernel (interpret mode on CPU): weights made K-major at
-load (quantization.transpose_w8a8), the kernel called for the model's matmuls, and the same greedy
-tokens as XLA's int8 dot on the [in, out] weights (both sum exactly in int32); the same for fp8
-(e4m3) weights and activations, whose float32 sums differ only in order."""
+load (quantization.transpose_to_kmajor), the kernel called for the model's matmuls, and the same greedy
+tokens as XLA's int8 dot on the [in, out] weights (both sum exactly in int32). fp8 (e4m3) weights
+are made K-major too, but their matmuls stay XLA's (matmul_pallas._w8a8 says why)."""
 from __future__ import annotations
 
 import jax
@@ -39,6 +39,6 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, quantizati
             assert isinstance(params["lm_head"], W8A8WeightT)
             assert params["lm_head"].values_t.dtype == (jnp.int8 if quantization == "w8a8" else jnp.float8_e4m3fn)
         outputs[impl] = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
-        if impl == "pallas":
-            assert kernel_rows, "the Pallas W8A8 kernel was never called"
+        if impl == "pallas":  # fp8 goes to XLA's fp8 dot on the K-major weights (faster than the kernel's fp8 tiles)
+            assert bool(kernel_rows) == (quantization == "w8a8"), kernel_rows
     assert outputs["pallas"] == outputs["reference"]

@@ -142,7 +142,7 @@ class LLMEngine:
     # ---- set-up helpers ---------------------------------------------------------------------
     def _prepare_params(self, loaded, mesh, gpu: bool, owns_weights: bool = False):
         """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan)."""
-        from jlight.pallas_kernels.dispatch import wants_kmajor_w8a8
+        from jlight.pallas_kernels.dispatch import kmajor_weight_types
 
         cfg = self.config
         params = loaded.params
@@ -176,12 +176,13 @@ class LLMEngine:
             # Per-layer weights are this engine's own copies (split_layers made them), so their parts
             # are freed as they are fused; a caller's stacked weights are left intact.
             params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
-        if plan is None and wants_kmajor_w8a8(cfg.matmul_impl):
-            from jlight.pallas_kernels.quantization import transpose_w8a8
+        kmajor = kmajor_weight_types(cfg.matmul_impl)
+        if plan is None and kmajor:
+            from jlight.pallas_kernels.quantization import transpose_to_kmajor
 
-            # W8A8 weights K-major for the Pallas kernel. The [in, out] copies are freed as they go
-            # when they are this engine's own (quantized here, or loaded by it).
-            params = transpose_w8a8(params, delete_source=owns_weights or bool(cfg.quantization))
+            # Quantized weights K-major where their matmul reads them faster so. The [in, out] copies
+            # are freed as they go when they are this engine's own (quantized here, or loaded by it).
+            params = transpose_to_kmajor(params, kmajor, delete_source=owns_weights or bool(cfg.quantization))
         if owns_weights:
             loaded.params = None  # the loaded tree (stacked, unfused) is spent; a caller's LoadedModel keeps its params
         return params, plan
