@@ -50,9 +50,11 @@ VARIANTS = {
     "int8-xla-b8": (dict(_INT8_XLA, min_token_bucket=8), {}),
     "int8-xla-b8-sep": (dict(_INT8_XLA, min_token_bucket=8, fuse_projections=False), {}),
     "int8-xla-b1": (dict(_INT8_XLA, min_token_bucket=1), {}),
-    # matmul_impl "auto" with dispatch.KMAJOR_W8A16_FOR_XLA on: the int8 weights stored [out, in]
-    "int8-auto-b8-kmajor": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
+    # matmul_impl "auto" (the default): on GPU the int8 weights are stored [out, in] for XLA's
+    # dequantize-dot; "-inout" turns dispatch.KMAJOR_W8A16_FOR_XLA off ([in, out], as before 2026-11-29's
+    # fifth session, when "int8-auto-b8" had it off and "int8-auto-b8-kmajor" on).
     "int8-auto-b8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
+    "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     "int8-pallas-b1": (dict(_INT8_PALLAS, min_token_bucket=1), {}),  # the GEMV path (int8 converted by exponent bits)
     "int8-pallas-b1-sep": (dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False), {}),
     "int8-pallas-b1-cvt": (dict(_INT8_PALLAS, min_token_bucket=1), dict(magic_convert=False)),
@@ -161,7 +163,7 @@ def main():
     for name in names:
         engine_fields, opts = VARIANTS[name]
         matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
-        dispatch.KMAJOR_W8A16_FOR_XLA = name.endswith("-kmajor")  # read when the engine prepares its weights
+        dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
                 model=None, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,

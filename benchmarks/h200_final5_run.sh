@@ -14,5 +14,5 @@ timeout 80 python3 benchmarks/offline_throughput.py --model-config llama3-8b --d
   > /tmp/prefill_fp8.txt 2>&1
 echo "== prefill fp8 (XLA) exit $?"; grep -E "ready|requests|rror" /tmp/prefill_fp8.txt | tail -3
 timeout ${DECODE_TIMEOUT:-170} python3 benchmarks/decode_latency.py --model-config llama3-8b \
-  --variants bf16-b8,int8-auto-b8,int8-auto-b8-kmajor --kernel-breakdown --out "$OUT" > "$OUT/decode.txt" 2>&1
+  --variants bf16-b8,int8-auto-b8-inout,int8-auto-b8 --kernel-breakdown --out "$OUT" > "$OUT/decode.txt" 2>&1
 echo "decode_latency.py exit $?"; grep -vE "^\s*$" "$OUT/decode.txt" | tail -45

@@ -51,8 +51,6 @@ CONFIGS = [
     ("w8a8", dict(dtype="bfloat16", quantization="w8a8")),
     ("int8 weights, lm_head bf16", dict(dtype="bfloat16", quantization="int8", keep=("lm_head",))),
     ("w8a8, lm_head bf16", dict(dtype="bfloat16", quantization="w8a8", keep=("lm_head",))),
-    ("fp8 (e4m3 weights and activations)", dict(dtype="bfloat16", quantization="fp8")),
-    ("fp8, lm_head bf16", dict(dtype="bfloat16", quantization="fp8", keep=("lm_head",))),
     ("int8 weights, GPTQ", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=())),
     ("int8 weights, GPTQ, lm_head bf16", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=("lm_head",))),
     ("int8 KV cache", dict(dtype="bfloat16", kv_cache_dtype="int8")),

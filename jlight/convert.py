@@ -18,7 +18,7 @@ from jlight.config import ModelConfig
 from jlight.loading import orbax_loader
 
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("int8", "w8a8", "fp8")  # weight-only int8; int8 weights and activations; the same in fp8 e4m3
+QUANTIZATIONS = ("int8", "w8a8")  # weight-only int8, or int8 weights and activations
 # Files beside a HF model's weights that a tokenizer or chat template may need.
 _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "chat_template*", "*.model", "vocab*", "merges.txt")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("-o", "--output", required=True, help="directory to write the orbax checkpoint into")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored weights")
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store 8-bit weights (int8, or e4m3 for fp8; quantized once, here; loading does not re-quantize)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 weights (quantized once, here; loading does not re-quantize)")
     parser.add_argument("--calibration", default=None, metavar="TEXT_FILE",
                         help="with --quantization int8: choose the int8 values by GPTQ on this text, lm_head kept in --dtype "
                              "(Llama family; host-side, measured on a 135M model only: 23 s on 2 CPU cores)")

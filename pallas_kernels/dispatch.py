@@ -67,9 +67,11 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     return Kernels(write_kv, attention, matmul, moe_impl)
 
 
-# Weight-only int8 stored K-major for XLA's dequantize-dot ("auto" on GPU). A switch, read when the
-# engine prepares its weights, so that benchmarks/decode_latency.py can compare both layouts.
-KMAJOR_W8A16_FOR_XLA = False
+# Weight-only int8 stored K-major for XLA's dequantize-dot ("auto" on GPU): on the H200 the engine's
+# 8-row decode step of the Llama-3-8B shape took 2.97 ms/token against 3.78 with [in, out] weights
+# (bf16: 4.60; docs/BENCHMARKS.md), e.g. the fused gate/up matmul 32.5 vs 47.7 us. A switch, read
+# when the engine prepares its weights, so that benchmarks/decode_latency.py can compare both.
+KMAJOR_W8A16_FOR_XLA = True
 
 
 def kmajor_weight_types(matmul_impl: str) -> tuple:

@@ -189,7 +189,8 @@ def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=N
     operands contiguous along the summed axis. An [in, out] QuantizedWeight also works, but Triton
     then cannot use wgmma (H200, 4096x4096x14336: 1291 us at best vs 386 us K-major,
     docs/BENCHMARKS.md); it stays for that comparison. Weights in fp8 (e4m3) make it an fp8 x fp8
-    matmul with float32 sums (benchmarks only so far: no quantization mode makes them)."""
+    matmul with float32 sums (benchmarks only: its fp8 tiles were slower than XLA's fp8 dot, 1007
+    vs 798 us at 4096 x 4096 x 14336, and than bf16, so no quantization mode makes them)."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     kmajor = isinstance(w, W8A8WeightT)
@@ -238,10 +239,8 @@ def _rows(x) -> int:
 
 
 def _w8a8(x, w, out_dtype, interpret):
-    """K-major W8A8 weights: the Pallas kernel from W8A8_PALLAS_MIN_ROWS rows, XLA's int8 dot below.
-    fp8 weights always go to XLA: the kernel's fp8 tiles were slower than XLA's fp8 dot on the H200
-    (4096 x 4096 x 14336: 1007 vs 798 us), unlike its int8 tiles (382 vs 523 us)."""
-    if not _fits(w) or _rows(x) < W8A8_PALLAS_MIN_ROWS or w.values_t.dtype != jnp.int8:
+    """K-major W8A8 weights: the Pallas kernel from W8A8_PALLAS_MIN_ROWS rows, XLA's int8 dot below."""
+    if not _fits(w) or _rows(x) < W8A8_PALLAS_MIN_ROWS:
         return matmul_reference.matmul(x, w, out_dtype)
     y = w8a8_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret)
     return y.reshape(*x.shape[:-1], y.shape[-1])

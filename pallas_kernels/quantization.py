@@ -1,20 +1,21 @@
 """int8 quantization: per-output-channel symmetric weight scales, per-token activation scales,
 and the int8 KV cache (one scale per token and KV head).
 
-Two weight types share one layout (values 8-bit [..., in, out], scales [..., out]):
+Two weight types share one layout (values int8 [..., in, out], scales [..., out]):
   QuantizedWeight: weight-only int8 (W8A16): activations stay in bf16/f32.
   W8A8Weight: also quantizes the activations per token at run time and multiplies in
-    8 bits: int8 values (mode "w8a8", int32 sums) or fp8 e4m3 values (mode "fp8", float32
-    sums; the activations then go to e4m3 too). It subclasses QuantizedWeight so code that
-    only moves or shards weights (lax.scan slicing, sharding rules) treats both alike;
-    matmuls tell them apart with isinstance(w, W8A8Weight) and the values' dtype.
+    int8 with int32 accumulation. It subclasses QuantizedWeight so code that only moves
+    or shards weights (lax.scan slicing, sharding rules) treats both alike; matmuls tell
+    them apart with isinstance(w, W8A8Weight). The matmuls also take e4m3 (fp8) values
+    (float32 sums, e4m3 activations), which benchmarks/kernels.py times; no quantization mode
+    makes them (docs/BENCHMARKS.md: slower than bf16 on the H200 here).
 """
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-QUANT_MODES = ("int8", "w8a8", "fp8")
+QUANT_MODES = ("int8", "w8a8")
 # The 2-D-per-layer linear weights of models/llama.py.
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -53,20 +54,24 @@ def _transpose_last_two(values):
     return jnp.swapaxes(values, -1, -2)
 
 
-def transpose_to_kmajor(tree, kinds=(W8A8Weight,), delete_source: bool = False):
+def transpose_to_kmajor(tree, kinds=(W8A8Weight,), names=None, delete_source: bool = False):
     """Every weight in `tree` whose type is one of `kinds` (QuantizedWeight, W8A8Weight; plain or
-    inside a FusedWeight, per layer or stacked) as its K-major counterpart. delete_source: free each
-    [in, out] copy once transposed, so the peak is the model plus one weight (only for arrays the
-    caller holds no other reference to)."""
-    def convert(leaf):
+    inside a FusedWeight, per layer or stacked) as its K-major counterpart. names: only weights
+    under these dict keys (e.g. the linear layers that go through `matmul`, not MoE experts, which
+    models/moe.py reads as [in, out]). delete_source: free each [in, out] copy once transposed, so
+    the peak is the model plus one weight (only for arrays the caller holds no other reference to)."""
+    def convert(path, leaf):
         if type(leaf) not in kinds:
+            return leaf
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if names is not None and (not keys or keys[-1] not in names):
             return leaf
         values_t = _transpose_last_two(leaf.values)
         if delete_source:
             leaf.values.delete()
         return _KMAJOR[type(leaf)](values_t, leaf.scales)
 
-    return jax.tree.map(convert, tree, is_leaf=lambda x: type(x) in _KMAJOR)
+    return jax.tree_util.tree_map_with_path(convert, tree, is_leaf=lambda x: type(x) in _KMAJOR)
 
 
 def quantize_int8(w: jax.Array) -> QuantizedWeight:
@@ -79,14 +84,6 @@ def quantize_int8(w: jax.Array) -> QuantizedWeight:
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-def quantize_fp8(w: jax.Array) -> QuantizedWeight:
-    """A [..., in, out] weight in fp8 (e4m3) with one scale per output channel (amax -> 448)."""
-    w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=-2)
-    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return QuantizedWeight((w32 / scales[..., None, :]).astype(jnp.float8_e4m3fn), scales)
 
 
 def quantize_activations(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
@@ -114,8 +111,7 @@ QUANTIZABLE = LINEAR_WEIGHTS + ("lm_head",)
 def quantize_params(params: dict, mode: str, keep=()) -> dict:
     """Return a copy of a Llama-family params tree with its linear weights in int8.
 
-    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight; "fp8": W8A8Weight with
-    e4m3 values (per-channel scales, amax -> 448), activations in e4m3 per token at run time.
+    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight.
     Stacked layer weights [L, in, out] become values [L, in, out], scales [L, out], so
     lax.scan slices both per layer. Norms, biases and the embedding table stay as they are.
 
@@ -135,14 +131,13 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
     if unknown:
         raise ValueError(f"keep={keep!r}: {', '.join(map(repr, unknown))} not in {', '.join(QUANTIZABLE)}")
     weight_type = QuantizedWeight if mode == "int8" else W8A8Weight
-    to_8bit = quantize_fp8 if mode == "fp8" else quantize_int8
 
     def quantize(name, w):
         if isinstance(w, QuantizedWeight):
             raise ValueError(f"params[{name!r}] is already quantized; pass the unquantized params")
         if w.ndim < 2:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
-        return weight_type(*to_8bit(w))
+        return weight_type(*quantize_int8(w))
 
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:

@@ -16,7 +16,7 @@ from jlight.config import ModelConfig
 from jlight.convert import model_config_to_hf_dict, write_converted
 from jlight.errors import ModelLoadError
 from jlight.loading import orbax_loader
-from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, quantize_int8
+from jlight.pallas_kernels.quantization import QuantizedWeight, quantize_int8
 
 PROMPT = [3, 17, 250, 9, 9, 41, 128, 7, 64, 1, 200, 33, 5, 90, 11, 2, 77, 19]
 
@@ -119,21 +119,6 @@ def test_convert_round_trip_gives_identical_logits(tiny_model_dir, loaded, tmp_p
     with torch.no_grad():
         hf_logits = hf(torch.tensor([PROMPT])).logits[0].numpy()
     np.testing.assert_allclose(want, hf_logits, atol=2e-4, rtol=1e-4)
-
-
-def test_fp8_weights_restore_as_fp8(loaded, tmp_path):
-    """--quantization fp8: W8A8Weights of e4m3 values come back with the same bytes and type."""
-    from jlight.convert import quantize
-
-    config, params = loaded
-    qparams = quantize(params, "fp8")
-    out = str(tmp_path / "fp8")
-    write_converted(out, config, qparams, dtype="float32", quantization="fp8", source="test")
-    _, restored = orbax_loader.load_orbax_model(out)
-    w = restored["layers"]["w_up"]
-    assert type(w) is W8A8Weight and w.values.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(np.asarray(w.values, np.float32), np.asarray(qparams["layers"]["w_up"].values, np.float32))
-    np.testing.assert_array_equal(prefill_logits(restored, config, PROMPT), prefill_logits(qparams, config, PROMPT))
 
 
 def test_quantized_weights_restore_as_quantized(loaded, tmp_path):

@@ -9,7 +9,7 @@ import os
 class EngineConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct
     dtype: str = "auto"
-    quantization: str | None = None  # None, "int8" (weight-only), "w8a8" or "fp8" (e4m3 weights and activations)
+    quantization: str | None = None  # None, "int8" (weight-only) or "w8a8"
     mesh: str | None = None  # e.g. "tp=2"; None: one device
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
@@ -61,8 +61,8 @@ class EngineConfig:
             bad("num_pages", "must be >= 2 (page 0 is reserved)")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             bad("kv_cache_memory_fraction", "must be in (0, 1]")
-        if self.quantization not in (None, "int8", "w8a8", "fp8"):
-            bad("quantization", "must be None, 'int8', 'w8a8' or 'fp8'")
+        if self.quantization not in (None, "int8", "w8a8"):
+            bad("quantization", "must be None, 'int8' or 'w8a8'")
         if self.kv_cache_dtype not in ("auto", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype) or 'int8'")
         from jlight.pallas_kernels.dispatch import MOE_IMPLS

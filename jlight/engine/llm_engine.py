@@ -178,11 +178,13 @@ class LLMEngine:
             params = dict(params, layers=self.family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
         kmajor = kmajor_weight_types(cfg.matmul_impl)
         if plan is None and kmajor:
-            from jlight.pallas_kernels.quantization import transpose_to_kmajor
+            from jlight.models.layers import FUSED_PROJECTIONS
+            from jlight.pallas_kernels.quantization import QUANTIZABLE, transpose_to_kmajor
 
-            # Quantized weights K-major where their matmul reads them faster so. The [in, out] copies
+            # The linear weights K-major where their matmul reads them faster so. The [in, out] copies
             # are freed as they go when they are this engine's own (quantized here, or loaded by it).
-            params = transpose_to_kmajor(params, kmajor, delete_source=owns_weights or bool(cfg.quantization))
+            params = transpose_to_kmajor(params, kmajor, names=QUANTIZABLE + tuple(FUSED_PROJECTIONS),
+                                         delete_source=owns_weights or bool(cfg.quantization))
         if owns_weights:
             loaded.params = None  # the loaded tree (stacked, unfused) is spent; a caller's LoadedModel keeps its params
         return params, plan
