@@ -58,7 +58,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     # int8 weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against
     # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step
     # pads to the 8-token bucket, which the GEMV path (<= 4 rows) does not take. The Pallas W8A8
-    # kernel on K-major weights beats XLA's int8 dot 2.3x (fifth session), so "auto" uses it.
+    # kernel on K-major weights beats XLA's int8 dot from 64 rows (4096 rows: 382 vs 523 us on the
+    # same weights, 900 us on [in, out] ones, fifth session), so "auto" uses it there.
     # matmul_impl="pallas" selects every Pallas matmul.
     if _use_pallas(matmul_impl):
         from jlight.pallas_kernels import matmul_pallas

@@ -8,7 +8,8 @@ split along `in` (split-K) so the GPU is full; partial sums are added in XLA.
 W8A8 (W8A8WeightT, weights stored [out, in]): activations are quantized per token in XLA,
 then int8 x int8 tiles accumulate in int32 on the tensor cores; both scales are applied
 once at the end. Serves prefill, where the matmul is compute-bound; it is the engine's W8A8
-path on GPU by default (matmul_w8a8_only), 2.3x faster than XLA's int8 dot on the H200.
+path on GPU by default (matmul_w8a8_only): on the H200, 1.4x XLA's int8 dot on the same weights
+(2.4x XLA's on [in, out] ones, the layout before).
 
 Plain (unquantized) weights go to XLA's dot (cuBLAS), which a Pallas GEMM would not beat.
 """
@@ -230,8 +231,7 @@ def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=N
 def _fits(w) -> bool:
     """Tiles need `in` and `out` to be multiples of 16 (tensor-core minimum)."""
     values = w.values_t if isinstance(w, W8A8WeightT) else w.values
-    k, n = values.shape[-2:]
-    return values.ndim == 2 and k % 16 == 0 and n % 16 == 0
+    return values.ndim == 2 and all(d % 16 == 0 for d in values.shape)
 
 
 def _rows(x) -> int:
