@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
         path = make_tiny_moe_model({tmp!r}, arch)[0]
         for mesh, loop in [(None, "scan")] + [("tp=2", l) for l in loops]:
             llm = jlight.LLM(path, dtype="float32", mesh=mesh, layer_loop=loop, max_num_seqs=2,
-                             max_num_batched_tokens={batched}, min_token_bucket=128, page_size=8,
+                             max_num_batched_tokens={batched}, min_token_bucket=128, page_size=8, collective_matmul=True,
                              num_pages=64)  # two buckets: 128 (all-reduce), 256 (sequence-parallel)
             res = llm.generate(prompts, params, use_tqdm=False)
             out[f"{{arch}} {{mesh}} {{loop}}"] = [r.outputs[0].token_ids for r in res]

@@ -38,7 +38,10 @@ class EngineConfig:
     # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
     # With layer_loop="scan" fusing copies each stacked group once at start-up (transient memory).
     fuse_projections: bool = True
-    collective_matmul: bool = True
+    # Ring collective matmuls for steps of >= 256 tokens under tp (sharding/collective_matmul.py). Off:
+    # on the H200s it did not speed up a 2048-token prefill at tp=2 (136.0 vs 135.3 ms) and made it
+    # 1.46x slower at tp=4 (114.2 vs 78.2 ms; Llama-3-70B shape, docs/BENCHMARKS.md), compiling 7x longer.
+    collective_matmul: bool = False
     int8_all_reduce: bool = False
     seed: int = 0
     warmup: bool = True

@@ -58,7 +58,7 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
-                 max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=True,
+                 max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8):
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.page_size, self.num_pages = page_size, num_pages
