@@ -349,6 +349,7 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
     w_bf16 = [jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16) for _ in range(2)]
     w8 = [W8A8Weight(*w) for w in ws]
     w8_t = transpose_to_kmajor(w8)  # [N, K], K-major: Hopper's 8-bit wgmma wants both operands contiguous along K
+    ws_t = transpose_to_kmajor(ws, kinds=(QuantizedWeight,))
     # The same weights in e4m3 (int8 range mapped onto e4m3's +-448), scales adjusted to match.
     w_f8 = [((w.values.astype(jnp.float32) * (448.0 / 127.0)).astype(jnp.float8_e4m3fn), w.scales * (127.0 / 448.0)) for w in w8]
 
@@ -367,6 +368,10 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
             "xla w8a8 reference, [in, out] weights": (matmul_reference.matmul, w8, INT8_RATE),
             "xla w8a8 reference, K-major weights": (matmul_reference.matmul, w8_t, INT8_RATE),
             "pallas w8a8 K-major (default tiles)": (pallas({}), w8_t, INT8_RATE),
+            # weight-only int8 (bf16 activations, so the bf16 rate is its ceiling) in both layouts: the
+            # engine stores it K-major on GPU since 2026-11-29, measured then at decode sizes only
+            "xla int8 weight-only, [in, out] weights": (matmul_reference.matmul, ws, BF16_RATE),
+            "xla int8 weight-only, K-major weights": (matmul_reference.matmul, ws_t, BF16_RATE),
         }
         if m >= 1024 and not quick:  # the best [in, out] config, and the K-major tile sweep of 2026-11-29
             gemm["pallas w8a8 [in, out] 256x64x64 8 warps 3 stages"] = (
@@ -381,10 +386,13 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
         elif not quick:  # decode-sized steps: narrower tiles for more programs
             for cfg in (dict(block_n=64), dict(block_n=32), dict(block_n=64, num_stages=4)):
                 gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)
-        want = np.asarray(matmul_reference.matmul(xs[0], w8[0], jnp.float32))  # the int8 variants' exact int32 sums, scaled
+        # Each variant against XLA on the same numbers: W8A8's exact int32 sums, or weight-only int8's.
+        want_w8a8 = np.asarray(matmul_reference.matmul(xs[0], w8[0], jnp.float32))
+        want_w8a16 = np.asarray(matmul_reference.matmul(xs[0], ws[0], jnp.float32))
         for name, (fn, weights, ceiling) in gemm.items():
             try:
-                err = None if weights is w_bf16 else rel_err(jax.jit(fn)(xs[0], weights[0]).astype(jnp.float32), want)
+                want = None if weights is w_bf16 else want_w8a16 if weights is ws or weights is ws_t else want_w8a8
+                err = None if want is None else rel_err(jax.jit(fn)(xs[0], weights[0]).astype(jnp.float32), want)
                 t = time_call(jax.jit(lambda xs, ws, fn=fn: [fn(x, w) for x, w in zip(xs, ws)]), (xs, weights), 2, trials)
                 rows.append(dict(kernel=f"gemm M={m} {k}x{n}", impl=name, seconds=t, flops=flops, rate=flops / t,
                                  ceiling=ceiling, rel_err=err))
