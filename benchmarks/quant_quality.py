@@ -51,6 +51,8 @@ CONFIGS = [
     ("w8a8", dict(dtype="bfloat16", quantization="w8a8")),
     ("int8 weights, lm_head bf16", dict(dtype="bfloat16", quantization="int8", keep=("lm_head",))),
     ("w8a8, lm_head bf16", dict(dtype="bfloat16", quantization="w8a8", keep=("lm_head",))),
+    ("w8a8, SmoothQuant", dict(dtype="bfloat16", quantization="w8a8", smooth=True, keep=())),
+    ("w8a8, SmoothQuant, lm_head bf16", dict(dtype="bfloat16", quantization="w8a8", smooth=True, keep=("lm_head",))),
     ("int8 weights, GPTQ", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=())),
     ("int8 weights, GPTQ, lm_head bf16", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=("lm_head",))),
     ("int8 KV cache", dict(dtype="bfloat16", kv_cache_dtype="int8")),
@@ -119,14 +121,18 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
     from jlight.pallas_kernels.quantization import quantize_params
 
     max_len = max(len(s) for s in segments) + 8
-    loaded_by_dtype, gptq_cache, runs = {}, {}, []
+    loaded_by_dtype, gptq_cache, smooth_cache, runs = {}, {}, {}, []
     for name, opts in configs:
         dtype = opts.get("dtype", "auto")
         if dtype not in loaded_by_dtype:
             loaded_by_dtype[dtype] = load_model(model, dtype=dtype)
         engine_opts, loaded = dict(opts), loaded_by_dtype[dtype]
         t0 = time.perf_counter()
-        if engine_opts.pop("gptq", False):
+        if engine_opts.pop("smooth", False):  # SmoothQuant on the calibration text, then round to nearest
+            keep, mode = engine_opts.pop("keep"), engine_opts.pop("quantization")
+            loaded = dataclasses.replace(loaded, params=quantize_params(smoothed_params(loaded, cache=smooth_cache.setdefault(dtype, {})),
+                                                                        mode, keep=keep))
+        elif engine_opts.pop("gptq", False):
             keep, mode = engine_opts.pop("keep"), engine_opts.pop("quantization")
             assert mode == "int8", "GPTQ here is weight-only int8"
             loaded = dataclasses.replace(loaded, params=gptq_params(loaded, keep, cache=gptq_cache.setdefault(dtype, {}), log=log))
@@ -145,6 +151,16 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
 
 def calibration_segments(tokenizer, path: str = CALIBRATION_PATH, segment_len: int = CALIBRATION_SEGMENT_LEN) -> list[list[int]]:
     return segments_of(text_token_ids(tokenizer, path), segment_len)
+
+
+def smoothed_params(loaded, alpha: float = 0.5, cache=None) -> dict:
+    """loaded.params after SmoothQuant (pallas_kernels/smoothquant.py) on the calibration text."""
+    from jlight.pallas_kernels.smoothquant import smooth_params
+
+    cache = {} if cache is None else cache
+    if alpha not in cache:
+        cache[alpha] = smooth_params(loaded.params, loaded.config, calibration_segments(loaded.tokenizer), alpha=alpha)
+    return cache[alpha]
 
 
 def gptq_params(loaded, keep=(), cache=None, log=print) -> dict:

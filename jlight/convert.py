@@ -97,41 +97,52 @@ def _write_tokenizer_files(directory: str, tokenizer_dir: str | None, tokenizer)
             json.dump({"eos_token_id": list(tokenizer.eos_token_ids)}, f, indent=1)
 
 
-# GPTQ calibration: the text is cut into sequences of this many tokens (as measured, docs/BENCHMARKS.md).
-GPTQ_SEGMENT_LEN = 512
+# Calibration: the text is cut into sequences of this many tokens (as measured, docs/BENCHMARKS.md).
+CALIBRATION_SEGMENT_LEN = 512
 
 
-def gptq_quantize(loaded, calibration_path: str) -> dict:
-    """--calibration: int8 weights chosen by GPTQ (pallas_kernels/gptq.py) on the text in
-    `calibration_path`, with the lm_head left in the model dtype. The format and the scales are
-    those of round-to-nearest int8, so every matmul path reads the result unchanged. On
-    SmolLM2-135M-Instruct this was the one int8 setup that met issue #5's quality bar (97.21%
-    top-1 agreement with bf16, +0.20% perplexity; round-to-nearest: 95.55%), narrowly."""
-    from jlight.pallas_kernels.gptq import gptq_quantize_params
-
+def calibrated_quantize(loaded, calibration_path: str, mode: str) -> dict:
+    """--calibration: quantize with the text in `calibration_path`, lm_head left in the model dtype.
+      int8: GPTQ (pallas_kernels/gptq.py) picks the int8 values; the format and scales are those of
+        round-to-nearest. On SmolLM2-135M-Instruct this was the one int8 setup that met issue #5's
+        quality bar (97.21% top-1 agreement with bf16, +0.20% perplexity; round-to-nearest: 95.55%).
+      w8a8: SmoothQuant (pallas_kernels/smoothquant.py, alpha 0.5) moves activation outliers into
+        the weights, then round-to-nearest. SmolLM2: 94.19% / +1.23% (round-to-nearest: 87.69% / +3.14%).
+    Both are for the plain Llama family (a clear error otherwise)."""
     if loaded.tokenizer is None:
         raise ValueError("--calibration needs the model's tokenizer to read the text; this model has none")
     with open(calibration_path, encoding="utf-8") as f:
         ids = loaded.tokenizer.encode(f.read())
-    segments = [ids[i:i + GPTQ_SEGMENT_LEN] for i in range(0, len(ids), GPTQ_SEGMENT_LEN)]
+    segments = [ids[i:i + CALIBRATION_SEGMENT_LEN] for i in range(0, len(ids), CALIBRATION_SEGMENT_LEN)]
     segments = [seg for seg in segments if len(seg) >= 2]
     if not segments:
         raise ValueError(f"--calibration {calibration_path}: the text has fewer than 2 tokens; give a few thousand tokens of text")
     try:
-        return gptq_quantize_params(loaded.params, loaded.config, segments, keep=("lm_head",))
+        if mode == "int8":
+            from jlight.pallas_kernels.gptq import gptq_quantize_params
+
+            return gptq_quantize_params(loaded.params, loaded.config, segments, keep=("lm_head",))
+        from jlight.pallas_kernels.quantization import quantize_params
+        from jlight.pallas_kernels.smoothquant import smooth_params
+
+        return quantize_params(smooth_params(loaded.params, loaded.config, segments), mode, keep=("lm_head",))
     except NotImplementedError as e:
-        raise ValueError(f"--calibration: {e}; convert without --calibration (round-to-nearest int8)") from e
+        raise ValueError(f"--calibration: {e}; convert without --calibration (round-to-nearest)") from e
+
+
+CALIBRATION_METHODS = {"int8": "GPTQ", "w8a8": "SmoothQuant (alpha 0.5) + round-to-nearest"}
 
 
 def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quantization: str | None = None,
             calibration: str | None = None) -> dict:
     """Load `model`, cast/quantize it, and write it to `output_dir`. Returns timing figures.
 
-    calibration: a text file; with quantization="int8", GPTQ on it instead of round-to-nearest."""
+    calibration: a text file; with quantization "int8", GPTQ on it, with "w8a8", SmoothQuant on it
+    (calibrated_quantize), instead of round-to-nearest alone."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    if calibration is not None and quantization != "int8":
-        raise ValueError(f"--calibration needs --quantization int8 (GPTQ here is weight-only int8), got --quantization {quantization}")
+    if calibration is not None and quantization not in CALIBRATION_METHODS:
+        raise ValueError(f"--calibration needs --quantization int8 (GPTQ) or w8a8 (SmoothQuant), got --quantization {quantization}")
     if calibration is not None and not os.path.isfile(calibration):
         raise ValueError(f"--calibration {calibration}: no such file; give a text file (a few thousand tokens of varied text)")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not orbax_loader.is_orbax_model_dir(output_dir):
@@ -140,14 +151,14 @@ def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quan
 
     start = time.perf_counter()
     loaded = loading.load_model(model, dtype=dtype)
-    params = gptq_quantize(loaded, calibration) if calibration else quantize(loaded.params, quantization)
+    params = calibrated_quantize(loaded, calibration, quantization) if calibration else quantize(loaded.params, quantization)
     load_s = time.perf_counter() - start
     write_converted(
         output_dir, loaded.config, params,
         tokenizer_dir=loaded.name if os.path.isdir(loaded.name) else None,
         tokenizer=loaded.tokenizer,
         dtype=dtype, quantization=quantization, source=model or "default",
-        calibration=f"GPTQ on {os.path.basename(calibration)}, lm_head in {dtype}" if calibration else None,
+        calibration=f"{CALIBRATION_METHODS[quantization]} on {os.path.basename(calibration)}, lm_head in {dtype}" if calibration else None,
     )
     return {"load_s": load_s, "write_s": time.perf_counter() - start - load_s}
 
@@ -158,8 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored weights")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 weights (quantized once, here; loading does not re-quantize)")
     parser.add_argument("--calibration", default=None, metavar="TEXT_FILE",
-                        help="with --quantization int8: choose the int8 values by GPTQ on this text, lm_head kept in --dtype "
-                             "(Llama family; host-side, measured on a 135M model only: 23 s on 2 CPU cores)")
+                        help="with --quantization int8: choose the int8 values by GPTQ on this text; with w8a8: SmoothQuant "
+                             "on it; the lm_head kept in --dtype (Llama family; host-side, measured on a 135M model only: "
+                             "GPTQ 23 s on 2 CPU cores)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -255,7 +255,34 @@ def test_gptq_calibrated_convert_keeps_the_int8_format(tiny_model, tmp_path):
     got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
 
-    with pytest.raises(ValueError, match="--calibration needs --quantization int8"):
+    with pytest.raises(ValueError, match="--calibration needs --quantization int8 \\(GPTQ\\) or w8a8"):
         convert(model_dir, str(tmp_path / "x"), dtype="float32", calibration=str(text))
     with pytest.raises(ValueError, match="no such file"):
         convert(model_dir, str(tmp_path / "y"), dtype="float32", quantization="int8", calibration=str(tmp_path / "missing.txt"))
+
+
+def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
+    """convert(..., quantization="w8a8", calibration=text): SmoothQuant then round-to-nearest W8A8,
+    the lm_head left unquantized; the checkpoint loads, and its float model (before rounding) is the
+    original's function, so its W8A8 logits stay close to the float ones."""
+    import jlight.api
+    from jlight.convert import convert
+    from jlight.pallas_kernels.quantization import W8A8Weight, dequantize
+
+    model_dir = tiny_model("LlamaForCausalLM")
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"Sentence {i} talks about rivers, prime numbers, bread and the weather in spring." for i in range(40)))
+    out = str(tmp_path / "smooth")
+    convert(model_dir, out, dtype="float32", quantization="w8a8", calibration=str(text))
+    manifest = json.load(open(os.path.join(out, orbax_loader.MANIFEST_NAME)))
+    assert manifest["quantization"] == "w8a8" and manifest["calibration"].startswith("SmoothQuant")
+    config, params = orbax_loader.load_orbax_model(out)
+    _, original = load_hf_params(model_dir)
+    assert not isinstance(params["lm_head"], W8A8Weight) and isinstance(params["layers"]["wq"], W8A8Weight)
+    assert not np.allclose(np.asarray(params["layers"]["attn_norm"]), np.asarray(original["layers"]["attn_norm"]))  # smoothed
+    float_params = dict(params, layers={k: dequantize(v) if isinstance(v, W8A8Weight) else v for k, v in params["layers"].items()})
+    want = prefill_logits(original, config, PROMPT)
+    np.testing.assert_allclose(prefill_logits(float_params, config, PROMPT), want, atol=0.05 * np.abs(want).max())
+    llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert len(got[0].outputs[0].token_ids) == 6

@@ -17,6 +17,10 @@ GPTQ (pallas_kernels/gptq.py), calibrated on benchmarks/data/calibration_text.tx
 evaluated text. With the lm_head in bf16 it meets the bar here (97.21%), by 0.21 points: about 4 of
 the 2046 positions. Other calibration settings moved the agreement by about +-0.5 points
 (docs/BENCHMARKS.md), so this pass is narrow. GPTQ with the lm_head int8 as well misses (96.73%).
+
+"w8a8, SmoothQuant, lm_head bf16" is what `jlight convert --quantization w8a8 --calibration` makes
+(pallas_kernels/smoothquant.py, calibrated on the same calibration text): it brings w8a8's perplexity
+within the bar (+1.62%, round-to-nearest +3.65%) but its agreement stays short (93.99%).
 """
 import importlib.util
 import os
@@ -36,11 +40,12 @@ MISSES = {
     ("w8a8", "perplexity"): "measured perplexity +3.65% > 2%",
     ("int8 weights + int8 KV cache", "agreement"): "measured 95.45% top-1 agreement < 97% (int8 KV alone: 97.56%)",
     ("int8 weights, GPTQ", "agreement"): "measured 96.73% top-1 agreement < 97% (perplexity +0.34% passes)",
+    ("w8a8, SmoothQuant, lm_head bf16", "agreement"): "measured 93.99% top-1 agreement < 97% (perplexity +1.62% passes)",
 }
 # (The round-to-nearest "lm_head bf16" variants, int8 96.48% and w8a8 88.95% agreement, both misses,
 # are measured by benchmarks/quant_quality.py and kept out of the suite for its running time.)
 CONFIG_NAMES = ["int8 weights (W8A16)", "w8a8", "int8 KV cache", "int8 weights + int8 KV cache", "int8 weights, GPTQ",
-                "int8 weights, GPTQ, lm_head bf16"]
+                "int8 weights, GPTQ, lm_head bf16", "w8a8, SmoothQuant, lm_head bf16"]
 
 
 def _quant_quality():
