@@ -225,18 +225,25 @@ def test_jlight_convert_dir_loads_like_any_model(tiny_model, tmp_path):
     assert got == want and any(got)
 
 
+def _calibrated_convert(tiny_model, tmp_path, quantization):
+    """convert() the tiny Llama with --calibration on a small text: (model_dir, text, out, manifest)."""
+    from jlight.convert import convert
+
+    model_dir = tiny_model("LlamaForCausalLM")
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"Sentence {i} talks about rivers, prime numbers, bread and the weather in spring." for i in range(40)))
+    out = str(tmp_path / quantization)
+    convert(model_dir, out, dtype="float32", quantization=quantization, calibration=str(text))
+    return model_dir, text, out, json.load(open(os.path.join(out, orbax_loader.MANIFEST_NAME)))
+
+
 def test_gptq_calibrated_convert_keeps_the_int8_format(tiny_model, tmp_path):
     """convert(..., quantization="int8", calibration=text): GPTQ int8 layers with round-to-nearest's
     scales, the lm_head left unquantized, and a checkpoint that loads and generates."""
     import jlight.api
     from jlight.convert import convert
 
-    model_dir = tiny_model("LlamaForCausalLM")
-    text = tmp_path / "calibration.txt"
-    text.write_text(" ".join(f"Sentence {i} talks about rivers, prime numbers, bread and the weather in spring." for i in range(40)))
-    out = str(tmp_path / "gptq")
-    convert(model_dir, out, dtype="float32", quantization="int8", calibration=str(text))
-    manifest = json.load(open(os.path.join(out, orbax_loader.MANIFEST_NAME)))
+    model_dir, text, out, manifest = _calibrated_convert(tiny_model, tmp_path, "int8")
     assert manifest["quantization"] == "int8" and manifest["calibration"].startswith("GPTQ on calibration.txt")
 
     _, params = orbax_loader.load_orbax_model(out)
@@ -266,15 +273,9 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     the lm_head left unquantized; the checkpoint loads, and its float model (before rounding) is the
     original's function, so its W8A8 logits stay close to the float ones."""
     import jlight.api
-    from jlight.convert import convert
     from jlight.pallas_kernels.quantization import W8A8Weight, dequantize
 
-    model_dir = tiny_model("LlamaForCausalLM")
-    text = tmp_path / "calibration.txt"
-    text.write_text(" ".join(f"Sentence {i} talks about rivers, prime numbers, bread and the weather in spring." for i in range(40)))
-    out = str(tmp_path / "smooth")
-    convert(model_dir, out, dtype="float32", quantization="w8a8", calibration=str(text))
-    manifest = json.load(open(os.path.join(out, orbax_loader.MANIFEST_NAME)))
+    model_dir, _, out, manifest = _calibrated_convert(tiny_model, tmp_path, "w8a8")
     assert manifest["quantization"] == "w8a8" and manifest["calibration"].startswith("SmoothQuant")
     config, params = orbax_loader.load_orbax_model(out)
     _, original = load_hf_params(model_dir)
