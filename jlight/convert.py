@@ -107,7 +107,7 @@ def calibrated_quantize(loaded, calibration_path: str, mode: str) -> dict:
         round-to-nearest. On SmolLM2-135M-Instruct this was the one int8 setup that met issue #5's
         quality bar (97.21% top-1 agreement with bf16, +0.20% perplexity; round-to-nearest: 95.55%).
       w8a8: SmoothQuant (pallas_kernels/smoothquant.py, alpha 0.5) moves activation outliers into
-        the weights, then round-to-nearest. SmolLM2: 94.19% / +1.23% (round-to-nearest: 87.69% / +3.14%).
+        the weights, then round-to-nearest. SmolLM2: 94.10% / +0.89% (round-to-nearest: 87.69% / +3.14%).
     Both are for the plain Llama family (a clear error otherwise)."""
     if loaded.tokenizer is None:
         raise ValueError("--calibration needs the model's tokenizer to read the text; this model has none")

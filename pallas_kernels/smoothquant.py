@@ -19,6 +19,7 @@ Llama family only.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -68,8 +69,14 @@ def smoothing_scales(x_amax, w_amax, alpha: float) -> np.ndarray:
 
 
 def _rows_amax(*weights) -> np.ndarray:
-    """max |w| over the outputs of weights sharing one input: [..., in]."""
-    return np.max(np.concatenate([np.abs(np.asarray(w, np.float64)) for w in weights], axis=-1), axis=-1)
+    """max |w| over the outputs of weights sharing one input: [..., in] (on the device, no copies)."""
+    return np.max([np.asarray(jnp.max(jnp.abs(w), axis=-1), np.float64) for w in weights], axis=0)
+
+
+def _scaled(w, factor) -> jax.Array:
+    """w * factor (broadcast) in float32, back in w's dtype: one weight's float32 copy at a time,
+    not the whole model's (a Llama-3-8B checkpoint is converted on ordinary hosts)."""
+    return (w.astype(jnp.float32) * jnp.asarray(factor, jnp.float32)).astype(w.dtype)
 
 
 def smooth_params(params: dict, config, segments, alpha: float = 0.5) -> dict:
@@ -78,37 +85,31 @@ def smooth_params(params: dict, config, segments, alpha: float = 0.5) -> dict:
     alpha: how much of the activation range moves (SmoothQuant's migration strength)."""
     gptq._check_family(config)
     stats = activation_amax(params, config, segments)
-    lay = {k: np.asarray(v, np.float64) for k, v in params["layers"].items()}
-    L, E = config.num_layers, config.hidden_size
+    lay = dict(params["layers"])
+    L = config.num_layers
     kvh, rep, d = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
 
-    s = smoothing_scales(stats["qkv"], _rows_amax(lay["wq"], lay["wk"], lay["wv"]), alpha)  # [L, E]
-    lay["attn_norm"] = lay["attn_norm"] / s
-    for n in ("wq", "wk", "wv"):
-        lay[n] = lay[n] * s[:, :, None]
-
-    s = smoothing_scales(stats["gate_up"], _rows_amax(lay["w_gate"], lay["w_up"]), alpha)
-    lay["mlp_norm"] = lay["mlp_norm"] / s
-    for n in ("w_gate", "w_up"):
-        lay[n] = lay[n] * s[:, :, None]
+    for norm, names, key in (("attn_norm", ("wq", "wk", "wv"), "qkv"), ("mlp_norm", ("w_gate", "w_up"), "gate_up")):
+        s = smoothing_scales(stats[key], _rows_amax(*(lay[n] for n in names)), alpha)  # [L, embed]
+        lay[norm] = _scaled(lay[norm], 1.0 / s)
+        for n in names:
+            lay[n] = _scaled(lay[n], s[:, :, None])
 
     # wo's input channel (q head h, dim j) is V's channel (KV head h // rep, j): one s per V channel.
     x_amax = stats["wo"].reshape(L, kvh, rep, d).max(axis=2)
-    w_amax = np.abs(lay["wo"]).max(axis=-1).reshape(L, kvh, rep, d).max(axis=2)
+    w_amax = _rows_amax(lay["wo"]).reshape(L, kvh, rep, d).max(axis=2)
     s_v = smoothing_scales(x_amax, w_amax, alpha).reshape(L, kvh * d)  # [L, kv_heads * head_dim]
-    lay["wv"] = lay["wv"] / s_v[:, None, :]
+    lay["wv"] = _scaled(lay["wv"], 1.0 / s_v[:, None, :])
     s_o = np.repeat(s_v.reshape(L, kvh, 1, d), rep, axis=2).reshape(L, kvh * rep * d)
-    lay["wo"] = lay["wo"] * s_o[:, :, None]
+    lay["wo"] = _scaled(lay["wo"], s_o[:, :, None])
 
-    s = smoothing_scales(stats["w_down"], np.abs(lay["w_down"]).max(axis=-1), alpha)  # [L, mlp]
-    lay["w_up"] = lay["w_up"] / s[:, None, :]
-    lay["w_down"] = lay["w_down"] * s[:, :, None]
+    s = smoothing_scales(stats["w_down"], _rows_amax(lay["w_down"]), alpha)  # [L, mlp]
+    lay["w_up"] = _scaled(lay["w_up"], 1.0 / s[:, None, :])
+    lay["w_down"] = _scaled(lay["w_down"], s[:, :, None])
 
-    out = dict(params, layers={k: jnp.asarray(v, params["layers"][k].dtype) for k, v in lay.items()})
+    out = dict(params, layers=lay)
     if "lm_head" in params:
-        head = np.asarray(params["lm_head"], np.float64)
-        s = smoothing_scales(stats["lm_head"], np.abs(head).max(axis=-1), alpha)  # [E]
-        out["final_norm"] = jnp.asarray(np.asarray(params["final_norm"], np.float64) / s, params["final_norm"].dtype)
-        out["lm_head"] = jnp.asarray(head * s[:, None], params["lm_head"].dtype)
-    assert all(v.shape[0] == L for v in lay.values()) and lay["attn_norm"].shape == (L, E)
+        s = smoothing_scales(stats["lm_head"], _rows_amax(params["lm_head"]), alpha)  # [embed]
+        out["final_norm"] = _scaled(params["final_norm"], 1.0 / s)
+        out["lm_head"] = _scaled(params["lm_head"], s[:, None])
     return out

@@ -20,7 +20,7 @@ the 2046 positions. Other calibration settings moved the agreement by about +-0.
 
 "w8a8, SmoothQuant, lm_head bf16" is what `jlight convert --quantization w8a8 --calibration` makes
 (pallas_kernels/smoothquant.py, calibrated on the same calibration text): it brings w8a8's perplexity
-within the bar (+1.62%, round-to-nearest +3.65%) but its agreement stays short (93.99%).
+within the bar (+1.21%, round-to-nearest +3.65%) but its agreement stays short (93.89%).
 """
 import importlib.util
 import os
@@ -40,7 +40,7 @@ MISSES = {
     ("w8a8", "perplexity"): "measured perplexity +3.65% > 2%",
     ("int8 weights + int8 KV cache", "agreement"): "measured 95.45% top-1 agreement < 97% (int8 KV alone: 97.56%)",
     ("int8 weights, GPTQ", "agreement"): "measured 96.73% top-1 agreement < 97% (perplexity +0.34% passes)",
-    ("w8a8, SmoothQuant, lm_head bf16", "agreement"): "measured 93.99% top-1 agreement < 97% (perplexity +1.62% passes)",
+    ("w8a8, SmoothQuant, lm_head bf16", "agreement"): "measured 93.89% top-1 agreement < 97% (perplexity +1.21% passes)",
 }
 # (The round-to-nearest "lm_head bf16" variants, int8 96.48% and w8a8 88.95% agreement, both misses,
 # are measured by benchmarks/quant_quality.py and kept out of the suite for its running time.)
