@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -237,11 +236,6 @@ def _device_int8_weights(key, k, n, sets):
     return [make(kk) for kk in keys]
 
 
-class TransposedInt8(NamedTuple):
-    values_t: jax.Array  # [N, K] int8
-    scales: jax.Array  # [N]
-
-
 def _device_bf16_weights(key, k, n, sets):
     make = jax.jit(lambda key: jax.random.normal(key, (k, n), jnp.bfloat16))
     return [make(kk) for kk in jax.random.split(key, sets)]
@@ -300,9 +294,8 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
         sets = 2 if quick else max(2, min(16, -(-(256 << 20) // (k * n))))
         key, kw, kb = jax.random.split(key, 3)
         wq, wb = _device_int8_weights(kw, k, n, sets), _device_bf16_weights(kb, k, n, sets)
-        # The same int8 weights stored transposed, [N, K], for the bundled Mosaic GPU kernel.
-        wq_t = [TransposedInt8(jnp.asarray(w.values.T), w.scales) for w in wq] if not quick else []
-        wq_k = transpose_to_kmajor(wq, kinds=(QuantizedWeight,))  # [N, K] for XLA's dequantize-dot
+        # The same int8 weights stored transposed, [N, K]: for XLA's dequantize-dot and the bundled Mosaic GPU kernel.
+        wq_k = transpose_to_kmajor(wq, kinds=(QuantizedWeight,))
         for m in (int(r) for r in gemv_rows.split(",")):
             variants = GEMV_VARIANTS[m]
             if gemv_splits:  # a split-K sweep of the default tiles instead of the named variants
@@ -318,7 +311,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
                 for name, (tile_k, steps) in MIXED_CONFIGS.items():
                     mm = bundled_mixed_matmul(tile_k, steps)
                     cases.append((f"jax bundled mixed-type matmul (Mosaic GPU, W^T) {name}",
-                                  lambda x, w, mm=mm: mm(x, w.values_t, w.scales), wq_t, int8_bytes))
+                                  lambda x, w, mm=mm: mm(x, w.values_t, w.scales), wq_k, int8_bytes))
             want = np.asarray(matmul_reference.matmul(x, wq[0], jnp.float32))
             for name, fn, weights, nbytes in cases:
                 row = dict(kernel=f"w8a16 M={m} {k}x{n}", impl=name)
@@ -336,7 +329,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
                 rows.append(row)
                 print_table([row])  # as it comes: a run cut off by its time limit keeps what it measured
                 sys.stdout.flush()
-        del wq, wb, wq_t, wq_k
+        del wq, wb, wq_k
     return rows
 
 

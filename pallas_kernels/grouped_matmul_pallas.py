@@ -36,18 +36,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.tiling import largest_pow2_divisor
 
 
 def grouped_matmul_reference(x, w, group_sizes, *, preferred_element_type=None):
     """The XLA reference: jax.lax.ragged_dot (float32 accumulation)."""
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
 
 
 def fits(k: int, n: int) -> bool:
@@ -68,8 +62,8 @@ def default_tiles(m: int, k: int, n: int, num_groups: int) -> dict:
     """
     rows_per_group = m / max(num_groups, 1)
     block_m = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64 if rows_per_group <= 96 else 128
-    block_n = _largest_pow2_divisor(n, 64 if block_m <= 32 else 128)  # small tiles: more programs
-    block_k = _largest_pow2_divisor(k, 128 if m <= 16 else 64)
+    block_n = largest_pow2_divisor(n, 64 if block_m <= 32 else 128)  # small tiles: more programs
+    block_k = largest_pow2_divisor(k, 128 if m <= 16 else 64)
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     num_stages = 3 if block_m * block_n >= 128 * 128 else 4
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)

@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import matmul_reference, pallas_mode
 from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations
+from jlight.pallas_kernels.tiling import largest_pow2_divisor, next_pow2
 
 _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
 # Steps of fewer rows send K-major W8A8 weights to XLA's int8 dot. H200, 4096x14336 (docs/BENCHMARKS.md):
@@ -32,13 +33,6 @@ _GEMV_MAX_ROWS = 4  # up to this many rows, W8A16 reduces on CUDA cores (no tens
 # w8a16_matmul keywords that matmul() (the engine's path) passes; "gemv_max_rows" overrides
 # _GEMV_MAX_ROWS. benchmarks/decode_latency.py sets these to compare variants end to end.
 W8A16_OPTIONS: dict = {}
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
 
 
 def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, magic_convert):
@@ -119,10 +113,6 @@ def _choose_splits(tiles: int, num_steps: int) -> int:
     return max(s for s in range(1, target + 1) if num_steps % s == 0)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _pad_rows(x, multiple):
     pad = -x.shape[0] % multiple
     return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
@@ -143,15 +133,15 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     gemv = m <= _GEMV_MAX_ROWS if gemv is None else gemv
     # The GEMV path reads only its num_rows rows, so its row block is the rows themselves (a power
     # of two): no XLA pad of x before the kernel, no slice after it. Tensor-core tiles need 16 rows.
-    block_m = _next_pow2(m) if gemv else 16 if m <= 16 else 64
+    block_m = next_pow2(m) if gemv else 16 if m <= 16 else 64
     magic_convert = gemv if magic_convert is None else magic_convert
     # Tile sizes from the H200 sweep in docs/BENCHMARKS.md (best of those tried at M=1).
-    block_n = block_n or _largest_pow2_divisor(n, 128 if gemv or m > 16 else 64)
+    block_n = block_n or largest_pow2_divisor(n, 128 if gemv or m > 16 else 64)
     num_warps = num_warps or (8 if gemv else 4)
     # GEMV rows each hold a [block_k, block_n] f32 accumulator: cap rows * block_k * block_n
     # at 16K elements (64 registers per thread at 8 warps).
     gemv_k_cap = 128 if reduce_each_step else max(16, 16384 // (block_n * m))
-    block_k = block_k or _largest_pow2_divisor(k, gemv_k_cap if gemv else 128 if m <= 16 else 64)
+    block_k = block_k or largest_pow2_divisor(k, gemv_k_cap if gemv else 128 if m <= 16 else 64)
     num_steps = k // block_k
     tiles = -(-m // block_m) * (n // block_n)
     num_splits = num_splits or _choose_splits(tiles, num_steps)
@@ -203,8 +193,8 @@ def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=N
     # 128 x 128 x 128, 4 warps, 3 stages from 128 rows, 64-wide tiles with 4 stages below (more
     # programs); [in, out] 128 x 64 x 128, 4 warps, 4 stages.
     few_rows = m <= 64
-    block_n = block_n or _largest_pow2_divisor(n, 128 if kmajor and not few_rows else 64)
-    block_k = block_k or _largest_pow2_divisor(k, 128)
+    block_n = block_n or largest_pow2_divisor(n, 128 if kmajor and not few_rows else 64)
+    block_k = block_k or largest_pow2_divisor(k, 128)
     num_warps = num_warps or 4
     num_stages = num_stages or (3 if kmajor and not few_rows else 4)
     xq = _pad_rows(xq, block_m)

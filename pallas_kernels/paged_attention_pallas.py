@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as pltr
 from jlight.pallas_kernels import attention_reference, pallas_mode
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.quantization import QuantizedKV
+from jlight.pallas_kernels.tiling import next_pow2
 
 _MASKED = -1e30
 # Streaming multiprocessors of an H100/H200: used only to decide when a decode batch has
@@ -39,10 +40,6 @@ _KV_PER_STEP = 64
 # XLA's scatter already writes the donated cache in place and moves only the T new K/V
 # vectors; a kernel could not move fewer bytes, so the reference is used as is.
 write_kv = attention_reference.write_kv
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _query_blocks(query_start, num_blocks: int, block_q: int):
@@ -161,9 +158,9 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         raise ValueError(f"page_size={page_size} and head_dim={head_dim} must be powers of two (head_dim >= 16) for the Pallas kernel; use attention_impl='reference'")
     group = num_heads // num_kv_heads
     block_q = 1 if num_tokens <= num_rows else max(1, _PREFILL_ROWS // group)
-    block_rows = max(16, _next_pow2(block_q * group))  # tensor-core dots need >= 16 rows
+    block_rows = max(16, next_pow2(block_q * group))  # tensor-core dots need >= 16 rows
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
-    pages_per_step = pages_per_step or max(1, min(_KV_PER_STEP // page_size, _next_pow2(max_pages)))
+    pages_per_step = pages_per_step or max(1, min(_KV_PER_STEP // page_size, next_pow2(max_pages)))
     num_steps = -(-max_pages // pages_per_step)
     num_splits = num_splits or (_choose_splits(num_blocks * num_kv_heads, num_steps) if block_q == 1 else 1)
     steps_per_split = -(-num_steps // num_splits)
