@@ -20,13 +20,7 @@
 #   4. mixtral_l8        Mixtral-8x7B shape, 8 of 32 layers: ep=1 (23.7 GB), ep=2, tp=2 (~12 GB per GPU),
 #                        as benchmarks/moe.py's step rows. Usually skipped for lack of budget. ~60 s
 # Files in OUT: run.log (everything printed), gpu.txt, <run>.json for each run above.
-set -o pipefail
-OUT=${1:-/tmp/out}
-mkdir -p "$OUT"
-BUDGET=${BUDGET:-350}
-T0=$(date +%s)
-
-source "$(dirname "$0")/h200_sweep_lib.sh"  # sweep NAME CAP ARGS..., sweep_summary
+source "$(dirname "$0")/h200_sweep_lib.sh" "${1:-}" 350  # OUT, BUDGET, T0; sweep NAME CAP ARGS..., sweep_summary
 
 main() {
   source "$(dirname "$0")/h200_setup.sh" "$OUT"  # PYTHONUNBUFFERED, jlight installed from this tree

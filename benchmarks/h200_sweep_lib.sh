@@ -1,12 +1,19 @@
 # Shared by the mesh_sweep.py device scripts (h200_mesh_run.sh on 2 GPUs, h200_x4_run.sh on 4):
-# sourced after OUT (output folder), BUDGET (seconds for all runs) and T0 (the script's start,
-# date +%s) are set.
+#   source h200_sweep_lib.sh OUT_DIR DEFAULT_BUDGET
+# sets OUT (OUT_DIR, or /tmp/out; created), BUDGET (seconds for all runs: $BUDGET if set, else
+# DEFAULT_BUDGET) and T0 (the start, date +%s), turns on pipefail, and defines:
 #   sweep NAME CAP_SECONDS MESH_SWEEP_ARGS...   one mesh_sweep.py run, writing $OUT/NAME.json, under a
 #       timeout of CAP_SECONDS cut to what is left of BUDGET; skipped when < 45 s are left. The common
 #       flags: unrolled layers, 5 trials, decode at batch 1 and 64 with a 512-token context, TTFT of a
 #       2048-token prompt, no PNG. mesh_sweep.py rewrites its JSON after every timed step, so a run
 #       cut by its timeout keeps what it measured.
 #   sweep_summary   one line per row of every $OUT/*.json, oldest file first: ms (pipelined ms).
+
+set -o pipefail
+OUT=${1:-/tmp/out}
+mkdir -p "$OUT"
+BUDGET=${BUDGET:-$2}
+T0=$(date +%s)
 
 sweep() {  # sweep NAME CAP_SECONDS MESH_SWEEP_ARGS...
   local name=$1 cap=$2

@@ -20,13 +20,7 @@
 #                        run's rows): ep=4 (~32 GB per GPU), tp=4 (~25 GB), tp=2,ep=2, collective matmul
 #                        off then on. Gets what is left of the budget (~100 s).
 # Files in OUT: run.log (everything printed), gpu.txt, <run>.json for each run above.
-set -o pipefail
-OUT=${1:-/tmp/out}
-mkdir -p "$OUT"
-BUDGET=${BUDGET:-440}
-T0=$(date +%s)
-
-source "$(dirname "$0")/h200_sweep_lib.sh"  # sweep NAME CAP ARGS..., sweep_summary
+source "$(dirname "$0")/h200_sweep_lib.sh" "${1:-}" 440  # OUT, BUDGET, T0; sweep NAME CAP ARGS..., sweep_summary
 
 speedups() {  # batch-1 / batch-64 decode and TTFT of each tp over tp=1, from run 1's JSON
   python3 - "$OUT/llama70b_l40_x4.json" <<'PYEOF'
