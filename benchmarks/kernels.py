@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from kernel_batches import random_batch  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
-from jlight.pallas_kernels import matmul_pallas, paged_attention_pallas  # noqa: E402
+from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import (  # noqa: E402
     QuantizedKV, QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv, transpose_to_kmajor)
 
@@ -78,7 +78,10 @@ def rel_err(a, b):
 
 # ---------------------------------------------------------------- correctness
 
-def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None):
+ATTENTION_KERNELS = dict(triton=paged_attention_pallas.paged_attention, mosaic=paged_attention_mosaic.paged_attention)
+
+
+def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None, impl="triton"):
     page_size, num_kv_heads, num_layers = 16, 2, 2
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 8
     md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
@@ -89,7 +92,7 @@ def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, s
     layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
     want = attention_reference.paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), layer, md, **kw)
-    got = paged_attention_pallas.paged_attention(q, k, v, layer, md, **kw)
+    got = ATTENTION_KERNELS[impl](q, k, v, layer, md, **kw)
     n = int(md.query_start[-1])
     finite = bool(np.all(np.isfinite(np.asarray(got[:n], np.float32))))
     return rel_err(got[:n], want[:n]), finite
@@ -111,12 +114,21 @@ def attention_cases(quick):
     yield "sliding window 64", jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, 64
 
 
-def run_checks(rng, quick):
+def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True):
     rows = []
-    for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick):
-        err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window)
-        rows.append(dict(kernel="attention", case=name, dtype=jnp.dtype(dtype).name, group=group,
-                         head_dim=head_dim, rel_err=err, all_written=finite))
+    for impl in attention_impls:
+        for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick):
+            if impl == "mosaic" and dtype != jnp.bfloat16:
+                continue  # wgmma takes 16-bit floats; float32 stays on the Triton kernel
+            try:
+                err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl)
+            except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed check, not a lost run
+                err, finite = float("nan"), False
+                print(f"check attention {impl} {name} failed: {e!r:.1500}", flush=True)
+            rows.append(dict(kernel=f"attention {impl}", case=name, dtype=jnp.dtype(dtype).name, group=group,
+                             head_dim=head_dim, rel_err=err, all_written=finite))
+    if not matmuls:
+        return rows
     for m, k, n in [(1, 4096, 14336), (7, 576, 1536), (512, 1536, 576), (4096, 4096, 1024)] if not quick else [(1, 128, 64), (20, 64, 48)]:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
@@ -165,23 +177,34 @@ def bench_decode_attention(rng, quick, reps, trials):
     # the default within 1% of the best; at 14:17, launching the KV heads of a sequence next to
     # each other (grid order) changed nothing, and converting int8 pages by exponent bits made the
     # int8 case 37% slower (docs/BENCHMARKS.md). The runner-up configs stay as a check.
+    # The fifth session's sweep (2 or 8 pages a step, 2 warps, 3-4 stages) found nothing 1% better;
+    # since 2026-12-01 only its two best configs stay as the Triton peers of the Mosaic GPU kernel.
     configs = [dict()]
-    if not quick:  # 2026-11-29 fifth session: smaller steps and fewer warps (more programs resident per SM)
-        configs += [dict(num_stages=3), dict(pages_per_step=2), dict(pages_per_step=2, num_stages=4),
-                    dict(num_warps=2), dict(pages_per_step=2, num_warps=2, num_stages=4), dict(pages_per_step=8, num_stages=3)]
+    if not quick:
+        configs += [dict(num_stages=3), dict(num_warps=2)]
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
+    # The Mosaic GPU kernel (paged_attention_mosaic.py): its default, then its knobs.
+    mosaic_configs = [dict()] + ([] if quick else [dict(num_stages=2), dict(num_stages=4), dict(kv_per_step=128),
+                                                   dict(kv_per_step=128, num_stages=2), dict(num_splits=2)])
+    for cfg in mosaic_configs:
+        variants[f"mosaic {cfg or 'default'}"] = (
+            lambda q, k, v, l, md, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, l, md, scale=scale, **cfg))
     kq, vq = QuantizedKV(*quantize_kv(k)), QuantizedKV(*quantize_kv(v))
     int8_bytes = 2 * batch * ctx * num_kv_heads * (head_dim + 4)  # int8 values + a float32 scale per token and head
     for cfg in [dict()]:
         variants[f"pallas int8 KV {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, kq, vq, l, md, scale=scale, **cfg))
+    want = None  # the XLA reference's output on the first query set: every variant is checked against it
     for name, attn in variants.items():
         nbytes = int8_bytes if "int8 KV" in name else bytes_moved
         try:
             t = time_call(many(attn), (qs, k, v, md), reps, trials)
-            rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", impl=name, seconds=t, bytes=nbytes, bw=nbytes / t))
+            got = jax.jit(attn)(qs[0], k, v, layer, md)
+            want = got if want is None else want
+            rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", impl=name, seconds=t, bytes=nbytes, bw=nbytes / t,
+                             rel_err=rel_err(got, want)))
         except Exception as e:  # a config that fails to compile is reported, not fatal
             rows.append(dict(kernel="decode attention", impl=name, error=repr(e)[:300]))
         print_table(rows[-1:])  # as it comes (see bench_gemv)
@@ -218,6 +241,9 @@ def bench_prefill_attention(rng, quick, reps, trials):
     for cfg in ([dict()] if quick else [dict()]):
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
+    for cfg in ([dict()] if quick else [dict(), dict(num_stages=2)]):
+        variants[f"mosaic {cfg or 'default'}"] = (
+            lambda q, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
     for name, attn in variants.items():
         try:
             t = time_call(jax.jit(lambda qs, attn=attn: [attn(q) for q in qs]), (qs,), reps, trials)
@@ -416,6 +442,8 @@ def main():
     parser.add_argument("--out", default=".", help="folder for kernels.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--check-impls", default="triton,mosaic", help="attention kernels to check (of triton, mosaic)")
+    parser.add_argument("--skip-matmul-checks", action="store_true")
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
@@ -434,7 +462,7 @@ def main():
             json.dump(result, f, indent=1)
 
     if not args.skip_checks:
-        checks = run_checks(rng, args.quick)
+        checks = run_checks(rng, args.quick, tuple(filter(None, args.check_impls.split(","))), not args.skip_matmul_checks)
         result["checks"] = checks
         for c in checks:
             print(f"check {c['kernel']:<9} {c['case']:<20} {c['dtype']:<8} g={c.get('group', '-')} d={c.get('head_dim', '-')} "

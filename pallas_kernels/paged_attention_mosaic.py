@@ -1,0 +1,271 @@
+"""Paged attention on Pallas' Mosaic GPU backend (Hopper: TMA copies, mbarriers, wgmma).
+
+Same contract and blocking as paged_attention_pallas.py (the Triton kernel): the ragged batch
+is cut into query blocks of up to `block_q` consecutive tokens of one row, and a program takes
+one query block and one KV head with all the query heads of that KV head, so each K/V page is
+read once per block. A block's query rows (tokens x heads) are padded to the 64 rows of a wgmma
+tile: a decode block has `group` real rows, a prefill block 64 // group tokens. Decode wastes
+tensor-core work on the padding rows, which is cheap: the kernel is bound by reading K/V.
+
+Per program: the query tile is copied to shared memory once; K and V pages stream through
+`num_stages` shared-memory slots by TMA (one copy per page, each page [page_size, head_dim] of
+one KV head, all copies of a step arriving on one barrier), so the next steps' pages are in
+flight while the current one is multiplied: S = Q K^T (wgmma), online softmax in registers,
+O += P V (wgmma, P from registers). Split-K over pages for small decode batches as in the
+Triton kernel, merged by the same online-softmax combine.
+
+Contract the kernel relies on: the tokens of a row in one step have consecutive positions
+(a prefill chunk or one decode token), so a block's row positions follow from its first token's.
+
+CPU tests run it in Mosaic GPU's interpret mode (jax 0.10.2 has one). That interpreter runs the
+TMA copies, barriers and slots but not wgmma on a transposed operand or a register operand, so
+there the two products are plain dots on the same tiles (`_interpreting`); the CUDA lowering of
+the real wgmma path is checked on CPU separately (tests/test_mosaic_attention.py).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_blocks
+
+_MASKED = -1e30
+_ROWS = 64  # query rows per program: one wgmma tile
+_LOG2E = math.log2(math.e)
+
+
+def supports(q, k_cache) -> bool:
+    """Whether this kernel takes these inputs (else the Triton kernel does)."""
+    if not hasattr(k_cache, "dtype") or k_cache.dtype != q.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False  # wgmma on 16-bit floats only; int8 KV pools and float32 go to the Triton kernel
+    head_dim, page_size = q.shape[-1], k_cache.shape[2]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[3]
+    return head_dim in (64, 128, 256) and page_size % 8 == 0 and (64 % page_size == 0 or page_size % 64 == 0) \
+        and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.10/0.11
+
+    return InterpretGPUParams()
+
+
+def _kernel(row_ref, start_ref, end_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
+            group, page_size, pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits,
+            interpreting):
+    num_scratch = 6 if num_splits == 1 else 8
+    out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
+    o_smem, stat_smem = scratch[6:] or (None, None)
+    block, head, split = lax.axis_index("block"), lax.axis_index("head"), lax.axis_index("split")
+    kv_per_step = pages_per_step * page_size
+    row, start, end = row_ref[block], start_ref[block], end_ref[block]
+    num_tokens = end - start  # 0 for an unused block
+    first_pos = pos_ref[start]
+    last_pos = first_pos + num_tokens - 1
+
+    # Steps this program runs: its split's share, cut at the block's last position.
+    num_pages = jnp.where(num_tokens > 0, (last_pos + page_size) // page_size, 0)
+    num_steps = (num_pages + pages_per_step - 1) // pages_per_step
+    first_step = split * steps_per_split
+    if sliding_window is not None:
+        first_step = jnp.maximum(first_step, jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step)
+    last_step = jnp.minimum((split + 1) * steps_per_split, num_steps)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(start * group, _ROWS)], q_smem, q_bar)
+
+    def issue(step, slot):  # TMA the step's pages of this KV head into the slot
+        for i in range(pages_per_step):
+            page = table_ref[row, step * pages_per_step + i]
+            dst = pl.ds(i * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, dst], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, dst], v_bar.at[slot])
+
+    for s in range(num_stages):
+        @pl.when(first_step + s < last_step)
+        def _():
+            issue(first_step + s, s)
+
+    plgpu.barrier_wait(q_bar)
+    # Register layouts: the wgmma accumulator's, and its rows'. The interpreter has no layouts.
+    if interpreting:
+        iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)
+        tile, row_vec = lambda x: x, lambda x: x
+    else:
+        iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+        tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
+        row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
+    shape = (_ROWS, kv_per_step)
+    r, c = iota(shape, 0), iota(shape, 1)
+    row_pos = first_pos + lax.div(r, jnp.int32(group))
+    row_ok = r < num_tokens * group  # rows past the block belong to other blocks
+
+    def body(step, carry):
+        acc, m, l = carry
+        slot = lax.rem(step - first_step, num_stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        if interpreting:
+            s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+        else:
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        kv_pos = step * kv_per_step + c
+        mask = row_ok & (kv_pos <= row_pos)
+        if sliding_window is not None:
+            mask = mask & (kv_pos > row_pos - sliding_window)
+        # Scores in log2 units: exp2 is the hardware's exponential.
+        s = jnp.where(mask, s * (scale * _LOG2E), _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
+        alpha = jnp.exp2(m - m_new)
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(q_smem.dtype)
+        plgpu.barrier_wait(v_bar.at[slot])
+        if interpreting:
+            acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+        else:
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+
+        @pl.when(step + num_stages < last_step)  # the slot is free again: fetch a later step into it
+        def _():
+            issue(step + num_stages, slot)
+        return acc, m_new, l
+
+    head_dim = q_smem.shape[-1]
+    init = (
+        tile(jnp.zeros((_ROWS, head_dim), jnp.float32)),
+        row_vec(jnp.full((_ROWS,), _MASKED, jnp.float32)),
+        row_vec(jnp.zeros((_ROWS,), jnp.float32)),
+    )
+    acc, m, l = lax.fori_loop(first_step, last_step, body, init)
+
+    if num_splits == 1:  # normalise here; the output tile reuses the query's slot
+        (o_ref,) = out_refs
+        q_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[head, block])
+    else:  # split-K: the unnormalised state goes to the combine (m in log2 units)
+        o_ref, l_ref, m_ref = out_refs
+        o_smem[...] = acc
+        stat_smem[0] = l
+        stat_smem[1] = m
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, head, block])
+        plgpu.copy_smem_to_gmem(stat_smem.at[0], l_ref.at[split, head, block])
+        plgpu.copy_smem_to_gmem(stat_smem.at[1], m_ref.at[split, head, block])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _swizzled(shape, dtype):
+    """A shared-memory tile in the 128-byte-swizzled layout that TMA and wgmma share."""
+    swizzle = 128
+    minor = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "num_stages", "kv_per_step"))
+def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
+                    interpret: bool | None = None, num_splits: int | None = None, num_stages: int = 3,
+                    kv_per_step: int = 64):
+    """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim] in bf16/f16,
+    K/V pools of q's dtype (`supports`)."""
+    if not supports(q, k_cache):
+        raise ValueError(f"the Mosaic GPU attention kernel does not take q {q.dtype}{q.shape} with pools "
+                         f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}; use the Triton kernel "
+                         "(paged_attention_pallas) or attention_impl='reference'")
+    interpreting = pallas_mode.resolve(interpret)
+    num_tokens, num_heads, head_dim = q.shape
+    num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_rows, max_pages = md.page_table.shape
+    group = num_heads // num_kv_heads
+    block_q = 1 if num_tokens <= num_rows else _ROWS // group
+    num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
+    pages_per_step = max(1, kv_per_step // page_size)
+    num_steps = -(-max_pages // pages_per_step)
+    num_splits = num_splits or (_choose_splits(num_blocks * num_kv_heads, num_steps) if block_q == 1 else 1)
+    steps_per_split = -(-num_steps // num_splits)
+
+    # Global page ids in the [layers * pages] view of the pool, padded so every step reads
+    # whole steps inside the table (the padding points at scratch page 0).
+    table = md.page_table + layer * num_pages
+    table = jnp.pad(table, ((0, 0), (0, num_splits * steps_per_split * pages_per_step - max_pages)))
+    pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
+    # Query rows grouped by KV head, padded by one tile so no block's copy runs past the end.
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, _ROWS), (0, 0)))
+    positions = jnp.pad(md.positions, (0, 1))  # an unused block reads positions[0]; keep an entry for T = 0
+    row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
+
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct((num_kv_heads, num_blocks, _ROWS, head_dim), q.dtype)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_blocks, _ROWS, head_dim), jnp.float32),  # acc
+            jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_blocks, _ROWS), jnp.float32),  # l
+            jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_blocks, _ROWS), jnp.float32),  # m (log2 units)
+        )
+    kv_tile = (num_stages, pages_per_step * page_size, head_dim)
+    scratch = [
+        _swizzled((_ROWS, head_dim), q.dtype),  # the query tile, then the output tile
+        _swizzled(kv_tile, q.dtype),  # K slots
+        _swizzled(kv_tile, q.dtype),  # V slots
+        plgpu.Barrier(),  # query copied
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's K pages copied
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's V pages copied
+    ]
+    if num_splits > 1:
+        scratch += [_swizzled((_ROWS, head_dim), jnp.float32),  # split-K partial output
+                    plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
+    kernel = functools.partial(
+        _kernel, group=group, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
+        num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
+        interpreting=interpreting)
+    result = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_blocks, num_kv_heads, num_splits),
+        grid_names=("block", "head", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpreting else None,
+    )(row, start, end, positions, table, q_rows, *pools)
+
+    if num_splits == 1:
+        out = result
+    else:
+        acc, l, m = result
+        m_max = jnp.max(m, axis=0)
+        weight = jnp.exp2(m - m_max[None])  # [splits, KVH, blocks, rows]
+        l_total = jnp.sum(l * weight, axis=0)
+        out = jnp.sum(acc * weight[..., None], axis=0) / jnp.maximum(l_total, 1e-30)[..., None]
+    # Token t's output is row (t - start of its block) * group of its block.
+    token_block, token_offset = _token_blocks(md, num_tokens, block_q)
+    out = out[:, :, :block_q * group].reshape(num_kv_heads, num_blocks, block_q, group, head_dim)
+    out = out[:, token_block, token_offset]  # [KVH, T, group, D]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
+    return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def _token_blocks(md: BatchMetadata, num_tokens: int, block_q: int):
+    """For each token, the query block that holds it and its place in that block (the inverse of
+    _query_blocks); padding tokens map to block 0 and are zeroed by the caller."""
+    if block_q == 1:  # decode buckets: block t is token t
+        return jnp.arange(num_tokens), jnp.zeros((num_tokens,), jnp.int32)
+    q_lens = md.query_start[1:] - md.query_start[:-1]
+    blocks_before = jnp.cumsum((q_lens + block_q - 1) // block_q) - (q_lens + block_q - 1) // block_q  # [B]
+    within = jnp.arange(num_tokens) - md.query_start[md.token_seq]
+    within = jnp.maximum(within, 0)
+    num_blocks = -(-num_tokens // block_q) + md.query_start.shape[0] - 1
+    return jnp.minimum(blocks_before[md.token_seq] + within // block_q, num_blocks - 1), within % block_q
