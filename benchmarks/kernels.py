@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,7 @@ def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True):
             except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed check, not a lost run
                 err, finite = float("nan"), False
                 print(f"check attention {impl} {name} failed: {e!r:.1500}", flush=True)
+                traceback.print_exc()
             rows.append(dict(kernel=f"attention {impl}", case=name, dtype=jnp.dtype(dtype).name, group=group,
                              head_dim=head_dim, rel_err=err, all_written=finite))
     if not matmuls:
@@ -206,6 +208,7 @@ def bench_decode_attention(rng, quick, reps, trials):
             rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", impl=name, seconds=t, bytes=nbytes, bw=nbytes / t,
                              rel_err=rel_err(got, want)))
         except Exception as e:  # a config that fails to compile is reported, not fatal
+            traceback.print_exc()
             rows.append(dict(kernel="decode attention", impl=name, error=repr(e)[:300]))
         print_table(rows[-1:])  # as it comes (see bench_gemv)
         sys.stdout.flush()
@@ -249,6 +252,7 @@ def bench_prefill_attention(rng, quick, reps, trials):
             t = time_call(jax.jit(lambda qs, attn=attn: [attn(q) for q in qs]), (qs,), reps, trials)
             rows.append(dict(kernel=f"prefill attention T={tokens}", impl=name, seconds=t, flops=flops, rate=flops / t))
         except Exception as e:
+            traceback.print_exc()
             rows.append(dict(kernel="prefill attention", impl=name, error=repr(e)[:300]))
     return rows
 

@@ -37,7 +37,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"],
                    help="auto: the model's dtype; int8: int8 K/V with a scale per token and head (about 2x the pages)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas"])
+    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
                    help="how MoE experts run (auto: the Pallas grouped matmul on GPU; gathered or ragged_dot elsewhere)")

@@ -18,6 +18,9 @@ import jax
 from jlight.pallas_kernels import attention_reference, matmul_reference
 
 IMPLS = ("auto", "reference", "pallas")
+# Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
+# where it takes the inputs, else the Triton one (PALLAS_ATTENTION says which is the default).
+ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 
 
 MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
@@ -30,9 +33,9 @@ class Kernels(NamedTuple):
     moe_impl: str = "auto"
 
 
-def _check(name, impl):
-    if impl not in IMPLS:
-        raise ValueError(f"{name}={impl!r} is not one of {', '.join(IMPLS)}")
+def _check(name, impl, allowed=IMPLS):
+    if impl not in allowed:
+        raise ValueError(f"{name}={impl!r} is not one of {', '.join(allowed)}")
 
 
 def on_gpu() -> bool:
@@ -44,16 +47,19 @@ def _use_pallas(impl: str) -> bool:
 
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> Kernels:
-    _check("attention_impl", attention_impl)
+    _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
     matmul = matmul_reference.matmul
-    if _use_pallas(attention_impl):
+    backend = attention_impl if attention_impl in ("mosaic", "triton") else PALLAS_ATTENTION
+    if attention_impl in ("mosaic", "triton") or _use_pallas(attention_impl):
         from jlight.pallas_kernels import paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
+        if backend == "mosaic":
+            attention = mosaic_or_triton_attention
     # "auto" on GPU keeps XLA's matmuls but for W8A8: end to end on the H200 (Llama-3-8B shape,
     # int8 weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against
     # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step
@@ -66,6 +72,20 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_w8a8_only
     return Kernels(write_kv, attention, matmul, moe_impl)
+
+
+# Which Pallas attention kernel "pallas"/"auto" runs: "triton" or "mosaic".
+PALLAS_ATTENTION = "triton"
+
+
+def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
+    """The Mosaic GPU kernel where it takes the inputs (16-bit floats, head_dim 64/128/256), else the
+    Triton kernel (int8 KV pools, float32, other head sizes)."""
+    from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
+
+    if paged_attention_mosaic.supports(q, k_cache):
+        return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+    return paged_attention_pallas.paged_attention(q, k_cache, v_cache, layer, md, **kw)
 
 
 # Weight-only int8 stored K-major for XLA's dequantize-dot ("auto" on GPU): on the H200 the engine's

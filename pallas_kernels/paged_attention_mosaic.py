@@ -57,8 +57,8 @@ def _interpret_params():
 
 
 def _kernel(row_ref, start_ref, end_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
-            group, page_size, pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits,
-            interpreting):
+            group, rows_per_token, tiles_by_block, page_size, pages_per_step, steps_per_split, num_stages, scale,
+            sliding_window, num_splits, interpreting):
     num_scratch = 6 if num_splits == 1 else 8
     out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
     q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
@@ -78,7 +78,9 @@ def _kernel(row_ref, start_ref, end_ref, pos_ref, table_ref, q_ref, k_ref, v_ref
         first_step = jnp.maximum(first_step, jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step)
     last_step = jnp.minimum((split + 1) * steps_per_split, num_steps)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(start * group, _ROWS)], q_smem, q_bar)
+    # The query tile's first row: a multiple of 8, as TMA into the tiled tile needs (see the wrapper).
+    q_row = block * _ROWS if tiles_by_block else start * rows_per_token
+    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_row, _ROWS)], q_smem, q_bar)
 
     def issue(step, slot):  # TMA the step's pages of this KV head into the slot
         for i in range(pages_per_step):
@@ -201,11 +203,9 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     table = md.page_table + layer * num_pages
     table = jnp.pad(table, ((0, 0), (0, num_splits * steps_per_split * pages_per_step - max_pages)))
     pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
-    # Query rows grouped by KV head, padded by one tile so no block's copy runs past the end.
-    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, _ROWS), (0, 0)))
-    positions = jnp.pad(md.positions, (0, 1))  # an unused block reads positions[0]; keep an entry for T = 0
     row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
+    q_rows, rows_per_token = _query_rows(q, num_kv_heads, block_q, row, start, end)
+    positions = jnp.pad(md.positions, (0, 1))  # an unused block reads positions[0]; keep an entry for T = 0
 
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_kv_heads, num_blocks, _ROWS, head_dim), q.dtype)
@@ -228,7 +228,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         scratch += [_swizzled((_ROWS, head_dim), jnp.float32),  # split-K partial output
                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
     kernel = functools.partial(
-        _kernel, group=group, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
+        _kernel, group=group, rows_per_token=rows_per_token, tiles_by_block=block_q > 1, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
         interpreting=interpreting)
     result = plgpu.kernel(
@@ -256,6 +256,29 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
     return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def _query_rows(q, num_kv_heads: int, block_q: int, row, start, end):
+    """The query rows of every block, grouped by KV head: [KVH, rows, head_dim], and the rows each
+    token takes (decode) or 0 (prefill: one 64-row tile per block).
+
+    TMA into a tiled shared-memory tile needs its first row to be provably a multiple of 8. Decode
+    blocks (one token) pad each token's `group` query heads to a multiple of 8 rows, so block b
+    starts at row b * rows_per_token; prefill blocks are gathered into whole tiles (block b at row
+    b * 64), which keeps 64 // group tokens a tile instead of 64 // 8."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if block_q == 1:
+        rows_per_token = -(-group // 8) * 8
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows_per_token - group), (0, 0)))
+        q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * rows_per_token, head_dim)
+        return jnp.pad(q_rows, ((0, 0), (0, _ROWS), (0, 0))), rows_per_token  # a last tile runs past the end
+    r = jnp.arange(_ROWS)
+    token = start[:, None] + r[None, :] // group  # [blocks, 64]
+    token = jnp.where(token < end[:, None], token, 0)  # rows past the block: any in-range row (masked)
+    tiles = q4[token, :, r[None, :] % group]  # [blocks, 64, KVH, D]
+    return tiles.transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim), 0
 
 
 def _token_blocks(md: BatchMetadata, num_tokens: int, block_q: int):

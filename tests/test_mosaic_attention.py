@@ -1,0 +1,111 @@
+"""The Mosaic GPU paged attention (pallas_kernels/paged_attention_mosaic.py) on the CPU.
+
+Three checks stand in for the GPU: Mosaic GPU's interpret mode runs the kernel's TMA copies,
+barriers and slot logic against the XLA reference (its buffers start as NaN, so an output the
+kernel forgets to write fails); its race detector checks the copy/barrier protocol; and the
+kernel's real wgmma path is lowered for CUDA at the H200 benchmark shapes, which runs Mosaic GPU's
+layout inference (the step that rejected a misaligned TMA in jax 0.11.2, 2026-12-01).
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernel_batches import check_attention_output, random_batch
+from jlight.pallas_kernels import attention_reference, dispatch, paged_attention_mosaic, paged_attention_pallas
+from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv
+
+PAGE_SIZE = 16
+NUM_KV_HEADS = 2
+
+# (name, group, head_dim, q_lens, context_lens, num_tokens incl. padding, sliding_window, num_splits)
+CASES = [
+    # decode rows at page boundaries (16, 17, 64, 65), an empty row, split-K over a long row
+    ("decode_split", 4, 128, [1, 1, 1, 0, 1, 1, 1], [1, 16, 17, 0, 64, 65, 700], 7, None, 3),
+    ("decode_gqa1", 1, 64, [1, 1, 0, 1], [1, 33, 0, 15], 4, None, 1),
+    # mixed prefill chunks (earlier context in pages) + decode + empty row + padding tokens
+    ("mixed_gqa8", 8, 64, [37, 1, 0, 16, 5], [37, 200, 0, 48, 70], 64, None, None),
+    ("mixed_gqa3", 3, 64, [20, 1, 7], [20, 90, 130], 32, None, None),  # SmolLM2's 9/3 heads
+    ("prefill_chunk", 4, 128, [40], [1000], 48, None, None),
+    ("sliding_window", 4, 64, [1, 20], [500, 300], 24, 64, None),
+]
+
+
+def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, num_layers=2):
+    num_pages = sum(-(-c // PAGE_SIZE) for c in ctx_lens) + 4
+    md = random_batch(rng, q_lens, ctx_lens, page_size=PAGE_SIZE, num_pages=num_pages, num_tokens=num_tokens)
+    shape = (num_layers, num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((num_tokens, NUM_KV_HEADS * group, head_dim)), jnp.bfloat16)
+    return q, k, v, md
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case):
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, window, num_splits = case
+    q, k, v, md = _inputs(np.random.default_rng(abs(hash(name)) % 2**32), group, head_dim, q_lens, ctx_lens, num_tokens)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = attention_reference.paged_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
+    got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_splits=num_splits, **kw)
+    check_attention_output(got, want, md, jnp.bfloat16)
+
+
+def test_no_races_in_the_copy_protocol(monkeypatch):
+    """The interpreter's happens-before race detector over the TMA slots, with and without split-K."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
+
+    monkeypatch.setattr(paged_attention_mosaic, "_interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
+    q, k, v, md = _inputs(np.random.default_rng(3), 4, 64, [1, 1], [300, 129], 2, num_layers=1)
+    for splits in (1, 2):
+        jax.block_until_ready(paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=0.125, num_splits=splits))
+        assert not interpret_pallas_call.get_races().races_found, f"races with num_splits={splits}"
+
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("batch,cfg", [
+    ("decode", {}), ("decode", dict(num_splits=2)), ("decode", dict(kv_per_step=128, num_stages=2)), ("prefill", {}),
+])
+def test_cuda_lowering_at_h200_shapes(batch, cfg):
+    """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
+    q_lens, ctx_lens, num_tokens = ([1] * 8, [4096] * 8, 8) if batch == "decode" else ([256, 1], [3000, 700], 264)
+    num_pages = sum(-(-c // PAGE_SIZE) for c in ctx_lens) + 1
+    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=PAGE_SIZE, num_pages=num_pages,
+                      num_tokens=num_tokens)
+    pool = S((2, num_pages, PAGE_SIZE, 8, 128), jnp.bfloat16)
+    fn = lambda q, k, v, md: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
+                                                                     interpret=False, **cfg)
+    text = jax.jit(fn).trace(S((num_tokens, 32, 128), jnp.bfloat16), pool, pool, md).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_supports_and_fallback():
+    q = jnp.zeros((2, 8, 64), jnp.bfloat16)
+    pool = jnp.zeros((1, 4, PAGE_SIZE, 2, 64), jnp.bfloat16)
+    assert paged_attention_mosaic.supports(q, pool)
+    assert not paged_attention_mosaic.supports(q.astype(jnp.float32), pool.astype(jnp.float32))  # wgmma: 16-bit only
+    assert not paged_attention_mosaic.supports(q, QuantizedKV(*quantize_kv(pool)))  # int8 pages: the Triton kernel
+    assert not paged_attention_mosaic.supports(jnp.zeros((2, 8, 32), jnp.bfloat16), pool[..., :32])
+    with pytest.raises(ValueError, match="Triton kernel"):
+        paged_attention_mosaic.paged_attention(q.astype(jnp.float32), pool.astype(jnp.float32), pool.astype(jnp.float32),
+                                               jnp.int32(0), random_batch(np.random.default_rng(0), [1, 1], [3, 5],
+                                                                          page_size=PAGE_SIZE, num_pages=4), scale=0.1)
+
+
+def test_dispatch_names_the_backend():
+    assert dispatch.get_kernels("mosaic").paged_attention is dispatch.mosaic_or_triton_attention
+    assert dispatch.get_kernels("triton").paged_attention is paged_attention_pallas.paged_attention
+    with pytest.raises(ValueError, match="attention_impl='cuda'"):
+        dispatch.get_kernels("cuda")
+
+
+def test_mosaic_or_triton_routes_float32_to_triton(monkeypatch):
+    calls = []
+    monkeypatch.setattr(paged_attention_pallas, "paged_attention", lambda *a, **k: calls.append("triton"))
+    q, k, v, md = _inputs(np.random.default_rng(1), 4, 64, [1], [5], 1)
+    dispatch.mosaic_or_triton_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                        jnp.int32(0), md, scale=0.125)
+    assert calls == ["triton"]
