@@ -154,8 +154,11 @@ def bench_copy(reps, trials, quick):
     return dict(kernel="copy", impl="xla a*1.5", seconds=t, bytes=4 * n, bw=4 * n / t)
 
 
-def bench_decode_attention(rng, quick, reps, trials):
-    batch, ctx, num_heads, num_kv_heads, head_dim, page_size = (64, 4096, 32, 8, 128, 16) if not quick else (4, 64, 8, 2, 64, 16)
+def bench_decode_attention(rng, quick, reps, trials, batch=64):
+    """Decode attention at `batch` rows of 4k context; the knob sweeps and JAX's bundled kernel at batch 64 only."""
+    sweep = batch == 64 and not quick
+    ctx, num_heads, num_kv_heads, head_dim, page_size = (4096, 32, 8, 128, 16) if not quick else (64, 8, 2, 64, 16)
+    batch = batch if not quick else 4
     pages_per_seq = ctx // page_size
     num_pages = batch * pages_per_seq + 1
     md = random_batch(rng, [1] * batch, [ctx] * batch, page_size=page_size, num_pages=num_pages)
@@ -182,20 +185,23 @@ def bench_decode_attention(rng, quick, reps, trials):
     # The fifth session's sweep (2 or 8 pages a step, 2 warps, 3-4 stages) found nothing 1% better;
     # since 2026-12-01 only its two best configs stay as the Triton peers of the Mosaic GPU kernel.
     configs = [dict()]
-    if not quick:
+    if sweep:
         configs += [dict(num_stages=3), dict(num_warps=2)]
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
     # The Mosaic GPU kernel (paged_attention_mosaic.py): its default, then its knobs.
-    mosaic_configs = [dict()] + ([] if quick else [dict(num_stages=2), dict(num_stages=4), dict(kv_per_step=128),
-                                                   dict(kv_per_step=128, num_stages=2), dict(num_splits=2)])
+    # 2026-12-01: 2 stages of 64 positions (80 KB of shared memory, two programs per SM) took 258 us,
+    # 3 stages (one program per SM) 326 us; the 32-position steps below fit three or four per SM.
+    mosaic_configs = [dict()] + ([] if not sweep else [
+        dict(num_stages=3), dict(kv_per_step=32), dict(kv_per_step=32, num_stages=3), dict(kv_per_step=32, num_stages=4),
+        dict(kv_per_step=128, num_stages=1), dict(num_splits=2)])
     for cfg in mosaic_configs:
         variants[f"mosaic {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, l, md, scale=scale, **cfg))
-    kq, vq = QuantizedKV(*quantize_kv(k)), QuantizedKV(*quantize_kv(v))
+    kq, vq = (QuantizedKV(*quantize_kv(k)), QuantizedKV(*quantize_kv(v))) if sweep or quick else (None, None)
     int8_bytes = 2 * batch * ctx * num_kv_heads * (head_dim + 4)  # int8 values + a float32 scale per token and head
-    for cfg in [dict()]:
+    for cfg in [dict()] if kq is not None else []:
         variants[f"pallas int8 KV {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, kq, vq, l, md, scale=scale, **cfg))
     want = None  # the XLA reference's output on the first query set: every variant is checked against it
@@ -212,7 +218,7 @@ def bench_decode_attention(rng, quick, reps, trials):
             rows.append(dict(kernel="decode attention", impl=name, error=repr(e)[:300]))
         print_table(rows[-1:])  # as it comes (see bench_gemv)
         sys.stdout.flush()
-    if not quick:
+    if sweep:
         from jax.experimental.pallas.ops.gpu import paged_attention as bundled
         # The bundled kernel wants [kv_heads, pages, page_size, head_dim] pools; converted outside the timing.
         kp, vp = k[0].transpose(2, 0, 1, 3), v[0].transpose(2, 0, 1, 3)
@@ -244,7 +250,7 @@ def bench_prefill_attention(rng, quick, reps, trials):
     for cfg in ([dict()] if quick else [dict()]):
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
-    for cfg in ([dict()] if quick else [dict(), dict(num_stages=2)]):
+    for cfg in ([dict()] if quick else [dict(), dict(num_stages=3), dict(kv_per_step=128)]):
         variants[f"mosaic {cfg or 'default'}"] = (
             lambda q, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
     for name, attn in variants.items():
@@ -451,6 +457,7 @@ def main():
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
+    parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
     parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (of 1, 8)")
     parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
@@ -475,7 +482,10 @@ def main():
     timings = [bench_copy(args.reps, args.trials, args.quick)]
     gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows, gemv_splits=args.gemv_splits)
     gemm = functools.partial(bench_gemm, gemm_rows=args.gemm_rows)
-    sections = dict(decode=bench_decode_attention, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm)
+    def decode(rng, quick, reps, trials):
+        return [row for b in args.decode_batches.split(",") for row in bench_decode_attention(rng, quick, reps, trials, int(b))]
+
+    sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)

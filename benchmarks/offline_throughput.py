@@ -152,7 +152,8 @@ def main():
 def _write(result: dict, a) -> None:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        name = f"offline_{result['model']}_{a.quantization or result['dtype']}_{a.layer_loop}.json".replace("/", "_")
+        attention = "" if a.attention_impl == "auto" else f"_{a.attention_impl}"
+        name = f"offline_{result['model']}_{a.quantization or result['dtype']}_{a.layer_loop}{attention}.json".replace("/", "_")
         with open(os.path.join(a.out, name), "w") as f:
             json.dump(result, f, indent=1)
 

@@ -56,18 +56,19 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel(row_ref, start_ref, end_ref, pos_ref, table_ref, q_ref, k_ref, v_ref, *refs,
-            group, rows_per_token, tiles_by_block, page_size, pages_per_step, steps_per_split, num_stages, scale,
-            sliding_window, num_splits, interpreting):
+def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, rows_per_token,
+            tiles_by_block, page_size, pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits,
+            interpreting):
     num_scratch = 6 if num_splits == 1 else 8
     out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
     q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
     o_smem, stat_smem = scratch[6:] or (None, None)
     block, head, split = lax.axis_index("block"), lax.axis_index("head"), lax.axis_index("split")
     kv_per_step = pages_per_step * page_size
-    row, start, end = row_ref[block], start_ref[block], end_ref[block]
+    # meta (built in the wrapper): row, start, end of every block, the positions, the page table.
+    row, start, end = meta_ref[block], meta_ref[num_blocks + block], meta_ref[2 * num_blocks + block]
     num_tokens = end - start  # 0 for an unused block
-    first_pos = pos_ref[start]
+    first_pos = meta_ref[3 * num_blocks + start]
     last_pos = first_pos + num_tokens - 1
 
     # Steps this program runs: its split's share, cut at the block's last position.
@@ -84,7 +85,7 @@ def _kernel(row_ref, start_ref, end_ref, pos_ref, table_ref, q_ref, k_ref, v_ref
 
     def issue(step, slot):  # TMA the step's pages of this KV head into the slot
         for i in range(pages_per_step):
-            page = table_ref[row, step * pages_per_step + i]
+            page = meta_ref[table_base + row * table_width + step * pages_per_step + i]
             dst = pl.ds(i * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, dst], v_bar.at[slot])
@@ -178,7 +179,7 @@ def _swizzled(shape, dtype):
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "num_stages", "kv_per_step"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
-                    interpret: bool | None = None, num_splits: int | None = None, num_stages: int = 3,
+                    interpret: bool | None = None, num_splits: int | None = None, num_stages: int = 2,
                     kv_per_step: int = 64):
     """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim] in bf16/f16,
     K/V pools of q's dtype (`supports`)."""
@@ -205,7 +206,11 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
     row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
     q_rows, rows_per_token = _query_rows(q, num_kv_heads, block_q, row, start, end)
-    positions = jnp.pad(md.positions, (0, 1))  # an unused block reads positions[0]; keep an entry for T = 0
+    # The kernel's integer inputs as one array that XLA must compute: a custom call's operands must
+    # be 256-byte aligned, and a slice of the engine's packed step inputs (the page table at layer 0,
+    # an unpadded table) reached it as an unaligned view ("Input buffer 4 is not 256-byte aligned",
+    # H200, 2026-12-01). The extra position entry keeps an unused block's read in range when T = 0.
+    meta = jnp.concatenate([row, start, end, md.positions, jnp.zeros((1,), jnp.int32), table.reshape(-1)])
 
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_kv_heads, num_blocks, _ROWS, head_dim), q.dtype)
@@ -228,7 +233,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         scratch += [_swizzled((_ROWS, head_dim), jnp.float32),  # split-K partial output
                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
     kernel = functools.partial(
-        _kernel, group=group, rows_per_token=rows_per_token, tiles_by_block=block_q > 1, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
+        _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
+        group=group, rows_per_token=rows_per_token, tiles_by_block=block_q > 1, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
         interpreting=interpreting)
     result = plgpu.kernel(
@@ -239,7 +245,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         grid_names=("block", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params() if interpreting else None,
-    )(row, start, end, positions, table, q_rows, *pools)
+    )(meta, q_rows, *pools)
 
     if num_splits == 1:
         out = result
