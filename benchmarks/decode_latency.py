@@ -55,6 +55,9 @@ VARIANTS = {
     # fifth session, when "int8-auto-b8" had it off and "int8-auto-b8-kmajor" on).
     "int8-auto-b8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
+    # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
+    "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),
+    "int8-auto-b8-triton": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8, attention_impl="triton"), {}),
     "int8-pallas-b1": (dict(_INT8_PALLAS, min_token_bucket=1), {}),  # the GEMV path (int8 converted by exponent bits)
     "int8-pallas-b1-sep": (dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False), {}),
     "int8-pallas-b1-cvt": (dict(_INT8_PALLAS, min_token_bucket=1), dict(magic_convert=False)),

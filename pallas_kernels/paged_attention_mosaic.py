@@ -46,7 +46,7 @@ def supports(q, k_cache) -> bool:
         return False  # wgmma on 16-bit floats only; int8 KV pools and float32 go to the Triton kernel
     head_dim, page_size = q.shape[-1], k_cache.shape[2]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[3]
-    return head_dim in (64, 128, 256) and page_size % 8 == 0 and (64 % page_size == 0 or page_size % 64 == 0) \
+    return head_dim in (64, 128, 256) and page_size in (8, 16, 32, 64, 128, 256) \
         and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS
 
 
@@ -187,6 +187,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         raise ValueError(f"the Mosaic GPU attention kernel does not take q {q.dtype}{q.shape} with pools "
                          f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}; use the Triton kernel "
                          "(paged_attention_pallas) or attention_impl='reference'")
+    if kv_per_step % 64 or kv_per_step > 256:
+        raise ValueError(f"kv_per_step={kv_per_step} must be 64, 128, 192 or 256 (the P.V wgmma sums over 64-position chunks)")
     interpreting = pallas_mode.resolve(interpret)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
