@@ -56,9 +56,8 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, rows_per_token,
-            tiles_by_block, page_size, pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits,
-            interpreting):
+def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
+            pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits, interpreting):
     num_scratch = 6 if num_splits == 1 else 8
     out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
     q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
@@ -79,9 +78,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         first_step = jnp.maximum(first_step, jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step)
     last_step = jnp.minimum((split + 1) * steps_per_split, num_steps)
 
-    # The query tile's first row: a multiple of 8, as TMA into the tiled tile needs (see the wrapper).
-    q_row = block * _ROWS if tiles_by_block else start * rows_per_token
-    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_row, _ROWS)], q_smem, q_bar)
+    # The block's query rows ([rows, head_dim]: 8 * ceil(group / 8) for decode, 64 for prefill) into
+    # the top of the tile; rows below them are never written and are masked out (row_ok).
+    io_rows = q_ref.shape[2]
+    plgpu.copy_gmem_to_smem(q_ref.at[block, head], q_smem.at[pl.ds(0, io_rows)], q_bar)
 
     def issue(step, slot):  # TMA the step's pages of this KV head into the slot
         for i in range(pages_per_step):
@@ -153,20 +153,22 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
     )
     acc, m, l = lax.fori_loop(first_step, last_step, body, init)
 
+    # Only the block's rows go out (an unused block writes zeros: acc = 0, l = 0).
+    rows = pl.ds(0, io_rows)
     if num_splits == 1:  # normalise here; the output tile reuses the query's slot
         (o_ref,) = out_refs
         q_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(q_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[head, block])
+        plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[block, head])
     else:  # split-K: the unnormalised state goes to the combine (m in log2 units)
         o_ref, l_ref, m_ref = out_refs
         o_smem[...] = acc
         stat_smem[0] = l
         stat_smem[1] = m
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, head, block])
-        plgpu.copy_smem_to_gmem(stat_smem.at[0], l_ref.at[split, head, block])
-        plgpu.copy_smem_to_gmem(stat_smem.at[1], m_ref.at[split, head, block])
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, block, head])
+        plgpu.copy_smem_to_gmem(stat_smem.at[0, rows], l_ref.at[split, block, head])
+        plgpu.copy_smem_to_gmem(stat_smem.at[1, rows], m_ref.at[split, block, head])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -207,20 +209,22 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     table = jnp.pad(table, ((0, 0), (0, num_splits * steps_per_split * pages_per_step - max_pages)))
     pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
     row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
-    q_rows, rows_per_token = _query_rows(q, num_kv_heads, block_q, row, start, end)
+    q_rows = _query_rows(q, num_kv_heads, block_q, start, end)  # [blocks, KVH, io_rows, D]
+    io_rows = q_rows.shape[2]
     # The kernel's integer inputs as one array that XLA must compute: a custom call's operands must
     # be 256-byte aligned, and a slice of the engine's packed step inputs (the page table at layer 0,
     # an unpadded table) reached it as an unaligned view ("Input buffer 4 is not 256-byte aligned",
     # H200, 2026-12-01). The extra position entry keeps an unused block's read in range when T = 0.
     meta = jnp.concatenate([row, start, end, md.positions, jnp.zeros((1,), jnp.int32), table.reshape(-1)])
 
+    tile = (num_blocks, num_kv_heads, io_rows)
     if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct((num_kv_heads, num_blocks, _ROWS, head_dim), q.dtype)
+        out_type = jax.ShapeDtypeStruct(tile + (head_dim,), q.dtype)
     else:
         out_type = (
-            jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_blocks, _ROWS, head_dim), jnp.float32),  # acc
-            jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_blocks, _ROWS), jnp.float32),  # l
-            jax.ShapeDtypeStruct((num_splits, num_kv_heads, num_blocks, _ROWS), jnp.float32),  # m (log2 units)
+            jax.ShapeDtypeStruct((num_splits,) + tile + (head_dim,), jnp.float32),  # acc
+            jax.ShapeDtypeStruct((num_splits,) + tile, jnp.float32),  # l
+            jax.ShapeDtypeStruct((num_splits,) + tile, jnp.float32),  # m (log2 units)
         )
     kv_tile = (num_stages, pages_per_step * page_size, head_dim)
     scratch = [
@@ -236,8 +240,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
-        group=group, rows_per_token=rows_per_token, tiles_by_block=block_q > 1, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
-        num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
+        group=group, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split, num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
         interpreting=interpreting)
     result = plgpu.kernel(
         kernel,
@@ -254,46 +257,41 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     else:
         acc, l, m = result
         m_max = jnp.max(m, axis=0)
-        weight = jnp.exp2(m - m_max[None])  # [splits, KVH, blocks, rows]
+        weight = jnp.exp2(m - m_max[None])  # [splits, blocks, KVH, rows]
         l_total = jnp.sum(l * weight, axis=0)
         out = jnp.sum(acc * weight[..., None], axis=0) / jnp.maximum(l_total, 1e-30)[..., None]
-    # Token t's output is row (t - start of its block) * group of its block.
+    out = out.astype(q.dtype)
+    if block_q == 1:  # decode: block t is token t, its first `group` rows its heads (padding tokens got zeros)
+        return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
+    # prefill: token t is rows (t - start) * group + [0, group) of its block
     token_block, token_offset = _token_blocks(md, num_tokens, block_q)
-    out = out[:, :, :block_q * group].reshape(num_kv_heads, num_blocks, block_q, group, head_dim)
-    out = out[:, token_block, token_offset]  # [KVH, T, group, D]
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    out = out[:, :, :block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
+    out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
     return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
 
 
-def _query_rows(q, num_kv_heads: int, block_q: int, row, start, end):
-    """The query rows of every block, grouped by KV head: [KVH, rows, head_dim], and the rows each
-    token takes (decode) or 0 (prefill: one 64-row tile per block).
+def _query_rows(q, num_kv_heads: int, block_q: int, start, end):
+    """Every block's query rows per KV head: [blocks, KVH, rows, head_dim].
 
-    TMA into a tiled shared-memory tile needs its first row to be provably a multiple of 8. Decode
-    blocks (one token) pad each token's `group` query heads to a multiple of 8 rows, so block b
-    starts at row b * rows_per_token; prefill blocks are gathered into whole tiles (block b at row
-    b * 64), which keeps 64 // group tokens a tile instead of 64 // 8."""
+    TMA into the tiled shared-memory tile takes whole 8-row tiles. A decode block (one token)
+    holds that token's `group` query heads padded to a multiple of 8 rows: for group 8 this is
+    q itself, reshaped. A prefill block holds 64 // group tokens x group heads, gathered into a
+    64-row tile."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if block_q == 1:
-        rows_per_token = -(-group // 8) * 8
-        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows_per_token - group), (0, 0)))
-        q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * rows_per_token, head_dim)
-        return jnp.pad(q_rows, ((0, 0), (0, _ROWS), (0, 0))), rows_per_token  # a last tile runs past the end
+        return jnp.pad(q4, ((0, 0), (0, 0), (0, -group % 8), (0, 0)))
     r = jnp.arange(_ROWS)
     token = start[:, None] + r[None, :] // group  # [blocks, 64]
     token = jnp.where(token < end[:, None], token, 0)  # rows past the block: any in-range row (masked)
-    tiles = q4[token, :, r[None, :] % group]  # [blocks, 64, KVH, D]
-    return tiles.transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim), 0
+    return q4[token[:, None, :], jnp.arange(num_kv_heads)[None, :, None], (r % group)[None, None, :]]
 
 
 def _token_blocks(md: BatchMetadata, num_tokens: int, block_q: int):
     """For each token, the query block that holds it and its place in that block (the inverse of
     _query_blocks); padding tokens map to block 0 and are zeroed by the caller."""
-    if block_q == 1:  # decode buckets: block t is token t
-        return jnp.arange(num_tokens), jnp.zeros((num_tokens,), jnp.int32)
     q_lens = md.query_start[1:] - md.query_start[:-1]
     blocks_before = jnp.cumsum((q_lens + block_q - 1) // block_q) - (q_lens + block_q - 1) // block_q  # [B]
     within = jnp.arange(num_tokens) - md.query_start[md.token_seq]
