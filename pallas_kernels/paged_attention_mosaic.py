@@ -38,6 +38,7 @@ from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
 _LOG2E = math.log2(math.e)
+_ONE_TOKEN_BLOCKS_UP_TO = 16  # steps of at most this many tokens run one token per block
 
 
 def supports(q, k_cache) -> bool:
@@ -196,7 +197,9 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     num_rows, max_pages = md.page_table.shape
     group = num_heads // num_kv_heads
-    block_q = 1 if num_tokens <= num_rows else _ROWS // group
+    # One token a block (no query gather, no output gather) for decode buckets and for small steps
+    # such as a batch-1 decode padded to 8 tokens, where a row's extra tokens re-read few pages.
+    block_q = 1 if num_tokens <= max(num_rows, _ONE_TOKEN_BLOCKS_UP_TO) else _ROWS // group
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
     pages_per_step = max(1, kv_per_step // page_size)
     num_steps = -(-max_pages // pages_per_step)

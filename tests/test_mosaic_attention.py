@@ -26,6 +26,7 @@ CASES = [
     # mixed prefill chunks (earlier context in pages) + decode + empty row + padding tokens
     ("mixed_gqa8", 8, 64, [37, 1, 0, 16, 5], [37, 200, 0, 48, 70], 64, None, None),
     ("mixed_gqa3", 3, 64, [20, 1, 7], [20, 90, 130], 32, None, None),  # SmolLM2's 9/3 heads
+    ("small_step_chunks", 4, 64, [5, 1, 3], [70, 16, 3], 12, None, None),  # <= 16 tokens: one token a block
     ("prefill_chunk", 4, 128, [40], [1000], 48, None, None),
     ("sliding_window", 4, 64, [1, 20], [500, 300], 24, 64, None),
 ]
