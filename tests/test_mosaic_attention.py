@@ -89,7 +89,8 @@ def test_supports_and_fallback():
     assert paged_attention_mosaic.supports(q, pool)
     assert not paged_attention_mosaic.supports(q.astype(jnp.float32), pool.astype(jnp.float32))  # wgmma: 16-bit only
     assert not paged_attention_mosaic.supports(q, QuantizedKV(*quantize_kv(pool)))  # int8 pages: the Triton kernel
-    assert not paged_attention_mosaic.supports(jnp.zeros((2, 8, 32), jnp.bfloat16), pool[..., :32])
+    assert not paged_attention_mosaic.supports(jnp.zeros((2, 8, 32), jnp.bfloat16), pool[..., :32])  # head_dim 32
+    assert not paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 32, 2, 64), jnp.bfloat16))  # pages of 32: not run on a GPU
     with pytest.raises(ValueError, match="Triton kernel"):
         paged_attention_mosaic.paged_attention(q.astype(jnp.float32), pool.astype(jnp.float32), pool.astype(jnp.float32),
                                                jnp.int32(0), random_batch(np.random.default_rng(0), [1, 1], [3, 5],
