@@ -211,7 +211,7 @@ def build(spec: str, config: ModelConfig, dtype, a):
     t = time.perf_counter()
     params = jax.block_until_ready(random_weights(shapes, axes, mesh, dtype))
     init_s = time.perf_counter() - t
-    kernels = get_kernels(a.attention_impl, a.matmul_impl, a.moe_impl)
+    kernels = get_kernels(a.attention_impl, a.matmul_impl, a.moe_impl, sharded=True)  # as the engine under a mesh
 
     def model_fn(p, k, v, tokens, md):
         hidden, k, v = family.forward(p, plan.config, tokens, k, v, md, kernels)

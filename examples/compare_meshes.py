@@ -24,7 +24,7 @@ MESHES = ["tp=2", "tp=4"]
 PROMPT_LEN, PAGE_SIZE = 256, 16
 
 params = llama.init_params(MODEL_CONFIG, jax.random.PRNGKey(0), jnp.float32)
-kernels = get_kernels()
+kernels = get_kernels(sharded=True)  # the kernels an engine uses under a mesh
 pages = 1 + np.arange(PROMPT_LEN // PAGE_SIZE, dtype=np.int32)
 pos = np.arange(PROMPT_LEN, dtype=np.int32)
 md = BatchMetadata(  # one prompt, prefilled in one step

@@ -1,7 +1,7 @@
 """Picks an implementation for each kernel: Pallas on GPU, the XLA reference elsewhere.
 
 `attention_impl` / `matmul_impl` in the engine config override the choice
-("auto", "reference", "pallas"). Every implementation has the reference's signature:
+("auto", "reference", "pallas"; attention also "mosaic" or "triton"). Every implementation has the reference's signature:
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
@@ -46,14 +46,17 @@ def _use_pallas(impl: str) -> bool:
     return impl == "pallas" or (impl == "auto" and on_gpu())
 
 
-def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> Kernels:
+def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
+                sharded: bool = False) -> Kernels:
+    """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
+    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
     matmul = matmul_reference.matmul
-    backend = attention_impl if attention_impl in ("mosaic", "triton") else PALLAS_ATTENTION
+    backend = attention_impl if attention_impl in ("mosaic", "triton") else "triton" if sharded else PALLAS_ATTENTION
     if attention_impl in ("mosaic", "triton") or _use_pallas(attention_impl):
         from jlight.pallas_kernels import paged_attention_pallas
 
@@ -74,16 +77,16 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     return Kernels(write_kv, attention, matmul, moe_impl)
 
 
-# Which Pallas attention kernel "pallas"/"auto" runs. The Mosaic GPU kernel, measured on the H200
-# (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 257 vs 421 us (Triton), at
-# batch 8 62 vs 76 us, a 4096-token prefill 465 vs 687 us; 8B-shaped offline serving 2,368 vs 2,126
-# output tok/s. Inputs it does not take (float32, int8 KV pools) still go to the Triton kernel.
+# Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured
+# on the H200 (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 vs 421 us
+# (Triton), at batch 8 59 vs 76 us, a 4096-token prefill 460 vs 684 us; 8B-shaped offline serving
+# 2,368 vs 2,126 output tok/s. Inputs it does not take (float32, int8 KV pools) go to the Triton kernel.
 PALLAS_ATTENTION = "mosaic"
 
 
 def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
-    """The Mosaic GPU kernel where it takes the inputs (16-bit floats, head_dim 64/128/256), else the
-    Triton kernel (int8 KV pools, float32, other head sizes)."""
+    """The Mosaic GPU kernel where it takes the inputs (paged_attention_mosaic.supports: 16-bit floats,
+    head_dim 64/128, 16-token pages), else the Triton kernel (int8 KV pools, float32, other sizes)."""
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
     if paged_attention_mosaic.supports(q, k_cache):
