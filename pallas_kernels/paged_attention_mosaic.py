@@ -149,6 +149,13 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
+        if interpreting:
+            # The interpreter's dots read the slot through the generic proxy, and the TMA that
+            # refills it writes through the async proxy: the memory model orders the two only
+            # across a proxy fence (jax 0.11.2's race detector checks this). On the GPU both are
+            # async-proxy accesses (wgmma reads, TMA writes), ordered by the wgmma waits above.
+            plgpu.commit_smem()
+
         @pl.when(step + num_stages < last_step)  # the slot is free again: fetch a later step into it
         def _():
             issue(step + num_stages, slot)
