@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_blocks
+from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_blocks, merge_splits
 
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
@@ -271,19 +271,11 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         interpret=_interpret_params() if interpreting else None,
     )(meta, q_rows, *pools)
 
-    if num_splits == 1:
-        out = result
-    else:
-        acc, l, m = result
-        m_max = jnp.max(m, axis=0)
-        weight = jnp.exp2(m - m_max[None])  # [splits, blocks, KVH, rows]
-        l_total = jnp.sum(l * weight, axis=0)
-        out = jnp.sum(acc * weight[..., None], axis=0) / jnp.maximum(l_total, 1e-30)[..., None]
-    out = out.astype(q.dtype)
+    out = (result if num_splits == 1 else merge_splits(*result, exp=jnp.exp2)).astype(q.dtype)  # [blocks, KVH, rows, D]
     if block_q == 1:  # decode: block t is token t, its first `group` rows its heads (padding tokens got zeros)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
     # prefill: token t is rows (t - start) * group + [0, group) of its block
-    token_block, token_offset = _token_blocks(md, num_tokens, block_q)
+    token_block, token_offset = _token_blocks(md, num_tokens, num_blocks, block_q)
     out = out[:, :, :block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
     out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
@@ -308,12 +300,10 @@ def _query_rows(q, num_kv_heads: int, block_q: int, start, end):
     return q4[token[:, None, :], jnp.arange(num_kv_heads)[None, :, None], (r % group)[None, None, :]]
 
 
-def _token_blocks(md: BatchMetadata, num_tokens: int, block_q: int):
+def _token_blocks(md: BatchMetadata, num_tokens: int, num_blocks: int, block_q: int):
     """For each token, the query block that holds it and its place in that block (the inverse of
-    _query_blocks); padding tokens map to block 0 and are zeroed by the caller."""
-    q_lens = md.query_start[1:] - md.query_start[:-1]
-    blocks_before = jnp.cumsum((q_lens + block_q - 1) // block_q) - (q_lens + block_q - 1) // block_q  # [B]
-    within = jnp.arange(num_tokens) - md.query_start[md.token_seq]
-    within = jnp.maximum(within, 0)
-    num_blocks = -(-num_tokens // block_q) + md.query_start.shape[0] - 1
+    _query_blocks); padding tokens map to an arbitrary block and are zeroed by the caller."""
+    blocks_per_row = (md.query_start[1:] - md.query_start[:-1] + block_q - 1) // block_q  # [B]
+    blocks_before = jnp.cumsum(blocks_per_row) - blocks_per_row
+    within = jnp.maximum(jnp.arange(num_tokens) - md.query_start[md.token_seq], 0)
     return jnp.minimum(blocks_before[md.token_seq] + within // block_q, num_blocks - 1), within % block_q

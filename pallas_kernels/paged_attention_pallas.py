@@ -131,6 +131,14 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         pltr.store(m_ref.at[rows], m, mask=valid)
 
 
+def merge_splits(acc, l, m, exp):
+    """The online-softmax combine of split-K partial states along axis 0: acc [splits, ..., D] and
+    l, m [splits, ...] (m in the units of `exp`: jnp.exp, or jnp.exp2 for log2-scaled scores)."""
+    weight = exp(m - jnp.max(m, axis=0)[None])
+    l_total = jnp.sum(l * weight, axis=0)
+    return jnp.sum(acc * weight[..., None], axis=0) / jnp.maximum(l_total, 1e-30)[..., None]
+
+
 def _choose_splits(num_programs: int, num_steps: int) -> int:
     """Split the context only when the programs would not fill the GPU twice over."""
     if num_programs >= 2 * _NUM_SMS:
@@ -223,14 +231,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         name=f"paged_attention_bq{block_q}_g{group}_s{num_splits}{'_int8kv' if quantized else ''}",
     )(row, start, end, page_table, pos_rows, q_rows, *kv_args)
 
-    if num_splits == 1:
-        out = result
-    else:
-        acc, l, m = result
-        m_max = jnp.max(m, axis=0)
-        weight = jnp.exp(m - m_max[None])  # [splits, KVH, rows]
-        l_total = jnp.sum(l * weight, axis=0)
-        out = jnp.sum(acc * weight[..., None], axis=0) / jnp.maximum(l_total, 1e-30)[..., None]
+    out = result if num_splits == 1 else merge_splits(*result, exp=jnp.exp)
     out = out[:, :num_q_rows].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
     out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
