@@ -55,6 +55,9 @@ VARIANTS = {
     # fifth session, when "int8-auto-b8" had it off and "int8-auto-b8-kmajor" on).
     "int8-auto-b8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
+    # The K-major weights through the Pallas W8A16 kernel (matmul_pallas.w8a16_kmajor_matmul) instead of XLA.
+    "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
+    "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
     # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
     "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),
     "int8-auto-b8-triton": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8, attention_impl="triton"), {}),
@@ -137,7 +140,12 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     print(f"  device time of one step: {total:.2f} ms in {sum(r['count'] for r in rows)} kernels; the largest:")
     for r in rows[:top]:
         print(f"    {r['ms']:7.3f} ms  x{r['count']:<4d} {r['kernel'][:110]}")
-    return [dict(total_ms=total)] + rows[:top]
+    sequence = [dict(kernel=n, us=ms * 1e3) for n, ms in kernels or []]
+    middle = len(sequence) // 2  # one layer in the middle of the step, in launch order
+    print("  kernels %d-%d in launch order:" % (middle, middle + 24))
+    for i, r in enumerate(sequence[middle:middle + 24], middle):
+        print(f"    {i:4d} {r['us']:8.2f} us  {r['kernel'][:100]}")
+    return [dict(total_ms=total)] + rows[:top] + [dict(sequence=sequence)]
 
 
 def main():

@@ -15,6 +15,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -292,6 +293,21 @@ GEMV_VARIANTS = {
 }
 
 
+# The K-major W8A16 kernel (w8a16_kmajor_matmul, weights [N, K] as the engine stores them on GPU) at
+# both row counts: a first sweep of tiles (block_n, block_k), warps, stages and split-K.
+KMAJOR_VARIANTS = {
+    "pallas kmajor default": {},
+    "pallas kmajor bn64 bk256 split1": dict(block_n=64, block_k=256, num_splits=1),
+    "pallas kmajor bn32 bk256 split1": dict(block_n=32, block_k=256, num_splits=1),
+    "pallas kmajor bn32 bk512 split1": dict(block_n=32, block_k=512, num_splits=1),
+    "pallas kmajor bn16 bk512 split1": dict(block_n=16, block_k=512, num_splits=1),
+    "pallas kmajor bn128 bk128 split1 8 warps": dict(block_n=128, block_k=128, num_splits=1, num_warps=8),
+    "pallas kmajor bn64 bk512 3 stages": dict(block_n=64, block_k=512, num_stages=3),
+    "pallas kmajor bn64 bk128 6 stages": dict(block_n=64, block_k=128, num_stages=6),
+    "pallas kmajor bn128 bk256 8 warps": dict(block_n=128, block_k=256, num_warps=8),
+}
+
+
 # The Llama-3-8B layers (gate, down, lm_head, wq/wo, wk/wv) and the fused ones the engine runs
 # (q/k/v, gate/up: models/layers.fuse_projections).
 GEMV_SHAPES = [(4096, 14336), (14336, 4096), (4096, 128256), (4096, 4096), (4096, 1024), (4096, 6144), (4096, 28672)]
@@ -317,8 +333,9 @@ def bundled_mixed_matmul(tile_k, steps):
     return fn
 
 
-def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv_splits=None):
-    """W8A16 at decode shapes (K x N as `gemv_shapes`, default GEMV_SHAPES), M = each of gemv_rows."""
+def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv_splits=None, gemv_filter=None):
+    """W8A16 at decode shapes (K x N as `gemv_shapes`, default GEMV_SHAPES), M = each of gemv_rows;
+    only the variants whose name matches the regular expression gemv_filter, if given."""
     rows = []
     key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
     shapes = [(128, 256)] if quick else GEMV_SHAPES
@@ -342,11 +359,15 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
                      ("xla int8 reference, K-major weights", matmul_reference.matmul, wq_k, int8_bytes)]
             cases += [(name, lambda x, w, cfg=cfg: matmul_pallas.w8a16_matmul(x, w, **cfg), wq, int8_bytes)
                       for name, cfg in variants.items()]
+            cases += [(name, lambda x, w, cfg=cfg: matmul_pallas.w8a16_kmajor_matmul(x, w, **cfg), wq_k, int8_bytes)
+                      for name, cfg in ({} if gemv_splits else KMAJOR_VARIANTS).items()]
             if not quick and jax.default_backend() == "gpu":
                 for name, (tile_k, steps) in MIXED_CONFIGS.items():
                     mm = bundled_mixed_matmul(tile_k, steps)
                     cases.append((f"jax bundled mixed-type matmul (Mosaic GPU, W^T) {name}",
                                   lambda x, w, mm=mm: mm(x, w.values_t, w.scales), wq_k, int8_bytes))
+            if gemv_filter:
+                cases = [case for case in cases if re.search(gemv_filter, case[0])]
             want = np.asarray(matmul_reference.matmul(x, wq[0], jnp.float32))
             for name, fn, weights, nbytes in cases:
                 row = dict(kernel=f"w8a16 M={m} {k}x{n}", impl=name)
@@ -459,6 +480,7 @@ def main():
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
     parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (of 1, 8)")
+    parser.add_argument("--gemv-filter", default=None, help="gemv section: only variants matching this regular expression")
     parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
     parser.add_argument("--gemm-rows", default="4096", help="gemm section: row counts, e.g. 4096,512,64,8")
     args = parser.parse_args()
@@ -479,7 +501,8 @@ def main():
                   f"rel_err={c['rel_err']:.2e} written={c['all_written']}")
         save()
     timings = [bench_copy(args.reps, args.trials, args.quick)]
-    gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows, gemv_splits=args.gemv_splits)
+    gemv = functools.partial(bench_gemv, gemv_shapes=args.gemv_shapes, gemv_rows=args.gemv_rows, gemv_splits=args.gemv_splits,
+                             gemv_filter=args.gemv_filter)
     gemm = functools.partial(bench_gemm, gemm_rows=args.gemm_rows)
     def decode(rng, quick, reps, trials):
         return [row for b in args.decode_batches.split(",") for row in bench_decode_attention(rng, quick, reps, trials, int(b))]

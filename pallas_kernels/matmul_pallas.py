@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import matmul_reference, pallas_mode
-from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations
+from jlight.pallas_kernels.quantization import (
+    QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations)
 from jlight.pallas_kernels.tiling import largest_pow2_divisor, next_pow2
 
 _NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
@@ -86,6 +87,29 @@ def _w8a16_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, 
         if apply_scale:
             acc = acc * s_ref[...].astype(jnp.float32)
         o_ref[r, :] = acc.astype(o_ref.dtype)
+
+
+def _w8a16_kmajor_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale, tile_rows):
+    """Few rows against K-major int8 weights: x [M, K] is read as a `tile_rows`-row tile (rows past M
+    masked to zero, so the caller pads nothing) and w_ref [block_n, K] holds whole contiguous rows of
+    W^T, so every weight load is a run of K bytes. The int8 tile is converted in registers (by
+    exponent bits, exact) and multiplied on the tensor cores: x @ w^T, both operands K-major."""
+    split = pl.program_id(1)
+    first = split * steps_per_split
+    last = jnp.minimum(first + steps_per_split, num_steps)
+    rows = pl.ds(0, tile_rows)
+    live = (jnp.arange(tile_rows) < x_ref.shape[0])[:, None]  # [tile_rows, 1]
+
+    def body(step, acc):
+        k = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
+        x = pltr.load(x_ref.at[rows, k], mask=live, other=0)  # [tile_rows, block_k]
+        w = int8_to_f32(w_ref[:, k], True).astype(x.dtype)  # [block_n, block_k]
+        return acc + pltr.dot(x, w, trans_b=True)
+
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((tile_rows, o_ref.shape[-1]), jnp.float32))
+    if apply_scale:
+        acc = acc * s_ref[...].astype(jnp.float32)[None, :]
+    pltr.store(o_ref.at[rows, :], acc.astype(o_ref.dtype), mask=live)
 
 
 def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps, kmajor):
@@ -171,6 +195,49 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
     return y[0, :m]
 
 
+KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' smallest): steps up to 16 tokens
+# matmul_impl="auto" sends K-major weight-only int8 steps of up to this many rows to w8a16_kmajor_matmul
+# (0: always XLA's dequantize-dot).
+KMAJOR_PALLAS_MAX_ROWS = 0
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages"))
+def w8a16_kmajor_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, block_n=None, block_k=None,
+                        num_splits=None, num_warps=None, num_stages=None):
+    """x: [M <= 16, in] (bf16/f16) times int8 w.values_t [out, in] * w.scales [out] -> [M, out]: decode
+    steps against weights stored K-major (QuantizedWeightT, what the engine keeps on GPU)."""
+    out_dtype = out_dtype or x.dtype
+    m, k = x.shape
+    n = w.values_t.shape[0]
+    if m > KMAJOR_MAX_ROWS:
+        raise ValueError(f"w8a16_kmajor_matmul takes at most {KMAJOR_MAX_ROWS} rows, got x of shape {x.shape}")
+    block_n = largest_pow2_divisor(n, block_n or 64)  # tiles as asked, or the largest that divide the shape
+    block_k = largest_pow2_divisor(k, block_k or 256)
+    num_steps = k // block_k
+    num_splits = min(num_splits or _choose_splits(n // block_n, num_steps), num_steps)
+    steps_per_split = -(-num_steps // num_splits)
+    kernel = functools.partial(_w8a16_kmajor_kernel, block_k=block_k, steps_per_split=steps_per_split,
+                               num_steps=num_steps, apply_scale=num_splits == 1, tile_rows=KMAJOR_MAX_ROWS)
+    out_type = out_dtype if num_splits == 1 else jnp.float32
+    y = pl.pallas_call(
+        kernel,
+        grid=(n // block_n, num_splits),
+        in_specs=[
+            pl.BlockSpec((m, k), lambda j, s: (0, 0)),
+            pl.BlockSpec((block_n, k), lambda j, s: (j, 0)),
+            pl.BlockSpec((block_n,), lambda j, s: (j,)),
+        ],
+        out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((num_splits, m, n), out_type),  # [splits, M, out]
+        interpret=pallas_mode.resolve(interpret),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 4),
+        name=f"w8a16_kmajor_bn{block_n}_bk{block_k}_s{num_splits}",
+    )(x, w.values_t, w.scales)
+    if num_splits > 1:
+        return (jnp.sum(y, axis=0) * w.scales.astype(jnp.float32)).astype(out_dtype)
+    return y[0]
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
 def w8a8_matmul(x, w, out_dtype=None, *, interpret=None, block_m=None, block_n=None, block_k=None, num_warps=None,
                 num_stages=None):
@@ -247,15 +314,30 @@ def matmul(x, w, out_dtype=None, *, interpret=None):
         return matmul_reference.matmul(x, w, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    opts = dict(W8A16_OPTIONS)
+    opts = {k: v for k, v in W8A16_OPTIONS.items() if not k.startswith("kmajor")}  # those are _kmajor_w8a16's
     gemv = x2.shape[0] <= opts.pop("gemv_max_rows", _GEMV_MAX_ROWS)
     y = w8a16_matmul(x2, w, out_dtype, interpret=interpret, gemv=gemv, **opts)
     return y.reshape(*lead, y.shape[-1])
 
 
+def _kmajor_w8a16(x, w, out_dtype, interpret):
+    """K-major weight-only int8: the Pallas kernel for steps of up to KMAJOR_PALLAS_MAX_ROWS rows
+    (W8A16_OPTIONS["kmajor_max_rows"] overrides it; "kmajor" holds tile options), XLA's
+    dequantize-dot otherwise."""
+    opts = dict(W8A16_OPTIONS)
+    max_rows = min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
+    if _rows(x) > max_rows or x.dtype not in (jnp.bfloat16, jnp.float16) or any(d % 16 for d in w.values_t.shape):
+        return matmul_reference.matmul(x, w, out_dtype)
+    y = w8a16_kmajor_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret, **opts.get("kmajor", {}))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def matmul_w8a8_only(x, w, out_dtype=None, *, interpret=None):
-    """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights, XLA for everything else
-    (XLA's fused dequantize-dot beat the W8A16 kernel end to end: dispatch.py)."""
+    """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights (and for K-major
+    weight-only int8 at decode sizes, where KMAJOR_PALLAS_MAX_ROWS allows), XLA for everything else
+    (XLA's fused dequantize-dot beat the [in, out] W8A16 kernel end to end: dispatch.py)."""
     if isinstance(w, W8A8WeightT):
         return _w8a8(x, w, out_dtype, interpret)
+    if isinstance(w, QuantizedWeightT):
+        return _kmajor_w8a16(x, w, out_dtype, interpret)
     return matmul_reference.matmul(x, w, out_dtype)

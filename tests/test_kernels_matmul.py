@@ -255,3 +255,48 @@ def test_fp8_weights_run_the_same_kernel_with_float_sums():
     got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))
     exact = np.asarray(x @ w)
     assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 6e-2
+
+
+@pytest.mark.parametrize("m,k,n,cfg", [
+    (1, 256, 128, {}),  # batch-1 decode at the 1-token bucket
+    (3, 512, 192, dict(num_splits=2)),  # odd rows, split-K sums in XLA
+    (8, 256, 96, dict(block_n=32)),  # the engine's 8-token decode bucket
+    (16, 128, 64, dict(block_k=64, num_splits=1)),  # a full 16-row tile
+])
+def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
+    """The K-major W8A16 kernel reads rows past M as zeros and writes only the M rows asked for."""
+    rng = np.random.default_rng(70 + m)
+    w = quantize_int8(_weights(rng, k, n))
+    (w_t,) = transpose_to_kmajor([w], kinds=(QuantizedWeight,))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    got = matmul_pallas.w8a16_kmajor_matmul(x, w_t, **cfg)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    want = np.asarray(x.astype(jnp.float32) @ dequantize(w))
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        matmul_pallas.w8a16_kmajor_matmul(jnp.zeros((17, k), jnp.bfloat16), w_t)
+
+
+def test_matmul_routes_kmajor_w8a16_by_rows(monkeypatch):
+    """matmul_impl="auto" sends K-major weight-only int8 to the Pallas kernel for 16-bit steps of up
+    to KMAJOR_PALLAS_MAX_ROWS rows, to XLA's dequantize-dot otherwise (more rows, float32, or off)."""
+    rng = np.random.default_rng(57)
+    w = quantize_int8(_weights(rng, 64, 32))
+    (w_t,) = transpose_to_kmajor([w], kinds=(QuantizedWeight,))
+    calls = []
+    real = matmul_pallas.w8a16_kmajor_matmul
+    monkeypatch.setattr(matmul_pallas, "w8a16_kmajor_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    small = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+    big = jnp.asarray(rng.standard_normal((17, 64)), jnp.bfloat16)
+    monkeypatch.setattr(matmul_pallas, "KMAJOR_PALLAS_MAX_ROWS", 0)
+    matmul_pallas.matmul_w8a8_only(small, w_t)
+    assert calls == []
+    monkeypatch.setattr(matmul_pallas, "KMAJOR_PALLAS_MAX_ROWS", 16)
+    got = matmul_pallas.matmul_w8a8_only(small, w_t)
+    assert calls == [(8, 64)] and got.shape == (2, 4, 32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(matmul_reference.matmul(small, w, jnp.float32)),
+                               atol=3e-2, rtol=2e-2)
+    matmul_pallas.matmul_w8a8_only(big, w_t)
+    matmul_pallas.matmul_w8a8_only(small.astype(jnp.float32), w_t)
+    assert calls == [(8, 64)]

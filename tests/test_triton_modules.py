@@ -18,7 +18,7 @@ from jlight.pallas_kernels import (
     matmul_pallas,
     paged_attention_pallas,
 )
-from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, W8A8Weight
+from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, QuantizedWeightT, W8A8Weight
 from kernel_batches import random_batch
 from triton_lowering import verified_triton_modules
 
@@ -61,6 +61,15 @@ def test_w8a16_modules_verify(m, cfg):
     k, n = 4096, 14336
     w = QuantizedWeight(S((k, n), jnp.int8), S((n,), jnp.float32))
     fn = lambda x, w: matmul_pallas.w8a16_matmul(x, w, interpret=False, **cfg)
+    assert verified_triton_modules(fn, S((m, k), jnp.bfloat16), w) == 1
+
+
+@pytest.mark.parametrize("m,k,n,cfg", [
+    (1, 4096, 14336, {}), (8, 4096, 6144, {}), (8, 14336, 4096, dict(num_splits=1)), (16, 4096, 28672, dict(block_n=128, num_warps=8)),
+])
+def test_w8a16_kmajor_modules_verify(m, k, n, cfg):
+    w = QuantizedWeightT(S((n, k), jnp.int8), S((n,), jnp.float32))
+    fn = lambda x, w: matmul_pallas.w8a16_kmajor_matmul(x, w, interpret=False, **cfg)
     assert verified_triton_modules(fn, S((m, k), jnp.bfloat16), w) == 1
 
 
