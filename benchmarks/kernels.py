@@ -307,6 +307,22 @@ KMAJOR_VARIANTS = {
     "pallas kmajor bn128 bk256 8 warps": dict(block_n=128, block_k=256, num_warps=8),
 }
 
+# The same kernel's CUDA-core path for one row (gemv=True): no 16-row tile, no split-K sum by default.
+KMAJOR_GEMV_VARIANTS = {
+    "pallas kmajor gemv bn16 bk256": dict(gemv=True, block_n=16, block_k=256, num_splits=1),
+    "pallas kmajor gemv bn16 bk512": dict(gemv=True, block_n=16, block_k=512, num_splits=1),
+    "pallas kmajor gemv bn8 bk512": dict(gemv=True, block_n=8, block_k=512, num_splits=1),
+    "pallas kmajor gemv bn32 bk256": dict(gemv=True, block_n=32, block_k=256, num_splits=1),
+    "pallas kmajor gemv bn16 bk512 8 warps": dict(gemv=True, block_n=16, block_k=512, num_splits=1, num_warps=8),
+    "pallas kmajor gemv bn32 bk512 8 warps": dict(gemv=True, block_n=32, block_k=512, num_splits=1, num_warps=8),
+    "pallas kmajor gemv bn64 bk256 8 warps": dict(gemv=True, block_n=64, block_k=256, num_splits=1, num_warps=8),
+    "pallas kmajor gemv bn16 bk256 6 stages": dict(gemv=True, block_n=16, block_k=256, num_splits=1, num_stages=6),
+    "pallas kmajor gemv bn16 bk512 2 stages": dict(gemv=True, block_n=16, block_k=512, num_splits=1, num_stages=2),
+    "pallas kmajor gemv reduce-each-step bn16 bk1024": dict(gemv=True, block_n=16, block_k=1024, num_splits=1, reduce_each_step=True),
+    "pallas kmajor gemv reduce-each-step bn32 bk512": dict(gemv=True, block_n=32, block_k=512, num_splits=1, reduce_each_step=True),
+    "pallas kmajor gemv bn16 bk512 auto splits": dict(gemv=True, block_n=16, block_k=512),
+}
+
 
 # The Llama-3-8B layers (gate, down, lm_head, wq/wo, wk/wv) and the fused ones the engine runs
 # (q/k/v, gate/up: models/layers.fuse_projections).
@@ -360,7 +376,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
             cases += [(name, lambda x, w, cfg=cfg: matmul_pallas.w8a16_matmul(x, w, **cfg), wq, int8_bytes)
                       for name, cfg in variants.items()]
             cases += [(name, lambda x, w, cfg=cfg: matmul_pallas.w8a16_kmajor_matmul(x, w, **cfg), wq_k, int8_bytes)
-                      for name, cfg in ({} if gemv_splits else KMAJOR_VARIANTS).items()]
+                      for name, cfg in ({} if gemv_splits else KMAJOR_VARIANTS | (KMAJOR_GEMV_VARIANTS if m <= 2 else {})).items()]
             if not quick and jax.default_backend() == "gpu":
                 for name, (tile_k, steps) in MIXED_CONFIGS.items():
                     mm = bundled_mixed_matmul(tile_k, steps)

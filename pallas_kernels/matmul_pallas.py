@@ -112,6 +112,35 @@ def _w8a16_kmajor_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split
     pltr.store(o_ref.at[rows, :], acc.astype(o_ref.dtype), mask=live)
 
 
+def _w8a16_kmajor_gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps_per_split, num_steps, apply_scale,
+                              reduce_each_step):
+    """One or two rows against K-major int8 weights on the CUDA cores: each weight row is a contiguous
+    run of K bytes, so a [block_n, block_k] tile is block_n coalesced runs, and the row's dot products
+    are per-thread FMAs along `in` plus one reduction (after the loop by default, as the [in, out]
+    GEMV does; every step with reduce_each_step, which leaves room for wider block_k)."""
+    split = pl.program_id(1)
+    first = split * steps_per_split
+    last = jnp.minimum(first + steps_per_split, num_steps)
+    num_rows, block_n = o_ref.shape
+    acc_shape = (block_n,) if reduce_each_step else (block_n, block_k)
+
+    def body(step, accs):
+        k = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
+        w = int8_to_f32(w_ref[:, k], True)  # [block_n, block_k]
+        products = [w * x_ref[r, k].astype(jnp.float32)[None, :] for r in range(num_rows)]
+        if reduce_each_step:
+            return tuple(acc + jnp.sum(p, axis=1) for acc, p in zip(accs, products))
+        return tuple(acc + p for acc, p in zip(accs, products))
+
+    accs = jax.lax.fori_loop(first, last, body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(num_rows)))
+    for r, acc in enumerate(accs):
+        if not reduce_each_step:
+            acc = jnp.sum(acc, axis=1)
+        if apply_scale:
+            acc = acc * s_ref[...].astype(jnp.float32)
+        o_ref[r, :] = acc.astype(o_ref.dtype)
+
+
 def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps, kmajor):
     def body(step, acc):
         k = pl.ds(step * block_k, block_k)
@@ -201,23 +230,27 @@ KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' s
 KMAJOR_PALLAS_MAX_ROWS = 0
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages",
+                                             "gemv", "reduce_each_step"))
 def w8a16_kmajor_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, block_n=None, block_k=None,
-                        num_splits=None, num_warps=None, num_stages=None):
+                        num_splits=None, num_warps=None, num_stages=None, gemv=False, reduce_each_step=False):
     """x: [M <= 16, in] (bf16/f16) times int8 w.values_t [out, in] * w.scales [out] -> [M, out]: decode
-    steps against weights stored K-major (QuantizedWeightT, what the engine keeps on GPU)."""
+    steps against weights stored K-major (QuantizedWeightT, what the engine keeps on GPU).
+    gemv=True (M <= 2): CUDA-core multiply-and-reduce instead of a 16-row tensor-core tile."""
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = w.values_t.shape[0]
-    if m > KMAJOR_MAX_ROWS:
-        raise ValueError(f"w8a16_kmajor_matmul takes at most {KMAJOR_MAX_ROWS} rows, got x of shape {x.shape}")
+    if m > (2 if gemv else KMAJOR_MAX_ROWS):
+        raise ValueError(f"w8a16_kmajor_matmul takes at most {2 if gemv else KMAJOR_MAX_ROWS} rows "
+                         f"{'with gemv=True ' if gemv else ''}, got x of shape {x.shape}")
     block_n = largest_pow2_divisor(n, block_n or 64)  # tiles as asked, or the largest that divide the shape
     block_k = largest_pow2_divisor(k, block_k or 256)
     num_steps = k // block_k
     num_splits = min(num_splits or _choose_splits(n // block_n, num_steps), num_steps)
     steps_per_split = -(-num_steps // num_splits)
-    kernel = functools.partial(_w8a16_kmajor_kernel, block_k=block_k, steps_per_split=steps_per_split,
-                               num_steps=num_steps, apply_scale=num_splits == 1, tile_rows=KMAJOR_MAX_ROWS)
+    common = dict(block_k=block_k, steps_per_split=steps_per_split, num_steps=num_steps, apply_scale=num_splits == 1)
+    kernel = (functools.partial(_w8a16_kmajor_gemv_kernel, reduce_each_step=reduce_each_step, **common) if gemv
+              else functools.partial(_w8a16_kmajor_kernel, tile_rows=KMAJOR_MAX_ROWS, **common))
     out_type = out_dtype if num_splits == 1 else jnp.float32
     y = pl.pallas_call(
         kernel,
@@ -231,7 +264,7 @@ def w8a16_kmajor_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
         out_shape=jax.ShapeDtypeStruct((num_splits, m, n), out_type),  # [splits, M, out]
         interpret=pallas_mode.resolve(interpret),
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 4),
-        name=f"w8a16_kmajor_bn{block_n}_bk{block_k}_s{num_splits}",
+        name=f"w8a16_kmajor_{'gemv_' if gemv else ''}bn{block_n}_bk{block_k}_s{num_splits}",
     )(x, w.values_t, w.scales)
     if num_splits > 1:
         return (jnp.sum(y, axis=0) * w.scales.astype(jnp.float32)).astype(out_dtype)

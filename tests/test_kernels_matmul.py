@@ -262,6 +262,9 @@ def test_fp8_weights_run_the_same_kernel_with_float_sums():
     (3, 512, 192, dict(num_splits=2)),  # odd rows, split-K sums in XLA
     (8, 256, 96, dict(block_n=32)),  # the engine's 8-token decode bucket
     (16, 128, 64, dict(block_k=64, num_splits=1)),  # a full 16-row tile
+    (1, 512, 64, dict(gemv=True, block_n=16, block_k=128, num_splits=1)),  # the CUDA-core path
+    (2, 512, 96, dict(gemv=True, block_n=32, num_splits=2)),  # two rows, split-K
+    (1, 1024, 32, dict(gemv=True, block_n=16, block_k=512, reduce_each_step=True)),
 ])
 def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
     """The K-major W8A16 kernel reads rows past M as zeros and writes only the M rows asked for."""
@@ -274,8 +277,8 @@ def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
     want = np.asarray(x.astype(jnp.float32) @ dequantize(w))
     assert np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=2e-2)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        matmul_pallas.w8a16_kmajor_matmul(jnp.zeros((17, k), jnp.bfloat16), w_t)
+    with pytest.raises(ValueError, match="at most 2 rows" if cfg.get("gemv") else "at most 16 rows"):
+        matmul_pallas.w8a16_kmajor_matmul(jnp.zeros((3 if cfg.get("gemv") else 17, k), jnp.bfloat16), w_t, **cfg)
 
 
 def test_matmul_routes_kmajor_w8a16_by_rows(monkeypatch):

@@ -65,7 +65,8 @@ def test_w8a16_modules_verify(m, cfg):
 
 
 @pytest.mark.parametrize("m,k,n,cfg", [
-    (1, 4096, 14336, {}), (8, 4096, 6144, {}), (8, 14336, 4096, dict(num_splits=1)), (16, 4096, 28672, dict(block_n=128, num_warps=8)),
+    (1, 4096, 14336, {}), (1, 4096, 14336, dict(gemv=True, block_n=16, block_k=512, num_splits=1)),
+    (2, 14336, 4096, dict(gemv=True, reduce_each_step=True)), (8, 4096, 6144, {}), (8, 14336, 4096, dict(num_splits=1)), (16, 4096, 28672, dict(block_n=128, num_warps=8)),
 ])
 def test_w8a16_kmajor_modules_verify(m, k, n, cfg):
     w = QuantizedWeightT(S((n, k), jnp.int8), S((n,), jnp.float32))
