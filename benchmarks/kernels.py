@@ -309,6 +309,7 @@ KMAJOR_VARIANTS = {
 
 # The same kernel's CUDA-core path for one row (gemv=True): no 16-row tile, no split-K sum by default.
 KMAJOR_GEMV_VARIANTS = {
+    "pallas kmajor gemv default": dict(gemv=True),  # matmul_pallas._kmajor_gemv_tiles, from this sweep
     "pallas kmajor gemv bn16 bk256": dict(gemv=True, block_n=16, block_k=256, num_splits=1),
     "pallas kmajor gemv bn16 bk512": dict(gemv=True, block_n=16, block_k=512, num_splits=1),
     "pallas kmajor gemv bn8 bk512": dict(gemv=True, block_n=8, block_k=512, num_splits=1),

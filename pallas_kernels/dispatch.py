@@ -73,7 +73,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     if _use_pallas(matmul_impl):
         from jlight.pallas_kernels import matmul_pallas
 
-        matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_w8a8_only
+        matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
     return Kernels(write_kv, attention, matmul, moe_impl)
 
 

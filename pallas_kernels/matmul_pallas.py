@@ -8,8 +8,14 @@ split along `in` (split-K) so the GPU is full; partial sums are added in XLA.
 W8A8 (W8A8WeightT, weights stored [out, in]): activations are quantized per token in XLA,
 then int8 x int8 tiles accumulate in int32 on the tensor cores; both scales are applied
 once at the end. Serves prefill, where the matmul is compute-bound; it is the engine's W8A8
-path on GPU by default (matmul_w8a8_only): on the H200, 1.4x XLA's int8 dot on the same weights
+path on GPU by default (matmul_gpu_default): on the H200, 1.4x XLA's int8 dot on the same weights
 (2.4x XLA's on [in, out] ones, the layout before).
+
+W8A16 on K-major weights (QuantizedWeightT, values [out, in]: how the engine stores weight-only int8
+on GPU for XLA's dequantize-dot): w8a16_kmajor_matmul. Its GEMV path (one row) reads each output's
+weights as one contiguous run and needs no split-K at the wide layers: on the H200 it reads a
+4096x14336 layer at 82% of the copy rate in a single launch, and "auto" uses it for one-row steps.
+Its tensor-core path (up to 16 rows) lost to XLA's dequantize-dot at 8 rows, so it stays off.
 
 Plain (unquantized) weights go to XLA's dot (cuBLAS), which a Pallas GEMM would not beat.
 """
@@ -225,9 +231,24 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
 
 
 KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' smallest): steps up to 16 tokens
-# matmul_impl="auto" sends K-major weight-only int8 steps of up to this many rows to w8a16_kmajor_matmul
-# (0: always XLA's dequantize-dot).
+# matmul_impl="auto" sends K-major weight-only int8 steps of up to KMAJOR_GEMV_MAX_ROWS rows to
+# w8a16_kmajor_matmul's GEMV path: at one row it beat XLA's dequantize-dot at every Llama-3-8B shape
+# on the H200 (4096x14336 19.3 vs 38.4 us, the lm_head 145 vs 180 us; docs/BENCHMARKS.md, 2026-12-01);
+# two rows were not measured. Its tensor-core path (up to KMAJOR_PALLAS_MAX_ROWS, 0: off) lost to XLA
+# at 8 rows at every shape (e.g. 4096x28672 37.1 vs 32.5 us, 4096x6144 12.7 vs 9.6), so 3+ rows stay XLA's.
+KMAJOR_GEMV_MAX_ROWS = 1
 KMAJOR_PALLAS_MAX_ROWS = 0
+
+
+def _kmajor_gemv_tiles(k: int, n: int) -> tuple:
+    """(block_n, block_k, num_splits or None for _choose_splits) of the K-major GEMV, the best of the
+    H200 sweep at one row (2026-12-01, docs/BENCHMARKS.md): wide layers 16 x 256 tiles in one pass
+    (4096x14336 19.3 us, 82% of copy; the lm_head 4096x128256 145 us, 98%); narrow ones 8 x 512 for
+    more programs (4096x6144 10.4 us, 4096x4096 8.8); narrow and long (14336x4096) 16 x 512 with
+    split-K, whose XLA sum still beat one pass (23.1 vs 26.0 us)."""
+    if n >= 8192:
+        return 16, 256, 1
+    return (16, 512, None) if k >= 8192 else (8, 512, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "num_splits", "num_warps", "num_stages",
@@ -243,6 +264,8 @@ def w8a16_kmajor_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     if m > (2 if gemv else KMAJOR_MAX_ROWS):
         raise ValueError(f"w8a16_kmajor_matmul takes at most {2 if gemv else KMAJOR_MAX_ROWS} rows "
                          f"{'with gemv=True ' if gemv else ''}, got x of shape {x.shape}")
+    if gemv and not (block_n or block_k or num_splits):
+        block_n, block_k, num_splits = _kmajor_gemv_tiles(k, n)
     block_n = largest_pow2_divisor(n, block_n or 64)  # tiles as asked, or the largest that divide the shape
     block_k = largest_pow2_divisor(k, block_k or 256)
     num_steps = k // block_k
@@ -354,18 +377,20 @@ def matmul(x, w, out_dtype=None, *, interpret=None):
 
 
 def _kmajor_w8a16(x, w, out_dtype, interpret):
-    """K-major weight-only int8: the Pallas kernel for steps of up to KMAJOR_PALLAS_MAX_ROWS rows
-    (W8A16_OPTIONS["kmajor_max_rows"] overrides it; "kmajor" holds tile options), XLA's
-    dequantize-dot otherwise."""
+    """K-major weight-only int8: the Pallas GEMV for steps of up to KMAJOR_GEMV_MAX_ROWS rows, the
+    kernel's tensor-core path up to KMAJOR_PALLAS_MAX_ROWS (W8A16_OPTIONS "kmajor_gemv_max_rows" and
+    "kmajor_max_rows" override them; "kmajor" holds tile options), XLA's dequantize-dot otherwise."""
     opts = dict(W8A16_OPTIONS)
-    max_rows = min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
-    if _rows(x) > max_rows or x.dtype not in (jnp.bfloat16, jnp.float16) or any(d % 16 for d in w.values_t.shape):
+    rows = _rows(x)
+    gemv = rows <= min(opts.pop("kmajor_gemv_max_rows", KMAJOR_GEMV_MAX_ROWS), 2)
+    tensor_cores = rows <= min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
+    if not (gemv or tensor_cores) or x.dtype not in (jnp.bfloat16, jnp.float16) or any(d % 16 for d in w.values_t.shape):
         return matmul_reference.matmul(x, w, out_dtype)
-    y = w8a16_kmajor_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret, **opts.get("kmajor", {}))
+    y = w8a16_kmajor_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret, gemv=gemv, **opts.get("kmajor", {}))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def matmul_w8a8_only(x, w, out_dtype=None, *, interpret=None):
+def matmul_gpu_default(x, w, out_dtype=None, *, interpret=None):
     """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights (and for K-major
     weight-only int8 at decode sizes, where KMAJOR_PALLAS_MAX_ROWS allows), XLA for everything else
     (XLA's fused dequantize-dot beat the [in, out] W8A16 kernel end to end: dispatch.py)."""

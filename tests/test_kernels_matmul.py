@@ -196,7 +196,7 @@ def test_matmul_routes_kmajor_w8a8_by_rows(monkeypatch):
     real = matmul_pallas.w8a8_matmul
     monkeypatch.setattr(matmul_pallas, "w8a8_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(matmul_pallas, "W8A8_PALLAS_MIN_ROWS", 6)
-    for fn in (matmul_pallas.matmul, matmul_pallas.matmul_w8a8_only):
+    for fn in (matmul_pallas.matmul, matmul_pallas.matmul_gpu_default):
         calls.clear()
         small = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
         big = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
@@ -205,7 +205,7 @@ def test_matmul_routes_kmajor_w8a8_by_rows(monkeypatch):
         assert got.shape == (2, 3, 32) and calls == [(6, 64)]
         np.testing.assert_allclose(np.asarray(got), np.asarray(matmul_reference.matmul(big, w_t)), rtol=1e-6, atol=1e-6)
     q = quantize_int8(_weights(rng, 64, 32))  # W8A16 stays XLA's under "auto"
-    np.testing.assert_array_equal(np.asarray(matmul_pallas.matmul_w8a8_only(small, q)), np.asarray(matmul_reference.matmul(small, q)))
+    np.testing.assert_array_equal(np.asarray(matmul_pallas.matmul_gpu_default(small, q)), np.asarray(matmul_reference.matmul(small, q)))
 
 
 def test_transpose_to_kmajor_reaches_fused_and_stacked_weights():
@@ -265,6 +265,8 @@ def test_fp8_weights_run_the_same_kernel_with_float_sums():
     (1, 512, 64, dict(gemv=True, block_n=16, block_k=128, num_splits=1)),  # the CUDA-core path
     (2, 512, 96, dict(gemv=True, block_n=32, num_splits=2)),  # two rows, split-K
     (1, 1024, 32, dict(gemv=True, block_n=16, block_k=512, reduce_each_step=True)),
+    (1, 8192, 64, dict(gemv=True)),  # default tiles, narrow and long: split-K
+    (1, 256, 8192, dict(gemv=True)),  # default tiles, wide: one pass
 ])
 def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
     """The K-major W8A16 kernel reads rows past M as zeros and writes only the M rows asked for."""
@@ -282,24 +284,28 @@ def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
 
 
 def test_matmul_routes_kmajor_w8a16_by_rows(monkeypatch):
-    """matmul_impl="auto" sends K-major weight-only int8 to the Pallas kernel for 16-bit steps of up
-    to KMAJOR_PALLAS_MAX_ROWS rows, to XLA's dequantize-dot otherwise (more rows, float32, or off)."""
+    """matmul_impl="auto" on GPU sends K-major weight-only int8 to the Pallas GEMV for one-row 16-bit
+    steps, to its tensor-core path up to KMAJOR_PALLAS_MAX_ROWS rows (off by default), and to XLA's
+    dequantize-dot otherwise (more rows, float32, or both switches off)."""
     rng = np.random.default_rng(57)
     w = quantize_int8(_weights(rng, 64, 32))
     (w_t,) = transpose_to_kmajor([w], kinds=(QuantizedWeight,))
     calls = []
     real = matmul_pallas.w8a16_kmajor_matmul
-    monkeypatch.setattr(matmul_pallas, "w8a16_kmajor_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    small = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
-    big = jnp.asarray(rng.standard_normal((17, 64)), jnp.bfloat16)
-    monkeypatch.setattr(matmul_pallas, "KMAJOR_PALLAS_MAX_ROWS", 0)
-    matmul_pallas.matmul_w8a8_only(small, w_t)
-    assert calls == []
-    monkeypatch.setattr(matmul_pallas, "KMAJOR_PALLAS_MAX_ROWS", 16)
-    got = matmul_pallas.matmul_w8a8_only(small, w_t)
-    assert calls == [(8, 64)] and got.shape == (2, 4, 32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(matmul_reference.matmul(small, w, jnp.float32)),
+    monkeypatch.setattr(matmul_pallas, "w8a16_kmajor_matmul",
+                        lambda *a, **k: calls.append((a[0].shape, k["gemv"])) or real(*a, **k))
+    one = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)
+    eight = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+    got = matmul_pallas.matmul_gpu_default(one, w_t)
+    matmul_pallas.matmul_gpu_default(eight, w_t)  # default: 8 rows stay XLA's
+    matmul_pallas.matmul_gpu_default(one.astype(jnp.float32), w_t)
+    assert calls == [((1, 64), True)] and got.shape == (1, 1, 32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(matmul_reference.matmul(one, w, jnp.float32)),
                                atol=3e-2, rtol=2e-2)
-    matmul_pallas.matmul_w8a8_only(big, w_t)
-    matmul_pallas.matmul_w8a8_only(small.astype(jnp.float32), w_t)
-    assert calls == [(8, 64)]
+    monkeypatch.setattr(matmul_pallas, "KMAJOR_PALLAS_MAX_ROWS", 16)
+    monkeypatch.setattr(matmul_pallas, "KMAJOR_GEMV_MAX_ROWS", 0)
+    got = matmul_pallas.matmul_gpu_default(eight, w_t)
+    matmul_pallas.matmul_gpu_default(jnp.asarray(rng.standard_normal((17, 64)), jnp.bfloat16), w_t)
+    assert calls[1:] == [((8, 64), False)] and got.shape == (2, 4, 32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(matmul_reference.matmul(eight, w, jnp.float32)),
+                               atol=3e-2, rtol=2e-2)
