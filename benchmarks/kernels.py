@@ -366,7 +366,7 @@ def bench_gemv(rng, quick, reps, trials, gemv_shapes=None, gemv_rows="1,8", gemv
         # The same int8 weights stored transposed, [N, K]: for XLA's dequantize-dot and the bundled Mosaic GPU kernel.
         wq_k = transpose_to_kmajor(wq, kinds=(QuantizedWeight,))
         for m in (int(r) for r in gemv_rows.split(",")):
-            variants = GEMV_VARIANTS[m]
+            variants = GEMV_VARIANTS.get(m, {})
             if gemv_splits:  # a split-K sweep of the default tiles instead of the named variants
                 variants = {"pallas default": {}} | {f"pallas split{n}": dict(num_splits=int(n)) for n in gemv_splits.split(",")}
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)

