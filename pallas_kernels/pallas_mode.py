@@ -17,6 +17,10 @@ each for a stated reason:
   matrix products only as wgmma on 64-row tiles (it has no lowering for a register-level dot), so
   a GEMV there would be the transposed wgmma, which JAX's own Mosaic mixed-type kernel does and
   which did not beat this one (docs/BENCHMARKS.md, fourth and fifth sessions).
+- the K-major W8A16 kernel (w8a16_kmajor_matmul; its GEMV path is the one-row default on GPU since
+  2026-12-01): a multiply-and-reduce along contiguous rows, which Mosaic GPU could express (TMA tiles,
+  elementwise ops and row reductions in registers); not ported. The Triton version already reads the
+  issue's 4096x14336 layer at 82% of copy in one launch.
 - paged attention over int8 KV pools and in float32 (paged_attention_pallas.py): expressible in
   Mosaic GPU (int8 pages converted to bf16 tiles before wgmma; tf32), not yet ported; the router
   (dispatch.mosaic_or_triton_attention) sends those inputs to the Triton kernel.
