@@ -496,7 +496,7 @@ def main():
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
-    parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (of 1, 8)")
+    parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (the [in, out] kernel has named variants for 1 and 8)")
     parser.add_argument("--gemv-filter", default=None, help="gemv section: only variants matching this regular expression")
     parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
     parser.add_argument("--gemm-rows", default="4096", help="gemm section: row counts, e.g. 4096,512,64,8")

@@ -233,9 +233,10 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
 KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' smallest): steps up to 16 tokens
 # matmul_impl="auto" sends K-major weight-only int8 steps of up to KMAJOR_GEMV_MAX_ROWS rows to
 # w8a16_kmajor_matmul's GEMV path: at one row it beat XLA's dequantize-dot at every Llama-3-8B shape
-# on the H200 (4096x14336 19.3 vs 38.4 us, the lm_head 145 vs 180 us; docs/BENCHMARKS.md, 2026-12-01);
-# two rows were not measured. Its tensor-core path (up to KMAJOR_PALLAS_MAX_ROWS, 0: off) lost to XLA
-# at 8 rows at every shape (e.g. 4096x28672 37.1 vs 32.5 us, 4096x6144 12.7 vs 9.6), so 3+ rows stay XLA's.
+# on the H200 (4096x14336 19.3 vs 40.6 us, the lm_head 145 vs 180 us; docs/BENCHMARKS.md, 2026-12-01).
+# At two rows XLA's is the faster (18.5 us at 4096x14336, the GEMV 32.7). The tensor-core path (up to
+# KMAJOR_PALLAS_MAX_ROWS, 0: off) lost to XLA at 8 rows at every shape (e.g. 4096x28672 37.1 vs 32.5 us,
+# 4096x6144 12.7 vs 9.6). So every step of two rows or more stays XLA's.
 KMAJOR_GEMV_MAX_ROWS = 1
 KMAJOR_PALLAS_MAX_ROWS = 0
 
@@ -262,8 +263,8 @@ def w8a16_kmajor_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     m, k = x.shape
     n = w.values_t.shape[0]
     if m > (2 if gemv else KMAJOR_MAX_ROWS):
-        raise ValueError(f"w8a16_kmajor_matmul takes at most {2 if gemv else KMAJOR_MAX_ROWS} rows "
-                         f"{'with gemv=True ' if gemv else ''}, got x of shape {x.shape}")
+        raise ValueError(f"w8a16_kmajor_matmul takes at most {2 if gemv else KMAJOR_MAX_ROWS} rows"
+                         f"{' with gemv=True' if gemv else ''}, got x of shape {x.shape}")
     if gemv and not (block_n or block_k or num_splits):
         block_n, block_k, num_splits = _kmajor_gemv_tiles(k, n)
     block_n = largest_pow2_divisor(n, block_n or 64)  # tiles as asked, or the largest that divide the shape
@@ -391,9 +392,9 @@ def _kmajor_w8a16(x, w, out_dtype, interpret):
 
 
 def matmul_gpu_default(x, w, out_dtype=None, *, interpret=None):
-    """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights (and for K-major
-    weight-only int8 at decode sizes, where KMAJOR_PALLAS_MAX_ROWS allows), XLA for everything else
-    (XLA's fused dequantize-dot beat the [in, out] W8A16 kernel end to end: dispatch.py)."""
+    """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights, the Pallas K-major GEMV
+    for one-row steps on K-major weight-only int8, XLA for everything else (XLA's fused dequantize-dot
+    beat the W8A16 kernels from two rows up: dispatch.py, KMAJOR_GEMV_MAX_ROWS)."""
     if isinstance(w, W8A8WeightT):
         return _w8a8(x, w, out_dtype, interpret)
     if isinstance(w, QuantizedWeightT):
