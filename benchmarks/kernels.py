@@ -83,8 +83,9 @@ def rel_err(a, b):
 ATTENTION_KERNELS = dict(triton=paged_attention_pallas.paged_attention, mosaic=paged_attention_mosaic.paged_attention)
 
 
-def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None, impl="triton"):
-    page_size, num_kv_heads, num_layers = 16, 2, 2
+def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None, impl="triton",
+                    page_size=16):
+    num_kv_heads, num_layers = 2, 2
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 8
     md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
     shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
@@ -116,19 +117,20 @@ def attention_cases(quick):
     yield "sliding window 64", jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, 64
 
 
-def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True):
+def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True, page_sizes=(16,)):
     rows = []
-    for impl in attention_impls:
+    for impl, page_size in ((impl, p) for impl in attention_impls for p in page_sizes):
         for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick):
             if impl == "mosaic" and dtype != jnp.bfloat16:
                 continue  # wgmma takes 16-bit floats; float32 stays on the Triton kernel
             try:
-                err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl)
+                err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl,
+                                              page_size=page_size)
             except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed check, not a lost run
                 err, finite = float("nan"), False
                 print(f"check attention {impl} {name} failed: {e!r:.1500}", flush=True)
                 traceback.print_exc()
-            rows.append(dict(kernel=f"attention {impl}", case=name, dtype=jnp.dtype(dtype).name, group=group,
+            rows.append(dict(kernel=f"attention {impl}", case=f"{name} p{page_size}", dtype=jnp.dtype(dtype).name, group=group,
                              head_dim=head_dim, rel_err=err, all_written=finite))
     if not matmuls:
         return rows
@@ -155,10 +157,11 @@ def bench_copy(reps, trials, quick):
     return dict(kernel="copy", impl="xla a*1.5", seconds=t, bytes=4 * n, bw=4 * n / t)
 
 
-def bench_decode_attention(rng, quick, reps, trials, batch=64):
-    """Decode attention at `batch` rows of 4k context; the knob sweeps and JAX's bundled kernel at batch 64 only."""
-    sweep = batch == 64 and not quick
-    ctx, num_heads, num_kv_heads, head_dim, page_size = (4096, 32, 8, 128, 16) if not quick else (64, 8, 2, 64, 16)
+def bench_decode_attention(rng, quick, reps, trials, batch=64, page_size=16):
+    """Decode attention at `batch` rows of 4k context in pages of `page_size` tokens; the knob sweeps and
+    JAX's bundled kernel at batch 64 with 16-token pages only."""
+    sweep = batch == 64 and page_size == 16 and not quick
+    ctx, num_heads, num_kv_heads, head_dim = (4096, 32, 8, 128) if not quick else (64, 8, 2, 64)
     batch = batch if not quick else 4
     pages_per_seq = ctx // page_size
     num_pages = batch * pages_per_seq + 1
@@ -211,8 +214,8 @@ def bench_decode_attention(rng, quick, reps, trials, batch=64):
             t = time_call(many(attn), (qs, k, v, md), reps, trials)
             got = jax.jit(attn)(qs[0], k, v, layer, md)
             want = got if want is None else want
-            rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx}", impl=name, seconds=t, bytes=nbytes, bw=nbytes / t,
-                             rel_err=rel_err(got, want)))
+            rows.append(dict(kernel=f"decode attention B={batch} ctx={ctx} page={page_size}", impl=name, seconds=t, bytes=nbytes,
+                             bw=nbytes / t, rel_err=rel_err(got, want)))
         except Exception as e:  # a config that fails to compile is reported, not fatal
             traceback.print_exc()
             rows.append(dict(kernel="decode attention", impl=name, error=repr(e)[:300]))
@@ -495,6 +498,9 @@ def main():
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
+    parser.add_argument("--page-sizes", default="16", help="attention checks and decode timings: KV page sizes, e.g. 16,32")
+    parser.add_argument("--mosaic-page-sizes", default=None,
+                        help="let the Mosaic GPU kernel take these page sizes (paged_attention_mosaic.PAGE_SIZES), to check them")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
     parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (the [in, out] kernel has named variants for 1 and 8)")
     parser.add_argument("--gemv-filter", default=None, help="gemv section: only variants matching this regular expression")
@@ -502,6 +508,9 @@ def main():
     parser.add_argument("--gemm-rows", default="4096", help="gemm section: row counts, e.g. 4096,512,64,8")
     args = parser.parse_args()
     rng = np.random.default_rng(int(time.time()))
+    page_sizes = tuple(int(p) for p in args.page_sizes.split(","))
+    if args.mosaic_page_sizes:
+        paged_attention_mosaic.PAGE_SIZES = tuple(int(p) for p in args.mosaic_page_sizes.split(","))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, command=" ".join(sys.argv))
     os.makedirs(args.out, exist_ok=True)
@@ -511,7 +520,8 @@ def main():
             json.dump(result, f, indent=1)
 
     if not args.skip_checks:
-        checks = run_checks(rng, args.quick, tuple(filter(None, args.check_impls.split(","))), not args.skip_matmul_checks)
+        checks = run_checks(rng, args.quick, tuple(filter(None, args.check_impls.split(","))), not args.skip_matmul_checks,
+                            page_sizes)
         result["checks"] = checks
         for c in checks:
             print(f"check {c['kernel']:<9} {c['case']:<20} {c['dtype']:<8} g={c.get('group', '-')} d={c.get('head_dim', '-')} "
@@ -522,7 +532,8 @@ def main():
                              gemv_filter=args.gemv_filter)
     gemm = functools.partial(bench_gemm, gemm_rows=args.gemm_rows)
     def decode(rng, quick, reps, trials):
-        return [row for b in args.decode_batches.split(",") for row in bench_decode_attention(rng, quick, reps, trials, int(b))]
+        return [row for p in page_sizes for b in args.decode_batches.split(",")
+                for row in bench_decode_attention(rng, quick, reps, trials, int(b), p)]
 
     sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm)
     for bench in (sections[name] for name in args.sections.split(",")):

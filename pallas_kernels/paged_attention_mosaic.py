@@ -44,6 +44,7 @@ from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
 _LOG2E = math.log2(math.e)
+PAGE_SIZES = (16,)  # tokens per KV page that have run on the H200 (16: the engine's default)
 _ONE_TOKEN_BLOCKS_UP_TO = 16  # steps of at most this many tokens run one token per block
 
 
@@ -53,9 +54,9 @@ def supports(q, k_cache) -> bool:
         return False  # wgmma on 16-bit floats only; int8 KV pools and float32 go to the Triton kernel
     head_dim, page_size = q.shape[-1], k_cache.shape[2]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[3]
-    # What has run on the H200: head_dim 64 and 128, 16-token pages (the engine's default). Other
-    # sizes lower for CUDA but have not been compiled and checked on a GPU, so they stay on Triton.
-    return head_dim in (64, 128) and page_size == 16 \
+    # What has run on the H200: head_dim 64 and 128, the page sizes in PAGE_SIZES. Other sizes lower
+    # for CUDA but have not been compiled and checked on a GPU, so they stay on Triton.
+    return head_dim in (64, 128) and page_size in PAGE_SIZES \
         and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS
 
 
