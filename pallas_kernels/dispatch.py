@@ -86,7 +86,7 @@ PALLAS_ATTENTION = "mosaic"
 
 def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     """The Mosaic GPU kernel where it takes the inputs (paged_attention_mosaic.supports: 16-bit floats,
-    head_dim 64/128, 16-token pages), else the Triton kernel (int8 KV pools, float32, other sizes)."""
+    head_dim 64/128, pages of 8, 16, 32 or 64 tokens), else the Triton kernel (int8 KV pools, float32, other sizes)."""
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
     if paged_attention_mosaic.supports(q, k_cache):

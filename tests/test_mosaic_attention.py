@@ -32,10 +32,10 @@ CASES = [
 ]
 
 
-def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, num_layers=2):
-    num_pages = sum(-(-c // PAGE_SIZE) for c in ctx_lens) + 4
-    md = random_batch(rng, q_lens, ctx_lens, page_size=PAGE_SIZE, num_pages=num_pages, num_tokens=num_tokens)
-    shape = (num_layers, num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
+def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, num_layers=2, page_size=PAGE_SIZE):
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 4
+    md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
+    shape = (num_layers, num_pages, page_size, NUM_KV_HEADS, head_dim)
     k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((num_tokens, NUM_KV_HEADS * group, head_dim)), jnp.bfloat16)
     return q, k, v, md
@@ -49,6 +49,18 @@ def test_matches_reference(case):
     f32 = lambda a: a.astype(jnp.float32)
     want = attention_reference.paged_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
     got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_splits=num_splits, **kw)
+    check_attention_output(got, want, md, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("page_size", [8, 32, 64])
+def test_other_page_sizes_match_reference(page_size):
+    """Pages of 8, 32 and 64 tokens (a step's 64 positions are 8, 2 or 1 pages): decode rows at and
+    across page boundaries, and a prefill chunk over earlier context."""
+    q_lens, ctx_lens = [1, 1, 1, 0, 30], [1, page_size, page_size + 1, 0, 200]
+    q, k, v, md = _inputs(np.random.default_rng(page_size), 4, 64, q_lens, ctx_lens, 40, page_size=page_size)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = attention_reference.paged_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, scale=0.125)
+    got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.125)
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
@@ -66,16 +78,17 @@ def test_no_races_in_the_copy_protocol(monkeypatch):
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("batch,cfg", [
-    ("decode", {}), ("decode", dict(num_splits=2)), ("decode", dict(kv_per_step=128, num_stages=2)), ("prefill", {}),
+@pytest.mark.parametrize("batch,cfg,page_size", [
+    ("decode", {}, PAGE_SIZE), ("decode", dict(num_splits=2), PAGE_SIZE), ("decode", dict(kv_per_step=128, num_stages=2), PAGE_SIZE),
+    ("prefill", {}, PAGE_SIZE), ("decode", {}, 8), ("prefill", {}, 64),
 ])
-def test_cuda_lowering_at_h200_shapes(batch, cfg):
+def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
     q_lens, ctx_lens, num_tokens = ([1] * 8, [4096] * 8, 8) if batch == "decode" else ([256, 1], [3000, 700], 264)
-    num_pages = sum(-(-c // PAGE_SIZE) for c in ctx_lens) + 1
-    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=PAGE_SIZE, num_pages=num_pages,
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
+    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
                       num_tokens=num_tokens)
-    pool = S((2, num_pages, PAGE_SIZE, 8, 128), jnp.bfloat16)
+    pool = S((2, num_pages, page_size, 8, 128), jnp.bfloat16)
     fn = lambda q, k, v, md: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
                                                                      interpret=False, **cfg)
     text = jax.jit(fn).trace(S((num_tokens, 32, 128), jnp.bfloat16), pool, pool, md).lower(
@@ -90,7 +103,8 @@ def test_supports_and_fallback():
     assert not paged_attention_mosaic.supports(q.astype(jnp.float32), pool.astype(jnp.float32))  # wgmma: 16-bit only
     assert not paged_attention_mosaic.supports(q, QuantizedKV(*quantize_kv(pool)))  # int8 pages: the Triton kernel
     assert not paged_attention_mosaic.supports(jnp.zeros((2, 8, 32), jnp.bfloat16), pool[..., :32])  # head_dim 32
-    assert not paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 32, 2, 64), jnp.bfloat16))  # pages of 32: not run on a GPU
+    assert paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 32, 2, 64), jnp.bfloat16))  # pages of 32: run on the H200
+    assert not paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 128, 2, 64), jnp.bfloat16))  # pages of 128: not run on a GPU
     with pytest.raises(ValueError, match="Triton kernel"):
         paged_attention_mosaic.paged_attention(q.astype(jnp.float32), pool.astype(jnp.float32), pool.astype(jnp.float32),
                                                jnp.int32(0), random_batch(np.random.default_rng(0), [1, 1], [3, 5],
