@@ -60,6 +60,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="triton,mosaic")
     ap.add_argument("--quick", action="store_true", help="3 short prompts, 6 tokens (CPU)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -68,7 +69,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(tmp)
         result = compare(model_dir, args.impls.split(","), prompts, 6 if args.quick else 64,
-                         max_num_seqs=16, max_num_batched_tokens=256, page_size=16)
+                         max_num_seqs=16, max_num_batched_tokens=256, page_size=args.page_size)
     for impl, r in result.items():
         print(f"{impl}: {r['identical']} of {r['of']} greedy continuations identical to the reference; "
               f"first divergence per prompt: {r['first_divergence']}; prompt logprobs |diff| max "
@@ -78,8 +79,8 @@ def main():
         print(f"mosaic vs triton: {same} of {len(prompts)} greedy continuations identical")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "attention_engine_check.json"), "w") as f:
-            json.dump(dict(prompt_lens=lens, result=result), f, indent=1)
+        with open(os.path.join(args.out, f"attention_engine_check_p{args.page_size}.json"), "w") as f:
+            json.dump(dict(prompt_lens=lens, page_size=args.page_size, result=result), f, indent=1)
 
 
 if __name__ == "__main__":
