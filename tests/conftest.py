@@ -29,15 +29,3 @@ def smollm2_gguf():
 
     return default_gguf_path()
 
-
-# The slowest files first (2-core CI host, 2026-12-01: each 1.5-7 min), so that the two xdist workers
-# (--dist loadfile, README) start them early and finish together, instead of one worker running the
-# alphabetically late test_quant_quality.py alone at the end. The rest keep their order.
-_SLOW_FILES_FIRST = ("test_quant_quality.py", "test_server_e2e.py", "test_sharding.py", "test_smollm2.py",
-                     "test_kv_cache_int8.py", "test_engine_sharded.py", "test_cli.py", "test_tp_long_prefill.py",
-                     "test_int8_all_reduce_quality.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(_SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: order inside a file kept
