@@ -41,6 +41,11 @@ def run_impl(model_dir: str, attention_impl: str, prompts, max_tokens: int, **en
     return tokens, np.concatenate([np.asarray(lp, np.float64) for lp in logprobs])
 
 
+def first_divergence(got, want) -> list:
+    """Per prompt, the index of the first generated token that differs (None: all equal)."""
+    return [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+
+
 def compare(model_dir, impls, prompts, max_tokens, **engine_kw) -> dict:
     """Per implementation: how many greedy continuations equal the reference's (and where each first
     differs), and the largest difference of a prompt token's logprob. bf16 greedy decoding can part
@@ -49,7 +54,7 @@ def compare(model_dir, impls, prompts, max_tokens, **engine_kw) -> dict:
     result = {}
     for impl in impls:
         tokens, lp = run_impl(model_dir, impl, prompts, max_tokens, **engine_kw)
-        first_diff = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(tokens, want_tokens)]
+        first_diff = first_divergence(tokens, want_tokens)
         result[impl] = dict(identical=sum(d is None for d in first_diff), of=len(prompts), first_divergence=first_diff,
                             max_abs_prompt_logprob_diff=float(np.max(np.abs(lp - want_lp))),
                             mean_abs_prompt_logprob_diff=float(np.mean(np.abs(lp - want_lp))), tokens=tokens)

@@ -37,7 +37,7 @@ def run(model_dir, matmul_impl, prompts, max_tokens):
 
 
 def main():
-    from attention_engine_check import make_model
+    from attention_engine_check import first_divergence, make_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 short prompts, 4 tokens (CPU)")
@@ -51,7 +51,7 @@ def main():
         model_dir = make_model(tmp)
         want_tokens, want_lp = run(model_dir, "reference", prompts, max_tokens)
         got_tokens, got_lp = run(model_dir, "auto", prompts, max_tokens)
-    first_diff = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got_tokens, want_tokens)]
+    first_diff = first_divergence(got_tokens, want_tokens)
     # logprobs of the tokens both generated, up to the first divergence
     diffs = np.concatenate([np.abs(np.asarray(g[:d], np.float64) - np.asarray(w[:d], np.float64))
                             for g, w, d in zip(got_lp, want_lp, [d if d is not None else max_tokens for d in first_diff])])
