@@ -6,6 +6,7 @@ boundaries. Each implementation's greedy continuations are compared with attenti
 
   python benchmarks/attention_engine_check.py --out DIR                  # GPU: reference, triton, mosaic
   python benchmarks/attention_engine_check.py --quick --impls mosaic     # CPU (interpret mode), small
+  python benchmarks/attention_engine_check.py --kv-cache-dtype int8 --page-size 32 --out DIR  # int8 pages, all three
 """
 import argparse
 import json
@@ -66,6 +67,7 @@ def main():
     ap.add_argument("--impls", default="triton,mosaic")
     ap.add_argument("--quick", action="store_true", help="3 short prompts, 6 tokens (CPU)")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16 pages) or int8 (the reference reads the same int8 pages)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -74,7 +76,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(tmp)
         result = compare(model_dir, args.impls.split(","), prompts, 6 if args.quick else 64,
-                         max_num_seqs=16, max_num_batched_tokens=256, page_size=args.page_size)
+                         max_num_seqs=16, max_num_batched_tokens=256, page_size=args.page_size,
+                         kv_cache_dtype=args.kv_cache_dtype)
     for impl, r in result.items():
         print(f"{impl}: {r['identical']} of {r['of']} greedy continuations identical to the reference; "
               f"first divergence per prompt: {r['first_divergence']}; prompt logprobs |diff| max "
@@ -84,8 +87,10 @@ def main():
         print(f"mosaic vs triton: {same} of {len(prompts)} greedy continuations identical")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"attention_engine_check_p{args.page_size}.json"), "w") as f:
-            json.dump(dict(prompt_lens=lens, page_size=args.page_size, result=result), f, indent=1)
+        suffix = "" if args.kv_cache_dtype == "auto" else "_" + args.kv_cache_dtype
+        with open(os.path.join(args.out, f"attention_engine_check_p{args.page_size}{suffix}.json"), "w") as f:
+            json.dump(dict(prompt_lens=lens, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype, result=result),
+                      f, indent=1)
 
 
 if __name__ == "__main__":

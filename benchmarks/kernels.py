@@ -31,7 +31,7 @@ from kernel_batches import random_batch  # noqa: E402
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import (  # noqa: E402
-    QuantizedKV, QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv, transpose_to_kmajor)
+    QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv_pool, transpose_to_kmajor)
 
 COPY_BW = 3.70e12
 BF16_RATE = 645e12
@@ -204,7 +204,7 @@ def bench_decode_attention(rng, quick, reps, trials, batch=64, page_size=16):
             lambda q, k, v, l, md, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, l, md, scale=scale, **cfg))
     int8_bytes = 2 * batch * ctx * num_kv_heads * (head_dim + 4)  # int8 values + a float32 scale per token and head
     if sweep or quick:  # the Triton kernel on int8 pages
-        kq, vq = QuantizedKV(*quantize_kv(k)), QuantizedKV(*quantize_kv(v))
+        kq, vq = quantize_kv_pool(k), quantize_kv_pool(v)
         variants["pallas int8 KV default"] = (
             lambda q, k, v, l, md: paged_attention_pallas.paged_attention(q, kq, vq, l, md, scale=scale))
     want = None  # the XLA reference's output on the first query set: every variant is checked against it

@@ -28,7 +28,9 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
     def write(cache, x):
         if isinstance(cache, QuantizedKV):
             values, scales = quantize_kv(x)
-            return QuantizedKV(cache.values.at[layer, page, offset].set(values), cache.scales.at[layer, page, offset].set(scales))
+            # scales [T, kv_heads] go to [layer, page, :, offset] (the pool keeps them head-major)
+            return QuantizedKV(cache.values.at[layer, page, offset].set(values),
+                               cache.scales.at[layer, page, :, offset].set(scales))
         return cache.at[layer, page, offset].set(x.astype(cache.dtype))
 
     return write(k_cache, k), write(v_cache, v)
@@ -37,7 +39,8 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
 def load_pages(cache, layer, pages):
     """cache[layer, pages] as float32 ([..., page_size, kv_heads, head_dim]), dequantized if int8."""
     if isinstance(cache, QuantizedKV):
-        return cache.values[layer, pages].astype(jnp.float32) * cache.scales[layer, pages][..., None]
+        scales = jnp.swapaxes(cache.scales[layer, pages], -1, -2)  # [..., page_size, kv_heads]
+        return cache.values[layer, pages].astype(jnp.float32) * scales[..., None]
     return cache[layer, pages].astype(jnp.float32)
 
 

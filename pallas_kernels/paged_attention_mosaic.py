@@ -20,6 +20,12 @@ On the H200 (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 
 (113% of the 3.70 TB/s copy rate, which counts a read and a write; the Triton kernel 421 us),
 batch 8 59 us (Triton 76), a 4096-token causal prefill 460 us (Triton 684).
 
+int8 KV pools (QuantizedKV): the int8 pages and their scales (one float32 per token and KV head,
+head-major in the pool so that a page's scales of one head are one TMA copy) stream through the
+slots at half the bytes. Each step converts its K and V tiles to q's dtype (exact for int8) in
+registers, into one shared-memory tile each for the two wgmmas, and applies the scales in float32
+as the Triton kernel does: K's to the score columns, V's to the probabilities that multiply V.
+
 Contract the kernel relies on: the tokens of a row in one step have consecutive positions
 (a prefill chunk or one decode token), so a block's row positions follow from its first token's.
 
@@ -40,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_blocks, merge_splits
+from jlight.pallas_kernels.quantization import QuantizedKV
 
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
@@ -48,12 +55,23 @@ _LOG2E = math.log2(math.e)
 # batch-64 decode at 4k context in 268 / 256 / 254 / 253 us for pages of 8 / 16 / 32 / 64; docs/BENCHMARKS.md).
 PAGE_SIZES = (8, 16, 32, 64)
 _ONE_TOKEN_BLOCKS_UP_TO = 16  # steps of at most this many tokens run one token per block
+# int8 KV pools (QuantizedKV) here rather than in the Triton kernel (a switch, so that benchmarks can
+# time both), for pages of these sizes: one page's scales of one KV head are page_size x 4 bytes, and
+# a TMA copy here must move a multiple of 128 bytes (each thread of the warpgroup arrives on the
+# barrier with an equal share), so pages of 8 and 16 tokens keep int8 pools on the Triton kernel.
+INT8_KV = True
+INT8_PAGE_SIZES = (32, 64)
 
 
 def supports(q, k_cache) -> bool:
     """Whether this kernel takes these inputs (else the Triton kernel does)."""
-    if not hasattr(k_cache, "dtype") or k_cache.dtype != q.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
-        return False  # wgmma on 16-bit floats only; int8 KV pools and float32 go to the Triton kernel
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False  # wgmma on 16-bit floats only; float32 goes to the Triton kernel
+    if isinstance(k_cache, QuantizedKV):
+        if not INT8_KV or k_cache.values.dtype != jnp.int8 or k_cache.shape[2] not in INT8_PAGE_SIZES:
+            return False
+    elif not hasattr(k_cache, "dtype") or k_cache.dtype != q.dtype:
+        return False
     head_dim, page_size = q.shape[-1], k_cache.shape[2]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[3]
     # What has run on the H200: head_dim 64 and 128, the page sizes in PAGE_SIZES. Other sizes lower
@@ -69,7 +87,10 @@ def _interpret_params():
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
-            pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits, interpreting):
+            pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits, quantized, interpreting):
+    if quantized:  # the pools' scales ([pages, kv_heads, page_size]) follow the values
+        ks_ref, vs_ref, *refs = refs
+        *refs, ks_smem, vs_smem, kd_smem, vd_smem = refs  # scale slots; the K and V tiles in q's dtype
     num_scratch = 6 if num_splits == 1 else 8
     out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
     q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
@@ -101,6 +122,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
             dst = pl.ds(i * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, dst], v_bar.at[slot])
+            if quantized:
+                plgpu.copy_gmem_to_smem(ks_ref.at[page, head], ks_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(vs_ref.at[page, head], vs_smem.at[slot, dst], v_bar.at[slot])
 
     for s in range(num_stages):
         @pl.when(first_step + s < last_step)
@@ -118,6 +142,17 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
     shape = (_ROWS, kv_per_step)
     r, c = iota(shape, 0), iota(shape, 1)
+
+    def converted(values_smem, tile_smem):
+        """An int8 slot in q's dtype (exact) in tile_smem, where the wgmmas read it."""
+        tile_smem[...] = values_smem[...].astype(tile_smem.dtype)
+        plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
+        return tile_smem
+
+    def column_scales(scales_smem):
+        """A slot's per-token scales broadcast over the rows of a [rows, positions] tile."""
+        scales = scales_smem[...] if interpreting else plgpu.load(scales_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(scales, shape, [1])
     row_pos = first_pos + lax.div(r, jnp.int32(group))
     row_ok = r < num_tokens * group  # rows past the block belong to other blocks
 
@@ -125,13 +160,25 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         acc, m, l = carry
         slot = lax.rem(step - first_step, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
+        k_tile = converted(k_smem.at[slot], kd_smem) if quantized else k_smem.at[slot]
+
+        def v_converted():  # int8: V's tile, converted while the Q K^T wgmma runs
+            plgpu.barrier_wait(v_bar.at[slot])
+            return converted(v_smem.at[slot], vd_smem)
+
         if interpreting:
-            s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+            s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+            v_tile = v_converted() if quantized else None
         else:
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                return acc_ref[...]
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                if quantized:
+                    v_converted()
+                return acc_ref[...]  # reading the accumulator waits for the wgmma
             s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            v_tile = vd_smem if quantized else None
+        if quantized:
+            s = s * column_scales(ks_smem.at[slot])
         kv_pos = step * kv_per_step + c
         mask = row_ok & (kv_pos <= row_pos)
         if sliding_window is not None:
@@ -143,13 +190,17 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         alpha = jnp.exp2(m - m_new)
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(q_smem.dtype)
-        plgpu.barrier_wait(v_bar.at[slot])
+        if quantized:  # (p * s_v) . V_int8 = p . (s_v * V_int8); l keeps the unscaled p
+            p16 = (p * column_scales(vs_smem.at[slot])).astype(q_smem.dtype)
+        else:
+            plgpu.barrier_wait(v_bar.at[slot])
+            p16 = p.astype(q_smem.dtype)
+            v_tile = v_smem.at[slot]
         if interpreting:
-            acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+            acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
         else:
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p16, v_tile)
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
         if interpreting:
@@ -192,8 +243,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
 
 
 def _swizzled(shape, dtype):
-    """A shared-memory tile in the 128-byte-swizzled layout that TMA and wgmma share."""
-    swizzle = 128
+    """A shared-memory tile in the swizzled layout that TMA and wgmma share: 128-byte swizzle, or the
+    row's bytes where a row is shorter (an int8 row of head_dim 64)."""
+    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
     minor = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
 
@@ -203,13 +255,16 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
                     interpret: bool | None = None, num_splits: int | None = None, num_stages: int = 2,
                     kv_per_step: int = 64):
     """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim] in bf16/f16,
-    K/V pools of q's dtype (`supports`)."""
+    K/V pools of q's dtype or int8 QuantizedKV pools (`supports`)."""
     if not supports(q, k_cache):
         raise ValueError(f"the Mosaic GPU attention kernel does not take q {q.dtype}{q.shape} with pools "
                          f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}; use the Triton kernel "
                          "(paged_attention_pallas) or attention_impl='reference'")
     if kv_per_step % 64 or kv_per_step > 256:
         raise ValueError(f"kv_per_step={kv_per_step} must be 64, 128, 192 or 256 (the P.V wgmma sums over 64-position chunks)")
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized != isinstance(v_cache, QuantizedKV):
+        raise ValueError("k_cache and v_cache must both be int8 QuantizedKV pools or both plain arrays")
     interpreting = pallas_mode.resolve(interpret)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -228,7 +283,10 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     # whole steps inside the table (the padding points at scratch page 0).
     table = md.page_table + layer * num_pages
     table = jnp.pad(table, ((0, 0), (0, num_splits * steps_per_split * pages_per_step - max_pages)))
-    pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
+    pools = [(c.values if quantized else c).reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
+             for c in (k_cache, v_cache)]
+    if quantized:
+        pools += [c.scales.reshape(num_layers * num_pages, num_kv_heads, page_size) for c in (k_cache, v_cache)]
     row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
     q_rows = _query_rows(q, num_kv_heads, block_q, start, end)  # [blocks, KVH, io_rows, D]
     io_rows = q_rows.shape[2]
@@ -248,22 +306,27 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
             jax.ShapeDtypeStruct((num_splits,) + tile, jnp.float32),  # m (log2 units)
         )
     kv_tile = (num_stages, pages_per_step * page_size, head_dim)
+    slot_dtype = jnp.int8 if quantized else q.dtype
+    copies_per_slot = pages_per_step * (2 if quantized else 1)  # int8: each page's values and scales
     scratch = [
         _swizzled((_ROWS, head_dim), q.dtype),  # the query tile, then the output tile
-        _swizzled(kv_tile, q.dtype),  # K slots
-        _swizzled(kv_tile, q.dtype),  # V slots
+        _swizzled(kv_tile, slot_dtype),  # K slots
+        _swizzled(kv_tile, slot_dtype),  # V slots
         plgpu.Barrier(),  # query copied
-        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's K pages copied
-        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's V pages copied
+        plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's K pages copied
+        plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's V pages copied
     ]
     if num_splits > 1:
         scratch += [_swizzled((_ROWS, head_dim), jnp.float32),  # split-K partial output
                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
+    if quantized:
+        scratch += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32),  # K, V scale slots
+                    _swizzled(kv_tile[1:], q.dtype), _swizzled(kv_tile[1:], q.dtype)]  # K, V tiles in q's dtype
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
-        interpreting=interpreting)
+        quantized=quantized, interpreting=interpreting)
     result = plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -184,7 +184,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         values = cache.values if quantized else cache
         kv_args.append(values.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim))
     if quantized:
-        kv_args += [c.scales.reshape(num_layers * num_pages, page_size, num_kv_heads) for c in (k_cache, v_cache)]
+        kv_args += [c.scales.reshape(num_layers * num_pages, num_kv_heads, page_size) for c in (k_cache, v_cache)]
     # Query rows grouped by KV head, padded by one block so no program reads past the end.
     num_q_rows = num_tokens * group
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
@@ -200,7 +200,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         pl.BlockSpec((None, padded_rows, head_dim), lambda b, h, s: (h, 0, 0)), kv_spec, kv_spec,
     ]
     if quantized:
-        scale_spec = pl.BlockSpec((num_layers * num_pages, page_size, None), lambda b, h, s: (0, 0, h))
+        scale_spec = pl.BlockSpec((num_layers * num_pages, None, page_size), lambda b, h, s: (0, h, 0))
         in_specs += [scale_spec, scale_spec]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_kv_heads, padded_rows, head_dim), q.dtype)

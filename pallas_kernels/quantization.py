@@ -155,14 +155,17 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
 # scale lives next to the values. Per-(token, head) scales fit the scatter: a token's write never
 # changes the scale of other tokens in its page, so no page is ever re-quantized, and a page that
 # is shared through the prefix cache stays bit-identical. They cost 4 bytes per token and head
-# (6% of the int8 bytes at head_dim 64, 3% at 128).
+# (6% of the int8 bytes at head_dim 64, 3% at 128). They are stored head-major within a page
+# ([..., kv_heads, page_size]), so one KV head's scales of a page are one contiguous run: a TMA copy
+# (the Mosaic GPU kernel) needs >= 16 contiguous bytes, and the Triton kernel reads them in one vector.
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class QuantizedKV(NamedTuple):
     values: jax.Array  # [layers, pages, page_size, kv_heads, head_dim] int8
-    scales: jax.Array  # [layers, pages, page_size, kv_heads] float32; x ~= values * scales[..., None]
+    # [layers, pages, kv_heads, page_size] float32: x[l, p, s, h] ~= values[l, p, s, h] * scales[l, p, h, s]
+    scales: jax.Array
 
     @property
     def shape(self):  # the logical pool shape, as for an unquantized pool
@@ -186,6 +189,16 @@ def dequantize_kv(values: jax.Array, scales: jax.Array, dtype=jnp.float32) -> ja
     return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
+def quantize_kv_pool(pool: jax.Array) -> "QuantizedKV":
+    """A whole page pool [..., page_size, kv_heads, head_dim] as a QuantizedKV (scales head-major)."""
+    values, scales = quantize_kv(pool)
+    return QuantizedKV(values, jnp.swapaxes(scales, -1, -2))
+
+
+def dequantize_kv_pool(pool: "QuantizedKV", dtype=jnp.float32) -> jax.Array:
+    return dequantize_kv(pool.values, jnp.swapaxes(pool.scales, -1, -2), dtype)
+
+
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
@@ -205,7 +218,7 @@ def kv_pool_bytes(shape, kv_cache_dtype: str, model_dtype) -> int:
 def make_kv_pool(shape, kv_cache_dtype: str, model_dtype, shardings=None):
     """A zeroed page pool: an array of the model dtype ("auto") or a QuantizedKV ("int8").
 
-    shardings: None, or a NamedSharding for the unquantized pool (the scales drop its last axis).
+    shardings: None, or a NamedSharding for the unquantized pool (scales_sharding derives the scales').
     """
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
@@ -213,19 +226,27 @@ def make_kv_pool(shape, kv_cache_dtype: str, model_dtype, shardings=None):
             return jnp.zeros(shape, model_dtype)
         return jax.jit(lambda: jnp.zeros(shape, model_dtype), out_shardings=shardings)()
     shape = tuple(shape)
-    zeros = lambda: QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    zeros = lambda: QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(kv_scales_shape(shape), jnp.float32))
     if shardings is None:
         return zeros()
     return jax.jit(zeros, out_shardings=QuantizedKV(shardings, scales_sharding(shardings, len(shape))))()
 
 
+def kv_scales_shape(shape) -> tuple:
+    """A QuantizedKV's scales shape for values of `shape` [..., page_size, kv_heads, head_dim]."""
+    *lead, page_size, kv_heads, _ = shape
+    return (*lead, kv_heads, page_size)
+
+
 def scales_sharding(sharding, rank: int):
-    """The sharding of a QuantizedKV's scales, given its values' NamedSharding (or PartitionSpec)."""
+    """The sharding of a QuantizedKV's scales ([..., kv_heads, page_size]), given its values'
+    ([..., page_size, kv_heads, head_dim], rank `rank`) NamedSharding or PartitionSpec."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-    spec = PartitionSpec(*spec[: rank - 1]) if len(spec) >= rank else spec
-    return NamedSharding(sharding.mesh, spec) if isinstance(sharding, NamedSharding) else spec
+    axes = tuple(spec) + (None,) * (rank - len(spec))
+    scales_spec = PartitionSpec(*axes[: rank - 3], axes[rank - 2], axes[rank - 3])
+    return NamedSharding(sharding.mesh, scales_spec) if isinstance(sharding, NamedSharding) else scales_spec
 
 
 # int8 -> float32 by exponent bits: for v in [-128, 127], the float32 with bits

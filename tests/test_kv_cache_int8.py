@@ -16,7 +16,9 @@ import jlight
 from jlight import SamplingParams
 from jlight.engine.engine_config import EngineConfig
 from jlight.pallas_kernels import attention_reference, paged_attention_pallas
-from jlight.pallas_kernels.quantization import QuantizedKV, dequantize_kv, kv_pool_bytes, make_kv_pool, quantize_kv
+from jlight.pallas_kernels.quantization import (
+    QuantizedKV, dequantize_kv, dequantize_kv_pool, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv,
+    quantize_kv_pool)
 from kernel_batches import check_attention_output, random_batch
 
 PAGE_SIZE = 16
@@ -51,7 +53,7 @@ def test_quantize_round_trip_error_bound():
 def test_write_kv_quantizes_only_the_written_slots():
     rng = np.random.default_rng(1)
     shape = (NUM_LAYERS, 6, PAGE_SIZE, NUM_KV_HEADS, 64)
-    poison = lambda: QuantizedKV(jnp.full(shape, 99, jnp.int8), jnp.full(shape[:-1], 7.0, jnp.float32))
+    poison = lambda: QuantizedKV(jnp.full(shape, 99, jnp.int8), jnp.full(kv_scales_shape(shape), 7.0, jnp.float32))
     slots = np.array([17, 18, 5 * PAGE_SIZE + 15, 2 * PAGE_SIZE], np.int32)  # page-boundary slots included
     k = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, 64)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, 64)) * 30, jnp.bfloat16)
@@ -60,7 +62,7 @@ def test_write_kv_quantizes_only_the_written_slots():
         assert isinstance(cache, QuantizedKV) and cache.values.dtype == jnp.int8
         written = np.zeros(shape[:3], bool)
         written[1, slots // PAGE_SIZE, slots % PAGE_SIZE] = True
-        vals, scs = np.asarray(cache.values), np.asarray(cache.scales)
+        vals, scs = np.asarray(cache.values), np.swapaxes(np.asarray(cache.scales), -1, -2)  # scales as [.., page_size, kv_heads]
         assert np.all(vals[~written] == 99) and np.all(scs[~written] == 7.0)
         got = np.asarray(dequantize_kv(jnp.asarray(vals[written]), jnp.asarray(scs[written])))
         want = np.asarray(x, np.float32)[np.argsort(slots)]  # boolean indexing walks slots in order
@@ -88,7 +90,7 @@ def _pools(rng, shape):
     """int8 pools holding random K/V (per-vector magnitudes vary) and the float32 K/V they came from."""
     x = rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=shape[:-1] + (1,))
     x = jnp.asarray(x, jnp.float32)
-    return QuantizedKV(*quantize_kv(x)), x
+    return quantize_kv_pool(x), x
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -108,7 +110,7 @@ def test_pallas_int8_matches_reference(case):
     check_attention_output(got, want, md, dtype)
     real = int(md.query_start[-1])
     # The int8 reference is attention over the dequantized cache...
-    deq = lambda c: dequantize_kv(c.values, c.scales)
+    deq = dequantize_kv_pool
     over_deq = np.asarray(attention_reference.paged_attention(q32, deq(kq), deq(vq), layer, md, **kw))
     np.testing.assert_allclose(want[:real], over_deq[:real], atol=1e-5, rtol=1e-5)
     # ...which is close to attention over the unquantized K/V, and not equal to it (the cache is int8).
@@ -210,7 +212,7 @@ def test_engine_counts_int8_pages(model_dir, monkeypatch):
     llm = _llm(model_dir, kv_cache_dtype="int8")
     e = llm.engine
     k = e.runner.k_cache
-    assert k.values.dtype == jnp.int8 and k.scales.shape == k.values.shape[:-1]
+    assert k.values.dtype == jnp.int8 and k.scales.shape == kv_scales_shape(k.values.shape)
     # tiny model: 2 layers, 2 KV heads, head_dim 16, page_size 8; K and V pools
     per_page = e.kv_bytes_per_page(jnp.float32)
     assert per_page == 2 * 2 * 8 * 2 * (16 + 4)
@@ -297,6 +299,6 @@ def test_int8_kv_cache_under_tensor_parallel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
     assert out["tp=2"] == out["None"]
-    # values [layers, pages, page_size, kv_heads, head_dim], scales [layers, pages, page_size, kv_heads]
+    # values [layers, pages, page_size, kv_heads, head_dim], scales [layers, pages, kv_heads, page_size]
     strip = lambda spec: spec[:max([i + 1 for i, a in enumerate(spec) if a is not None], default=0)]  # trailing Nones
-    assert [strip(spec) for spec in out["tp=2 specs"]] == [[None, None, None, "tp"]] * 2
+    assert [strip(spec) for spec in out["tp=2 specs"]] == [[None, None, None, "tp"], [None, None, "tp"]]

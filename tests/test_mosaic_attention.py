@@ -1,4 +1,5 @@
-"""The Mosaic GPU paged attention (pallas_kernels/paged_attention_mosaic.py) on the CPU.
+"""The Mosaic GPU paged attention (pallas_kernels/paged_attention_mosaic.py) on the CPU, over bf16
+and int8 (QuantizedKV) page pools.
 
 Three checks stand in for the GPU: Mosaic GPU's interpret mode runs the kernel's TMA copies,
 barriers and slot logic against the XLA reference (its buffers start as NaN, so an output the
@@ -13,7 +14,7 @@ import pytest
 
 from kernel_batches import check_attention_output, random_batch
 from jlight.pallas_kernels import attention_reference, dispatch, paged_attention_mosaic, paged_attention_pallas
-from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv
+from jlight.pallas_kernels.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
 
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
@@ -64,44 +65,88 @@ def test_other_page_sizes_match_reference(page_size):
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
+# int8 pools: (name, group, head_dim, q_lens, context_lens, num_tokens, num_splits, page_size)
+INT8_CASES = [
+    ("decode_split_p32", 4, 128, [1, 1, 1, 0, 1], [1, 32, 33, 0, 700], 5, 3, 32),
+    ("mixed_gqa3_p64", 3, 64, [20, 1, 7], [20, 90, 130], 32, None, 64),
+    ("prefill_gqa8_p32", 8, 64, [40, 1], [300, 65], 48, None, 32),
+]
+
+
+def _int8_pools(rng, shape):
+    """int8 pools of random K/V whose magnitudes vary by token and head (so the scales matter)."""
+    return [quantize_kv_pool(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=shape[:-1] + (1,)),
+                                         jnp.float32)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("case", INT8_CASES, ids=[c[0] for c in INT8_CASES])
+def test_int8_pools_match_reference(case):
+    """int8 pages against the XLA reference over the same int8 pools (which dequantizes in float32)."""
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, num_splits, page_size = case
+    rng = np.random.default_rng(sum(map(ord, name)))
+    q, k, _, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size=page_size)
+    kq, vq = _int8_pools(rng, k.shape)
+    assert paged_attention_mosaic.supports(q, kq)
+    kw = dict(scale=head_dim ** -0.5)
+    want = attention_reference.paged_attention(q.astype(jnp.float32), kq, vq, jnp.int32(1), md, **kw)
+    got = paged_attention_mosaic.paged_attention(q, kq, vq, jnp.int32(1), md, num_splits=num_splits, **kw)
+    check_attention_output(got, want, md, jnp.bfloat16)
+
+
 def test_no_races_in_the_copy_protocol(monkeypatch):
-    """The interpreter's happens-before race detector over the TMA slots, with and without split-K."""
+    """The interpreter's happens-before race detector over the TMA slots, with and without split-K,
+    on bf16 pools and on int8 pools (values and scales share a slot's barrier; the tiles converted
+    for the wgmmas are rewritten every step)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
 
     monkeypatch.setattr(paged_attention_mosaic, "_interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
-    q, k, v, md = _inputs(np.random.default_rng(3), 4, 64, [1, 1], [300, 129], 2, num_layers=1)
-    for splits in (1, 2):
-        jax.block_until_ready(paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=0.125, num_splits=splits))
-        assert not interpret_pallas_call.get_races().races_found, f"races with num_splits={splits}"
+    rng = np.random.default_rng(3)
+    q, k, v, md = _inputs(rng, 4, 64, [1, 1], [300, 129], 2, num_layers=1)
+    q8, k8, _, md8 = _inputs(rng, 4, 64, [1, 1], [300, 129], 2, num_layers=1, page_size=32)
+    pools = {"bf16": (q, k, v, md), "int8": (q8, *_int8_pools(rng, k8.shape), md8)}
+    for kind, (q_, k_, v_, md_) in pools.items():
+        for splits in (1, 2):
+            jax.block_until_ready(paged_attention_mosaic.paged_attention(q_, k_, v_, jnp.int32(0), md_, scale=0.125,
+                                                                         num_splits=splits))
+            assert not interpret_pallas_call.get_races().races_found, f"races with {kind} pools, num_splits={splits}"
 
 
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("batch,cfg,page_size", [
-    ("decode", {}, PAGE_SIZE), ("decode", dict(num_splits=2), PAGE_SIZE), ("decode", dict(kv_per_step=128, num_stages=2), PAGE_SIZE),
-    ("prefill", {}, PAGE_SIZE), ("decode", {}, 8), ("prefill", {}, 64),
+@pytest.mark.parametrize("batch,cfg,page_size,kv", [
+    ("decode", {}, PAGE_SIZE, "bf16"), ("decode", dict(num_splits=2), PAGE_SIZE, "bf16"),
+    ("decode", dict(kv_per_step=128, num_stages=2), PAGE_SIZE, "bf16"), ("prefill", {}, PAGE_SIZE, "bf16"),
+    ("decode", {}, 8, "bf16"), ("prefill", {}, 64, "bf16"),
+    ("decode", {}, 32, "int8"), ("decode", dict(num_splits=2), 64, "int8"), ("prefill", {}, 32, "int8"),
+    ("decode", {}, 32, "int8-d64"),  # int8 rows of 64 bytes: a 64-byte swizzle
 ])
-def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size):
+def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size, kv):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
     q_lens, ctx_lens, num_tokens = ([1] * 8, [4096] * 8, 8) if batch == "decode" else ([256, 1], [3000, 700], 264)
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
     md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
                       num_tokens=num_tokens)
-    pool = S((2, num_pages, page_size, 8, 128), jnp.bfloat16)
+    head_dim = 64 if kv.endswith("d64") else 128
+    shape = (2, num_pages, page_size, 8, head_dim)
+    pool = S(shape, jnp.bfloat16) if kv == "bf16" else QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
     fn = lambda q, k, v, md: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
                                                                      interpret=False, **cfg)
-    text = jax.jit(fn).trace(S((num_tokens, 32, 128), jnp.bfloat16), pool, pool, md).lower(
+    text = jax.jit(fn).trace(S((num_tokens, 32, head_dim), jnp.bfloat16), pool, pool, md).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
-def test_supports_and_fallback():
+def test_supports_and_fallback(monkeypatch):
     q = jnp.zeros((2, 8, 64), jnp.bfloat16)
     pool = jnp.zeros((1, 4, PAGE_SIZE, 2, 64), jnp.bfloat16)
     assert paged_attention_mosaic.supports(q, pool)
     assert not paged_attention_mosaic.supports(q.astype(jnp.float32), pool.astype(jnp.float32))  # wgmma: 16-bit only
-    assert not paged_attention_mosaic.supports(q, QuantizedKV(*quantize_kv(pool)))  # int8 pages: the Triton kernel
+    assert not paged_attention_mosaic.supports(q, quantize_kv_pool(pool))  # int8 pages of 16: the Triton kernel
+    int8_p32 = quantize_kv_pool(jnp.zeros((1, 4, 32, 2, 64), jnp.float32))
+    assert paged_attention_mosaic.supports(q, int8_p32)  # int8 pages of 32 (and 64): this kernel
+    monkeypatch.setattr(paged_attention_mosaic, "INT8_KV", False)
+    assert not paged_attention_mosaic.supports(q, int8_p32)
     assert not paged_attention_mosaic.supports(jnp.zeros((2, 8, 32), jnp.bfloat16), pool[..., :32])  # head_dim 32
     assert paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 32, 2, 64), jnp.bfloat16))  # pages of 32: run on the H200
     assert not paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 128, 2, 64), jnp.bfloat16))  # pages of 128: not run on a GPU

@@ -18,7 +18,7 @@ from jlight.pallas_kernels import (
     matmul_pallas,
     paged_attention_pallas,
 )
-from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, QuantizedWeightT, W8A8Weight
+from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, QuantizedWeightT, W8A8Weight, kv_scales_shape
 from kernel_batches import random_batch
 from triton_lowering import verified_triton_modules
 
@@ -32,7 +32,7 @@ def _attention_args(kv_dtype, q_lens, ctx_lens, num_tokens):
                       num_tokens=num_tokens)
     shape = (2, num_pages, page_size, kv_heads, head_dim)
     if kv_dtype == "int8":
-        pool = QuantizedKV(S(shape, jnp.int8), S(shape[:-1], jnp.float32))
+        pool = QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
     else:
         pool = S(shape, jnp.bfloat16)
     return S((num_tokens, 32, head_dim), jnp.bfloat16), pool, md
