@@ -80,13 +80,15 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured
 # on the H200 (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 vs 421 us
 # (Triton), at batch 8 59 vs 76 us, a 4096-token prefill 460 vs 684 us; 8B-shaped offline serving
-# 2,368 vs 2,126 output tok/s. Inputs it does not take (float32, int8 KV pools) go to the Triton kernel.
+# 2,368 vs 2,126 output tok/s. Inputs it does not take (float32; int8 KV pools with pages of 8 or 16
+# tokens) go to the Triton kernel.
 PALLAS_ATTENTION = "mosaic"
 
 
 def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     """The Mosaic GPU kernel where it takes the inputs (paged_attention_mosaic.supports: 16-bit floats,
-    head_dim 64/128, pages of 8, 16, 32 or 64 tokens), else the Triton kernel (int8 KV pools, float32, other sizes)."""
+    head_dim 64/128, pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64), else the
+    Triton kernel (float32, int8 pools with smaller pages, other sizes)."""
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
     if paged_attention_mosaic.supports(q, k_cache):

@@ -21,8 +21,11 @@ each for a stated reason:
   2026-12-01): a multiply-and-reduce along contiguous rows, which Mosaic GPU could express (TMA tiles,
   elementwise ops and row reductions in registers); not ported. The Triton version already reads the
   issue's 4096x14336 layer at 82% of copy in one launch.
-- paged attention over int8 KV pools and in float32 (paged_attention_pallas.py): expressible in
-  Mosaic GPU (int8 pages converted to bf16 tiles before wgmma; tf32), not yet ported; the router
+- paged attention in float32 (paged_attention_pallas.py): wgmma takes float32 only as tf32; not
+  ported. Over int8 KV pools the Mosaic GPU kernel takes pages of 32 and 64 tokens (since
+  2026-12-01's eighth session: 6-9% faster than Triton at decode, ~20% at prefill); pages of 8 and
+  16 stay on Triton, because one head's scales of such a page are 32 or 64 bytes and a Mosaic GPU
+  TMA copy (lane semantics) must move a multiple of 128. The router
   (dispatch.mosaic_or_triton_attention) sends those inputs to the Triton kernel.
 - the W8A8 and tensor-core W8A16 matmuls and the MoE grouped matmul: expressible in Mosaic GPU
   (int8 wgmma; JAX ships a Mosaic ragged dot), not yet ported. The W8A8 kernel already runs at

@@ -23,7 +23,9 @@ class EngineConfig:
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
     # "auto": K/V pages in the model's dtype; "int8": int8 values + a float32 scale per token and
-    # KV head (about half the bytes, so about twice the pages). Llama/MoE families; not MLA.
+    # KV head (about half the bytes, so about twice the pages). Llama/MoE families; not MLA. On GPU
+    # int8 pages of 32 or 64 tokens run the Mosaic GPU attention, pages of 8 or 16 the Triton one
+    # (H200, B=64 decode at 4k context: 324 / 313 vs 343 us; docs/BENCHMARKS.md).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
