@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, _query_blocks, merge_splits
+from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
+from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, merge_splits
 from jlight.pallas_kernels.quantization import QuantizedKV
 
 _MASKED = -1e30
@@ -287,7 +287,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
              for c in (k_cache, v_cache)]
     if quantized:
         pools += [c.scales.reshape(num_layers * num_pages, num_kv_heads, page_size) for c in (k_cache, v_cache)]
-    row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
+    row, start, end = query_blocks(md.query_start, num_blocks, block_q)
     q_rows = _query_rows(q, num_kv_heads, block_q, start, end)  # [blocks, KVH, io_rows, D]
     io_rows = q_rows.shape[2]
     # The kernel's integer inputs as one array that XLA must compute: a custom call's operands must
@@ -341,7 +341,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     if block_q == 1:  # decode: block t is token t, its first `group` rows its heads (padding tokens got zeros)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
     # prefill: token t is rows (t - start) * group + [0, group) of its block
-    token_block, token_offset = _token_blocks(md, num_tokens, num_blocks, block_q)
+    token_block, token_offset = token_blocks(md, num_tokens, num_blocks, block_q)
     out = out[:, :, :block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
     out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
@@ -364,12 +364,3 @@ def _query_rows(q, num_kv_heads: int, block_q: int, start, end):
     token = start[:, None] + r[None, :] // group  # [blocks, 64]
     token = jnp.where(token < end[:, None], token, 0)  # rows past the block: any in-range row (masked)
     return q4[token[:, None, :], jnp.arange(num_kv_heads)[None, :, None], (r % group)[None, None, :]]
-
-
-def _token_blocks(md: BatchMetadata, num_tokens: int, num_blocks: int, block_q: int):
-    """For each token, the query block that holds it and its place in that block (the inverse of
-    _query_blocks); padding tokens map to an arbitrary block and are zeroed by the caller."""
-    blocks_per_row = (md.query_start[1:] - md.query_start[:-1] + block_q - 1) // block_q  # [B]
-    blocks_before = jnp.cumsum(blocks_per_row) - blocks_per_row
-    within = jnp.maximum(jnp.arange(num_tokens) - md.query_start[md.token_seq], 0)
-    return jnp.minimum(blocks_before[md.token_seq] + within // block_q, num_blocks - 1), within % block_q

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import attention_reference, pallas_mode
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks
 from jlight.pallas_kernels.quantization import QuantizedKV
 from jlight.pallas_kernels.tiling import next_pow2
 
@@ -42,27 +42,6 @@ _KV_PER_STEP = 64
 # XLA's scatter already writes the donated cache in place and moves only the T new K/V
 # vectors; a kernel could not move fewer bytes, so the reference is used as is.
 write_kv = attention_reference.write_kv
-
-
-def _query_blocks(query_start, num_blocks: int, block_q: int):
-    """Cut each row's tokens into blocks of at most block_q tokens.
-
-    Returns (row, start, end), each [num_blocks] int32: block i covers tokens
-    [start, end) of row `row`; unused blocks have start == end == 0.
-    """
-    num_rows = query_start.shape[0] - 1
-    q_lens = query_start[1:] - query_start[:-1]  # [B]
-    blocks_per_row = (q_lens + block_q - 1) // block_q  # [B]
-    cu_blocks = jnp.cumsum(blocks_per_row)  # [B], inclusive
-    block = jnp.arange(num_blocks, dtype=jnp.int32)  # [num_blocks]
-    used = block < cu_blocks[-1]
-    # compare_all: the default method is a while loop, which XLA:GPU drives from the host (a sync per step).
-    row = jnp.minimum(jnp.searchsorted(cu_blocks, block, side="right", method="compare_all"), num_rows - 1).astype(jnp.int32)
-    first_block_of_row = cu_blocks[row] - blocks_per_row[row]
-    start = query_start[row] + (block - first_block_of_row) * block_q
-    end = jnp.minimum(start + block_q, query_start[row + 1])
-    zero = jnp.zeros_like(start)
-    return jnp.where(used, row, zero), jnp.where(used, start, zero), jnp.where(used, end, zero)
 
 
 def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
@@ -192,7 +171,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_q_rows, head_dim), ((0, 0), (0, block_rows), (0, 0)))  # [KVH, T*G + pad, D]
     pos_rows = jnp.pad(jnp.repeat(md.positions, group), (0, block_rows), constant_values=-1)  # [T*G + pad]
     padded_rows = num_q_rows + block_rows
-    row, start, end = _query_blocks(md.query_start, num_blocks, block_q)
+    row, start, end = query_blocks(md.query_start, num_blocks, block_q)
 
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
     kv_spec = pl.BlockSpec((num_layers * num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0))
