@@ -51,6 +51,7 @@ def build_engine(a) -> LLMEngine:
     opts = dict(dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 quantization=a.quantization, attention_impl=a.attention_impl, matmul_impl=a.matmul_impl,
                 max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop, kv_cache_dtype=a.kv_cache_dtype,
+                page_size=a.page_size,
                 mesh=a.mesh, min_token_bucket=a.min_token_bucket)
     if a.model_config:
         from model_configs import random_loaded_model
@@ -87,6 +88,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-pages", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--mesh", default=None, help='one engine replica over a mesh, e.g. "tp=2" (no dp)')
     ap.add_argument("--attention-impl", default="auto")
