@@ -23,8 +23,8 @@ SCRIPT = textwrap.dedent("""
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     out = {{}}
     for name, (kind, options) in {runs!r}.items():
-        llm = jlight.LLM(paths[kind], dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
-                         num_pages=128, **options)
+        llm = jlight.LLM(paths[kind], dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=16,
+                         page_size=8, num_pages=128, **options)  # one compiled step per engine
         layers = llm.engine.runner.params["layers"]
         assert isinstance(layers, list) == (options.get("layer_loop") == "unroll"), name
         out[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]

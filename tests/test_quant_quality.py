@@ -7,20 +7,26 @@ own path), each quantized configuration against the bfloat16 model:
 The bars are the issue's and are not loosened. Where the current implementation misses one, the
 check is marked xfail(strict=True) with the measured figure: it still runs and is reported, and
 it turns into a failure (XPASS) the day the configuration meets the bar, so the mark gets removed.
+The figures below are this CPU machine's (JAX 0.10.2, 2026-12-01, the blocked reference attention).
+A near-tie flips with the order of a sum, so figures move by a few tenths between hosts and between
+versions of the reference attention: round-to-nearest int8 gave 95.55% with the per-token one.
 
 "lm_head bf16" is quantize_params(..., keep=("lm_head",)) (the benchmark quantizes and hands the
 engine the params): the usual practice of leaving the output projection in 16 bits. Round-to-nearest
-with it (int8: 95.55% -> 96.48% here) does not reach the 97% bar either.
+with it (int8: 96.48% here with the per-token reference) does not reach the 97% bar either.
 
 The "GPTQ" configurations keep the same int8 format and scales but choose the int8 values with
 GPTQ (pallas_kernels/gptq.py), calibrated on benchmarks/data/calibration_text.txt, not on the
-evaluated text. With the lm_head in bf16 it meets the bar here (97.21%), by 0.21 points: about 4 of
-the 2046 positions. Other calibration settings moved the agreement by about +-0.5 points
-(docs/BENCHMARKS.md), so this pass is narrow. GPTQ with the lm_head int8 as well misses (96.73%).
+evaluated text. With the lm_head in bf16 it meets the bar here (97.26%; 97.21% on another host), by
+about 5 of the 2046 positions. Other calibration settings moved the agreement by about +-0.5 points
+(docs/BENCHMARKS.md), so this pass is narrow. GPTQ with the lm_head int8 as well sits on the bar:
+96.73% and 96.77% with the per-token reference on two hosts, 97.12% with the blocked one. Neither a
+pass nor a strict xfail would hold across hosts, so its bar check is a non-strict xfail, and a floor
+of 96.5% (round-to-nearest: 95.4%) is what it must keep.
 
 "w8a8, SmoothQuant, lm_head bf16" is what `jlight convert --quantization w8a8 --calibration` makes
 (pallas_kernels/smoothquant.py, calibrated on the same calibration text): it brings w8a8's perplexity
-within the bar (+1.21%, round-to-nearest +3.65%) but its agreement stays short (93.89%).
+within the bar (+0.87%, round-to-nearest +3.31%) but its agreement stays short (93.60%).
 """
 import importlib.util
 import os
@@ -35,17 +41,18 @@ AGREEMENT_MIN, PERPLEXITY_MAX_CHANGE = 0.97, 0.02
 
 # Measured on the CPU machine (JAX 0.10.2) with these 2048 tokens; see docs/BENCHMARKS.md.
 MISSES = {
-    ("int8 weights (W8A16)", "agreement"): "measured 95.55% top-1 agreement < 97% (perplexity +0.25% passes)",
-    ("w8a8", "agreement"): "measured 88.03% top-1 agreement < 97%",
-    ("w8a8", "perplexity"): "measured perplexity +3.65% > 2%",
-    ("int8 weights + int8 KV cache", "agreement"): "measured 95.45% top-1 agreement < 97% (int8 KV alone: 97.56%)",
-    ("int8 weights, GPTQ", "agreement"): "measured 96.73% top-1 agreement < 97% (perplexity +0.34% passes)",
-    ("w8a8, SmoothQuant, lm_head bf16", "agreement"): "measured 93.89% top-1 agreement < 97% (perplexity +1.21% passes)",
+    ("int8 weights (W8A16)", "agreement"): "measured 95.36% top-1 agreement < 97% (perplexity +0.11% passes)",
+    ("w8a8, SmoothQuant, lm_head bf16", "agreement"): "measured 93.60% top-1 agreement < 97% (perplexity +0.87% passes)",
 }
-# (The round-to-nearest "lm_head bf16" variants, int8 96.48% and w8a8 88.95% agreement, both misses,
-# are measured by benchmarks/quant_quality.py and kept out of the suite for its running time.)
-CONFIG_NAMES = ["int8 weights (W8A16)", "w8a8", "int8 KV cache", "int8 weights + int8 KV cache", "int8 weights, GPTQ",
-                "int8 weights, GPTQ, lm_head bf16", "w8a8, SmoothQuant, lm_head bf16"]
+# At the bar's edge (module docstring): reported as xfail or xpass, never failing; GPTQ_FLOOR guards it.
+EDGE = {("int8 weights, GPTQ", "agreement"): "measured 96.73-97.12% top-1 agreement across hosts and reference versions"}
+GPTQ_FLOOR = 0.965
+# Kept out of the suite for its running time, and measured by benchmarks/quant_quality.py: the
+# round-to-nearest "lm_head bf16" variants (int8 96.48%, w8a8 88.95% agreement), round-to-nearest w8a8
+# (87.83% / +3.31%; SmoothQuant is the w8a8 that `jlight convert` makes) and int8 weights with the int8
+# KV cache (95.26%), all misses of the agreement bar.
+CONFIG_NAMES = ["int8 weights (W8A16)", "int8 KV cache", "int8 weights, GPTQ", "int8 weights, GPTQ, lm_head bf16",
+                "w8a8, SmoothQuant, lm_head bf16"]
 
 
 def _quant_quality():
@@ -76,6 +83,8 @@ def _cases():
         for metric in ("agreement", "perplexity"):
             reason = MISSES.get((name, metric))
             marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
+            if (name, metric) in EDGE:
+                marks = [pytest.mark.xfail(strict=False, raises=AssertionError, reason=EDGE[(name, metric)])]
             yield pytest.param(name, metric, marks=marks, id=f"{name}-{metric}")
 
 
@@ -87,6 +96,12 @@ def test_quality_against_bfloat16(rows, name, metric):
         assert row["top1_agreement"] >= AGREEMENT_MIN, f"{name}: top-1 agreement {row['top1_agreement']:.4f}"
     else:
         assert abs(row["perplexity_change"]) <= PERPLEXITY_MAX_CHANGE, f"{name}: perplexity {row['perplexity_change']:+.4f}"
+
+
+def test_gptq_keeps_its_margin_over_round_to_nearest(rows):
+    """GPTQ with the lm_head int8 sits on the 97% bar; this floor is what it must not fall under."""
+    assert rows["int8 weights, GPTQ"]["top1_agreement"] >= GPTQ_FLOOR
+    assert rows["int8 weights, GPTQ"]["top1_agreement"] > rows["int8 weights (W8A16)"]["top1_agreement"] + 0.01
 
 
 def test_quantized_configurations_differ_from_bfloat16(rows):
