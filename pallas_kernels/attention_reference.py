@@ -2,8 +2,8 @@
 and the implementation used on CPU.
 
 One function serves decode, prefill chunks and mixed batches: each token attends to the
-K/V of its own sequence up to its own position, read page by page with an online
-softmax, so memory stays O(tokens x page_size) whatever the context length.
+K/V of its own sequence up to its own position, read a few pages (128 positions) at a time with
+an online softmax, so memory stays O(query rows x 128) whatever the context length.
 
 The tokens are cut into blocks of consecutive tokens of one row (query_blocks), and a block
 gathers each of its row's pages once: a prefill chunk's tokens share their gathers. Gathering
