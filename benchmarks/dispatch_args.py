@@ -29,10 +29,6 @@ def rms(h, w):
     return h * jax.lax.rsqrt(jnp.mean(h.astype(jnp.float32) ** 2, axis=-1, keepdims=True)).astype(h.dtype) * w
 
 
-def dq(v, s):
-    return v.astype(jnp.bfloat16)  # scales applied after the dot, as the engine's dequantize-dot does
-
-
 def make(layout: str, L: int, key):
     ks = jax.random.split(key, 4)
     w = lambda k, shape: jax.random.normal(k, shape, jnp.float32) * 0.05
@@ -60,13 +56,15 @@ def step(params, state, x):
         norm = p["norm"] if "norm" in p else params["norms"][i]
         a = rms(h, norm)
         if "w1" in p:
+            # the scales multiply after the dot, as in the engine's dequantize-dot
             y = jax.nn.silu(a @ p["w1"])
             h = h + y @ p["w2"]
         else:
             s1 = p["s1"] if "s1" in p else params["s1"][i]
             s2 = p["s2"] if "s2" in p else params["s2"][i]
-            y = jax.nn.silu(((a @ dq(p["v1"], s1)).astype(jnp.float32) * s1).astype(jnp.bfloat16))
-            h = h + ((y @ dq(p["v2"], s2)).astype(jnp.float32) * s2).astype(jnp.bfloat16)
+            # the scales multiply after the dot, as in the engine's dequantize-dot
+            y = jax.nn.silu(((a @ p["v1"].astype(jnp.bfloat16)).astype(jnp.float32) * s1).astype(jnp.bfloat16))
+            h = h + ((y @ p["v2"].astype(jnp.bfloat16)).astype(jnp.float32) * s2).astype(jnp.bfloat16)
     return state + 1, h
 
 

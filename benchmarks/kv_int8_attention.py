@@ -27,20 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from kernel_batches import random_batch  # noqa: E402
+from kernel_batches import random_batch, random_int8_pool  # noqa: E402
 
 from kernels import attention_cases, rel_err, time_call  # noqa: E402  (benchmarks/kernels.py: CUPTI device timing)
 
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
-from jlight.pallas_kernels.quantization import quantize_kv_pool  # noqa: E402
 
 COPY_BW = 3.70e12
-
-
-def int8_pools(rng, shape):
-    """int8 K or V pool of random vectors (magnitudes varying per token and head), and its float32 source."""
-    x = jnp.asarray(rng.standard_normal(shape, np.float32) * rng.uniform(0.2, 3.0, size=shape[:-1] + (1,)).astype(np.float32))
-    return quantize_kv_pool(x), x
 
 
 KERNELS = {"triton": paged_attention_pallas.paged_attention, "mosaic": paged_attention_mosaic.paged_attention}
@@ -58,7 +51,7 @@ def check(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_win
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 8
     md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
     shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-    (kq, k), (vq, v) = int8_pools(rng, shape), int8_pools(rng, shape)
+    (kq, k), (vq, v) = random_int8_pool(rng, shape), random_int8_pool(rng, shape)
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
     layer, kw = jnp.int32(1), dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
     want = attention_reference.paged_attention(q.astype(jnp.float32), kq, vq, layer, md, **kw)
@@ -82,8 +75,8 @@ def bench_decode(rng, quick, reps, trials, impl="triton", page_size=16, sweep=Fa
     num_pages = batch * (ctx // page_size) + 1
     md = random_batch(rng, [1] * batch, [ctx] * batch, page_size=page_size, num_pages=num_pages)
     shape = (1, num_pages, page_size, num_kv_heads, head_dim)
-    kq, k32 = int8_pools(rng, shape)
-    vq, v32 = int8_pools(rng, shape)
+    kq, k32 = random_int8_pool(rng, shape)
+    vq, v32 = random_int8_pool(rng, shape)
     k, v = k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)
     del k32, v32
     qs = [jnp.asarray(rng.standard_normal((batch, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
@@ -115,7 +108,7 @@ def bench_prefill(rng, quick, reps, trials, impl="triton", page_size=16):
     num_pages = tokens // page_size + 1
     md = random_batch(rng, [tokens], [tokens], page_size=page_size, num_pages=num_pages)
     shape = (1, num_pages, page_size, num_kv_heads, head_dim)
-    (kq, k32), (vq, v32) = int8_pools(rng, shape), int8_pools(rng, shape)
+    (kq, k32), (vq, v32) = random_int8_pool(rng, shape), random_int8_pool(rng, shape)
     caches = {"bf16 KV": (k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)), "int8 KV": (kq, vq)}
     qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(max(1, reps // 2))]
     flops = 2 * 2 * num_heads * head_dim * tokens * (tokens + 1) / 2

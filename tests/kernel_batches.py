@@ -3,6 +3,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.pallas_kernels.quantization import quantize_kv_pool
 
 
 def random_batch(rng: np.random.Generator, q_lens, context_lens, *, page_size: int, num_pages: int,
@@ -50,3 +51,10 @@ def check_attention_output(got, want, md: BatchMetadata, dtype) -> None:
     assert np.all(got[real:] == 0), "padding tokens must get zeros"
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
+
+
+def random_int8_pool(rng: np.random.Generator, shape):
+    """An int8 K or V pool (QuantizedKV) of random vectors whose magnitudes vary by token and head, so
+    the scales matter, and the float32 pool it was quantized from."""
+    x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=tuple(shape[:-1]) + (1,)), jnp.float32)
+    return quantize_kv_pool(x), x

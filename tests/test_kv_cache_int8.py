@@ -17,9 +17,8 @@ from jlight import SamplingParams
 from jlight.engine.engine_config import EngineConfig
 from jlight.pallas_kernels import attention_reference, paged_attention_pallas
 from jlight.pallas_kernels.quantization import (
-    QuantizedKV, dequantize_kv, dequantize_kv_pool, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv,
-    quantize_kv_pool)
-from kernel_batches import check_attention_output, random_batch
+    QuantizedKV, dequantize_kv, dequantize_kv_pool, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv)
+from kernel_batches import check_attention_output, random_batch, random_int8_pool
 
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
@@ -86,13 +85,6 @@ CASES = [
 ]
 
 
-def _pools(rng, shape):
-    """int8 pools holding random K/V (per-vector magnitudes vary) and the float32 K/V they came from."""
-    x = rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=shape[:-1] + (1,))
-    x = jnp.asarray(x, jnp.float32)
-    return quantize_kv_pool(x), x
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_pallas_int8_matches_reference(case):
     name, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window, num_splits = case
@@ -100,7 +92,7 @@ def test_pallas_int8_matches_reference(case):
     num_pages = sum(-(-c // PAGE_SIZE) for c in ctx_lens) + 4
     md = random_batch(rng, q_lens, ctx_lens, page_size=PAGE_SIZE, num_pages=num_pages, num_tokens=num_tokens)
     shape = (NUM_LAYERS, num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
-    (kq, k), (vq, v) = _pools(rng, shape), _pools(rng, shape)
+    (kq, k), (vq, v) = random_int8_pool(rng, shape), random_int8_pool(rng, shape)
     q = jnp.asarray(rng.standard_normal((num_tokens, NUM_KV_HEADS * group, head_dim)), dtype)
     layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
@@ -123,7 +115,7 @@ def test_pallas_int8_split_k_equals_single_pass():
     rng = np.random.default_rng(7)
     md = random_batch(rng, [1, 1, 1], [700, 5, 129], page_size=PAGE_SIZE, num_pages=60)
     shape = (1, 60, PAGE_SIZE, NUM_KV_HEADS, 64)
-    (kq, _), (vq, _) = _pools(rng, shape), _pools(rng, shape)
+    (kq, _), (vq, _) = random_int8_pool(rng, shape), random_int8_pool(rng, shape)
     q = jnp.asarray(rng.standard_normal((3, NUM_KV_HEADS * 4, 64)), jnp.float32)
     one = paged_attention_pallas.paged_attention(q, kq, vq, jnp.int32(0), md, scale=0.125, num_splits=1)
     many = paged_attention_pallas.paged_attention(q, kq, vq, jnp.int32(0), md, scale=0.125, num_splits=5)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, random_batch
+from kernel_batches import check_attention_output, random_batch, random_int8_pool
 from jlight.pallas_kernels import attention_reference, dispatch, paged_attention_mosaic, paged_attention_pallas
 from jlight.pallas_kernels.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
 
@@ -74,9 +74,7 @@ INT8_CASES = [
 
 
 def _int8_pools(rng, shape):
-    """int8 pools of random K/V whose magnitudes vary by token and head (so the scales matter)."""
-    return [quantize_kv_pool(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=shape[:-1] + (1,)),
-                                         jnp.float32)) for _ in range(2)]
+    return [random_int8_pool(rng, shape)[0] for _ in range(2)]
 
 
 @pytest.mark.parametrize("case", INT8_CASES, ids=[c[0] for c in INT8_CASES])
