@@ -58,6 +58,12 @@ VARIANTS = {
     # The K-major weights through the Pallas W8A16 kernel (matmul_pallas.w8a16_kmajor_matmul) instead of XLA.
     "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
     "int8-auto-b1": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), {}),  # one-row steps: the K-major GEMV
+    # The K-major weights through the Mosaic GPU W8A16 kernel (pallas_kernels/w8a16_mosaic.py), with tile options.
+    "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_mosaic_max_rows=64)),
+    "int8-auto-b8-mosaic-c2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
+                               dict(kmajor_mosaic_max_rows=64, mosaic=dict(ctas_per_sm=2))),
+    "int8-auto-b8-mosaic-tk128": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
+                                  dict(kmajor_mosaic_max_rows=64, mosaic=dict(tile_k=128, num_stages=6))),
     "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
     # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
     "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),

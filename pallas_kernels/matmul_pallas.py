@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jlight.pallas_kernels import matmul_reference, pallas_mode
+from jlight.pallas_kernels import matmul_reference, pallas_mode, w8a16_mosaic
 from jlight.pallas_kernels.quantization import (
     QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations)
 from jlight.pallas_kernels.tiling import largest_pow2_divisor, next_pow2
@@ -239,6 +239,9 @@ KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' s
 # 4096x6144 12.7 vs 9.6). So every step of two rows or more stays XLA's.
 KMAJOR_GEMV_MAX_ROWS = 1
 KMAJOR_PALLAS_MAX_ROWS = 0
+# Steps of up to this many rows (a multiple of 8) on K-major weight-only int8 run the Mosaic GPU kernel
+# (w8a16_mosaic.py); 0: off.
+MOSAIC_W8A16_MAX_ROWS = 0
 
 
 def _kmajor_gemv_tiles(k: int, n: int) -> tuple:
@@ -384,6 +387,10 @@ def _kmajor_w8a16(x, w, out_dtype, interpret):
     opts = dict(W8A16_OPTIONS)
     rows = _rows(x)
     gemv = rows <= min(opts.pop("kmajor_gemv_max_rows", KMAJOR_GEMV_MAX_ROWS), 2)
+    if not gemv and rows <= opts.pop("kmajor_mosaic_max_rows", MOSAIC_W8A16_MAX_ROWS) and w8a16_mosaic.supports(x, w):
+        y = w8a16_mosaic.w8a16_mosaic_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret,
+                                             **opts.get("mosaic", {}))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     tensor_cores = rows <= min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
     if not (gemv or tensor_cores) or x.dtype not in (jnp.bfloat16, jnp.float16) or any(d % 16 for d in w.values_t.shape):
         return matmul_reference.matmul(x, w, out_dtype)

@@ -1,0 +1,215 @@
+"""W8A16 for decode on Pallas' Mosaic GPU backend: a few token rows times K-major int8 weights.
+
+A decode step multiplies a handful of rows (the engine's 8-token bucket at batch 1) by every weight
+of the model once, so the step's time is the time to read the weights. This kernel computes the
+product transposed, out^T [out, M] = W [out, in] . x^T [in, M], so that the int8 weight tile is the
+wgmma's 64-row left operand, taken from registers: each step TMA-copies a [64, tile_k] int8 tile
+and the matching [M, tile_k] slice of x into a shared-memory slot, converts the int8 tile to x's
+dtype in registers (exact) and runs one wgmma of N = M columns. No converted tile is written back
+to shared memory, so the step's serial work is load, convert, issue; the wgmma of one step runs
+while the next step is converted (one wgmma in flight), and `num_stages` slots keep the TMA copies
+of later steps in flight meanwhile.
+
+Work is cut into units of 64 output channels x one of `num_splits` ranges of `in`. The grid is one
+persistent program per SM slot (`ctas_per_sm` per SM), each taking a contiguous run of units, and
+its slots stream straight across unit boundaries, so a program's pipeline fills once. Split-K
+(several programs per output tile, for layers with few output tiles) writes float32 partial sums
+[splits, M, out], added and scaled in XLA; with one split the kernel applies the scales and writes
+[M, out] in x's dtype itself. Both are written transposed from the accumulator straight to global
+memory, so no transpose follows the kernel.
+
+CPU tests run it in Mosaic GPU's interpret mode (TMA copies, barriers, slots, race detector), where
+the wgmma on a register operand is a plain dot on the same tiles, and lower the real path for CUDA.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.quantization import QuantizedWeightT
+
+_ROWS = 64  # output channels per unit: the wgmma's M
+_NUM_SMS = 132  # H100/H200
+MAX_ROWS = 64  # token rows (the wgmma's N, a multiple of 8)
+
+
+def supports(x, w) -> bool:
+    """Whether this kernel takes x [..., in] times w (else XLA's dequantize-dot does)."""
+    if not isinstance(w, QuantizedWeightT) or w.values_t.ndim != 2 or w.values_t.dtype != jnp.int8:
+        return False
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    out, k = w.values_t.shape
+    return (x.dtype in (jnp.bfloat16, jnp.float16) and 0 < rows <= MAX_ROWS and rows % 8 == 0
+            and out % _ROWS == 0 and k % 128 == 0)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.10/0.11
+
+    return InterpretGPUParams()
+
+
+def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, num_units, num_programs, num_splits,
+            steps_per_unit, tile_k, num_stages, upcast_load, interpreting):
+    program = lax.axis_index("program")
+    first_unit = program * num_units // num_programs
+    my_units = (program + 1) * num_units // num_programs - first_unit
+    my_steps = my_units * steps_per_unit
+
+    def issue(step, slot):  # TMA the program's step-th tiles into the slot
+        unit = first_unit + step // steps_per_unit
+        k_block = (unit % num_splits) * steps_per_unit + step % steps_per_unit
+        cols = pl.ds(k_block * tile_k, tile_k)
+        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((unit // num_splits) * _ROWS, _ROWS), cols], w_smem.at[slot],
+                                bars.at[slot])
+        plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot], bars.at[slot])
+
+    def refill(step):  # the step's slot is read: fetch a later step into it
+        @pl.when(step + num_stages < my_steps)
+        def _():
+            issue(step + num_stages, lax.rem(step, num_stages))
+
+    for s in range(num_stages):
+        @pl.when(s < my_steps)
+        def _():
+            issue(s, s)
+
+    num_rows = x_ref.shape[0]
+    acc_shape = (_ROWS, num_rows)  # [channels, token rows]
+
+    def unit_body(u, carry):
+        unit = first_unit + u
+        first = u * steps_per_unit
+
+        def step_body(acc_ref, kk):
+            step = first + kk
+            slot = lax.rem(step, num_stages)
+            plgpu.barrier_wait(bars.at[slot])
+            if interpreting:
+                w = w_smem[slot].astype(x_smem.dtype)
+                acc_ref[...] += jnp.dot(w, x_smem[slot].T, preferred_element_type=jnp.float32)
+                plgpu.commit_smem()  # the dot read the slot through the generic proxy; the TMA refill writes it
+                refill(step)
+                return
+            if upcast_load:  # 4-byte loads, converted, then moved between lanes into the wgmma layout
+                w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(x_smem.dtype)
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+            else:  # 2-byte loads straight into the wgmma layout
+                w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA).astype(x_smem.dtype)
+            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+            # One wgmma in flight: the previous step's is done, so its slot (x read by the wgmma, the
+            # int8 tile by the loads above it) can take a later step.
+            plgpu.wgmma_wait(1)
+
+            @pl.when(kk > 0)
+            def _():
+                refill(step - 1)
+
+        def unit_scope(acc_ref):
+            if interpreting:
+                acc_ref[...] = jnp.zeros(acc_shape, jnp.float32)
+
+            @pl.loop(0, steps_per_unit)
+            def _(kk):
+                step_body(acc_ref, kk)
+            return acc_ref[...]  # waits for the last wgmma
+
+        alloc = plgpu.SMEM(acc_shape, jnp.float32) if interpreting else plgpu.ACC(acc_shape, jnp.float32)
+        acc = pl.run_scoped(unit_scope, alloc)
+        if not interpreting:
+            refill(first + steps_per_unit - 1)
+        channels = pl.ds((unit // num_splits) * _ROWS, _ROWS)
+        if num_splits == 1:  # scale per output channel here; the output is final
+            scales = s_ref[channels] if interpreting else plgpu.load(
+                s_ref.at[channels], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            acc = acc * lax.broadcast_in_dim(scales, acc_shape, [0])
+            dst = out_ref.at[:, channels]
+        else:
+            dst = out_ref.at[unit % num_splits, :, channels]
+        value = acc.astype(out_ref.dtype)
+        if interpreting:
+            dst[...] = value.T
+        else:  # [channels, rows] registers into [rows, channels] global memory
+            value = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(dst, (1, 0))[...] = value
+        return carry
+
+    lax.fori_loop(0, my_units, unit_body, 0)
+
+
+def _swizzled(shape, dtype):
+    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
+    minor = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
+    """Fewest splits of `in` that give every program a unit (or, past that, that keep the programs'
+    unit counts within ~10% of each other), among those that divide the k blocks."""
+    best = 1
+    for splits in range(1, k_blocks + 1):
+        if k_blocks % splits:
+            continue
+        units = num_tiles * splits
+        best = splits
+        per_program = -(-units // num_programs)
+        if units >= num_programs and units / (per_program * num_programs) >= 0.9:
+            break
+    return best
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tile_k", "num_stages", "num_splits",
+                                             "ctas_per_sm", "num_sms", "upcast_load"))
+def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, tile_k: int = 256,
+                        num_stages: int = 4, num_splits: int | None = None, ctas_per_sm: int = 1,
+                        num_sms: int = _NUM_SMS, upcast_load: bool = False):
+    """x [M, in] (bf16/f16, M a multiple of 8 up to MAX_ROWS) times int8 w.values_t [out, in] * w.scales
+    [out] -> [M, out] in out_dtype (default x's). Same result as matmul_reference.matmul up to the
+    order of the float32 sums."""
+    out_dtype = out_dtype or x.dtype
+    if not supports(x, w):
+        raise ValueError(f"w8a16_mosaic_matmul does not take x {x.dtype}{x.shape} with int8 weights "
+                         f"{getattr(w, 'values_t', w).shape}: it needs bf16/f16 x of 8..{MAX_ROWS} rows (a multiple "
+                         "of 8), a K-major QuantizedWeightT, out a multiple of 64 and in of 128")
+    interpreting = pallas_mode.resolve(interpret)
+    m, k = x.shape
+    n = w.values_t.shape[0]
+    tile_k = min(tile_k, k)
+    if k % tile_k:
+        tile_k = 128
+    k_blocks = k // tile_k
+    num_tiles = n // _ROWS
+    max_programs = num_sms * ctas_per_sm
+    num_splits = num_splits or _choose_splits(num_tiles, k_blocks, max_programs)
+    if k_blocks % num_splits:
+        raise ValueError(f"num_splits={num_splits} must divide in / tile_k = {k_blocks}")
+    num_units = num_tiles * num_splits
+    num_programs = min(num_units, max_programs)
+    kernel = functools.partial(
+        _w8a16_mosaic_kernel, num_units=num_units, num_programs=num_programs, num_splits=num_splits,
+        steps_per_unit=k_blocks // num_splits, tile_k=tile_k, num_stages=num_stages, upcast_load=upcast_load,
+        interpreting=interpreting)
+    out_shape = (m, n) if num_splits == 1 else (num_splits, m, n)
+    y = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if num_splits == 1 else jnp.float32),
+        scratch_types=[
+            _swizzled((num_stages, m, tile_k), x.dtype),  # x slots
+            _swizzled((num_stages, _ROWS, tile_k), jnp.int8),  # weight slots
+            plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a slot's two copies landed
+        ],
+        grid=(num_programs,),
+        grid_names=("program",),
+        interpret=_interpret_params() if interpreting else None,
+    )(x, w.values_t, w.scales.astype(jnp.float32))
+    if num_splits == 1:
+        return y
+    # Partial sums added as slices (elementwise, so XLA fuses them into the consumer), then scaled.
+    total = y[0]
+    for s in range(1, num_splits):
+        total = total + y[s]
+    return (total * w.scales.astype(jnp.float32)).astype(out_dtype)
