@@ -62,8 +62,10 @@ VARIANTS = {
     "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_mosaic_max_rows=64)),
     "int8-auto-b8-mosaic-c2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
                                dict(kmajor_mosaic_max_rows=64, mosaic=dict(ctas_per_sm=2))),
-    "int8-auto-b8-mosaic-tk128": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                                  dict(kmajor_mosaic_max_rows=64, mosaic=dict(tile_k=128, num_stages=6))),
+    "int8-auto-b8-mosaic-i8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
+                               dict(kmajor_mosaic_max_rows=64, mosaic=dict(int8_activations=True))),
+    "int8-auto-b8-mosaic-i8c2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
+                                 dict(kmajor_mosaic_max_rows=64, mosaic=dict(int8_activations=True, ctas_per_sm=2))),
     "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
     # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
     "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),

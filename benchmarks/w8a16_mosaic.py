@@ -29,15 +29,17 @@ from jlight.pallas_kernels.quantization import QuantizedWeightT  # noqa: E402
 # K x N of the engine's batch-1 decode matmuls: fused q/k/v, wo, fused gate/up, down, lm_head.
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
 VARIANTS = {
+    # x's two-term int8 split (w8a16_mosaic.split_int8), int8 wgmma with both operands in shared memory
+    "i8 tk256 s4": dict(int8_activations=True),
+    "i8 tk256 s6": dict(int8_activations=True, num_stages=6),
+    "i8 tk128 s8": dict(int8_activations=True, tile_k=128, num_stages=8),
+    "i8 tk512 s3": dict(int8_activations=True, tile_k=512, num_stages=3),
+    "i8 tk256 s4 c2": dict(int8_activations=True, ctas_per_sm=2),
+    "i8 tk128 s4 c2": dict(int8_activations=True, tile_k=128, ctas_per_sm=2),
+    # bf16 activations: the int8 tile converted in registers, the wgmma's register operand
     "default": {},
-    "tk128 s6": dict(tile_k=128, num_stages=6),
-    "tk128 s4 c2": dict(tile_k=128, num_stages=4, ctas_per_sm=2),
-    "tk256 s4 c2": dict(tile_k=256, num_stages=4, ctas_per_sm=2),
-    "tk256 s3 c2": dict(tile_k=256, num_stages=3, ctas_per_sm=2),
-    "tk256 s6": dict(tile_k=256, num_stages=6),
-    "tk512 s3": dict(tile_k=512, num_stages=3),
-    "tk256 s4 upcast": dict(tile_k=256, num_stages=4, upcast_load=True),
-    "tk128 s3 c3": dict(tile_k=128, num_stages=3, ctas_per_sm=3),
+    "tk256 s4 c2": dict(ctas_per_sm=2),
+    "tk128 s4 c2": dict(tile_k=128, ctas_per_sm=2),
 }
 
 

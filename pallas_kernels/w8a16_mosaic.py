@@ -54,7 +54,7 @@ def _interpret_params():
 
 
 def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, num_units, num_programs, num_splits,
-            steps_per_unit, tile_k, num_stages, upcast_load, interpreting):
+                         steps_per_unit, tile_k, num_stages, int8_activations, upcast_load, interpreting):
     program = lax.axis_index("program")
     first_unit = program * num_units // num_programs
     my_units = (program + 1) * num_units // num_programs - first_unit
@@ -78,52 +78,59 @@ def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, 
         def _():
             issue(s, s)
 
-    num_rows = x_ref.shape[0]
-    acc_shape = (_ROWS, num_rows)  # [channels, token rows]
+    acc_shape = (_ROWS, x_ref.shape[0])  # [channels, token rows]
+    acc_dtype = jnp.int32 if int8_activations else jnp.float32
+
+    def step_body(acc_ref, step, first_of_unit):
+        slot = lax.rem(step, num_stages)
+        plgpu.barrier_wait(bars.at[slot])
+        if interpreting:
+            w = w_smem[slot] if int8_activations else w_smem[slot].astype(x_smem.dtype)
+            acc_ref[...] += jnp.dot(w, x_smem[slot].T, preferred_element_type=acc_dtype)
+            plgpu.commit_smem()  # the dot read the slot through the generic proxy; the TMA refill writes it
+            refill(step)
+            return
+        if int8_activations:
+            # Both operands from shared memory, where only TMA writes and the wgmma reads (the async
+            # proxy): one wgmma in flight, so the previous step's is done and its slot can be refilled.
+            plgpu.wgmma(acc_ref, w_smem.at[slot], plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+            plgpu.wgmma_wait(1)
+
+            @pl.when(jnp.logical_not(first_of_unit))  # the previous unit's last slot is refilled after its loop
+            def _():
+                refill(step - 1)
+            return
+        if upcast_load:  # 4-byte loads, converted, then moved between lanes into the wgmma layout
+            w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(x_smem.dtype)
+            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+        else:  # 2-byte loads straight into the wgmma layout
+            w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA).astype(x_smem.dtype)
+        plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+        # Wait for this wgmma before the loop comes round: the next step's converted tile lands in the
+        # same registers, which an in-flight wgmma still reads (with one wgmma left in flight, on the
+        # H200 results came out wrong whenever two programs shared an SM).
+        plgpu.wgmma_wait(0)
+        refill(step)
 
     def unit_body(u, carry):
         unit = first_unit + u
         first = u * steps_per_unit
 
-        def step_body(acc_ref, kk):
-            step = first + kk
-            slot = lax.rem(step, num_stages)
-            plgpu.barrier_wait(bars.at[slot])
-            if interpreting:
-                w = w_smem[slot].astype(x_smem.dtype)
-                acc_ref[...] += jnp.dot(w, x_smem[slot].T, preferred_element_type=jnp.float32)
-                plgpu.commit_smem()  # the dot read the slot through the generic proxy; the TMA refill writes it
-                refill(step)
-                return
-            if upcast_load:  # 4-byte loads, converted, then moved between lanes into the wgmma layout
-                w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(x_smem.dtype)
-                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-            else:  # 2-byte loads straight into the wgmma layout
-                w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA).astype(x_smem.dtype)
-            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
-            # One wgmma in flight: the previous step's is done, so its slot (x read by the wgmma, the
-            # int8 tile by the loads above it) can take a later step.
-            plgpu.wgmma_wait(1)
-
-            @pl.when(kk > 0)
-            def _():
-                refill(step - 1)
-
         def unit_scope(acc_ref):
             if interpreting:
-                acc_ref[...] = jnp.zeros(acc_shape, jnp.float32)
+                acc_ref[...] = jnp.zeros(acc_shape, acc_dtype)
 
             @pl.loop(0, steps_per_unit)
             def _(kk):
-                step_body(acc_ref, kk)
+                step_body(acc_ref, first + kk, kk == 0)
             return acc_ref[...]  # waits for the last wgmma
 
-        alloc = plgpu.SMEM(acc_shape, jnp.float32) if interpreting else plgpu.ACC(acc_shape, jnp.float32)
+        alloc = plgpu.SMEM(acc_shape, acc_dtype) if interpreting else plgpu.ACC(acc_shape, acc_dtype)
         acc = pl.run_scoped(unit_scope, alloc)
-        if not interpreting:
+        if int8_activations and not interpreting:
             refill(first + steps_per_unit - 1)
         channels = pl.ds((unit // num_splits) * _ROWS, _ROWS)
-        if num_splits == 1:  # scale per output channel here; the output is final
+        if num_splits == 1 and not int8_activations:  # scale per output channel here; the output is final
             scales = s_ref[channels] if interpreting else plgpu.load(
                 s_ref.at[channels], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
             acc = acc * lax.broadcast_in_dim(scales, acc_shape, [0])
@@ -134,11 +141,28 @@ def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, 
         if interpreting:
             dst[...] = value.T
         else:  # [channels, rows] registers into [rows, channels] global memory
+            if int8_activations:
+                value = plgpu.layout_cast(value, plgpu.Layout.WGMMA)
             value = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.transpose_ref(dst, (1, 0))[...] = value
         return carry
 
     lax.fori_loop(0, my_units, unit_body, 0)
+
+
+def split_int8(x):
+    """x [M, K] as two int8 terms per element, x ~= s1 * q1 + s2 * q2 (per row: s1 = max|x| / 127,
+    s2 = s1 / 254): q [2M, K] int8 (the q1 rows, then the q2 rows) and their scales [2M] float32.
+    The second term holds the first's rounding error, so the pair is within max|x| / 64516 of x
+    (16 bits against the row's largest element; bf16 itself keeps 8 bits of each element)."""
+    xf = x.astype(jnp.float32)
+    s1 = jnp.max(jnp.abs(xf), axis=1, keepdims=True) / 127.0
+    s1 = jnp.where(s1 > 0, s1, 1.0)
+    q1 = jnp.clip(jnp.round(xf / s1), -127, 127)
+    s2 = s1 / 254.0
+    q2 = jnp.clip(jnp.round((xf - q1 * s1) / s2), -127, 127)
+    q = jnp.concatenate([q1, q2]).astype(jnp.int8)
+    return q, jnp.concatenate([s1, s2])[:, 0]
 
 
 def _swizzled(shape, dtype):
@@ -163,13 +187,13 @@ def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tile_k", "num_stages", "num_splits",
-                                             "ctas_per_sm", "num_sms", "upcast_load"))
+                                             "ctas_per_sm", "num_sms", "int8_activations", "upcast_load"))
 def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, tile_k: int = 256,
                         num_stages: int = 4, num_splits: int | None = None, ctas_per_sm: int = 1,
-                        num_sms: int = _NUM_SMS, upcast_load: bool = False):
+                        num_sms: int = _NUM_SMS, int8_activations: bool = False, upcast_load: bool = False):
     """x [M, in] (bf16/f16, M a multiple of 8 up to MAX_ROWS) times int8 w.values_t [out, in] * w.scales
     [out] -> [M, out] in out_dtype (default x's). Same result as matmul_reference.matmul up to the
-    order of the float32 sums."""
+    order of the float32 sums (and, with int8_activations, x's two-term split: split_int8)."""
     out_dtype = out_dtype or x.dtype
     if not supports(x, w):
         raise ValueError(f"w8a16_mosaic_matmul does not take x {x.dtype}{x.shape} with int8 weights "
@@ -189,27 +213,34 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
         raise ValueError(f"num_splits={num_splits} must divide in / tile_k = {k_blocks}")
     num_units = num_tiles * num_splits
     num_programs = min(num_units, max_programs)
+    if int8_activations:
+        x_in, x_scales = split_int8(x)  # [2M, in] int8, [2M]
+    else:
+        x_in = x
+    final = num_splits == 1 and not int8_activations  # the kernel scales and writes [M, out] itself
+    out_shape = (m, n) if final else (num_splits, x_in.shape[0], n)
     kernel = functools.partial(
         _w8a16_mosaic_kernel, num_units=num_units, num_programs=num_programs, num_splits=num_splits,
-        steps_per_unit=k_blocks // num_splits, tile_k=tile_k, num_stages=num_stages, upcast_load=upcast_load,
-        interpreting=interpreting)
-    out_shape = (m, n) if num_splits == 1 else (num_splits, m, n)
+        steps_per_unit=k_blocks // num_splits, tile_k=tile_k, num_stages=num_stages, int8_activations=int8_activations,
+        upcast_load=upcast_load, interpreting=interpreting)
     y = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if num_splits == 1 else jnp.float32),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if final else jnp.float32),
         scratch_types=[
-            _swizzled((num_stages, m, tile_k), x.dtype),  # x slots
+            _swizzled((num_stages,) + x_in.shape[:1] + (tile_k,), x_in.dtype),  # x slots
             _swizzled((num_stages, _ROWS, tile_k), jnp.int8),  # weight slots
             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a slot's two copies landed
         ],
         grid=(num_programs,),
         grid_names=("program",),
         interpret=_interpret_params() if interpreting else None,
-    )(x, w.values_t, w.scales.astype(jnp.float32))
-    if num_splits == 1:
+    )(x_in, w.values_t, w.scales.astype(jnp.float32))
+    if final:
         return y
-    # Partial sums added as slices (elementwise, so XLA fuses them into the consumer), then scaled.
+    # Partial sums added as slices (elementwise, so XLA can fuse them into the consumer), then scaled.
     total = y[0]
     for s in range(1, num_splits):
         total = total + y[s]
+    if int8_activations:  # s1 * (W q1) + s2 * (W q2)
+        total = total[:m] * x_scales[:m, None] + total[m:] * x_scales[m:, None]
     return (total * w.scales.astype(jnp.float32)).astype(out_dtype)
