@@ -96,8 +96,17 @@ def main():
     ap.add_argument("--latency-tokens", type=int, default=128, help="tokens for the batch-1 decode latency (0 = skip)")
     ap.add_argument("--min-token-bucket", type=int, default=None,
                     help="smallest compiled step (EngineConfig.min_token_bucket); e.g. 1024 for a prefill-only run with few compiles")
+    ap.add_argument("--mosaic-w8a16-rows", type=int, default=None,
+                    help="K-major int8 steps of up to this many rows on the Mosaic GPU W8A16 kernel "
+                         "(matmul_pallas.MOSAIC_W8A16_MAX_ROWS; w8a16_mosaic.py)")
+    ap.add_argument("--mosaic-w8a16-int8-activations", action="store_true", help="that kernel's two-term int8 activations")
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     a = ap.parse_args()
+    if a.mosaic_w8a16_rows is not None:  # read when the steps are traced
+        from jlight.pallas_kernels import matmul_pallas
+
+        matmul_pallas.MOSAIC_W8A16_MAX_ROWS = a.mosaic_w8a16_rows
+        matmul_pallas.W8A16_OPTIONS = dict(mosaic=dict(int8_activations=a.mosaic_w8a16_int8_activations))
 
     t0 = time.perf_counter()
     engine = build_engine(a)
