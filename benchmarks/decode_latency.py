@@ -59,13 +59,12 @@ VARIANTS = {
     "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
     "int8-auto-b1": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), {}),  # one-row steps: the K-major GEMV
     # The K-major weights through the Mosaic GPU W8A16 kernel (pallas_kernels/w8a16_mosaic.py), with tile options.
-    "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_mosaic_max_rows=64)),
-    "int8-auto-b8-mosaic-c2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                               dict(kmajor_mosaic_max_rows=64, mosaic=dict(ctas_per_sm=2))),
+    "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
+                            dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(int8_activations=False))),
     "int8-auto-b8-mosaic-i8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                               dict(kmajor_mosaic_max_rows=64, mosaic=dict(int8_activations=True))),
+                               dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64)),
     "int8-auto-b8-mosaic-i8c2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                                 dict(kmajor_mosaic_max_rows=64, mosaic=dict(int8_activations=True, ctas_per_sm=2))),
+                                 dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(ctas_per_sm=2))),
     "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
     # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
     "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),

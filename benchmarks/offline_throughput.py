@@ -99,14 +99,17 @@ def main():
     ap.add_argument("--mosaic-w8a16-rows", type=int, default=None,
                     help="K-major int8 steps of up to this many rows on the Mosaic GPU W8A16 kernel "
                          "(matmul_pallas.MOSAIC_W8A16_MAX_ROWS; w8a16_mosaic.py)")
-    ap.add_argument("--mosaic-w8a16-int8-activations", action="store_true", help="that kernel's two-term int8 activations")
+    ap.add_argument("--mosaic-w8a16-min-rows", type=int, default=None, help="and of at least this many (MOSAIC_W8A16_MIN_ROWS)")
+    ap.add_argument("--mosaic-w8a16-bf16", action="store_true", help="that kernel with bf16 activations (not its int8 terms)")
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     a = ap.parse_args()
     if a.mosaic_w8a16_rows is not None:  # read when the steps are traced
         from jlight.pallas_kernels import matmul_pallas
 
         matmul_pallas.MOSAIC_W8A16_MAX_ROWS = a.mosaic_w8a16_rows
-        matmul_pallas.W8A16_OPTIONS = dict(mosaic=dict(int8_activations=a.mosaic_w8a16_int8_activations))
+        if a.mosaic_w8a16_min_rows is not None:
+            matmul_pallas.MOSAIC_W8A16_MIN_ROWS = a.mosaic_w8a16_min_rows
+        matmul_pallas.MOSAIC_W8A16_OPTIONS = dict(int8_activations=not a.mosaic_w8a16_bf16)
 
     t0 = time.perf_counter()
     engine = build_engine(a)

@@ -239,9 +239,11 @@ KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' s
 # 4096x6144 12.7 vs 9.6). So every step of two rows or more stays XLA's.
 KMAJOR_GEMV_MAX_ROWS = 1
 KMAJOR_PALLAS_MAX_ROWS = 0
-# Steps of up to this many rows (a multiple of 8) on K-major weight-only int8 run the Mosaic GPU kernel
-# (w8a16_mosaic.py); 0: off.
+# Steps of MOSAIC_W8A16_MIN_ROWS to MOSAIC_W8A16_MAX_ROWS rows (a multiple of 8) on K-major weight-only
+# int8 run the Mosaic GPU kernel (w8a16_mosaic.py) with these options; MAX 0: off.
+MOSAIC_W8A16_MIN_ROWS = 9
 MOSAIC_W8A16_MAX_ROWS = 0
+MOSAIC_W8A16_OPTIONS = dict(int8_activations=True)
 
 
 def _kmajor_gemv_tiles(k: int, n: int) -> tuple:
@@ -387,9 +389,10 @@ def _kmajor_w8a16(x, w, out_dtype, interpret):
     opts = dict(W8A16_OPTIONS)
     rows = _rows(x)
     gemv = rows <= min(opts.pop("kmajor_gemv_max_rows", KMAJOR_GEMV_MAX_ROWS), 2)
-    if not gemv and rows <= opts.pop("kmajor_mosaic_max_rows", MOSAIC_W8A16_MAX_ROWS) and w8a16_mosaic.supports(x, w):
+    mosaic_rows = (opts.pop("kmajor_mosaic_min_rows", MOSAIC_W8A16_MIN_ROWS), opts.pop("kmajor_mosaic_max_rows", MOSAIC_W8A16_MAX_ROWS))
+    if not gemv and mosaic_rows[0] <= rows <= mosaic_rows[1] and w8a16_mosaic.supports(x, w):
         y = w8a16_mosaic.w8a16_mosaic_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret,
-                                             **opts.get("mosaic", {}))
+                                             **(MOSAIC_W8A16_OPTIONS | opts.get("mosaic", {})))
         return y.reshape(*x.shape[:-1], y.shape[-1])
     tensor_cores = rows <= min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
     if not (gemv or tensor_cores) or x.dtype not in (jnp.bfloat16, jnp.float16) or any(d % 16 for d in w.values_t.shape):

@@ -53,8 +53,11 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, num_units, num_programs, num_splits,
+def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
                          steps_per_unit, tile_k, num_stages, int8_activations, upcast_load, interpreting):
+    # x's parts (x, or the two int8 terms q1 and q2), the weights and scales, the output, then scratch
+    *x_refs, w_ref, s_ref, out_ref, x_smem, w_smem, bars = refs
+    num_rows = x_refs[0].shape[0]
     program = lax.axis_index("program")
     first_unit = program * num_units // num_programs
     my_units = (program + 1) * num_units // num_programs - first_unit
@@ -66,7 +69,8 @@ def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, 
         cols = pl.ds(k_block * tile_k, tile_k)
         plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((unit // num_splits) * _ROWS, _ROWS), cols], w_smem.at[slot],
                                 bars.at[slot])
-        plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot], bars.at[slot])
+        for i, x_ref in enumerate(x_refs):  # the parts stack on the slot's rows
+            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot, pl.ds(i * num_rows, num_rows)], bars.at[slot])
 
     def refill(step):  # the step's slot is read: fetch a later step into it
         @pl.when(step + num_stages < my_steps)
@@ -78,7 +82,7 @@ def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, 
         def _():
             issue(s, s)
 
-    acc_shape = (_ROWS, x_ref.shape[0])  # [channels, token rows]
+    acc_shape = (_ROWS, num_rows * len(x_refs))  # [channels, token rows (of each part)]
     acc_dtype = jnp.int32 if int8_activations else jnp.float32
 
     def step_body(acc_ref, step, first_of_unit):
@@ -152,7 +156,8 @@ def _w8a16_mosaic_kernel(x_ref, w_ref, s_ref, out_ref, x_smem, w_smem, bars, *, 
 
 def split_int8(x):
     """x [M, K] as two int8 terms per element, x ~= s1 * q1 + s2 * q2 (per row: s1 = max|x| / 127,
-    s2 = s1 / 254): q [2M, K] int8 (the q1 rows, then the q2 rows) and their scales [2M] float32.
+    s2 = s1 / 254): (q1, q2), each [M, K] int8 (the kernel stacks them in its slots, so no
+    concatenation runs in XLA), and their scales [2M] float32 (s1's rows, then s2's).
     The second term holds the first's rounding error, so the pair is within max|x| / 64516 of x
     (16 bits against the row's largest element; bf16 itself keeps 8 bits of each element)."""
     xf = x.astype(jnp.float32)
@@ -161,8 +166,7 @@ def split_int8(x):
     q1 = jnp.clip(jnp.round(xf / s1), -127, 127)
     s2 = s1 / 254.0
     q2 = jnp.clip(jnp.round((xf - q1 * s1) / s2), -127, 127)
-    q = jnp.concatenate([q1, q2]).astype(jnp.int8)
-    return q, jnp.concatenate([s1, s2])[:, 0]
+    return (q1.astype(jnp.int8), q2.astype(jnp.int8)), jnp.concatenate([s1, s2])[:, 0]
 
 
 def _swizzled(shape, dtype):
@@ -214,11 +218,12 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     num_units = num_tiles * num_splits
     num_programs = min(num_units, max_programs)
     if int8_activations:
-        x_in, x_scales = split_int8(x)  # [2M, in] int8, [2M]
+        x_parts, x_scales = split_int8(x)  # 2 x [M, in] int8, [2M]
     else:
-        x_in = x
+        x_parts = (x,)
+    slot_rows = m * len(x_parts)
     final = num_splits == 1 and not int8_activations  # the kernel scales and writes [M, out] itself
-    out_shape = (m, n) if final else (num_splits, x_in.shape[0], n)
+    out_shape = (m, n) if final else (num_splits, slot_rows, n)
     kernel = functools.partial(
         _w8a16_mosaic_kernel, num_units=num_units, num_programs=num_programs, num_splits=num_splits,
         steps_per_unit=k_blocks // num_splits, tile_k=tile_k, num_stages=num_stages, int8_activations=int8_activations,
@@ -227,14 +232,14 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if final else jnp.float32),
         scratch_types=[
-            _swizzled((num_stages,) + x_in.shape[:1] + (tile_k,), x_in.dtype),  # x slots
+            _swizzled((num_stages, slot_rows, tile_k), x_parts[0].dtype),  # x slots
             _swizzled((num_stages, _ROWS, tile_k), jnp.int8),  # weight slots
-            plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a slot's two copies landed
+            plgpu.Barrier(num_arrivals=1 + len(x_parts), num_barriers=num_stages),  # a slot's copies landed
         ],
         grid=(num_programs,),
         grid_names=("program",),
         interpret=_interpret_params() if interpreting else None,
-    )(x_in, w.values_t, w.scales.astype(jnp.float32))
+    )(*x_parts, w.values_t, w.scales.astype(jnp.float32))
     if final:
         return y
     # Partial sums added as slices (elementwise, so XLA can fuse them into the consumer), then scaled.
