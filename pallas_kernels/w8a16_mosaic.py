@@ -3,23 +3,34 @@
 A decode step multiplies a handful of rows (the engine's 8-token bucket at batch 1) by every weight
 of the model once, so the step's time is the time to read the weights. This kernel computes the
 product transposed, out^T [out, M] = W [out, in] . x^T [in, M], so that the int8 weight tile is the
-wgmma's 64-row left operand, taken from registers: each step TMA-copies a [64, tile_k] int8 tile
-and the matching [M, tile_k] slice of x into a shared-memory slot, converts the int8 tile to x's
-dtype in registers (exact) and runs one wgmma of N = M columns. No converted tile is written back
-to shared memory, so the step's serial work is load, convert, issue; the wgmma of one step runs
-while the next step is converted (one wgmma in flight), and `num_stages` slots keep the TMA copies
-of later steps in flight meanwhile.
+wgmma's 64-row operand and the M token rows its N columns. Each step TMA-copies a [64, tile_k] int8
+weight tile and the matching slice of x into one of `num_stages` shared-memory slots; the slots
+keep the copies of later steps in flight while a step is multiplied. Two ways to multiply:
+
+- bf16 activations (`int8_activations=False`): the int8 tile is loaded into registers, converted
+  to x's dtype (exact) and fed to the wgmma as its register operand. The next step's tile lands in
+  the same registers, so each wgmma is waited for before the loop comes round.
+- int8 activations (`int8_activations=True`): x is split in XLA into two int8 terms per element
+  (split_int8: 16 bits against the row's largest element, where bf16 keeps 8 of each element), and
+  an int8 wgmma reads both operands from shared memory. No register work per weight byte; one
+  wgmma stays in flight. The W q1 and W q2 sums are exact in int32 and combined in float32 after.
 
 Work is cut into units of 64 output channels x one of `num_splits` ranges of `in`. The grid is one
 persistent program per SM slot (`ctas_per_sm` per SM), each taking a contiguous run of units, and
-its slots stream straight across unit boundaries, so a program's pipeline fills once. Split-K
-(several programs per output tile, for layers with few output tiles) writes float32 partial sums
-[splits, M, out], added and scaled in XLA; with one split the kernel applies the scales and writes
-[M, out] in x's dtype itself. Both are written transposed from the accumulator straight to global
-memory, so no transpose follows the kernel.
+its slots stream straight across unit boundaries, so a program's pipeline fills once. Split-K (for
+layers with few output tiles) writes float32 partial sums [splits, rows, out], added and scaled in
+XLA; with one split and bf16 activations the kernel applies the scales and writes [M, out] itself.
+Both are written transposed from the accumulator straight to global memory (no transpose after).
+
+Measured on the H200 (2026-12-01, docs/BENCHMARKS.md "ninth session"): alone, the int8-activation
+kernel is 5-15% faster than XLA's dequantize-dot at 8 rows at four of the five Llama-3-8B decode
+shapes, and 1.2-1.4x at 16 and 32 rows; in the engine it is not faster (batch-1 decode 3.21 against
+2.91 ms of device time, offline serving at 32 sequences 1,650 against 1,962 output tok/s), because
+the activation split and the partial sums add kernels around it. So the engine does not use it by
+default (matmul_pallas.MOSAIC_W8A16_MAX_ROWS = 0); benchmarks switch it on.
 
 CPU tests run it in Mosaic GPU's interpret mode (TMA copies, barriers, slots, race detector), where
-the wgmma on a register operand is a plain dot on the same tiles, and lower the real path for CUDA.
+the wgmma is a plain dot on the same tiles, and lower the real path for CUDA.
 """
 import functools
 
@@ -54,7 +65,7 @@ def _interpret_params():
 
 
 def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
-                         steps_per_unit, tile_k, num_stages, int8_activations, upcast_load, interpreting):
+                         steps_per_unit, tile_k, num_stages, int8_activations, interpreting):
     # x's parts (x, or the two int8 terms q1 and q2), the weights and scales, the output, then scratch
     *x_refs, w_ref, s_ref, out_ref, x_smem, w_smem, bars = refs
     num_rows = x_refs[0].shape[0]
@@ -104,11 +115,9 @@ def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
             def _():
                 refill(step - 1)
             return
-        if upcast_load:  # 4-byte loads, converted, then moved between lanes into the wgmma layout
-            w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(x_smem.dtype)
-            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-        else:  # 2-byte loads straight into the wgmma layout
-            w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA).astype(x_smem.dtype)
+        # 2-byte loads straight into the wgmma layout (4-byte loads moved between lanes afterwards, the
+        # WGMMA_UPCAST_2X layout, were 5% slower on the H200), converted to x's dtype (exact)
+        w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA).astype(x_smem.dtype)
         plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
         # Wait for this wgmma before the loop comes round: the next step's converted tile lands in the
         # same registers, which an in-flight wgmma still reads (with one wgmma left in flight, on the
@@ -191,10 +200,10 @@ def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tile_k", "num_stages", "num_splits",
-                                             "ctas_per_sm", "num_sms", "int8_activations", "upcast_load"))
+                                             "ctas_per_sm", "num_sms", "int8_activations"))
 def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, tile_k: int = 256,
                         num_stages: int = 4, num_splits: int | None = None, ctas_per_sm: int = 1,
-                        num_sms: int = _NUM_SMS, int8_activations: bool = False, upcast_load: bool = False):
+                        num_sms: int = _NUM_SMS, int8_activations: bool = False):
     """x [M, in] (bf16/f16, M a multiple of 8 up to MAX_ROWS) times int8 w.values_t [out, in] * w.scales
     [out] -> [M, out] in out_dtype (default x's). Same result as matmul_reference.matmul up to the
     order of the float32 sums (and, with int8_activations, x's two-term split: split_int8)."""
@@ -227,7 +236,7 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     kernel = functools.partial(
         _w8a16_mosaic_kernel, num_units=num_units, num_programs=num_programs, num_splits=num_splits,
         steps_per_unit=k_blocks // num_splits, tile_k=tile_k, num_stages=num_stages, int8_activations=int8_activations,
-        upcast_load=upcast_load, interpreting=interpreting)
+        interpreting=interpreting)
     y = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if final else jnp.float32),
