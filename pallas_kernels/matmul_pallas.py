@@ -15,7 +15,8 @@ W8A16 on K-major weights (QuantizedWeightT, values [out, in]: how the engine sto
 on GPU for XLA's dequantize-dot): w8a16_kmajor_matmul. Its GEMV path (one row) reads each output's
 weights as one contiguous run and needs no split-K at the wide layers: on the H200 it reads a
 4096x14336 layer at 82% of the copy rate in a single launch, and "auto" uses it for one-row steps.
-Its tensor-core path (up to 16 rows) lost to XLA's dequantize-dot at 8 rows, so it stays off.
+Its tensor-core path (up to 16 rows) lost to XLA's dequantize-dot at 8 rows, so it stays off, as does
+the Mosaic GPU kernel for 8-64 rows (w8a16_mosaic.py; MOSAIC_W8A16_MAX_ROWS says why).
 
 Plain (unquantized) weights go to XLA's dot (cuBLAS), which a Pallas GEMM would not beat.
 """
@@ -240,7 +241,10 @@ KMAJOR_MAX_ROWS = 16  # the K-major W8A16 kernel's row tile (the tensor cores' s
 KMAJOR_GEMV_MAX_ROWS = 1
 KMAJOR_PALLAS_MAX_ROWS = 0
 # Steps of MOSAIC_W8A16_MIN_ROWS to MOSAIC_W8A16_MAX_ROWS rows (a multiple of 8) on K-major weight-only
-# int8 run the Mosaic GPU kernel (w8a16_mosaic.py) with these options; MAX 0: off.
+# int8 run the Mosaic GPU kernel (w8a16_mosaic.py) with these options; MAX 0: off. Off because on the
+# H200 it lost end to end although it wins alone (docs/BENCHMARKS.md, ninth session): batch-1 decode
+# 3.21 against 2.91 ms of device time a step, offline serving at 32 sequences 1,650 against 1,962
+# output tok/s and a tie at 16 (1,842 / 1,846), its activation split and split-K sums adding kernels.
 MOSAIC_W8A16_MIN_ROWS = 9
 MOSAIC_W8A16_MAX_ROWS = 0
 MOSAIC_W8A16_OPTIONS = dict(int8_activations=True)

@@ -15,8 +15,8 @@ Still on Pallas' Triton backend (deprecated in JAX 0.11, shipped and working in 
 each for a stated reason:
 - the W8A16 GEMV path (1-4 rows, matmul_pallas.py): a CUDA-core dot product. Mosaic GPU lowers
   matrix products only as wgmma on 64-row tiles (it has no lowering for a register-level dot), so
-  a GEMV there would be the transposed wgmma, which JAX's own Mosaic mixed-type kernel does and
-  which did not beat this one (docs/BENCHMARKS.md, fourth and fifth sessions).
+  a GEMV there is the transposed wgmma. jlight has one (w8a16_mosaic.py, 8-64 rows, since the ninth
+  session): alone it beats XLA's dequantize-dot, but not in the engine, so it is off by default.
 - the K-major W8A16 kernel (w8a16_kmajor_matmul; its GEMV path is the one-row default on GPU since
   2026-12-01): a multiply-and-reduce along contiguous rows, which Mosaic GPU could express (TMA tiles,
   elementwise ops and row reductions in registers); not ported. The Triton version already reads the
