@@ -245,7 +245,7 @@ KMAJOR_PALLAS_MAX_ROWS = 0
 # H200 it lost end to end although it wins alone (docs/BENCHMARKS.md, ninth session): batch-1 decode
 # 3.21 against 2.91 ms of device time a step, offline serving at 32 sequences 1,650 against 1,962
 # output tok/s and a tie at 16 (1,842 / 1,846), its activation split and split-K sums adding kernels.
-MOSAIC_W8A16_MIN_ROWS = 9
+MOSAIC_W8A16_MIN_ROWS = 9  # 8-row steps (batch-1 decode): its matmuls tied XLA's in the engine (63.1 vs 63.9 us a layer)
 MOSAIC_W8A16_MAX_ROWS = 0
 MOSAIC_W8A16_OPTIONS = dict(int8_activations=True)
 

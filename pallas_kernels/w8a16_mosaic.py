@@ -116,7 +116,7 @@ def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
                 refill(step - 1)
             return
         # 2-byte loads straight into the wgmma layout (4-byte loads moved between lanes afterwards, the
-        # WGMMA_UPCAST_2X layout, were 5% slower on the H200), converted to x's dtype (exact)
+        # WGMMA_UPCAST_2X layout, were 4-8% slower on the H200), converted to x's dtype (exact)
         w = plgpu.load(w_smem.at[slot], (), layout=plgpu.Layout.WGMMA).astype(x_smem.dtype)
         plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
         # Wait for this wgmma before the loop comes round: the next step's converted tile lands in the
