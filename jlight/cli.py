@@ -91,11 +91,14 @@ def _sampling_params(args):
                           top_k=args.top_k, seed=args.seed).validate()
 
 
-def _load(args):
+def _load(args, warmup: bool = True):
+    """warmup=False: compile each step shape when a step first needs it, not every bucket at start-up
+    (what one `generate` request needs: its prefill chunk and one decode shape, so it starts sooner and
+    a prompt that is too long is refused before anything compiles)."""
     from jlight.api import LLM
 
     # One interactive request at a time: a small batch keeps start-up compilation short.
-    return LLM(args.model, **engine_options(args, max_num_seqs=4, max_num_batched_tokens=256))
+    return LLM(args.model, **engine_options(args, max_num_seqs=4, max_num_batched_tokens=256, warmup=warmup))
 
 
 def _stream_one(llm, prompt_ids: list[int], params) -> tuple[list[int], float | None, float]:
@@ -133,7 +136,7 @@ def _summary(n_prompt: int, ids: list[int], ttft: float | None, total: float) ->
 def cmd_generate(args) -> int:
     params = _sampling_params(args)
     _start_distributed(args)
-    llm = _load(args)
+    llm = _load(args, warmup=False)
     if args.no_chat or llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         prompt_ids = llm.tokenizer.encode(args.prompt) if llm.tokenizer is not None else None
         if prompt_ids is None:
