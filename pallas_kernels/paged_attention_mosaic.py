@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
 from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, merge_splits
 from jlight.pallas_kernels.quantization import QuantizedKV
@@ -79,11 +80,6 @@ def supports(q, k_cache) -> bool:
     return head_dim in (64, 128) and page_size in PAGE_SIZES \
         and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS
 
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.10/0.11
-
-    return InterpretGPUParams()
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
@@ -242,13 +238,6 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
     plgpu.wait_smem_to_gmem(0)
 
 
-def _swizzled(shape, dtype):
-    """A shared-memory tile in the swizzled layout that TMA and wgmma share: 128-byte swizzle, or the
-    row's bytes where a row is shorter (an int8 row of head_dim 64)."""
-    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
-    minor = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
-
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "num_stages", "kv_per_step"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
@@ -309,19 +298,19 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     slot_dtype = jnp.int8 if quantized else q.dtype
     copies_per_slot = pages_per_step * (2 if quantized else 1)  # int8: each page's values and scales
     scratch = [
-        _swizzled((_ROWS, head_dim), q.dtype),  # the query tile, then the output tile
-        _swizzled(kv_tile, slot_dtype),  # K slots
-        _swizzled(kv_tile, slot_dtype),  # V slots
+        swizzled_smem((_ROWS, head_dim), q.dtype),  # the query tile, then the output tile
+        swizzled_smem(kv_tile, slot_dtype),  # K slots
+        swizzled_smem(kv_tile, slot_dtype),  # V slots
         plgpu.Barrier(),  # query copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's K pages copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's V pages copied
     ]
     if num_splits > 1:
-        scratch += [_swizzled((_ROWS, head_dim), jnp.float32),  # split-K partial output
+        scratch += [swizzled_smem((_ROWS, head_dim), jnp.float32),  # split-K partial output
                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
     if quantized:
         scratch += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32),  # K, V scale slots
-                    _swizzled(kv_tile[1:], q.dtype), _swizzled(kv_tile[1:], q.dtype)]  # K, V tiles in q's dtype
+                    swizzled_smem(kv_tile[1:], q.dtype), swizzled_smem(kv_tile[1:], q.dtype)]  # K, V tiles in q's dtype
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
@@ -334,7 +323,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         grid=(num_blocks, num_kv_heads, num_splits),
         grid_names=("block", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpreting else None,
+        interpret=interpret_params() if interpreting else None,
     )(meta, q_rows, *pools)
 
     out = (result if num_splits == 1 else merge_splits(*result, exp=jnp.exp2)).astype(q.dtype)  # [blocks, KVH, rows, D]

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
 from jlight.pallas_kernels.quantization import QuantizedWeightT
 
 _ROWS = 64  # output channels per unit: the wgmma's M
@@ -57,11 +58,6 @@ def supports(x, w) -> bool:
     return (x.dtype in (jnp.bfloat16, jnp.float16) and 0 < rows <= MAX_ROWS and rows % 8 == 0
             and out % _ROWS == 0 and k % 128 == 0)
 
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.10/0.11
-
-    return InterpretGPUParams()
 
 
 def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
@@ -178,11 +174,6 @@ def split_int8(x):
     return (q1.astype(jnp.int8), q2.astype(jnp.int8)), jnp.concatenate([s1, s2])[:, 0]
 
 
-def _swizzled(shape, dtype):
-    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
-    minor = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
-
 
 def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
     """Fewest splits of `in` that give every program a unit (or, past that, that keep the programs'
@@ -241,13 +232,13 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if final else jnp.float32),
         scratch_types=[
-            _swizzled((num_stages, slot_rows, tile_k), x_parts[0].dtype),  # x slots
-            _swizzled((num_stages, _ROWS, tile_k), jnp.int8),  # weight slots
+            swizzled_smem((num_stages, slot_rows, tile_k), x_parts[0].dtype),  # x slots
+            swizzled_smem((num_stages, _ROWS, tile_k), jnp.int8),  # weight slots
             plgpu.Barrier(num_arrivals=1 + len(x_parts), num_barriers=num_stages),  # a slot's copies landed
         ],
         grid=(num_programs,),
         grid_names=("program",),
-        interpret=_interpret_params() if interpreting else None,
+        interpret=interpret_params() if interpreting else None,
     )(*x_parts, w.values_t, w.scales.astype(jnp.float32))
     if final:
         return y

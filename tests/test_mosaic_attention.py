@@ -97,7 +97,7 @@ def test_no_races_in_the_copy_protocol(monkeypatch):
     for the wgmmas are rewritten every step)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
 
-    monkeypatch.setattr(paged_attention_mosaic, "_interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
+    monkeypatch.setattr(paged_attention_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
     rng = np.random.default_rng(3)
     q, k, v, md = _inputs(rng, 4, 64, [1, 1], [300, 129], 2, num_layers=1)
     q8, k8, _, md8 = _inputs(rng, 4, 64, [1, 1], [300, 129], 2, num_layers=1, page_size=32)

@@ -74,18 +74,14 @@ def test_split_int8_keeps_16_bits_of_each_row():
     assert np.abs(back[2]).max() == 0
 
 
-def test_no_races():
+def test_no_races(monkeypatch):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
 
-    original = w8a16_mosaic._interpret_params
-    w8a16_mosaic._interpret_params = lambda: params.InterpretGPUParams(detect_races=True)
-    try:
-        for cfg in (dict(tile_k=128, num_stages=2, num_sms=2), dict(int8_activations=True, tile_k=128, num_stages=2, num_sms=2)):
-            x, w = _inputs(11, 8, 512, 128)
-            jax.block_until_ready(w8a16_mosaic.w8a16_mosaic_matmul(x, w, num_splits=2, **cfg))
-            assert not interpret_pallas_call.get_races().races_found, cfg
-    finally:
-        w8a16_mosaic._interpret_params = original
+    monkeypatch.setattr(w8a16_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
+    for cfg in (dict(tile_k=128, num_stages=2, num_sms=2), dict(int8_activations=True, tile_k=128, num_stages=2, num_sms=2)):
+        x, w = _inputs(11, 8, 512, 128)
+        jax.block_until_ready(w8a16_mosaic.w8a16_mosaic_matmul(x, w, num_splits=2, **cfg))
+        assert not interpret_pallas_call.get_races().races_found, cfg
 
 
 S = jax.ShapeDtypeStruct

@@ -1,0 +1,18 @@
+"""Pieces the Mosaic GPU kernels share (paged_attention_mosaic.py, w8a16_mosaic.py)."""
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def interpret_params():
+    """Mosaic GPU's interpret mode (CPU tests): TMA copies, barriers and slots, buffers started as NaN."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.10/0.11
+
+    return InterpretGPUParams()
+
+
+def swizzled_smem(shape, dtype):
+    """A shared-memory tile in the swizzled layout that TMA and wgmma share: 128-byte swizzle, or the
+    row's bytes where a row is shorter (an int8 row of head_dim 64, a float32 row of 8 tokens)."""
+    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
+    minor = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
