@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
-from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
 from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
+from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
 from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, merge_splits
 from jlight.pallas_kernels.quantization import QuantizedKV
 
@@ -79,7 +79,6 @@ def supports(q, k_cache) -> bool:
     # for CUDA but have not been compiled and checked on a GPU, so they stay on Triton.
     return head_dim in (64, 128) and page_size in PAGE_SIZES \
         and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS
-
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
@@ -236,7 +235,6 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         plgpu.copy_smem_to_gmem(stat_smem.at[0, rows], l_ref.at[split, block, head])
         plgpu.copy_smem_to_gmem(stat_smem.at[1, rows], m_ref.at[split, block, head])
     plgpu.wait_smem_to_gmem(0)
-
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "num_stages", "kv_per_step"))

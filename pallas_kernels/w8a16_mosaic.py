@@ -59,7 +59,6 @@ def supports(x, w) -> bool:
             and out % _ROWS == 0 and k % 128 == 0)
 
 
-
 def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
                          steps_per_unit, tile_k, num_stages, int8_activations, interpreting):
     # x's parts (x, or the two int8 terms q1 and q2), the weights and scales, the output, then scratch
@@ -172,7 +171,6 @@ def split_int8(x):
     s2 = s1 / 254.0
     q2 = jnp.clip(jnp.round((xf - q1 * s1) / s2), -127, 127)
     return (q1.astype(jnp.int8), q2.astype(jnp.int8)), jnp.concatenate([s1, s2])[:, 0]
-
 
 
 def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
