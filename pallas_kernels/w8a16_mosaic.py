@@ -204,6 +204,10 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     interpreting = pallas_mode.resolve(interpret)
     m, k = x.shape
     n = w.values_t.shape[0]
+    if tile_k % 128:
+        raise ValueError(f"tile_k={tile_k} must be a multiple of 128 (one 128-byte swizzle row of the int8 tile)")
+    if int8_activations and k > 131072:  # 127 x 127 x in must fit the int32 accumulator
+        raise ValueError(f"int8_activations takes in <= 131072 (int32 sums of int8 products), got {k}")
     tile_k = min(tile_k, k)
     if k % tile_k:
         tile_k = 128

@@ -110,6 +110,8 @@ def test_supports_and_errors():
         w8a16_mosaic.w8a16_mosaic_matmul(x[:7], w)
     with pytest.raises(ValueError, match="num_splits=3 must divide"):
         w8a16_mosaic.w8a16_mosaic_matmul(x, w, num_splits=3, tile_k=128)
+    with pytest.raises(ValueError, match="tile_k=64 must be a multiple of 128"):
+        w8a16_mosaic.w8a16_mosaic_matmul(x, w, tile_k=64)
 
 
 def test_engine_routing_by_rows(monkeypatch):
