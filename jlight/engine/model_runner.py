@@ -217,13 +217,13 @@ class ModelRunner:
             self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, *step_packing.pack(inp))
         return out
 
-    def warmup(self, progress=None) -> float:
-        """Compile every bucket now so serving never compiles. Returns seconds spent."""
+    def warmup(self, progress=None, buckets=None) -> float:
+        """Compile every bucket (or those given) now so serving never compiles. Returns seconds spent."""
         from jlight.engine.scheduler import SchedulePlan
 
         t0 = time.perf_counter()
         empty = SchedulePlan([], [])
-        for T in self.buckets:
+        for T in self.buckets if buckets is None else sorted(set(buckets)):
             inp, _ = self.prepare(empty, {})
             inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self)
             out = self.launch(inp)
