@@ -31,9 +31,8 @@ from jax.experimental.pallas import triton as pltr
 from jlight.pallas_kernels import matmul_reference, pallas_mode, w8a16_mosaic
 from jlight.pallas_kernels.quantization import (
     QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations)
-from jlight.pallas_kernels.tiling import largest_pow2_divisor, next_pow2
+from jlight.pallas_kernels.tiling import NUM_SMS, largest_pow2_divisor, next_pow2
 
-_NUM_SMS = 132  # H100/H200: below two programs per SM, split the reduction
 # Steps of fewer rows send K-major W8A8 weights to XLA's int8 dot. H200, 4096x14336 (docs/BENCHMARKS.md):
 # 8 rows XLA 21.2 us vs the kernel's best 21.7; 64 rows 28.3 vs 23.7; 512 rows 82.4 vs 62.0.
 W8A8_PALLAS_MIN_ROWS = 64
@@ -167,9 +166,9 @@ def _choose_splits(tiles: int, num_steps: int) -> int:
     programs for two per SM, at least 4 steps per split, and (H200 sweeps, 2026-11-29) a count
     that divides the steps, so no split is short: 14336x4096 at M=1, 8 splits of 14 steps 22.2 us
     vs 9 of ~12.4 27.1 us; 4096x14336, 2 of 16 22.9 us vs 3 of ~10.7 26.1 us."""
-    if tiles >= 2 * _NUM_SMS:
+    if tiles >= 2 * NUM_SMS:
         return 1
-    target = max(1, min(-(-2 * _NUM_SMS // tiles), num_steps // 4))
+    target = max(1, min(-(-2 * NUM_SMS // tiles), num_steps // 4))
     return max(s for s in range(1, target + 1) if num_steps % s == 0)
 
 

@@ -28,12 +28,9 @@ from jax.experimental.pallas import triton as pltr
 from jlight.pallas_kernels import attention_reference, pallas_mode
 from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks
 from jlight.pallas_kernels.quantization import QuantizedKV
-from jlight.pallas_kernels.tiling import next_pow2
+from jlight.pallas_kernels.tiling import NUM_SMS, next_pow2
 
 _MASKED = -1e30
-# Streaming multiprocessors of an H100/H200: used only to decide when a decode batch has
-# too few programs to fill the GPU and its context should be split.
-_NUM_SMS = 132
 # Query rows (tokens x heads of one KV head) per prefill program.
 _PREFILL_ROWS = 64
 # K/V positions processed per inner step (pages_per_step * page_size).
@@ -121,9 +118,9 @@ def merge_splits(acc, l, m, exp):
 
 def _choose_splits(num_programs: int, num_steps: int) -> int:
     """Split the context only when the programs would not fill the GPU twice over."""
-    if num_programs >= 2 * _NUM_SMS:
+    if num_programs >= 2 * NUM_SMS:
         return 1
-    return max(1, min(-(-2 * _NUM_SMS // num_programs), num_steps // 2))
+    return max(1, min(-(-2 * NUM_SMS // num_programs), num_steps // 2))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "pages_per_step", "num_warps", "num_stages"))

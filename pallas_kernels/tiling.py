@@ -1,5 +1,7 @@
 """Tile-size arithmetic shared by the Pallas kernels (Triton wants power-of-two block shapes)."""
 
+NUM_SMS = 132  # H100/H200: the kernels size their grids and split-K against it
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""

@@ -43,9 +43,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
 from jlight.pallas_kernels.quantization import QuantizedWeightT
+from jlight.pallas_kernels.tiling import NUM_SMS
 
 _ROWS = 64  # output channels per unit: the wgmma's M
-_NUM_SMS = 132  # H100/H200
 MAX_ROWS = 64  # token rows (the wgmma's N, a multiple of 8)
 
 
@@ -192,7 +192,7 @@ def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
                                              "ctas_per_sm", "num_sms", "int8_activations"))
 def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, tile_k: int = 256,
                         num_stages: int = 4, num_splits: int | None = None, ctas_per_sm: int = 1,
-                        num_sms: int = _NUM_SMS, int8_activations: bool = False):
+                        num_sms: int = NUM_SMS, int8_activations: bool = False):
     """x [M, in] (bf16/f16, M a multiple of 8 up to MAX_ROWS) times int8 w.values_t [out, in] * w.scales
     [out] -> [M, out] in out_dtype (default x's). Same result as matmul_reference.matmul up to the
     order of the float32 sums (and, with int8_activations, x's two-term split: split_int8)."""
