@@ -145,10 +145,7 @@ def cmd_generate(args) -> int:
     # Compile only the steps this one request runs (its prefill chunks, then one-token decode steps),
     # before timing it: it starts sooner than compiling every bucket, a prompt that is too long is refused
     # before anything compiles, and the time to first token and tokens/s printed below stay compile-free.
-    chunk = llm.engine.config.max_num_batched_tokens
-    runner = llm.engine.runner
-    steps = {min(chunk, len(prompt_ids)), len(prompt_ids) % chunk or chunk, 1}
-    runner.warmup(buckets={runner.bucket_for(t) for t in steps})
+    llm.engine.warmup_for_one_request(len(prompt_ids))
     ids, ttft, total = _stream_one(llm, prompt_ids, params)
     print()
     print(_summary(len(prompt_ids), ids, ttft, total), file=sys.stderr)

@@ -229,3 +229,17 @@ def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, 
     assert not any(leaf.is_deleted() for leaf in stacked)  # ... but handed-in weights are not freed
     assert shared.params["layers"] is not None  # and stay usable: a second engine can be built from them
     LLMEngine(config, loaded=shared)
+
+
+def test_warmup_for_one_request_compiles_only_its_buckets(tiny_model):
+    """`jlight generate`'s warm-up: the buckets of one request's prefill chunks and decode steps, and then
+    the request itself compiles nothing (its printed timings stay compile-free)."""
+    llm = jlight.LLM(tiny_model("LlamaForCausalLM"), dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
+                     num_pages=64, compilation_cache_dir=None, warmup=False)
+    engine = llm.engine
+    assert engine.runner.buckets == [8, 16, 32, 64]
+    engine.warmup_for_one_request(90)  # chunks of 64 and 26 tokens, then 1-token decode steps
+    compiled = engine.runner._step._cache_size()
+    assert compiled == 3  # buckets 64, 32 and 8; not 16
+    llm.generate([list(range(3, 93))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert engine.runner._step._cache_size() == compiled

@@ -140,6 +140,14 @@ class LLMEngine:
         logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds
 
+    def warmup_for_one_request(self, prompt_len: int) -> float:
+        """Compile only the buckets that one request of prompt_len tokens, alone in the engine, runs:
+        its prefill chunks (the scheduler cuts them at max_num_batched_tokens) and one-token decode
+        steps. For an engine built with warmup=False (`jlight generate`). Returns seconds spent."""
+        chunk = self.config.max_num_batched_tokens
+        steps = {min(chunk, prompt_len), prompt_len % chunk or chunk, 1}
+        return self.runner.warmup(buckets={self.runner.bucket_for(t) for t in steps})
+
     # ---- set-up helpers ---------------------------------------------------------------------
     def _prepare_params(self, loaded, mesh, gpu: bool, owns_weights: bool = False):
         """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan)."""
