@@ -29,6 +29,11 @@ shapes, and 1.2-1.4x at 16 and 32 rows; in the engine it is not faster (batch-1 
 the activation split and the partial sums add kernels around it. So the engine does not use it by
 default (matmul_pallas.MOSAIC_W8A16_MAX_ROWS = 0); benchmarks switch it on.
 
+`pdl=True` launches it with programmatic dependent launch: the first slots' weight copies are issued
+before it waits for the kernel before it (which writes x). On the H200 that gained nothing in the decode
+step (3.705 against 3.675 ms a step back to back, tenth session): the small matmuls lose their time to
+ramp-up and tail inside the kernel, not to the launch. It stays off, for a fused kernel to build on.
+
 CPU tests run it in Mosaic GPU's interpret mode (TMA copies, barriers, slots, race detector), where
 the wgmma is a plain dot on the same tiles, and lower the real path for CUDA.
 """
@@ -60,7 +65,7 @@ def supports(x, w) -> bool:
 
 
 def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
-                         steps_per_unit, tile_k, num_stages, int8_activations, interpreting):
+                         steps_per_unit, tile_k, num_stages, int8_activations, pdl, interpreting):
     # x's parts (x, or the two int8 terms q1 and q2), the weights and scales, the output, then scratch
     *x_refs, w_ref, s_ref, out_ref, x_smem, w_smem, bars = refs
     num_rows = x_refs[0].shape[0]
@@ -69,24 +74,38 @@ def _w8a16_mosaic_kernel(*refs, num_units, num_programs, num_splits,
     my_units = (program + 1) * num_units // num_programs - first_unit
     my_steps = my_units * steps_per_unit
 
-    def issue(step, slot):  # TMA the program's step-th tiles into the slot
+    def issue(step, slot, weights=True, activations=True):  # TMA the program's step-th tiles into the slot
         unit = first_unit + step // steps_per_unit
         k_block = (unit % num_splits) * steps_per_unit + step % steps_per_unit
         cols = pl.ds(k_block * tile_k, tile_k)
-        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((unit // num_splits) * _ROWS, _ROWS), cols], w_smem.at[slot],
-                                bars.at[slot])
-        for i, x_ref in enumerate(x_refs):  # the parts stack on the slot's rows
-            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot, pl.ds(i * num_rows, num_rows)], bars.at[slot])
+        if weights:
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((unit // num_splits) * _ROWS, _ROWS), cols], w_smem.at[slot],
+                                    bars.at[slot])
+        if activations:
+            for i, x_ref in enumerate(x_refs):  # the parts stack on the slot's rows
+                plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot, pl.ds(i * num_rows, num_rows)],
+                                        bars.at[slot])
 
     def refill(step):  # the step's slot is read: fetch a later step into it
         @pl.when(step + num_stages < my_steps)
         def _():
             issue(step + num_stages, lax.rem(step, num_stages))
 
-    for s in range(num_stages):
+    pdl = pdl and not interpreting
+    for s in range(num_stages):  # with pdl, the weights only: they do not depend on the kernel before
         @pl.when(s < my_steps)
         def _():
-            issue(s, s)
+            issue(s, s, activations=not pdl)
+    if pdl:
+        # Programmatic dependent launch: this kernel may start while the one before it (which writes x)
+        # still runs, so the first slots' weight copies overlap its tail. Wait for it before reading x,
+        # then let the next kernel launch (it waits for this one's end before reading the output).
+        plgpu.griddepcontrol_wait()
+        plgpu.griddepcontrol_launch_dependents()
+        for s in range(num_stages):
+            @pl.when(s < my_steps)
+            def _():
+                issue(s, s, weights=False)
 
     acc_shape = (_ROWS, num_rows * len(x_refs))  # [channels, token rows (of each part)]
     acc_dtype = jnp.int32 if int8_activations else jnp.float32
@@ -189,13 +208,15 @@ def _choose_splits(num_tiles: int, k_blocks: int, num_programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tile_k", "num_stages", "num_splits",
-                                             "ctas_per_sm", "num_sms", "int8_activations"))
+                                             "ctas_per_sm", "num_sms", "int8_activations", "pdl"))
 def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, tile_k: int = 256,
                         num_stages: int = 4, num_splits: int | None = None, ctas_per_sm: int = 1,
-                        num_sms: int = NUM_SMS, int8_activations: bool = False):
+                        num_sms: int = NUM_SMS, int8_activations: bool = False, pdl: bool = False):
     """x [M, in] (bf16/f16, M a multiple of 8 up to MAX_ROWS) times int8 w.values_t [out, in] * w.scales
     [out] -> [M, out] in out_dtype (default x's). Same result as matmul_reference.matmul up to the
-    order of the float32 sums (and, with int8_activations, x's two-term split: split_int8)."""
+    order of the float32 sums (and, with int8_activations, x's two-term split: split_int8). pdl: start the
+    weight copies before waiting for the kernel that wrote x (programmatic dependent launch; ignored when
+    interpreting)."""
     out_dtype = out_dtype or x.dtype
     if not supports(x, w):
         raise ValueError(f"w8a16_mosaic_matmul does not take x {x.dtype}{x.shape} with int8 weights "
@@ -229,7 +250,7 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     kernel = functools.partial(
         _w8a16_mosaic_kernel, num_units=num_units, num_programs=num_programs, num_splits=num_splits,
         steps_per_unit=k_blocks // num_splits, tile_k=tile_k, num_stages=num_stages, int8_activations=int8_activations,
-        interpreting=interpreting)
+        pdl=pdl, interpreting=interpreting)
     y = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if final else jnp.float32),

@@ -99,6 +99,21 @@ def test_cuda_lowering_at_h200_shapes(m, k, n, cfg):
     assert "mosaic_gpu" in text
 
 
+def test_pdl_option_waits_for_the_previous_kernel_only_on_the_gpu_path():
+    """pdl=True puts griddepcontrol (programmatic dependent launch) into the CUDA kernel; interpreting, it is
+    ignored and the result is the same as without it."""
+    for pdl in (False, True):
+        fn = lambda x, v, s: w8a16_mosaic.w8a16_mosaic_matmul(x, QuantizedWeightT(v, s), interpret=False,
+                                                              int8_activations=True, pdl=pdl)
+        text = jax.jit(fn).trace(S((8, 4096), jnp.bfloat16), S((6144, 4096), jnp.int8), S((6144,), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert ("griddepcontrol" in text) == pdl
+    x, w = _inputs(12, 8, 256, 128)
+    cfg = dict(int8_activations=True, tile_k=128, num_stages=2, num_sms=2)
+    np.testing.assert_array_equal(np.asarray(w8a16_mosaic.w8a16_mosaic_matmul(x, w, pdl=True, **cfg), np.float32),
+                                  np.asarray(w8a16_mosaic.w8a16_mosaic_matmul(x, w, **cfg), np.float32))
+
+
 def test_supports_and_errors():
     x, w = _inputs(3, 8, 256, 128)
     assert w8a16_mosaic.supports(x, w)
