@@ -34,12 +34,13 @@ from jlight.engine import step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from jlight.pallas_kernels import dispatch, matmul_pallas  # noqa: E402
+from jlight.pallas_kernels import dispatch, l2_prefetch, matmul_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
 
 KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT)
 
-# name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS). "-sep": q/k/v and gate/up as separate
+# name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS, where l2_prefetch=True switches
+# l2_prefetch.ENABLED on instead). "-sep": q/k/v and gate/up as separate
 # matmuls (fuse_projections=False), the engine's default before 2026-11-29's fourth session.
 _INT8_XLA = dict(quantization="int8", matmul_impl="reference")
 _INT8_PALLAS = dict(quantization="int8", matmul_impl="pallas")
@@ -69,6 +70,9 @@ VARIANTS = {
     "int8-auto-b8-mosaic-i8-pdl": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
                                    dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(pdl=True))),
     "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
+    # With the L2 prefetch of wo and the start of gate/up after q/k/v (pallas_kernels/l2_prefetch.py).
+    "bf16-b8-l2": (dict(min_token_bucket=8), dict(l2_prefetch=True)),
+    "int8-auto-b8-l2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(l2_prefetch=True)),
     # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
     "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),
     "int8-auto-b8-triton": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8, attention_impl="triton"), {}),
@@ -193,7 +197,9 @@ def main():
     kmajor_default = dispatch.KMAJOR_W8A16_FOR_XLA
     for name in names:
         engine_fields, opts = VARIANTS[name]
-        matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
+        opts = dict(opts)
+        l2_prefetch.ENABLED = opts.pop("l2_prefetch", False)  # read when the step is traced, like:
+        matmul_pallas.W8A16_OPTIONS = opts  # (static arguments)
         dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
@@ -233,6 +239,7 @@ def main():
             line = f"{name:28s} FAILED {row['error']}"
         finally:
             matmul_pallas.W8A16_OPTIONS = {}
+            l2_prefetch.ENABLED = False
             dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default
             gc.collect()
         print(line, flush=True)

@@ -3,6 +3,7 @@ against XLA's dequantize-dot on the same K-major int8 weights and XLA's bf16 dot
 
   python benchmarks/w8a16_mosaic.py --out DIR                          # GPU: defaults and the sweep
   python benchmarks/w8a16_mosaic.py --rows 8,16,64 --variants default --out DIR
+  python benchmarks/w8a16_mosaic.py --rows 128,512 --variants none     # XLA's bf16 and int8 dots only
   python benchmarks/w8a16_mosaic.py --quick --out DIR                  # CPU smoke run (interpret mode)
 
 Each row: the output checked against a float32 reference (relative error), then the device time of
@@ -93,12 +94,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="8", help="token rows M, comma-separated (multiples of 8)")
     ap.add_argument("--shapes", default=None, help="KxN,... (default: the Llama-3-8B decode layers)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of: {', '.join(VARIANTS)}; 'none': XLA's bf16 and int8 dots only")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    variants = {name: VARIANTS[name] for name in a.variants.split(",")}
+    variants = {} if a.variants == "none" else {name: VARIANTS[name] for name in a.variants.split(",")}
     shapes = [(256, 128), (512, 192)] if a.quick else SHAPES
     if a.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in a.shapes.split(",")]

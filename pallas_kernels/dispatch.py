@@ -26,11 +26,17 @@ ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
 
 
+def no_prefetch(x, weights):
+    return x
+
+
 class Kernels(NamedTuple):
     write_kv: Callable
     paged_attention: Callable
     matmul: Callable
     moe_impl: str = "auto"
+    # prefetch(x, weights) -> x: an L2 hint for weights read soon (l2_prefetch.py; off unless enabled there)
+    prefetch: Callable = no_prefetch
 
 
 def _check(name, impl, allowed=IMPLS):
@@ -74,7 +80,12 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
-    return Kernels(write_kv, attention, matmul, moe_impl)
+    prefetch = no_prefetch
+    if on_gpu() and not sharded:  # a plain custom call: not under a mesh
+        from jlight.pallas_kernels import l2_prefetch
+
+        prefetch = l2_prefetch.prefetch
+    return Kernels(write_kv, attention, matmul, moe_impl, prefetch)
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured
