@@ -53,9 +53,11 @@ def _use_pallas(impl: str) -> bool:
 
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-                sharded: bool = False) -> Kernels:
+                sharded: bool = False, layers_unrolled: bool = False) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
-    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only."""
+    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
+    layers_unrolled: each layer's weights are their own buffers (models/layers.run_layers), which the
+    L2 prefetch hint can name; under a scan they are slices, which XLA would copy for it."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -81,7 +83,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
     prefetch = no_prefetch
-    if on_gpu() and not sharded:  # a plain custom call: not under a mesh
+    if on_gpu() and not sharded and layers_unrolled:  # a plain custom call: not under a mesh
         from jlight.pallas_kernels import l2_prefetch
 
         prefetch = l2_prefetch.prefetch

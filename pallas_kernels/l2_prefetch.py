@@ -36,7 +36,7 @@ _BOX = 256  # a TMA box spans at most 256 elements per dimension
 
 def _matrix(w):
     """The 2-D array of a weight container (a plain array, QuantizedWeight(T), FusedWeight): its
-    largest leaf. None if that is not a matrix (stacked layers, which a scan slices per step)."""
+    largest leaf. None if that is not a matrix."""
     leaf = max(jax.tree.leaves(w), key=lambda a: a.size)
     return leaf if leaf.ndim == 2 else None
 
@@ -86,7 +86,7 @@ def prefetch(x, weights, *, max_bytes: int | None = None, num_programs: int = NU
         return x
     matrices = [m for m in (_matrix(w) for w in weights) if m is not None]
     plans = plan(matrices, MAX_BYTES if max_bytes is None else max_bytes)
-    if not any(rows for rows, _, _ in plans):
+    if not any(taken for taken, _, _ in plans):
         return x
     token = plgpu.kernel(
         functools.partial(_prefetch_kernel, plans=tuple(plans), num_programs=num_programs),
