@@ -25,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model_configs import random_loaded_model  # noqa: E402
@@ -123,16 +124,37 @@ def dispatch_breakdown(runner, inp, reps: int = 50) -> dict:
         times.append(time.perf_counter() - t0)
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(out)
     row["call_on_device_inputs_ms"] = 1e3 * statistics.median(times[1:])
-    # The same step `reps` times back to back, waiting once at the end: the device's wall time per step
-    # (gaps between kernels and any overlap of neighbours included), as long as the host's dispatch of a
-    # step is shorter than the step. CUPTI's per-kernel sum (kernel_breakdown) counts neither.
+    row["back_to_back_ms"] = back_to_back_ms(runner, inp, reps)
+    return row
+
+
+def back_to_back_ms(runner, inp, reps: int = 50) -> float:
+    """The step of `inp` run `reps` times back to back, waiting once at the end: the device's wall time
+    per step (gaps between kernels and any overlap of neighbours included), as long as the host's
+    dispatch of a step is shorter than the step. CUPTI's per-kernel sum (kernel_breakdown) counts neither.
+    The steps run on the runner's pools, writing the step's K/V slots again."""
+    r = runner
+    ints, floats, layout = step_packing.pack(inp)
+    ints, floats = jax.block_until_ready(jax.device_put((ints, floats)))
+    r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(  # compiled, and the queue empty
+        r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, layout))
     t0 = time.perf_counter()
     for _ in range(reps):
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = r._step(
             r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, layout)
     jax.block_until_ready(r.k_cache)
-    row["back_to_back_ms"] = 1e3 * (time.perf_counter() - t0) / reps
-    return row
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def prefill_step_ms(engine, step_args: list, num_tokens: int, reps: int = 20) -> float:
+    """back_to_back_ms of the step that prefills one fresh prompt of num_tokens tokens (no other
+    sequence running), so its matmuls have num_tokens rows: how the step's time grows with its rows."""
+    first = len(step_args)
+    prompt = np.random.default_rng(num_tokens).integers(0, engine.model_config.vocab_size, num_tokens).tolist()
+    engine.add_request(f"prefill-{num_tokens}", None, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                       prompt_token_ids=prompt)
+    engine.run_to_completion()
+    return back_to_back_ms(engine.runner, step_args[first][0], reps)
 
 
 def greedy_tokens(engine, n: int) -> list[int]:
@@ -180,6 +202,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=1, help="1: the prompt step has the decode step's shape, one compile per variant")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"], help="auto: unroll on GPU")
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
+    ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
+                    "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -193,7 +217,10 @@ def main():
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, command=" ".join(sys.argv),
                   variants={})
-    pages = -(-(a.prompt_len + a.tokens + 16) // 16) + 2
+    step_tokens = [int(n) for n in a.step_tokens.split(",") if n]
+    max_len = max([a.prompt_len + a.tokens + 16] + [n + 16 for n in step_tokens])
+    max_batched = max([16] + step_tokens)  # a prefill of N tokens runs as one step
+    pages = -(-max_len // 16) + 2
     kmajor_default = dispatch.KMAJOR_W8A16_FOR_XLA
     for name in names:
         engine_fields, opts = VARIANTS[name]
@@ -203,7 +230,7 @@ def main():
         dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
-                model=None, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=a.prompt_len + a.tokens + 16, num_pages=pages,
+                model=None, max_num_seqs=4, max_num_batched_tokens=max_batched, max_model_len=max_len, num_pages=pages,
                 layer_loop=a.layer_loop, warmup=False, **engine_fields), loaded=loaded)
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
@@ -229,6 +256,10 @@ def main():
                 except Exception as e:  # noqa: BLE001 - the latency above stands without it
                     row["kernels"] = f"failed: {type(e).__name__}: {e}"[:300]
                     print(f"  kernel breakdown {row['kernels']}", flush=True)
+            if step_tokens:  # last: these steps add to step_args, whose last entry the breakdown above reads
+                row["prefill_step_ms"] = {n: prefill_step_ms(engine, step_args, n) for n in step_tokens}
+                print("  prefill step, back to back: " + ", ".join(
+                    f"{n} tokens {ms:.2f} ms" for n, ms in row["prefill_step_ms"].items()), flush=True)
             line = f"{name:28s} {row['ms']:7.2f} ms/token"
             if bw:
                 row["roofline_ms"] = row["weight_bytes"] / bw * 1e3

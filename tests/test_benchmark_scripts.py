@@ -13,14 +13,17 @@ def test_decode_latency_runs_every_variant_from_one_loaded_model(tmp_path):
     # for the next variant (it once set loaded.params = None and every later variant failed).
     variants = "bf16-b8,bf16-b8-sep,int8-xla-b1,int8-pallas-b1"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_latency.py"), "--model-config", "tiny",
-                    "--variants", variants, "--tokens", "8", "--layer-loop", "unroll", "--out", str(tmp_path)],
+                    "--variants", variants, "--tokens", "8", "--layer-loop", "unroll", "--step-tokens", "16",
+                    "--out", str(tmp_path)],
                    check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     result = json.loads((tmp_path / "decode_latency.json").read_text())
     assert list(result["variants"]) == variants.split(",")
     for name, row in result["variants"].items():
         assert "error" not in row, (name, row)
         assert row["ms"] > 0 and row["dispatch_ms"] > 0
-        assert all(row[k] > 0 for k in ("transfer_unpacked_ms", "transfer_packed_ms", "call_on_device_inputs_ms"))
+        assert all(row[k] > 0 for k in ("transfer_unpacked_ms", "transfer_packed_ms", "call_on_device_inputs_ms",
+                                        "back_to_back_ms"))
+        assert row["prefill_step_ms"]["16"] > 0
     assert result["variants"]["int8-pallas-b1"]["buckets"][0] == 1
     assert result["variants"]["bf16-b8"]["buckets"][0] == 8
     # the same random model decodes the same greedy tokens with fused and separate projections
