@@ -10,7 +10,7 @@ by the weight (XLA's dequantize-dot for int8, its dot for bf16). Rows:
 - "cold": no prefetch; the matmul reads its weights from HBM;
 - "prefetch": the kernel prefetches the weights (up to --max-mb) right after the buffer read;
 - "hot": no buffer read: the previous repetition's matmul left the weights in L2, as far as they fit.
-Reported: the matmul's device time (CUPTI, the kernels whose names hold "dot" or "gemm"), the
+Reported: the matmul's device time (CUPTI, the kernels named in MATMUL_KERNEL_MARKS), the
 sequence's device time (CUPTI's sum) and its wall time (host clock over `reps` repetitions in one call,
 the buffer read included, so compare differences between rows).
 """
@@ -32,6 +32,8 @@ from kernels import time_call  # noqa: E402
 from jlight.pallas_kernels import l2_prefetch, matmul_reference  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeightT  # noqa: E402
 
+# Names of the matmul's kernels: XLA's fusions ("gemm_fusion_dot..."), cuBLAS's ("nvjet...", "...xmma_gemm...").
+MATMUL_KERNEL_MARKS = ("dot", "gemm", "nvjet", "xmma", "cutlass")
 # name -> (K, N, dtype): the batch-1 decode layers the prefetch is meant for (K-major int8 as the engine stores them)
 SHAPES = {"wo int8": (4096, 4096, "int8"), "qkv int8": (4096, 6144, "int8"), "gate/up int8": (4096, 28672, "int8"),
           "wo bf16": (4096, 4096, "bf16")}
@@ -94,7 +96,7 @@ def main():
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(x, w, flush, s))
                 walls.append((time.perf_counter() - t0) / a.reps)
-            matmul_us = sum(v for kname, v in by_kernel.items() if "dot" in kname or "gemm" in kname) * 1e6
+            matmul_us = sum(v for kname, v in by_kernel.items() if any(m in kname for m in MATMUL_KERNEL_MARKS)) * 1e6
             row = dict(shape=name, mode=mode, matmul_us=matmul_us if by_kernel else None, sequence_device_us=device_s * 1e6,
                        sequence_wall_us=statistics.median(walls) * 1e6,
                        kernels={kname[:60]: v * 1e6 for kname, v in by_kernel.items()})
