@@ -6,6 +6,7 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
   matmul(x, w, out_dtype=None) -> y
+  prefetch(x, weights) -> x          (a hint that changes no value: no_prefetch, or l2_prefetch.prefetch)
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
 "ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the backend and the
