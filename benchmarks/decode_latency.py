@@ -35,13 +35,12 @@ from jlight.engine import step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from jlight.pallas_kernels import dispatch, l2_prefetch, matmul_pallas  # noqa: E402
+from jlight.pallas_kernels import dispatch, matmul_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
 
 KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT)
 
-# name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS, where l2_prefetch=True switches
-# l2_prefetch.ENABLED on instead). "-sep": q/k/v and gate/up as separate
+# name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS). "-sep": q/k/v and gate/up as separate
 # matmuls (fuse_projections=False), the engine's default before 2026-11-29's fourth session.
 _INT8_XLA = dict(quantization="int8", matmul_impl="reference")
 _INT8_PALLAS = dict(quantization="int8", matmul_impl="pallas")
@@ -59,6 +58,9 @@ VARIANTS = {
     "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     # The K-major weights through the Pallas W8A16 kernel (matmul_pallas.w8a16_kmajor_matmul) instead of XLA.
     "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
+    # Steps of 16 rows or more with the weights converted to bf16 apart, then cuBLAS (matmul_pallas.DEQUANTIZE_FIRST_MIN_ROWS):
+    # the 8-row decode step is unchanged; the prefill steps of --step-tokens show its effect.
+    "int8-auto-b8-dqf": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(dequantize_first_min_rows=16)),
     "int8-auto-b1": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), {}),  # one-row steps: the K-major GEMV
     # The K-major weights through the Mosaic GPU W8A16 kernel (pallas_kernels/w8a16_mosaic.py), with tile options.
     "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
@@ -71,9 +73,6 @@ VARIANTS = {
     "int8-auto-b8-mosaic-i8-pdl": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
                                    dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(pdl=True))),
     "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
-    # With the L2 prefetch of wo and the start of gate/up after q/k/v (pallas_kernels/l2_prefetch.py).
-    "bf16-b8-l2": (dict(min_token_bucket=8), dict(l2_prefetch=True)),
-    "int8-auto-b8-l2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(l2_prefetch=True)),
     # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
     "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),
     "int8-auto-b8-triton": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8, attention_impl="triton"), {}),
@@ -225,8 +224,7 @@ def main():
     for name in names:
         engine_fields, opts = VARIANTS[name]
         opts = dict(opts)
-        l2_prefetch.ENABLED = opts.pop("l2_prefetch", False)  # read when the step is traced, like:
-        matmul_pallas.W8A16_OPTIONS = opts  # (static arguments)
+        matmul_pallas.W8A16_OPTIONS = opts  # read when the step is traced (static arguments)
         dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
@@ -270,7 +268,6 @@ def main():
             line = f"{name:28s} FAILED {row['error']}"
         finally:
             matmul_pallas.W8A16_OPTIONS = {}
-            l2_prefetch.ENABLED = False
             dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default
             gc.collect()
         print(line, flush=True)

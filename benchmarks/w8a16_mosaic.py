@@ -4,12 +4,15 @@ against XLA's dequantize-dot on the same K-major int8 weights and XLA's bf16 dot
   python benchmarks/w8a16_mosaic.py --out DIR                          # GPU: defaults and the sweep
   python benchmarks/w8a16_mosaic.py --rows 8,16,64 --variants default --out DIR
   python benchmarks/w8a16_mosaic.py --rows 128,512 --variants none     # XLA's bf16 and int8 dots only
+  python benchmarks/w8a16_mosaic.py --rows 512,2048 --variants none --xla-layouts  # and XLA's other int8 choices
   python benchmarks/w8a16_mosaic.py --quick --out DIR                  # CPU smoke run (interpret mode)
 
 Each row: the output checked against a float32 reference (relative error), then the device time of
 one matmul (CUPTI, benchmarks/kernels.py's time_call: `sets` weight sets per jitted call, enough to
 stream >= 256 MB past the 50 MB L2), the weight read rate and its share of the 3.70 TB/s copy rate.
 "kernel alone" leaves out the XLA sum of split-K partials.
+With --xla-layouts the weight read rate of the int8 rows still counts one byte a weight (the
+dequantize-first row reads three bytes a weight more: the convert's write and the dot's read).
 """
 import argparse
 import datetime
@@ -25,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kernels import COPY_BW, rel_err, time_call  # noqa: E402
 
 from jlight.pallas_kernels import matmul_reference, w8a16_mosaic  # noqa: E402
-from jlight.pallas_kernels.quantization import QuantizedWeightT  # noqa: E402
+from jlight.pallas_kernels.quantization import QuantizedWeight, QuantizedWeightT  # noqa: E402
 
 # K x N of the engine's batch-1 decode matmuls: fused q/k/v, wo, fused gate/up, down, lm_head.
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
@@ -50,7 +53,7 @@ def random_weight(key, n, k):
                                                    jax.random.uniform(ks, (n,), jnp.float32, 1e-3, 2e-3)))(kv, ks)
 
 
-def bench_shape(key, k, n, m, variants, trials, quick):
+def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False):
     sets = 2 if quick else max(2, min(16, -(-(256 << 20) // (k * n))))
     keys = jax.random.split(key, sets + 2)
     weights = [random_weight(kk, n, k) for kk in keys[:sets]]
@@ -58,15 +61,19 @@ def bench_shape(key, k, n, m, variants, trials, quick):
     x = jax.random.normal(keys[-1], (m, k), jnp.bfloat16)
     want = np.asarray(matmul_reference.matmul(x.astype(jnp.float32), weights[0]))
     int8_bytes = n * k + 4 * n + 2 * m * (k + n)
+    in_out = [QuantizedWeight(jnp.swapaxes(w.values_t, 0, 1), w.scales) for w in weights] if xla_layouts else []
     cases = [("xla bf16", matmul_reference.matmul, bf16, 2 * k * n + 2 * m * (k + n)),
              ("xla int8 dequantize-dot", matmul_reference.matmul, weights, int8_bytes)]
+    if xla_layouts:  # the prefill-sized alternatives: the convert apart, then cuBLAS; XLA's fusion on [in, out]
+        cases += [("xla int8 dequantize first", matmul_reference.dequantize_first_matmul, weights, int8_bytes),
+                  ("xla int8 [in, out]", matmul_reference.matmul, in_out, int8_bytes)]
     cases += [(f"mosaic {name}", lambda x, w, cfg=cfg: w8a16_mosaic.w8a16_mosaic_matmul(x, w, **cfg), weights, int8_bytes)
               for name, cfg in variants.items()]
     rows = []
     for name, fn, ws, nbytes in cases:
         row = dict(shape=f"{m}x{k}x{n}", impl=name)
         try:
-            if ws is weights:
+            if ws is weights or ws is in_out:
                 row["rel_err"] = rel_err(fn(x, ws[0]).astype(jnp.float32), want)
             by_kernel = {}
             t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, ws), sets, trials, by_kernel)
@@ -96,6 +103,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="KxN,... (default: the Llama-3-8B decode layers)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, of: {', '.join(VARIANTS)}; 'none': XLA's bf16 and int8 dots only")
+    ap.add_argument("--xla-layouts", action="store_true", help="also XLA's int8 with the convert apart (dequantize "
+                    "first, then cuBLAS) and on [in, out] weights: the prefill-sized choices")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
@@ -112,7 +121,7 @@ def main():
     for m in (int(r) for r in a.rows.split(",")):
         for k, n in shapes:
             key, sub = jax.random.split(key)
-            result["rows"] += bench_shape(sub, k, n, m, variants, 3 if a.quick else a.trials, a.quick)
+            result["rows"] += bench_shape(sub, k, n, m, variants, 3 if a.quick else a.trials, a.quick, a.xla_layouts)
             if a.out:
                 os.makedirs(a.out, exist_ok=True)
                 with open(os.path.join(a.out, "w8a16_mosaic.json"), "w") as f:

@@ -95,9 +95,6 @@ def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetad
     mm = kernels.matmul
     num_tokens = md.positions.shape[0]  # all T tokens: x is [T/tp, embed] under sequence parallelism
     q, k, v = column_projections(ops, x, lp, ("wq", "wk", "wv"), mm)
-    # A hint, off by default (pallas_kernels/l2_prefetch.py): while RoPE, the K/V writes and the attention
-    # run, bring wo's weights and the start of the MLP's into the GPU's L2 cache.
-    q = kernels.prefetch(q, [lp[n] for n in ("wo", "w_gate_up", "w_gate", "w_up") if n in lp])
     if c.attention_bias:
         q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
     q = q.reshape(num_tokens, -1, c.head_dim)  # [T, local heads, head_dim]

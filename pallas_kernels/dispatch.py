@@ -6,7 +6,6 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
   matmul(x, w, out_dtype=None) -> y
-  prefetch(x, weights) -> x          (a hint that changes no value: no_prefetch, or l2_prefetch.prefetch)
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
 "ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the backend and the
@@ -27,17 +26,11 @@ ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
 
 
-def no_prefetch(x, weights):
-    return x
-
-
 class Kernels(NamedTuple):
     write_kv: Callable
     paged_attention: Callable
     matmul: Callable
     moe_impl: str = "auto"
-    # prefetch(x, weights) -> x: an L2 hint for weights read soon (l2_prefetch.py; off unless enabled there)
-    prefetch: Callable = no_prefetch
 
 
 def _check(name, impl, allowed=IMPLS):
@@ -54,11 +47,9 @@ def _use_pallas(impl: str) -> bool:
 
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-                sharded: bool = False, layers_unrolled: bool = False) -> Kernels:
+                sharded: bool = False) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
-    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
-    layers_unrolled: each layer's weights are their own buffers (models/layers.run_layers), which the
-    L2 prefetch hint can name; under a scan they are slices, which XLA would copy for it."""
+    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -83,12 +74,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
-    prefetch = no_prefetch
-    if on_gpu() and not sharded and layers_unrolled:  # a plain custom call: not under a mesh
-        from jlight.pallas_kernels import l2_prefetch
-
-        prefetch = l2_prefetch.prefetch
-    return Kernels(write_kv, attention, matmul, moe_impl, prefetch)
+    return Kernels(write_kv, attention, matmul, moe_impl)
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured

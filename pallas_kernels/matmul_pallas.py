@@ -247,6 +247,11 @@ KMAJOR_PALLAS_MAX_ROWS = 0
 MOSAIC_W8A16_MIN_ROWS = 9  # 8-row steps (batch-1 decode): its matmuls tied XLA's in the engine (63.1 vs 63.9 us a layer)
 MOSAIC_W8A16_MAX_ROWS = 0
 MOSAIC_W8A16_OPTIONS = dict(int8_activations=True)
+# matmul_impl="auto" on GPU: weight-only int8 steps of at least DEQUANTIZE_FIRST_MIN_ROWS rows (0: never)
+# convert the weights to bf16 in a kernel of their own, then run cuBLAS's dot
+# (matmul_reference.dequantize_first_matmul), instead of XLA's fused dequantize-dot. W8A16_OPTIONS
+# "dequantize_first_min_rows" overrides it.
+DEQUANTIZE_FIRST_MIN_ROWS = 0
 
 
 def _kmajor_gemv_tiles(k: int, n: int) -> tuple:
@@ -379,7 +384,7 @@ def matmul(x, w, out_dtype=None, *, interpret=None):
         return matmul_reference.matmul(x, w, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    opts = {k: v for k, v in W8A16_OPTIONS.items() if not k.startswith("kmajor")}  # those are _kmajor_w8a16's
+    opts = {k: v for k, v in W8A16_OPTIONS.items() if not k.startswith(("kmajor", "dequantize"))}  # those are _kmajor_w8a16's / _xla_w8a16's
     gemv = x2.shape[0] <= opts.pop("gemv_max_rows", _GEMV_MAX_ROWS)
     y = w8a16_matmul(x2, w, out_dtype, interpret=interpret, gemv=gemv, **opts)
     return y.reshape(*lead, y.shape[-1])
@@ -399,17 +404,29 @@ def _kmajor_w8a16(x, w, out_dtype, interpret):
         return y.reshape(*x.shape[:-1], y.shape[-1])
     tensor_cores = rows <= min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
     if not (gemv or tensor_cores) or x.dtype not in (jnp.bfloat16, jnp.float16) or any(d % 16 for d in w.values_t.shape):
-        return matmul_reference.matmul(x, w, out_dtype)
+        return _xla_w8a16(x, w, out_dtype)
     y = w8a16_kmajor_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret, gemv=gemv, **opts.get("kmajor", {}))
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _xla_w8a16(x, w, out_dtype):
+    """Weight-only int8 through XLA: its fused dequantize-dot, or from DEQUANTIZE_FIRST_MIN_ROWS rows
+    the convert and cuBLAS's dot apart."""
+    min_rows = W8A16_OPTIONS.get("dequantize_first_min_rows", DEQUANTIZE_FIRST_MIN_ROWS)
+    if min_rows and _rows(x) >= min_rows:
+        return matmul_reference.dequantize_first_matmul(x, w, out_dtype)
+    return matmul_reference.matmul(x, w, out_dtype)
 
 
 def matmul_gpu_default(x, w, out_dtype=None, *, interpret=None):
     """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights, the Pallas K-major GEMV
     for one-row steps on K-major weight-only int8, XLA for everything else (XLA's fused dequantize-dot
-    beat the W8A16 kernels from two rows up: dispatch.py, KMAJOR_GEMV_MAX_ROWS)."""
+    beat the W8A16 kernels from two rows up: dispatch.py, KMAJOR_GEMV_MAX_ROWS), with weight-only int8
+    dequantized first on steps of many rows (DEQUANTIZE_FIRST_MIN_ROWS)."""
     if isinstance(w, W8A8WeightT):
         return _w8a8(x, w, out_dtype, interpret)
     if isinstance(w, QuantizedWeightT):
         return _kmajor_w8a16(x, w, out_dtype, interpret)
+    if type(w) is QuantizedWeight:  # [in, out] weight-only int8: under a mesh
+        return _xla_w8a16(x, w, out_dtype)
     return matmul_reference.matmul(x, w, out_dtype)

@@ -43,12 +43,3 @@ def test_w8a16_mosaic_benchmark_checks_and_times_each_variant(tmp_path):
         assert "error" not in row, row
         assert row["us"] > 0
     assert all(row["rel_err"] < 4e-3 for row in rows[1:])
-
-
-def test_l2_prefetch_benchmark_times_its_sequences(tmp_path):
-    """CPU smoke run: the cold and hot sequences (the prefetch row needs a GPU) build and time."""
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "l2_prefetch.py"), "--quick", "--reps", "2",
-                    "--trials", "2", "--out", str(tmp_path)], check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    rows = json.loads((tmp_path / "l2_prefetch.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["cold", "hot"]
-    assert all(r["sequence_wall_us"] > 0 and r["sequence_device_us"] > 0 for r in rows)
