@@ -58,9 +58,9 @@ VARIANTS = {
     "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     # The K-major weights through the Pallas W8A16 kernel (matmul_pallas.w8a16_kmajor_matmul) instead of XLA.
     "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
-    # Steps of 16 rows or more with the weights converted to bf16 apart, then cuBLAS (matmul_pallas.DEQUANTIZE_FIRST_MIN_ROWS):
+    # Steps of 128 rows or more on the Pallas W8A16 kernel for many rows (matmul_pallas.w8a16_rows_matmul):
     # the 8-row decode step is unchanged; the prefill steps of --step-tokens show its effect.
-    "int8-auto-b8-dqf": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(dequantize_first_min_rows=16)),
+    "int8-auto-b8-rows": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(rows_min_rows=128)),
     "int8-auto-b1": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), {}),  # one-row steps: the K-major GEMV
     # The K-major weights through the Mosaic GPU W8A16 kernel (pallas_kernels/w8a16_mosaic.py), with tile options.
     "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
@@ -203,6 +203,8 @@ def main():
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
+    ap.add_argument("--w8a16-options", default="{}", help="JSON merged into every variant's matmul_pallas.W8A16_OPTIONS, "
+                    'e.g. \'{"rows": {"block_m": 128}}\' (tile options of a device sweep)')
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -223,7 +225,7 @@ def main():
     kmajor_default = dispatch.KMAJOR_W8A16_FOR_XLA
     for name in names:
         engine_fields, opts = VARIANTS[name]
-        opts = dict(opts)
+        opts = dict(opts, **json.loads(a.w8a16_options))
         matmul_pallas.W8A16_OPTIONS = opts  # read when the step is traced (static arguments)
         dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:

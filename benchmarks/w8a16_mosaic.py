@@ -4,15 +4,14 @@ against XLA's dequantize-dot on the same K-major int8 weights and XLA's bf16 dot
   python benchmarks/w8a16_mosaic.py --out DIR                          # GPU: defaults and the sweep
   python benchmarks/w8a16_mosaic.py --rows 8,16,64 --variants default --out DIR
   python benchmarks/w8a16_mosaic.py --rows 128,512 --variants none     # XLA's bf16 and int8 dots only
-  python benchmarks/w8a16_mosaic.py --rows 512,2048 --variants none --xla-layouts  # and XLA's other int8 choices
+  python benchmarks/w8a16_mosaic.py --rows 512,2048 --variants none --rows-tiles sweep  # the prefill-sized kernel
   python benchmarks/w8a16_mosaic.py --quick --out DIR                  # CPU smoke run (interpret mode)
 
 Each row: the output checked against a float32 reference (relative error), then the device time of
 one matmul (CUPTI, benchmarks/kernels.py's time_call: `sets` weight sets per jitted call, enough to
 stream >= 256 MB past the 50 MB L2), the weight read rate and its share of the 3.70 TB/s copy rate.
 "kernel alone" leaves out the XLA sum of split-K partials.
-With --xla-layouts the weight read rate of the int8 rows still counts one byte a weight (the
-dequantize-first row reads three bytes a weight more: the convert's write and the dot's read).
+At prefill sizes the matmuls are compute-bound: each line also gives TFLOP/s (the bf16 ceiling: 645).
 """
 import argparse
 import datetime
@@ -27,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels import COPY_BW, rel_err, time_call  # noqa: E402
 
-from jlight.pallas_kernels import matmul_reference, w8a16_mosaic  # noqa: E402
+from jlight.pallas_kernels import matmul_pallas, matmul_reference, w8a16_mosaic  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeight, QuantizedWeightT  # noqa: E402
 
 # K x N of the engine's batch-1 decode matmuls: fused q/k/v, wo, fused gate/up, down, lm_head.
@@ -46,6 +45,10 @@ VARIANTS = {
     "tk128 s4 c2": dict(tile_k=128, ctas_per_sm=2),
 }
 
+# bm,bn,bk,warps,stages of the prefill-sized kernel (matmul_pallas.w8a16_rows_matmul) tried by --rows-tiles sweep
+ROWS_SWEEP = ["128,128,64,4,4", "128,128,64,8,4", "128,256,64,8,3", "64,128,64,4,4", "128,128,128,4,3",
+              "128,64,128,4,4", "256,128,64,8,3"]
+
 
 def random_weight(key, n, k):
     kv, ks = jax.random.split(key)
@@ -53,7 +56,8 @@ def random_weight(key, n, k):
                                                    jax.random.uniform(ks, (n,), jnp.float32, 1e-3, 2e-3)))(kv, ks)
 
 
-def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False):
+def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False, rows_tiles=None):
+    rows_tiles = rows_tiles or {}
     sets = 2 if quick else max(2, min(16, -(-(256 << 20) // (k * n))))
     keys = jax.random.split(key, sets + 2)
     weights = [random_weight(kk, n, k) for kk in keys[:sets]]
@@ -64,9 +68,10 @@ def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False):
     in_out = [QuantizedWeight(jnp.swapaxes(w.values_t, 0, 1), w.scales) for w in weights] if xla_layouts else []
     cases = [("xla bf16", matmul_reference.matmul, bf16, 2 * k * n + 2 * m * (k + n)),
              ("xla int8 dequantize-dot", matmul_reference.matmul, weights, int8_bytes)]
-    if xla_layouts:  # the prefill-sized alternatives: the convert apart, then cuBLAS; XLA's fusion on [in, out]
-        cases += [("xla int8 dequantize first", matmul_reference.dequantize_first_matmul, weights, int8_bytes),
-                  ("xla int8 [in, out]", matmul_reference.matmul, in_out, int8_bytes)]
+    if xla_layouts:  # XLA's fusion on the [in, out] layout
+        cases.append(("xla int8 [in, out]", matmul_reference.matmul, in_out, int8_bytes))
+    cases += [(f"pallas rows {name}", lambda x, w, cfg=cfg: matmul_pallas.w8a16_rows_matmul(x, w, **cfg), weights, int8_bytes)
+              for name, cfg in rows_tiles.items()]
     cases += [(f"mosaic {name}", lambda x, w, cfg=cfg: w8a16_mosaic.w8a16_mosaic_matmul(x, w, **cfg), weights, int8_bytes)
               for name, cfg in variants.items()]
     rows = []
@@ -77,7 +82,7 @@ def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False):
                 row["rel_err"] = rel_err(fn(x, ws[0]).astype(jnp.float32), want)
             by_kernel = {}
             t = time_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, ws), sets, trials, by_kernel)
-            row.update(us=t * 1e6, tb_s=nbytes / t / 1e12, pct_copy=100 * nbytes / t / COPY_BW)
+            row.update(us=t * 1e6, tb_s=nbytes / t / 1e12, pct_copy=100 * nbytes / t / COPY_BW, tflop_s=2 * m * k * n / t / 1e12)
             alone = sum(v for kname, v in by_kernel.items() if "w8a16" in kname or "mosaic" in kname)
             if name.startswith("mosaic") and alone:
                 row["kernel_alone_us"] = alone * 1e6
@@ -94,7 +99,7 @@ def _line(row):
         return f"{row['shape']:>16s} {row['impl']:28s} FAILED {row['error']}"
     err = f"err {row['rel_err']:.1e}" if "rel_err" in row else ""
     alone = f"(kernel alone {row['kernel_alone_us']:.1f})" if "kernel_alone_us" in row else ""
-    return f"{row['shape']:>16s} {row['impl']:28s} {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s {row['pct_copy']:4.0f}% {err} {alone}"
+    return f"{row['shape']:>16s} {row['impl']:28s} {row['us']:8.1f} us {row['tb_s']:5.2f} TB/s {row['pct_copy']:4.0f}% {row['tflop_s']:5.0f} TFLOP/s {err} {alone}"
 
 
 def main():
@@ -103,8 +108,9 @@ def main():
     ap.add_argument("--shapes", default=None, help="KxN,... (default: the Llama-3-8B decode layers)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, of: {', '.join(VARIANTS)}; 'none': XLA's bf16 and int8 dots only")
-    ap.add_argument("--xla-layouts", action="store_true", help="also XLA's int8 with the convert apart (dequantize "
-                    "first, then cuBLAS) and on [in, out] weights: the prefill-sized choices")
+    ap.add_argument("--xla-layouts", action="store_true", help="also XLA's int8 dequantize-dot on [in, out] weights")
+    ap.add_argument("--rows-tiles", default="", help="';'-separated bm,bn,bk,warps,stages settings of "
+                    "matmul_pallas.w8a16_rows_matmul (the prefill-sized kernel), or 'sweep'")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
@@ -113,6 +119,11 @@ def main():
     shapes = [(256, 128), (512, 192)] if a.quick else SHAPES
     if a.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in a.shapes.split(",")]
+    rows_tiles = {}
+    for spec in (ROWS_SWEEP if a.rows_tiles == "sweep" else [s for s in a.rows_tiles.split(";") if s]):
+        bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
+        rows_tiles[f"{bm}x{bn}x{bk} w{warps} s{stages}"] = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                                                  num_stages=stages)
     if a.quick:
         variants = {name: dict(cfg, tile_k=min(cfg.get("tile_k", 256), 256), num_sms=2) for name, cfg in variants.items()}
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
@@ -121,7 +132,7 @@ def main():
     for m in (int(r) for r in a.rows.split(",")):
         for k, n in shapes:
             key, sub = jax.random.split(key)
-            result["rows"] += bench_shape(sub, k, n, m, variants, 3 if a.quick else a.trials, a.quick, a.xla_layouts)
+            result["rows"] += bench_shape(sub, k, n, m, variants, 3 if a.quick else a.trials, a.quick, a.xla_layouts, rows_tiles)
             if a.out:
                 os.makedirs(a.out, exist_ok=True)
                 with open(os.path.join(a.out, "w8a16_mosaic.json"), "w") as f:

@@ -1,5 +1,4 @@
 """Pure-XLA matmuls over plain or int8-quantized weights (the reference and CPU path)."""
-import jax
 import jax.numpy as jnp
 
 from jlight.pallas_kernels.quantization import QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, quantize_activations
@@ -27,18 +26,3 @@ def matmul(x, w, out_dtype=None):
         return (y * w.scales.astype(jnp.float32)).astype(out_dtype)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
-
-def dequantize_first_matmul(x, w, out_dtype=None):
-    """Weight-only int8 (QuantizedWeight or K-major QuantizedWeightT) for steps with many rows: the
-    weights are converted to x's dtype as their own kernel, then multiplied by a plain dot (cuBLAS on
-    GPU). The optimization barrier keeps XLA from fusing the convert into the dot, as it does in
-    `matmul`: that fused dequantize-dot reads one byte a weight, which is what a decode step wants,
-    but at prefill sizes, where the dot is compute-bound, it runs well below cuBLAS's rate.
-    Same values as `matmul` (the convert is exact; the scales still come after the float32 sums)."""
-    out_dtype = out_dtype or x.dtype
-    if isinstance(w, QuantizedWeightT):  # values_t [out, in]: contract x's last axis with its last
-        values = jax.lax.optimization_barrier(w.values_t.astype(x.dtype))
-        y = jax.lax.dot_general(x, values, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    else:
-        y = jnp.dot(x, jax.lax.optimization_barrier(w.values.astype(x.dtype)), preferred_element_type=jnp.float32)
-    return (y * w.scales.astype(jnp.float32)).astype(out_dtype)
