@@ -58,9 +58,6 @@ VARIANTS = {
     "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
     # The K-major weights through the Pallas W8A16 kernel (matmul_pallas.w8a16_kmajor_matmul) instead of XLA.
     "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
-    # Steps of 128 rows or more on the Pallas W8A16 kernel for many rows (matmul_pallas.w8a16_rows_matmul):
-    # the 8-row decode step is unchanged; the prefill steps of --step-tokens show its effect.
-    "int8-auto-b8-rows": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(rows_min_rows=128)),
     "int8-auto-b1": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), {}),  # one-row steps: the K-major GEMV
     # The K-major weights through the Mosaic GPU W8A16 kernel (pallas_kernels/w8a16_mosaic.py), with tile options.
     "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
@@ -204,7 +201,7 @@ def main():
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
     ap.add_argument("--w8a16-options", default="{}", help="JSON merged into every variant's matmul_pallas.W8A16_OPTIONS, "
-                    'e.g. \'{"rows": {"block_m": 128}}\' (tile options of a device sweep)')
+                    'e.g. \'{"kmajor_gemv_max_rows": 2}\' (routing or tile options to try on a device)')
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     names = a.variants.split(",")

@@ -4,7 +4,7 @@ against XLA's dequantize-dot on the same K-major int8 weights and XLA's bf16 dot
   python benchmarks/w8a16_mosaic.py --out DIR                          # GPU: defaults and the sweep
   python benchmarks/w8a16_mosaic.py --rows 8,16,64 --variants default --out DIR
   python benchmarks/w8a16_mosaic.py --rows 128,512 --variants none     # XLA's bf16 and int8 dots only
-  python benchmarks/w8a16_mosaic.py --rows 512,2048 --variants none --rows-tiles sweep  # the prefill-sized kernel
+  python benchmarks/w8a16_mosaic.py --rows 512,2048 --variants none --xla-layouts  # prefill sizes, both layouts
   python benchmarks/w8a16_mosaic.py --quick --out DIR                  # CPU smoke run (interpret mode)
 
 Each row: the output checked against a float32 reference (relative error), then the device time of
@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels import COPY_BW, rel_err, time_call  # noqa: E402
 
-from jlight.pallas_kernels import matmul_pallas, matmul_reference, w8a16_mosaic  # noqa: E402
+from jlight.pallas_kernels import matmul_reference, w8a16_mosaic  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeight, QuantizedWeightT  # noqa: E402
 
 # K x N of the engine's batch-1 decode matmuls: fused q/k/v, wo, fused gate/up, down, lm_head.
@@ -45,10 +45,6 @@ VARIANTS = {
     "tk128 s4 c2": dict(tile_k=128, ctas_per_sm=2),
 }
 
-# bm,bn,bk,warps,stages of the prefill-sized kernel (matmul_pallas.w8a16_rows_matmul) tried by --rows-tiles sweep
-ROWS_SWEEP = ["128,128,64,4,4", "128,128,64,8,4", "128,256,64,8,3", "64,128,64,4,4", "128,128,128,4,3",
-              "128,64,128,4,4", "256,128,64,8,3"]
-
 
 def random_weight(key, n, k):
     kv, ks = jax.random.split(key)
@@ -56,8 +52,7 @@ def random_weight(key, n, k):
                                                    jax.random.uniform(ks, (n,), jnp.float32, 1e-3, 2e-3)))(kv, ks)
 
 
-def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False, rows_tiles=None):
-    rows_tiles = rows_tiles or {}
+def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False):
     sets = 2 if quick else max(2, min(16, -(-(256 << 20) // (k * n))))
     keys = jax.random.split(key, sets + 2)
     weights = [random_weight(kk, n, k) for kk in keys[:sets]]
@@ -70,8 +65,6 @@ def bench_shape(key, k, n, m, variants, trials, quick, xla_layouts=False, rows_t
              ("xla int8 dequantize-dot", matmul_reference.matmul, weights, int8_bytes)]
     if xla_layouts:  # XLA's fusion on the [in, out] layout
         cases.append(("xla int8 [in, out]", matmul_reference.matmul, in_out, int8_bytes))
-    cases += [(f"pallas rows {name}", lambda x, w, cfg=cfg: matmul_pallas.w8a16_rows_matmul(x, w, **cfg), weights, int8_bytes)
-              for name, cfg in rows_tiles.items()]
     cases += [(f"mosaic {name}", lambda x, w, cfg=cfg: w8a16_mosaic.w8a16_mosaic_matmul(x, w, **cfg), weights, int8_bytes)
               for name, cfg in variants.items()]
     rows = []
@@ -109,8 +102,6 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, of: {', '.join(VARIANTS)}; 'none': XLA's bf16 and int8 dots only")
     ap.add_argument("--xla-layouts", action="store_true", help="also XLA's int8 dequantize-dot on [in, out] weights")
-    ap.add_argument("--rows-tiles", default="", help="';'-separated bm,bn,bk,warps,stages settings of "
-                    "matmul_pallas.w8a16_rows_matmul (the prefill-sized kernel), or 'sweep'")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
@@ -119,11 +110,6 @@ def main():
     shapes = [(256, 128), (512, 192)] if a.quick else SHAPES
     if a.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in a.shapes.split(",")]
-    rows_tiles = {}
-    for spec in (ROWS_SWEEP if a.rows_tiles == "sweep" else [s for s in a.rows_tiles.split(";") if s]):
-        bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
-        rows_tiles[f"{bm}x{bn}x{bk} w{warps} s{stages}"] = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                                                  num_stages=stages)
     if a.quick:
         variants = {name: dict(cfg, tile_k=min(cfg.get("tile_k", 256), 256), num_sms=2) for name, cfg in variants.items()}
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
@@ -132,7 +118,7 @@ def main():
     for m in (int(r) for r in a.rows.split(",")):
         for k, n in shapes:
             key, sub = jax.random.split(key)
-            result["rows"] += bench_shape(sub, k, n, m, variants, 3 if a.quick else a.trials, a.quick, a.xla_layouts, rows_tiles)
+            result["rows"] += bench_shape(sub, k, n, m, variants, 3 if a.quick else a.trials, a.quick, a.xla_layouts)
             if a.out:
                 os.makedirs(a.out, exist_ok=True)
                 with open(os.path.join(a.out, "w8a16_mosaic.json"), "w") as f:

@@ -247,12 +247,6 @@ KMAJOR_PALLAS_MAX_ROWS = 0
 MOSAIC_W8A16_MIN_ROWS = 9  # 8-row steps (batch-1 decode): its matmuls tied XLA's in the engine (63.1 vs 63.9 us a layer)
 MOSAIC_W8A16_MAX_ROWS = 0
 MOSAIC_W8A16_OPTIONS = dict(int8_activations=True)
-# matmul_impl="auto" on GPU: K-major weight-only int8 steps of at least ROWS_KERNEL_MIN_ROWS rows (0: never)
-# run w8a16_rows_matmul with ROWS_KERNEL_OPTIONS instead of XLA's fused dequantize-dot, which at prefill
-# sizes ran well below cuBLAS's bf16 rate on the H200 (512 x 4096 x 28672: 264 against 180 us;
-# docs/BENCHMARKS.md, eleventh session). W8A16_OPTIONS "rows_min_rows" and "rows" override them.
-ROWS_KERNEL_MIN_ROWS = 0
-ROWS_KERNEL_OPTIONS: dict = {}
 
 
 def _kmajor_gemv_tiles(k: int, n: int) -> tuple:
@@ -307,45 +301,6 @@ def w8a16_kmajor_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     if num_splits > 1:
         return (jnp.sum(y, axis=0) * w.scales.astype(jnp.float32)).astype(out_dtype)
     return y[0]
-
-
-def _w8a16_rows_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, num_steps):
-    def body(step, acc):
-        k = pl.ds(step * block_k, block_k)
-        w = w_ref[:, k].astype(x_ref.dtype)  # [block_n, block_k] int8 -> bf16, exact
-        return acc + pltr.dot(x_ref[:, k], w, trans_b=True)  # float32 sums
-
-    acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = (acc * s_ref[...].astype(jnp.float32)[None, :]).astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
-def w8a16_rows_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=None, block_m=128, block_n=128, block_k=64,
-                      num_warps=4, num_stages=4):
-    """x: [M, in] (bf16/f16) times K-major int8 weights (w.values_t [out, in] * w.scales) -> [M, out],
-    for steps of many rows (prefill): output tiles of block_m x block_n, the int8 tile converted to
-    x's dtype after each load, bf16 tensor cores, float32 sums, the scales once at the end."""
-    out_dtype = out_dtype or x.dtype
-    m, k = x.shape
-    n = w.values_t.shape[0]
-    block_m = min(block_m, max(16, 1 << (m - 1).bit_length()))
-    block_n, block_k = largest_pow2_divisor(n, block_n), largest_pow2_divisor(k, block_k)
-    xp = _pad_rows(x, block_m)
-    y = pl.pallas_call(
-        functools.partial(_w8a16_rows_kernel, block_k=block_k, num_steps=k // block_k),
-        grid=(xp.shape[0] // block_m, n // block_n),
-        in_specs=[
-            pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-            pl.BlockSpec((block_n, k), lambda i, j: (j, 0)),
-            pl.BlockSpec((block_n,), lambda i, j: (j,)),
-        ],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
-        interpret=pallas_mode.resolve(interpret),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"w8a16_rows_bm{block_m}_bn{block_n}_bk{block_k}",
-    )(xp, w.values_t, w.scales)
-    return y[:m]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"))
@@ -424,7 +379,7 @@ def matmul(x, w, out_dtype=None, *, interpret=None):
         return matmul_reference.matmul(x, w, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    opts = {k: v for k, v in W8A16_OPTIONS.items() if not k.startswith(("kmajor", "rows"))}  # those are _kmajor_w8a16's / _many_rows_w8a16's
+    opts = {k: v for k, v in W8A16_OPTIONS.items() if not k.startswith("kmajor")}  # those are _kmajor_w8a16's
     gemv = x2.shape[0] <= opts.pop("gemv_max_rows", _GEMV_MAX_ROWS)
     y = w8a16_matmul(x2, w, out_dtype, interpret=interpret, gemv=gemv, **opts)
     return y.reshape(*lead, y.shape[-1])
@@ -444,27 +399,17 @@ def _kmajor_w8a16(x, w, out_dtype, interpret):
         return y.reshape(*x.shape[:-1], y.shape[-1])
     tensor_cores = rows <= min(opts.pop("kmajor_max_rows", KMAJOR_PALLAS_MAX_ROWS), KMAJOR_MAX_ROWS)
     if not (gemv or tensor_cores) or x.dtype not in (jnp.bfloat16, jnp.float16) or not _fits(w):
-        return _many_rows_w8a16(x, w, out_dtype, interpret)
+        return matmul_reference.matmul(x, w, out_dtype)
     y = w8a16_kmajor_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret, gemv=gemv, **opts.get("kmajor", {}))
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _many_rows_w8a16(x, w, out_dtype, interpret):
-    """K-major weight-only int8 past the decode kernels: w8a16_rows_matmul from ROWS_KERNEL_MIN_ROWS
-    rows (bf16/f16 activations), XLA's fused dequantize-dot otherwise."""
-    min_rows = W8A16_OPTIONS.get("rows_min_rows", ROWS_KERNEL_MIN_ROWS)
-    if min_rows and _rows(x) >= min_rows and x.dtype in (jnp.bfloat16, jnp.float16) and _fits(w):
-        y = w8a16_rows_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype, interpret=interpret,
-                              **(ROWS_KERNEL_OPTIONS | W8A16_OPTIONS.get("rows", {})))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return matmul_reference.matmul(x, w, out_dtype)
 
 
 def matmul_gpu_default(x, w, out_dtype=None, *, interpret=None):
     """matmul_impl="auto" on GPU: the Pallas kernel for K-major W8A8 weights, the Pallas K-major GEMV
     for one-row steps on K-major weight-only int8, XLA for everything else (XLA's fused dequantize-dot
-    beat the W8A16 kernels from two rows up: dispatch.py, KMAJOR_GEMV_MAX_ROWS), with weight-only int8
-    through w8a16_rows_matmul on steps of many rows (ROWS_KERNEL_MIN_ROWS)."""
+    beat the W8A16 kernels from two rows up: dispatch.py, KMAJOR_GEMV_MAX_ROWS; at prefill sizes it
+    also beat converting the weights apart for cuBLAS and a Pallas bf16-tensor-core kernel: docs/BENCHMARKS.md,
+    eleventh session)."""
     if isinstance(w, W8A8WeightT):
         return _w8a8(x, w, out_dtype, interpret)
     if isinstance(w, QuantizedWeightT):

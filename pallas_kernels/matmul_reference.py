@@ -25,4 +25,3 @@ def matmul(x, w, out_dtype=None):
         y = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scales.astype(jnp.float32)).astype(out_dtype)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
-

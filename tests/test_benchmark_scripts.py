@@ -35,10 +35,11 @@ def test_decode_latency_runs_every_variant_from_one_loaded_model(tmp_path):
 
 def test_w8a16_mosaic_benchmark_checks_and_times_each_variant(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "w8a16_mosaic.py"), "--quick", "--shapes", "256x128",
-                    "--variants", "i8 tk256 s4,default", "--out", str(tmp_path)],
+                    "--variants", "i8 tk256 s4,default", "--xla-layouts", "--out", str(tmp_path)],
                    check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     rows = json.loads((tmp_path / "w8a16_mosaic.json").read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["xla bf16", "xla int8 dequantize-dot", "mosaic i8 tk256 s4", "mosaic default"]
+    assert [r["impl"] for r in rows] == ["xla bf16", "xla int8 dequantize-dot", "xla int8 [in, out]",
+                                         "mosaic i8 tk256 s4", "mosaic default"]
     for row in rows:
         assert "error" not in row, row
         assert row["us"] > 0
