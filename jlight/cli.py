@@ -26,7 +26,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
         p.add_argument("--model", "-m", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
-                   help="int8: weight-only (faster decode, slower prefill on GPU); w8a8: int8 activations too "
+                   help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
                         "(faster prefill; docs/BENCHMARKS.md has the figures and quality)")
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="shorthand for --mesh tp=N")
