@@ -101,6 +101,8 @@ def main():
                          "(matmul_pallas.MOSAIC_W8A16_MAX_ROWS; w8a16_mosaic.py)")
     ap.add_argument("--mosaic-w8a16-min-rows", type=int, default=None, help="and of at least this many (MOSAIC_W8A16_MIN_ROWS)")
     ap.add_argument("--mosaic-w8a16-bf16", action="store_true", help="that kernel with bf16 activations (not its int8 terms)")
+    ap.add_argument("--mosaic-w8a16-ctas-per-sm", type=int, default=1,
+                    help="its programs per SM (at 8 rows bf16 activations needed 2; w8a16_mosaic.py)")
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     a = ap.parse_args()
     if a.mosaic_w8a16_rows is not None:  # read when the steps are traced
@@ -109,7 +111,7 @@ def main():
         matmul_pallas.MOSAIC_W8A16_MAX_ROWS = a.mosaic_w8a16_rows
         if a.mosaic_w8a16_min_rows is not None:
             matmul_pallas.MOSAIC_W8A16_MIN_ROWS = a.mosaic_w8a16_min_rows
-        matmul_pallas.MOSAIC_W8A16_OPTIONS = dict(int8_activations=not a.mosaic_w8a16_bf16)
+        matmul_pallas.MOSAIC_W8A16_OPTIONS = dict(int8_activations=not a.mosaic_w8a16_bf16, ctas_per_sm=a.mosaic_w8a16_ctas_per_sm)
 
     t0 = time.perf_counter()
     engine = build_engine(a)
