@@ -200,8 +200,6 @@ def main():
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
-    ap.add_argument("--w8a16-options", default="{}", help="JSON merged into every variant's matmul_pallas.W8A16_OPTIONS, "
-                    'e.g. \'{"kmajor_gemv_max_rows": 2}\' (routing or tile options to try on a device)')
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -222,8 +220,7 @@ def main():
     kmajor_default = dispatch.KMAJOR_W8A16_FOR_XLA
     for name in names:
         engine_fields, opts = VARIANTS[name]
-        opts = dict(opts, **json.loads(a.w8a16_options))
-        matmul_pallas.W8A16_OPTIONS = opts  # read when the step is traced (static arguments)
+        matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
         dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
