@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+import fusion_ablation  # noqa: E402
 from model_configs import random_loaded_model  # noqa: E402
 from offline_throughput import copy_bandwidth_bytes_per_s, decode_latency, weight_bytes  # noqa: E402
 
@@ -200,8 +201,14 @@ def main():
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
+    ap.add_argument("--ablate", default="", help="timing only, outputs wrong: comma-separated ops to leave out "
+                    "of every layer (benchmarks/fusion_ablation.py: norm, silu, residual), to measure what fusing them "
+                    "into the matmuls could save at most")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
+    ablate = {n for n in a.ablate.split(",") if n}
+    if ablate:  # before any engine traces its step
+        fusion_ablation.install(ablate)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -212,7 +219,7 @@ def main():
     bw = copy_bandwidth_bytes_per_s() if gpu else None
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, command=" ".join(sys.argv),
-                  variants={})
+                  ablated=sorted(ablate), variants={})
     step_tokens = [int(n) for n in a.step_tokens.split(",") if n]
     max_len = max([a.prompt_len + a.tokens + 16] + [n + 16 for n in step_tokens])
     max_batched = max([16] + step_tokens)  # a prefill of N tokens runs as one step

@@ -44,3 +44,38 @@ def test_w8a16_mosaic_benchmark_checks_and_times_each_variant(tmp_path):
         assert "error" not in row, row
         assert row["us"] > 0
     assert all(row["rel_err"] < 4e-3 for row in rows[1:])
+
+
+def test_fusion_ablation_leaves_out_only_what_it_names():
+    # decode_latency.py --ablate times steps of this forward: with nothing left out it must be llama.forward's
+    # computation (so an ablated row differs from its baseline only by the ops it names), and each name must
+    # actually change the computation (else the row would time nothing left out).
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import jax.numpy as jnp
+    import fusion_ablation
+    from model_configs import random_loaded_model
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+    from jlight.engine.sampling_params import SamplingParams
+
+    loaded = random_loaded_model("tiny", jnp.float32)
+
+    def prompt_logprobs(ablate):
+        restore = fusion_ablation.install(ablate) if ablate is not None else (lambda: None)
+        try:
+            engine = LLMEngine(EngineConfig(model=None, max_num_seqs=2, max_model_len=64, num_pages=16, warmup=False),
+                               loaded=loaded)
+            engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                               prompt_token_ids=[3, 14, 15, 92, 65, 35])
+            outputs = []
+            while engine.has_unfinished_requests():
+                outputs.extend(engine.step())
+            return [next(iter(d.values())) for d in outputs[-1].prompt_logprobs[1:]]  # {token: logprob} each
+        finally:
+            restore()
+
+    reference = prompt_logprobs(None)
+    assert prompt_logprobs(set()) == reference
+    for name in fusion_ablation.ABLATIONS:
+        ablated = prompt_logprobs({name})
+        assert max(abs(a - b) for a, b in zip(ablated, reference)) > 1e-3, name
