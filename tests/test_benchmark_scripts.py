@@ -78,4 +78,7 @@ def test_fusion_ablation_leaves_out_only_what_it_names():
     assert prompt_logprobs(set()) == reference
     for name in fusion_ablation.ABLATIONS:
         ablated = prompt_logprobs({name})
-        assert max(abs(a - b) for a, b in zip(ablated, reference)) > 1e-3, name
+        if name == "fold_norm":  # the same function while the norm weights are ones (the random model's)
+            assert max(abs(a - b) for a, b in zip(ablated, reference)) < 1e-4
+        else:
+            assert max(abs(a - b) for a, b in zip(ablated, reference)) > 1e-3, name
