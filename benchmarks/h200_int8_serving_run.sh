@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepared in the eleventh session for the next one with a GPU (not yet run). At 32 sequences int8 weights
+# Prepared in the eleventh session, run in the twelfth (docs/BENCHMARKS.md: the kernel lost, 1,878 against XLA's
+# 2,173 output tok/s). At 32 sequences int8 weights
 # served 9% slower than bf16 (1,988 vs 2,181 output tok/s): XLA's int8 matmuls at 32 rows read no faster than
 # bf16's. The Mosaic GPU W8A16 kernel with bf16 activations (no activation-split kernels, 2 programs per SM)
 # beat XLA's int8 at 32 rows in isolation (ninth session: gate/up 44.5 vs 56.8 us, down 23.6 vs 28.1) but was

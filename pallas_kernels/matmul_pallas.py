@@ -243,7 +243,8 @@ KMAJOR_PALLAS_MAX_ROWS = 0
 # int8 run the Mosaic GPU kernel (w8a16_mosaic.py) with these options; MAX 0: off. Off because on the
 # H200 it lost end to end although it wins alone (docs/BENCHMARKS.md, ninth session): batch-1 decode
 # 3.21 against 2.91 ms of device time a step, offline serving at 32 sequences 1,650 against 1,962
-# output tok/s and a tie at 16 (1,842 / 1,846), its activation split and split-K sums adding kernels.
+# output tok/s and a tie at 16 (1,842 / 1,846), its activation split and split-K sums adding kernels. Its
+# bf16-activation mode (no split kernels, 2 programs per SM) lost too (twelfth session): 1,878 against 2,173 at 32.
 MOSAIC_W8A16_MIN_ROWS = 9  # 8-row steps (batch-1 decode): its matmuls tied XLA's in the engine (63.1 vs 63.9 us a layer)
 MOSAIC_W8A16_MAX_ROWS = 0
 MOSAIC_W8A16_OPTIONS = dict(int8_activations=True)
