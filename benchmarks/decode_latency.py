@@ -202,11 +202,14 @@ def main():
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
     ap.add_argument("--ablate", default="", help="timing only, outputs wrong: comma-separated ops to leave out "
-                    "of every layer (benchmarks/fusion_ablation.py: norm, silu, residual), to measure what fusing them "
-                    "into the matmuls could save at most")
+                    f"of every layer (benchmarks/fusion_ablation.py: {', '.join(fusion_ablation.ABLATIONS)}), to measure "
+                    "what fusing them into the matmuls could save at most")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args()
     ablate = {n for n in a.ablate.split(",") if n}
+    if ablate - set(fusion_ablation.ABLATIONS):
+        ap.error(f"unknown --ablate {sorted(ablate - set(fusion_ablation.ABLATIONS))}; choose from "
+                 f"{', '.join(fusion_ablation.ABLATIONS)}")
     if ablate:  # before any engine traces its step
         fusion_ablation.install(ablate)
     names = a.variants.split(",")
@@ -261,7 +264,7 @@ def main():
                 row["prefill_step_ms"] = {n: prefill_step_ms(engine, step_args, n) for n in step_tokens}
                 print("  prefill step, back to back: " + ", ".join(
                     f"{n} tokens {ms:.2f} ms" for n, ms in row["prefill_step_ms"].items()), flush=True)
-            line = f"{name:28s} {row['ms']:7.2f} ms/token"
+            line = f"{name:28s} {row['ms']:7.2f} ms/token" + (f" (ablated: {','.join(sorted(ablate))})" if ablate else "")
             if bw:
                 row["roofline_ms"] = row["weight_bytes"] / bw * 1e3
                 line += f"  roofline {row['roofline_ms']:.2f} ms ({row['weight_bytes'] / 1e9:.2f} GB) -> {row['ms'] / row['roofline_ms']:.2f}x"
