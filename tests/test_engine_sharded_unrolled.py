@@ -2,22 +2,17 @@
 sharded stacked weights are split per layer and run under a plan over the per-layer tree. Greedy
 tokens must equal one device's, for bf16-style float32 weights, int8 weights and an MoE model with
 expert parallelism (2 simulated CPU devices)."""
-import os
 import textwrap
 
 from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json
     import numpy as np
-    sys.path.insert(0, {tests!r})
     import jlight
     from jlight import SamplingParams
-    from tiny_models import make_tiny_model
-    from test_moe_common import make_tiny_moe_model
 
-    paths = {{"llama": make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024),
-              "moe": make_tiny_moe_model({tmp!r}, "Qwen3MoeForCausalLM")[0]}}
+    paths = {paths!r}
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 30)]  # 30: a chunked prefill
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -32,7 +27,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_tp2_and_ep2_unrolled_layers_match_one_device(tmp_path):
+def test_tp2_and_ep2_unrolled_layers_match_one_device(tiny_model, tiny_moe_model):
     unroll = {"layer_loop": "unroll"}
     runs = {
         "single": ("llama", unroll), "tp=2": ("llama", dict(unroll, mesh="tp=2")),
@@ -40,8 +35,11 @@ def test_tp2_and_ep2_unrolled_layers_match_one_device(tmp_path):
         "int8 tp=2": ("llama", dict(unroll, quantization="int8", mesh="tp=2")),
         "moe single": ("moe", unroll), "moe ep=2": ("moe", dict(unroll, mesh="ep=2")),
     }
-    tests = os.path.dirname(os.path.abspath(__file__))
-    out = run_script(SCRIPT.format(tests=tests, tmp=str(tmp_path), runs=runs), num_devices=2)
+    # The seeded tiny models from the session fixtures (what make_tiny_model / make_tiny_moe_model write
+    # anywhere), so the script does not build them again nor import torch and transformers.
+    paths = {"llama": tiny_model("LlamaForCausalLM", max_position_embeddings=1024),
+             "moe": tiny_moe_model("Qwen3MoeForCausalLM")[0]}
+    out = run_script(SCRIPT.format(paths=paths, runs=runs), num_devices=2)
     assert all(len(t) == 10 for t in out["single"])
     assert out["tp=2"] == out["single"]
     assert out["int8 tp=2"] == out["int8 single"]

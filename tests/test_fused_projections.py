@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from direct_forward import SingleSequenceRunner, hf_greedy, hf_logits
-from test_moe_common import load_jlight, make_tiny_moe_model, relative_error
+from test_moe_common import load_jlight, relative_error
 
 import jlight
 from jlight import SamplingParams
@@ -20,7 +20,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model, tmp_path_factory):
+def models(tiny_model, tiny_moe_model):
     from transformers import AutoModelForCausalLM
 
     out = {}
@@ -28,7 +28,7 @@ def models(tiny_model, tmp_path_factory):
         path = tiny_model(arch)
         out[arch] = (path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
     # Qwen2-MoE: fused q/k/v and the shared expert's gate/up; the routed experts stay as they are.
-    out["Qwen2MoeForCausalLM"] = make_tiny_moe_model(str(tmp_path_factory.mktemp("moe")), "Qwen2MoeForCausalLM")
+    out["Qwen2MoeForCausalLM"] = tiny_moe_model("Qwen2MoeForCausalLM")
     return out
 
 

@@ -32,8 +32,12 @@ SCRIPT = textwrap.dedent("""
         outs = llm.generate(segments, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
         return [[max(d, key=d.get) for d in o.prompt_logprobs[1:]] for o in outs]
 
-    from jlight.loading import load_model
-    tokenizer = load_model(None, dtype="float32").tokenizer  # (an LLM here would compile its steps for nothing)
+    from jlight.loading.default_model import default_gguf_path
+    from jlight.loading.gguf_loader import open_gguf
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
+    # The default model's tokenizer, as load_model(None).tokenizer builds it (loading/__init__.load_gguf), without
+    # dequantizing the weights for it (an LLM here would also compile its steps for nothing).
+    tokenizer = gguf_tokenizer(open_gguf(default_gguf_path()), default_gguf_path())
     ids = tokenizer.encode(open({path!r}).read())
     segments = [ids[i:i + 512] for i in range(0, 2048, 512)]
     exact, int8 = top1(False, segments), top1(True, segments)

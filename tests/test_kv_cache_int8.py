@@ -247,23 +247,19 @@ def test_cli_exposes_kv_cache_dtype():
         p.parse_args(["--kv-cache-dtype", "fp16"])
 
 
-def test_mla_refuses_int8_kv_cache(tmp_path):
-    from test_moe_common import make_tiny_moe_model
-
-    path = make_tiny_moe_model(str(tmp_path), "DeepseekV3ForCausalLM")[0]
+def test_mla_refuses_int8_kv_cache(tiny_moe_model):
+    path = tiny_moe_model("DeepseekV3ForCausalLM")[0]
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported for DeepseekV3ForCausalLM.*kv_cache_dtype='auto'"):
         jlight.LLM(path, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=8, kv_cache_dtype="int8")
 
 
 TP_SCRIPT = """
-import json, sys
+import json
 import numpy as np
-sys.path.insert(0, {tests!r})
 import jlight
 from jlight import SamplingParams
-from tiny_models import make_tiny_model
 
-path = make_tiny_model({tmp!r}, "LlamaForCausalLM", max_position_embeddings=1024)
+path = {path!r}  # the module's tiny Llama (model_dir), so the script does not import torch and transformers
 rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 40, 300, 17)]
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -278,7 +274,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_int8_kv_cache_under_tensor_parallel(tmp_path):
+def test_int8_kv_cache_under_tensor_parallel(model_dir):
     """tp=2 on two simulated devices: K/V heads split, scales split with them, same greedy tokens."""
     import json
     import os
@@ -286,7 +282,7 @@ def test_int8_kv_cache_under_tensor_parallel(tmp_path):
     import sys
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    code = TP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), tmp=str(tmp_path))
+    code = TP_SCRIPT.format(path=model_dir)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from direct_forward import PAGE_SIZE, SingleSequenceRunner, hf_greedy
-from test_moe_common import (check_against_transformers, check_unrolled_matches_scanned, load_jlight,
-                              make_tiny_moe_model)
+from test_moe_common import check_against_transformers, check_unrolled_matches_scanned, load_jlight
 
 from jlight.models import deepseek
 
@@ -20,9 +19,8 @@ PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77, 19, 23, 101, 4, 9]  
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("mla_models"))
-    return {arch: make_tiny_moe_model(root, arch) for arch in ARCHS}
+def models(tiny_moe_model):
+    return {arch: tiny_moe_model(arch) for arch in ARCHS}  # built once per worker (conftest.py)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from direct_forward import hf_greedy
-from test_moe_common import (check_against_transformers, check_unrolled_matches_scanned, make_tiny_moe_model)
+from test_moe_common import check_against_transformers, check_unrolled_matches_scanned
 
 from jlight.models.moe import dense_expert_ffn, grouped_expert_ffn
 from jlight.pallas_kernels.quantization import quantize_int8
@@ -22,9 +22,8 @@ PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("moe_models"))
-    return {arch: make_tiny_moe_model(root, arch) for arch in ARCHS}
+def models(tiny_moe_model):
+    return {arch: tiny_moe_model(arch) for arch in ARCHS}  # built once per worker (conftest.py)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -66,9 +66,12 @@ def _quant_quality():
 @pytest.fixture(scope="module")
 def rows(smollm2_gguf):
     qq = _quant_quality()
-    from jlight.loading import load_model
+    from jlight.loading.gguf_loader import open_gguf
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
 
-    tokenizer = load_model(smollm2_gguf, dtype="float32").tokenizer
+    # The tokenizer load_model(smollm2_gguf).tokenizer is (loading/__init__.load_gguf), without
+    # dequantizing the weights for it; measure() loads the model itself.
+    tokenizer = gguf_tokenizer(open_gguf(smollm2_gguf), smollm2_gguf)
     segments = qq.segments_of(qq.text_token_ids(tokenizer), SEGMENT_LEN, NUM_TOKENS)
     assert sum(map(len, segments)) == NUM_TOKENS
     configs = [c for c in qq.CONFIGS if c[0] == "bfloat16" or c[0] in CONFIG_NAMES]

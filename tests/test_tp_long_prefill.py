@@ -9,7 +9,6 @@ simulated CPU devices, the tp=2 engine must give the single-device greedy tokens
 (router, shared expert with its gate, QKV bias). (DeepSeek-V2's single wq, Qwen3-MoE and Mixtral
 passed the same check once and were left out to keep the suite short.)
 """
-import os
 import textwrap
 
 from simulated_devices import run_script
@@ -19,19 +18,17 @@ from jlight.sharding.plan import DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS
 BATCHED_TOKENS = 256  # the 300-token prompt's first chunk fills a 256-token step
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json
     import numpy as np
-    sys.path.insert(0, {tests!r})
     import jlight
     from jlight import SamplingParams
-    from test_moe_common import make_tiny_moe_model
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=n).tolist() for n in (300, 9)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     out = {{}}
     for arch, loops in (("DeepseekV3ForCausalLM", ("scan", "unroll")), ("Qwen2MoeForCausalLM", ("scan",))):
-        path = make_tiny_moe_model({tmp!r}, arch)[0]
+        path = {paths!r}[arch]
         for mesh, loop in [(None, "scan")] + [("tp=2", l) for l in loops]:
             llm = jlight.LLM(path, dtype="float32", mesh=mesh, layer_loop=loop, max_num_seqs=2,
                              max_num_batched_tokens={batched}, min_token_bucket=128, page_size=8, collective_matmul=True,
@@ -42,10 +39,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_tp2_collective_matmul_long_prefill_matches_single_device(tmp_path):
+def test_tp2_collective_matmul_long_prefill_matches_single_device(tiny_moe_model):
     assert BATCHED_TOKENS >= DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS  # else the step is not sequence-parallel
-    tests = os.path.dirname(os.path.abspath(__file__))
-    out = run_script(SCRIPT.format(tests=tests, tmp=str(tmp_path), batched=BATCHED_TOKENS), num_devices=2)
+    # The seeded tiny models from the session fixture (what make_tiny_moe_model writes anywhere), so the
+    # script does not build them again nor import torch and transformers.
+    paths = {arch: tiny_moe_model(arch)[0] for arch in ("DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM")}
+    out = run_script(SCRIPT.format(paths=paths, batched=BATCHED_TOKENS), num_devices=2)
     for arch in ("DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"):
         single = out[f"{arch} None scan"]
         assert all(len(t) == 8 for t in single)
