@@ -1,9 +1,19 @@
 """Random ragged batches and paged caches for the kernel tests and benchmarks."""
 import numpy as np
+import jax
 import jax.numpy as jnp
 
+from jlight.pallas_kernels import attention_reference
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.quantization import quantize_kv_pool
+from jlight.pallas_kernels.quantization import dequantize_kv_pool, quantize_kv_pool
+
+# The XLA reference attention compiled as one program, as the engine runs it (inside its jitted step).
+# Called outside jit, JAX dispatches it operation by operation and compiles each of its ~30 operations
+# on its own for every new shape: 2-4 s a call on the 2-core CI host, against one compile here.
+reference_attention = jax.jit(attention_reference.paged_attention, static_argnames=("scale", "sliding_window"))
+# The same for the int8 pools' quantization (elementwise, and a max: the same values either way).
+quantize_pool = jax.jit(quantize_kv_pool)
+dequantize_pool = jax.jit(dequantize_kv_pool)
 
 
 def random_batch(rng: np.random.Generator, q_lens, context_lens, *, page_size: int, num_pages: int,
@@ -57,4 +67,4 @@ def random_int8_pool(rng: np.random.Generator, shape):
     """An int8 K or V pool (QuantizedKV) of random vectors whose magnitudes vary by token and head, so
     the scales matter, and the float32 pool it was quantized from."""
     x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=tuple(shape[:-1]) + (1,)), jnp.float32)
-    return quantize_kv_pool(x), x
+    return quantize_pool(x), x

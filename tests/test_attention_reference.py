@@ -7,9 +7,8 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import random_batch
+from kernel_batches import dequantize_pool, quantize_pool, random_batch, reference_attention
 from jlight.pallas_kernels import attention_reference
-from jlight.pallas_kernels.quantization import dequantize_kv_pool, quantize_kv_pool
 
 PAGE_SIZE, NUM_KV_HEADS = 16, 2
 
@@ -53,11 +52,12 @@ def test_reference_matches_naive_attention(case, int8):
     k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((num_tokens, NUM_KV_HEADS * group, 32)), jnp.float32)
     if int8:
-        k, v = quantize_kv_pool(k), quantize_kv_pool(v)
-        dense_k, dense_v = dequantize_kv_pool(k), dequantize_kv_pool(v)
+        k, v = quantize_pool(k), quantize_pool(v)
+        dense_k, dense_v = dequantize_pool(k), dequantize_pool(v)
     else:
         dense_k, dense_v = k, v
-    got = np.asarray(attention_reference.paged_attention(q, k, v, jnp.int32(1), md, scale=0.2, sliding_window=window))
+    # jitted, as the engine runs it (kernel_batches.reference_attention: one compile, not one per operation)
+    got = np.asarray(reference_attention(q, k, v, jnp.int32(1), md, scale=0.2, sliding_window=window))
     want = naive_attention(q, dense_k, dense_v, 1, md, 0.2, window)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)  # padding tokens: zeros in both
 

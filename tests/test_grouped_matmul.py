@@ -86,7 +86,9 @@ def test_tile_table_covers_every_row_once_within_one_group(seed, block_m):
     num_groups = int(rng.integers(1, 40))
     sizes = rng.integers(0, 3 * block_m, num_groups) * (rng.random(num_groups) < 0.7)  # ~30% empty
     m = int(sizes.sum() + rng.integers(0, 2 * block_m))
-    group, start, end = (np.asarray(a) for a in tile_table(jnp.asarray(sizes, jnp.int32), m, block_m))
+    # jitted as in the kernel's caller (one compile, not one per operation of an eager call)
+    table = jax.jit(tile_table, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, block_m)
+    group, start, end = (np.asarray(a) for a in table)
     assert len(group) == -(-m // block_m) + num_groups
     bounds = np.concatenate([[0], np.cumsum(sizes), [m]])  # group g owns [bounds[g], bounds[g+1]); g = G: zero tail
     covered = np.zeros(m, int)

@@ -7,8 +7,8 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, random_batch
-from jlight.pallas_kernels import attention_reference, dispatch, paged_attention_pallas
+from kernel_batches import check_attention_output, random_batch, reference_attention
+from jlight.pallas_kernels import dispatch, paged_attention_pallas
 
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
@@ -36,7 +36,7 @@ def _check(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_wi
     layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
     f32 = lambda a: a.astype(jnp.float32)
-    want = np.asarray(attention_reference.paged_attention(f32(q), f32(k), f32(v), layer, md, **kw))
+    want = np.asarray(reference_attention(f32(q), f32(k), f32(v), layer, md, **kw))
     got = paged_attention_pallas.paged_attention(q, k, v, layer, md, num_splits=num_splits, **kw)
     check_attention_output(got, want, md, dtype)
 

@@ -17,8 +17,8 @@ from jlight import SamplingParams
 from jlight.engine.engine_config import EngineConfig
 from jlight.pallas_kernels import attention_reference, paged_attention_pallas
 from jlight.pallas_kernels.quantization import (
-    QuantizedKV, dequantize_kv, dequantize_kv_pool, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv)
-from kernel_batches import check_attention_output, random_batch, random_int8_pool
+    QuantizedKV, dequantize_kv, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv)
+from kernel_batches import check_attention_output, dequantize_pool, random_batch, random_int8_pool, reference_attention
 
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
@@ -97,16 +97,16 @@ def test_pallas_int8_matches_reference(case):
     layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
     q32 = q.astype(jnp.float32)
-    want = np.asarray(attention_reference.paged_attention(q32, kq, vq, layer, md, **kw))
+    want = np.asarray(reference_attention(q32, kq, vq, layer, md, **kw))  # the reference, jitted (kernel_batches)
     got = paged_attention_pallas.paged_attention(q, kq, vq, layer, md, num_splits=num_splits, **kw)
     check_attention_output(got, want, md, dtype)
     real = int(md.query_start[-1])
     # The int8 reference is attention over the dequantized cache...
-    deq = dequantize_kv_pool
-    over_deq = np.asarray(attention_reference.paged_attention(q32, deq(kq), deq(vq), layer, md, **kw))
+    deq = dequantize_pool
+    over_deq = np.asarray(reference_attention(q32, deq(kq), deq(vq), layer, md, **kw))
     np.testing.assert_allclose(want[:real], over_deq[:real], atol=1e-5, rtol=1e-5)
     # ...which is close to attention over the unquantized K/V, and not equal to it (the cache is int8).
-    exact = np.asarray(attention_reference.paged_attention(q32, k, v, layer, md, **kw))
+    exact = np.asarray(reference_attention(q32, k, v, layer, md, **kw))
     diff = np.abs(want[:real] - exact[:real]).max()
     assert 1e-4 < diff < 0.02 * float(jnp.abs(v).max()), diff
 

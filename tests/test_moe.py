@@ -168,8 +168,10 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
     ids = jnp.asarray(rng.integers(0, num_experts, (num_tokens, k)), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (num_tokens, k)), jnp.float32)
     remote = jnp.asarray(rng.uniform(size=(num_tokens, k)) < 0.5)
-    marked = expert_ffn(x, jnp.where(remote, num_experts, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, impl)
+    # jitted, as the model runs them (one compile each, not one per operation of an eager call)
+    ffn = jax.jit(expert_ffn, static_argnums=(6, 7))
+    marked = ffn(x, jnp.where(remote, num_experts, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, impl)
     # The same local pairs, the remote ones replaced by a real expert with weight 0.
-    zeroed = expert_ffn(x, jnp.where(remote, 0, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, "dense")
+    zeroed = ffn(x, jnp.where(remote, 0, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, "dense")
     assert np.all(np.isfinite(np.asarray(marked)))
     np.testing.assert_allclose(np.asarray(marked), np.asarray(zeroed), rtol=1e-4, atol=1e-5)

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, random_batch, random_int8_pool
-from jlight.pallas_kernels import attention_reference, dispatch, paged_attention_mosaic, paged_attention_pallas
+from kernel_batches import check_attention_output, random_batch, random_int8_pool, reference_attention
+from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_attention_pallas
 from jlight.pallas_kernels.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
 
 PAGE_SIZE = 16
@@ -48,7 +48,7 @@ def test_matches_reference(case):
     q, k, v, md = _inputs(np.random.default_rng(abs(hash(name)) % 2**32), group, head_dim, q_lens, ctx_lens, num_tokens)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window)
     f32 = lambda a: a.astype(jnp.float32)
-    want = attention_reference.paged_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
+    want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)  # the reference, jitted (kernel_batches)
     got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_splits=num_splits, **kw)
     check_attention_output(got, want, md, jnp.bfloat16)
 
@@ -60,7 +60,7 @@ def test_other_page_sizes_match_reference(page_size):
     q_lens, ctx_lens = [1, 1, 1, 0, 30], [1, page_size, page_size + 1, 0, 200]
     q, k, v, md = _inputs(np.random.default_rng(page_size), 4, 64, q_lens, ctx_lens, 40, page_size=page_size)
     f32 = lambda a: a.astype(jnp.float32)
-    want = attention_reference.paged_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, scale=0.125)
+    want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, scale=0.125)
     got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.125)
     check_attention_output(got, want, md, jnp.bfloat16)
 
@@ -86,7 +86,7 @@ def test_int8_pools_match_reference(case):
     kq, vq = _int8_pools(rng, k.shape)
     assert paged_attention_mosaic.supports(q, kq)
     kw = dict(scale=head_dim ** -0.5)
-    want = attention_reference.paged_attention(q.astype(jnp.float32), kq, vq, jnp.int32(1), md, **kw)
+    want = reference_attention(q.astype(jnp.float32), kq, vq, jnp.int32(1), md, **kw)
     got = paged_attention_mosaic.paged_attention(q, kq, vq, jnp.int32(1), md, num_splits=num_splits, **kw)
     check_attention_output(got, want, md, jnp.bfloat16)
 
