@@ -20,6 +20,7 @@ Every variant's output is checked against XLA's float32 product on the same weig
 """
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -48,21 +49,32 @@ VARIANTS = {
 }
 
 
-def make_layers(key, shapes, num_layers, bf16: bool):
-    """num_layers lists of weights, one per shape: [in, out] bf16 arrays or K-major int8 weights."""
+def make_layers(key, shapes, num_layers, bf16: bool, concat: bool = False):
+    """num_layers lists of weights, one per shape: [in, out] bf16 arrays or K-major int8 weights.
+    concat: one list instead, a weight per distinct K holding every layer's weights of that K side by
+    side along `out` (one kernel then streams them all: no per-matmul ramp-up or tail)."""
+    if concat:
+        widths = {}
+        for k, n in shapes:
+            widths[k] = widths.get(k, 0) + n * num_layers
+        shapes, num_layers = list(widths.items()), 1
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def one(key, k, n):
+        kv, ks = jax.random.split(key)
+        if bf16:
+            return jax.random.normal(kv, (k, n), jnp.bfloat16) * 0.02
+        return QuantizedWeightT(jax.random.randint(kv, (n, k), -127, 128, jnp.int8),
+                                jax.random.uniform(ks, (n,), jnp.float32, 1e-3, 2e-3))
+
     layers = []
     for _ in range(num_layers):
         ws = []
         for k, n in shapes:
-            key, kv, ks = jax.random.split(key, 3)
-            if bf16:
-                ws.append(jax.jit(lambda kv, k=k, n=n: jax.random.normal(kv, (k, n), jnp.bfloat16) * 0.02)(kv))
-            else:
-                ws.append(jax.jit(lambda kv, ks, k=k, n=n: QuantizedWeightT(
-                    jax.random.randint(kv, (n, k), -127, 128, jnp.int8),
-                    jax.random.uniform(ks, (n,), jnp.float32, 1e-3, 2e-3)))(kv, ks))
+            key, sub = jax.random.split(key)
+            ws.append(one(sub, k, n))
         layers.append(ws)
-    return layers
+    return layers, shapes
 
 
 def matmul_fn(variant: str, interpret: bool):
@@ -117,6 +129,8 @@ def main():
     ap.add_argument("--rows", type=int, default=8, help="token rows (the engine's batch-1 decode bucket is 8)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--concat", action="store_true",
+                    help="each distinct K's weights of all layers as one matmul: the streaming rate without kernel boundaries")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode, for a CPU smoke run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -129,15 +143,16 @@ def main():
     reps, trials = (2, 2) if a.quick else (a.reps, a.trials)
     key = jax.random.PRNGKey(0)
     xs = {k: jax.random.normal(jax.random.fold_in(key, k), (a.rows, k), jnp.bfloat16) for k, _ in shapes}
-    int8_layers = make_layers(jax.random.fold_in(key, 1), shapes, num_layers, bf16=False)
+    int8_layers, chain_shapes = make_layers(jax.random.fold_in(key, 1), shapes, num_layers, bf16=False, concat=a.concat)
     layer_bytes = {"int8": sum(k * n + 4 * n for k, n in shapes), "bf16": sum(2 * k * n for k, n in shapes)}
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, command=" ".join(sys.argv), layers=num_layers, rows=a.rows,
+                  jax=jax.__version__, command=" ".join(sys.argv), layers=num_layers, rows=a.rows, concat=a.concat,
                   layer_bytes=layer_bytes, results=[])
     bf16_layers = None
     for variant in variants:
         if variant == "xla-bf16":
-            bf16_layers = bf16_layers or make_layers(jax.random.fold_in(key, 2), shapes, num_layers, bf16=True)
+            bf16_layers = bf16_layers or make_layers(jax.random.fold_in(key, 2), shapes, num_layers, bf16=True,
+                                                     concat=a.concat)[0]
             layers, nbytes = bf16_layers, layer_bytes["bf16"]
         else:
             layers, nbytes = int8_layers, layer_bytes["int8"]
@@ -145,10 +160,10 @@ def main():
         try:
             # checked on the first layer against XLA's float32 product on the same weights
             errs = [rel_err(fn(xs[k], w).astype(jnp.float32), matmul_reference.matmul(xs[k].astype(jnp.float32), w))
-                    for (k, _), w in zip(shapes, layers[0])]
-            row = measure(variant, fn, xs, layers, shapes, reps, trials)
+                    for (k, _), w in zip(chain_shapes, layers[0])]
+            row = measure(variant, fn, xs, layers, chain_shapes, reps, trials)
             row["max_rel_err"] = max(errs)
-            per_layer_us = row["wall_ms"] * 1e3 / num_layers
+            per_layer_us = row["wall_ms"] * 1e3 / num_layers  # with --concat: the same bytes in 2 kernels
             row.update(wall_us_per_layer=per_layer_us, read_tb_s=nbytes / (per_layer_us * 1e-6) / 1e12)
             if "cupti_ms" in row:
                 row["cupti_us_per_layer"] = row["cupti_ms"] * 1e3 / num_layers
