@@ -78,21 +78,27 @@ def kernel_us(fn, x, trials):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--barriers", type=int, default=200)
+    ap.add_argument("--designs", default="counter,gather")
+    ap.add_argument("--scopes", default="gpu,sys")
+    ap.add_argument("--programs", type=int, default=NUM_SMS, help="programs in the grid (at most one per SM)")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--lower-only", action="store_true", help="only lower each kernel for CUDA (runs on a CPU)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     x = jnp.zeros((128,), jnp.float32)
     rows = []
-    for design in ("counter", "gather"):
-        for scope in ("gpu", "sys"):
-            row = dict(design=design, scope=scope, programs=NUM_SMS, barriers=a.barriers)
-            make = lambda n: functools.partial(barriers, design=design, num_barriers=n, scope=scope)
+    for design in a.designs.split(","):
+        for scope in a.scopes.split(","):
+            row = dict(design=design, scope=scope, programs=a.programs, barriers=a.barriers)
+            make = lambda n: functools.partial(barriers, design=design, num_barriers=n, scope=scope,
+                                               num_programs=a.programs)
             if a.lower_only:
                 text = jax.jit(make(2)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
                 row["lowered_chars"] = len(text)
             else:
+                print(f"{design}/{scope}: running {a.barriers} barriers, {a.programs} programs", flush=True)
                 assert float(make(a.barriers)(x)[0]) == 1.0  # the kernel ran to its end
+                print("  it returned; timing with CUPTI", flush=True)
                 empty, full = kernel_us(make(0), x, a.trials), kernel_us(make(a.barriers), x, a.trials)
                 row.update(empty_us=empty, total_us=full, us_per_barrier=(full - empty) / a.barriers)
             rows.append(row)

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# One device call (2026-12-02, thirteenth session): the cost of a grid-wide barrier inside one Mosaic GPU
-# kernel (benchmarks/grid_barrier.py), under a timeout in case a design deadlocks.
+# Device calls (2026-12-02, thirteenth session): the cost of a grid-wide barrier inside one Mosaic GPU
+# kernel (benchmarks/grid_barrier.py). The first call's full run (132 programs, 200 barriers) hung,
+# so this one climbs a ladder of small cases first, each in its own process under a short timeout.
 # Usage on the GPU machine: bash benchmarks/h200_grid_barrier_run.sh "$OUT"
 source "$(dirname "$0")/h200_setup.sh"
-timeout 150 python3 benchmarks/grid_barrier.py --out "$OUT" > "$OUT/grid_barrier.txt" 2>&1
-echo "== grid_barrier: exit $?"
-grep -vE "^\s*$" "$OUT/grid_barrier.txt" | tail -6 | cut -c1-300
+i=0
+for args in "--designs counter --scopes gpu --programs 2 --barriers 1" \
+            "--designs gather --scopes gpu --programs 2 --barriers 1" \
+            "--designs counter --scopes gpu --programs 132 --barriers 1" \
+            "--designs gather --scopes gpu --programs 132 --barriers 1" \
+            "--designs counter,gather --scopes gpu,sys --programs 132 --barriers 200"; do
+  i=$((i + 1))
+  timeout 40 python3 benchmarks/grid_barrier.py $args --out "$OUT/run$i" > "$OUT/run$i.txt" 2>&1
+  echo "== $args: exit $?"
+  grep -vE "^\s*$" "$OUT/run$i.txt" | tail -5 | cut -c1-300
+done
