@@ -9,7 +9,7 @@ boundaries but needs a barrier between phases, when every program's part of one 
 before any program reads it in the next. This script times `--barriers` barriers in a row in one
 kernel, minus the same kernel with none, so the figure is per barrier. Two designs on GMEM semaphores:
 - counter: every program adds 1 to one counter, then waits until it reads programs x (i + 1)
-  (the counter only grows within a launch, so no reset);
+  (the counter only grows within a launch; program 0 resets it at the end);
 - gather: every program signals program 0, which waits for them all, then signals each one back.
 """
 import argparse
@@ -29,7 +29,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jlight.pallas_kernels.tiling import NUM_SMS
 
 
-def _barrier_kernel(x_ref, o_ref, sem, *, design, num_barriers, num_programs, scope):
+def _barrier_kernel(x_ref, o_ref, *, design, num_barriers, num_programs, scope):
+    # Kernel-global semaphores (pl.get_global, as JAX's collective matmul uses): a scratch_types
+    # semaphore is the program's own, so a barrier on it waited forever (H200, this session). A global
+    # one persists across launches, so each design leaves every count at zero when the kernel ends.
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR((2 + num_programs,)))
     program = lax.axis_index("program")
 
     def counter(i, carry):
@@ -44,12 +48,20 @@ def _barrier_kernel(x_ref, o_ref, sem, *, design, num_barriers, num_programs, sc
         def _():
             plgpu.semaphore_wait(sem.at[0], num_programs, memory_scope=scope)
             for p in range(num_programs):
-                plgpu.semaphore_signal(sem.at[1 + p], 1, memory_scope=scope)
+                plgpu.semaphore_signal(sem.at[2 + p], 1, memory_scope=scope)
 
-        plgpu.semaphore_wait(sem.at[1 + program], 1, memory_scope=scope)
+        plgpu.semaphore_wait(sem.at[2 + program], 1, memory_scope=scope)
         return carry
 
     lax.fori_loop(0, num_barriers, counter if design == "counter" else gather, 0)
+    if design == "counter" and num_barriers:
+        # Reset the counter for the next launch, once every program has seen its last value.
+        plgpu.semaphore_signal(sem.at[1], 1, memory_scope=scope)
+
+        @pl.when(program == 0)
+        def _():
+            plgpu.semaphore_wait(sem.at[1], num_programs, memory_scope=scope)
+            plgpu.semaphore_wait(sem.at[0], num_programs * num_barriers, memory_scope=scope)
 
     @pl.when(program == 0)
     def _():
@@ -63,7 +75,6 @@ def barriers(x, *, design: str, num_barriers: int, num_programs: int = NUM_SMS, 
                                num_programs=num_programs, scope=scope)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        scratch_types=[plgpu.SemaphoreType.REGULAR((1 + num_programs,))],
         grid=(num_programs,), grid_names=("program",))(x)
 
 
