@@ -11,6 +11,8 @@ kernel, minus the same kernel with none, so the figure is per barrier. Two desig
 - counter: every program adds 1 to one counter, then waits until it reads programs x (i + 1)
   (the counter only grows within a launch; program 0 resets it at the end);
 - gather: every program signals program 0, which waits for them all, then signals each one back.
+On the H200 (JAX 0.11.2, 132 programs): counter 0.78 us a barrier (gpu scope; 1.16 at sys scope),
+gather 39.7 us (program 0's 132 signals, each with its fence, in a row). docs/BENCHMARKS.md has the run.
 """
 import argparse
 import datetime
