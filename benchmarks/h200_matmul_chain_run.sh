@@ -7,11 +7,11 @@
 source "$(dirname "$0")/h200_setup.sh"
 shift || true
 ROWS=("$@")
-[ ${#ROWS[@]} -eq 0 ] && ROWS=(xla-bf16 xla-int8 mosaic-i8 mosaic-i8-pdl mosaic-bf16-c2 mosaic-bf16-c2-pdl)
+[ ${#ROWS[@]} -eq 0 ] && ROWS=(mosaic-i8-layer-nobarrier mosaic-i8-layer xla-int8 mosaic-i8)
 for r in "${ROWS[@]}"; do
   v=${r%:concat}; extra=""; [ "$v" != "$r" ] && extra="--concat"
   start=$(date +%s)
-  timeout 150 python3 benchmarks/matmul_chain.py --variants "$v" --layers 16 $extra --out "$OUT/${r/:/_}" > "$OUT/${r/:/_}.txt" 2>&1
+  timeout 100 python3 benchmarks/matmul_chain.py --variants "$v" --layers 16 $extra --out "$OUT/${r/:/_}" > "$OUT/${r/:/_}.txt" 2>&1
   echo "== $r: exit $?, $(( $(date +%s) - start )) s"
   grep -vE "^\s*$|Warning|warn" "$OUT/${r/:/_}.txt" | tail -3 | cut -c1-300
 done

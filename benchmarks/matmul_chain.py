@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels import rel_err  # noqa: E402
 
-from jlight.pallas_kernels import matmul_reference, w8a16_mosaic  # noqa: E402
+from jlight.pallas_kernels import matmul_reference, w8a16_mosaic, w8a16_mosaic_phases  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeightT  # noqa: E402
 
 LAYER_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: q/k/v, wo, gate/up, down
@@ -46,6 +46,10 @@ VARIANTS = {
     "mosaic-i8-pdl": dict(int8_activations=True, pdl=True),
     "mosaic-bf16-c2": dict(ctas_per_sm=2),
     "mosaic-bf16-c2-pdl": dict(ctas_per_sm=2, pdl=True),
+    # a layer's matmuls as the phases of one kernel (pallas_kernels/w8a16_mosaic_phases.py), with and
+    # without the grid-wide barrier between phases that a dependent chain would need
+    "mosaic-i8-layer": dict(layer=True, barrier=True),
+    "mosaic-i8-layer-nobarrier": dict(layer=True, barrier=False),
 }
 
 
@@ -78,17 +82,21 @@ def make_layers(key, shapes, num_layers, bf16: bool, concat: bool = False):
 
 
 def matmul_fn(variant: str, interpret: bool):
+    """fn(list of x, list of weights) -> list of products: one layer's matmuls."""
     cfg = VARIANTS[variant]
     if cfg is None:
-        return matmul_reference.matmul
+        return lambda xs, ws: [matmul_reference.matmul(x, w) for x, w in zip(xs, ws)]
     cfg = dict(cfg, **(dict(tile_k=128, num_sms=2) if interpret else {}))
-    return lambda x, w: w8a16_mosaic.w8a16_mosaic_matmul(x, w, interpret=interpret or None, **cfg)
+    if cfg.pop("layer", False):
+        return lambda xs, ws: w8a16_mosaic_phases.w8a16_mosaic_phases(xs, ws, interpret=interpret or None, **cfg)
+    return lambda xs, ws: [w8a16_mosaic.w8a16_mosaic_matmul(x, w, interpret=interpret or None, **cfg)
+                           for x, w in zip(xs, ws)]
 
 
 def chain(fn, xs, layers, shapes):
     """Every layer's matmuls in order; each reads its own fixed input (no data dependency, so nothing
     but the matmuls runs; on one stream the kernels still run one after another)."""
-    return [fn(xs[k], w) for ws in layers for (k, _), w in zip(shapes, ws)]
+    return [y for ws in layers for y in fn([xs[k] for k, _ in shapes], ws)]
 
 
 def measure(variant, fn, xs, layers, shapes, reps, trials):
@@ -159,8 +167,9 @@ def main():
         fn = matmul_fn(variant, a.quick)
         try:
             # checked on the first layer against XLA's float32 product on the same weights
-            errs = [rel_err(fn(xs[k], w).astype(jnp.float32), matmul_reference.matmul(xs[k].astype(jnp.float32), w))
-                    for (k, _), w in zip(chain_shapes, layers[0])]
+            got = jax.jit(fn)([xs[k] for k, _ in chain_shapes], layers[0])
+            errs = [rel_err(y.astype(jnp.float32), matmul_reference.matmul(xs[k].astype(jnp.float32), w))
+                    for y, (k, _), w in zip(got, chain_shapes, layers[0])]
             row = measure(variant, fn, xs, layers, chain_shapes, reps, trials)
             row["max_rel_err"] = max(errs)
             per_layer_us = row["wall_ms"] * 1e3 / num_layers  # with --concat: the same bytes in 2 kernels

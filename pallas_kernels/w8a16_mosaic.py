@@ -265,10 +265,17 @@ def w8a16_mosaic_matmul(x, w: QuantizedWeightT, out_dtype=None, *, interpret=Non
     )(*x_parts, w.values_t, w.scales.astype(jnp.float32))
     if final:
         return y
-    # Partial sums added as slices (elementwise, so XLA can fuse them into the consumer), then scaled.
-    total = y[0]
-    for s in range(1, num_splits):
-        total = total + y[s]
-    if int8_activations:  # s1 * (W q1) + s2 * (W q2)
+    return combine_partials(y, w.scales, out_dtype, x_scales if int8_activations else None)
+
+
+def combine_partials(partials, w_scales, out_dtype, x_scales=None):
+    """The kernel's float32 split-K partial sums [splits, rows, out] -> [M, out] in out_dtype: added as
+    slices (elementwise, so XLA can fuse them into the consumer), then scaled. With x_scales [2M] (int8
+    activations) the rows are W q1 then W q2, combined as s1 * (W q1) + s2 * (W q2)."""
+    total = partials[0]
+    for s in range(1, partials.shape[0]):
+        total = total + partials[s]
+    if x_scales is not None:
+        m = total.shape[0] // 2
         total = total[:m] * x_scales[:m, None] + total[m:] * x_scales[m:, None]
-    return (total * w.scales.astype(jnp.float32)).astype(out_dtype)
+    return (total * w_scales.astype(jnp.float32)).astype(out_dtype)
