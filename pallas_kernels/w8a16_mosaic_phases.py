@@ -5,7 +5,10 @@ and 55 us when the same bytes stream through one kernel (benchmarks/matmul_chain
 docs/BENCHMARKS.md, thirteenth session): each kernel boundary costs ~3 us of ramp-up and tail. A
 kernel that runs the matmuls as phases, with a grid-wide barrier between them (0.78 us on the H200,
 benchmarks/grid_barrier.py), pays the boundary once. This module measures that structure; the engine
-does not call it.
+does not call it. Measured on the H200 (matmul_chain.py, 16 layers, 8 rows): 64.3 us a layer without
+barriers against XLA's 67.5, but 70.7 with the three barriers a dependent layer needs: in place a
+barrier costs ~2.2 us, since it waits for the last program of its phase. A fused layer needs finer
+dependencies than a global barrier.
 
 Each phase is w8a16_mosaic's int8-activation path (x split into two int8 terms, int8 wgmma from
 shared memory, float32 split-K partials combined in XLA) on the same grid of one program per SM and
