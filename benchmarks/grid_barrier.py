@@ -32,9 +32,9 @@ from jlight.pallas_kernels.tiling import NUM_SMS
 
 
 def _barrier_kernel(x_ref, o_ref, *, design, num_barriers, num_programs, scope):
-    # Kernel-global semaphores (pl.get_global, as JAX's collective matmul uses): a scratch_types
-    # semaphore is the program's own, so a barrier on it waited forever (H200, this session). A global
-    # one persists across launches, so each design leaves every count at zero when the kernel ends.
+    # Kernel-global semaphores (pl.get_global, as JAX's collective matmul uses): a barrier on a
+    # scratch_types semaphore waited forever on the H200 (thirteenth session; each program has its own,
+    # presumably). A global one persists across launches, so each design leaves every count at zero.
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR((2 + num_programs,)))
     program = lax.axis_index("program")
 

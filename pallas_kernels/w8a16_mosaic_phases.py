@@ -19,8 +19,8 @@ as they would be if the phase before had computed them. Here the phases' inputs 
 front and no phase reads another's output, so the barrier only models the cost of a dependent chain
 (a real fused layer would also have to make the earlier phase's stores visible before signalling).
 
-The barrier is one counter in a kernel-global GMEM semaphore (pl.get_global: a scratch_types
-semaphore is each program's own, and a barrier on it never returned). Every program adds 1 and
+The barrier is one counter in a kernel-global GMEM semaphore (pl.get_global; a barrier on a
+scratch_types semaphore never returned on the H200, which suggests each program gets its own). Every program adds 1 and
 waits until the counter reads programs x phase; program 0 returns it to zero at the end of the
 launch, after every program has said it is done. Mosaic GPU's interpreter (CPU tests) has no
 semaphores, so there the phases run without barriers (the same outputs here), and each product is a
