@@ -13,10 +13,13 @@ int8. This script measures that cost directly, on a chain of `--layers` distinct
 - the device's wall time per layer, back to back (`--reps` chains queued, one wait at the end);
 - CUPTI's sum of the kernels' own times per layer (so wall minus CUPTI is the gaps between them);
 - the host's time to launch one chain (a launch slower than the device would bound the wall time).
-Variants: XLA's bf16 dot, XLA's int8 dequantize-dot (the engine's path), and the Mosaic GPU W8A16
+Variants: XLA's bf16 dot, XLA's int8 dequantize-dot (the engine's path), the Mosaic GPU W8A16
 kernel (pallas_kernels/w8a16_mosaic.py) in both activation modes, each with and without programmatic
-dependent launch (pdl: a kernel starts its weight copies before the kernel before it has ended).
-Every variant's output is checked against XLA's float32 product on the same weights.
+dependent launch (pdl: a kernel starts its weight copies before the kernel before it has ended), and
+a layer's four matmuls as the phases of one kernel (pallas_kernels/w8a16_mosaic_phases.py), with and
+without grid barriers between them. `--concat` streams the same bytes through one matmul per K, with
+no kernel boundaries at all. Every variant's output is checked against XLA's float32 product on the
+same weights.
 """
 import argparse
 import datetime
@@ -29,7 +32,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels import rel_err  # noqa: E402

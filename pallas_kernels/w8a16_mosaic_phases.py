@@ -37,7 +37,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
-from jlight.pallas_kernels.quantization import QuantizedWeightT
 from jlight.pallas_kernels.tiling import NUM_SMS
 from jlight.pallas_kernels.w8a16_mosaic import _ROWS, _choose_splits, combine_partials, split_int8, supports
 
