@@ -52,6 +52,7 @@ VARIANTS = {
     # without the grid-wide barrier between phases that a dependent chain would need
     "mosaic-i8-layer": dict(layer=True, barrier=True),
     "mosaic-i8-layer-nobarrier": dict(layer=True, barrier=False),
+    "mosaic-i8-layer-s2": dict(layer=True, barrier=True, split_factor=2),  # units half as long
 }
 
 

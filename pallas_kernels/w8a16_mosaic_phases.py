@@ -152,12 +152,14 @@ def _kernel(*refs, phases, num_programs, num_stages, tile_k, barrier, interpreti
 
 
 def w8a16_mosaic_phases(xs, ws, out_dtype=None, *, interpret=None, tile_k: int = 256, num_stages: int = 4,
-                        num_sms: int = NUM_SMS, barrier: bool = True):
+                        num_sms: int = NUM_SMS, barrier: bool = True, split_factor: int = 1):
     """[x @ w for x, w in zip(xs, ws)] in one kernel launch, each x [M, in] bf16/f16 (the same M, a multiple
     of 8 up to 64) times a K-major int8 QuantizedWeightT; each result as w8a16_mosaic_matmul(x, w,
     int8_activations=True) gives it. barrier: a grid-wide barrier between phases (the cost a dependent
-    chain would pay; the outputs do not depend on it). Call it under jit: an x passed for several
-    phases (the same array object) is split into int8 terms once."""
+    chain would pay; the outputs do not depend on it). split_factor: that many times the split-K ranges
+    of w8a16_mosaic's choice (shorter units, so a phase's tail before a barrier is shorter, at the cost of
+    more partial sums), where `in` divides into them. Call it under jit: an x passed for several phases
+    (the same array object) is split into int8 terms once."""
     if len(xs) != len(ws) or not xs:
         raise ValueError(f"w8a16_mosaic_phases needs one x per weight, got {len(xs)} x and {len(ws)} weights")
     m = xs[0].shape[0]
@@ -178,6 +180,8 @@ def w8a16_mosaic_phases(xs, ws, out_dtype=None, *, interpret=None, tile_k: int =
         n, k = w.values_t.shape
         k_blocks = k // tile_k
         splits = _choose_splits(n // _ROWS, k_blocks, num_sms)
+        if k_blocks % (splits * split_factor) == 0:
+            splits *= split_factor
         phases.append(_Phase(n // _ROWS * splits, splits, k_blocks // splits))
         inputs += [q1, q2, w.values_t]
         out_types.append(jax.ShapeDtypeStruct((splits, 2 * m, n), jnp.float32))

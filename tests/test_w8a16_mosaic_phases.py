@@ -17,8 +17,8 @@ def _weight(rng, n, k):
                             jnp.asarray(rng.uniform(1e-3, 2e-3, n), jnp.float32))
 
 
-@pytest.mark.parametrize("num_stages,num_sms", [(2, 3), (3, 5)])
-def test_phases_match_one_kernel_per_matmul_and_the_reference(num_stages, num_sms):
+@pytest.mark.parametrize("num_stages,num_sms,split_factor", [(2, 3, 1), (3, 5, 2)])
+def test_phases_match_one_kernel_per_matmul_and_the_reference(num_stages, num_sms, split_factor):
     rng = np.random.default_rng(num_stages * 10 + num_sms)
     x1 = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
     x2 = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
@@ -27,10 +27,11 @@ def test_phases_match_one_kernel_per_matmul_and_the_reference(num_stages, num_sm
     x3 = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
     xs = [x1, x3, x2, x1]  # x1 twice: split into int8 terms once
     kw = dict(interpret=True, tile_k=128, num_stages=num_stages, num_sms=num_sms)
-    got = jax.jit(lambda xs, ws: w8a16_mosaic_phases(xs, ws, **kw))(xs, weights)
+    got = jax.jit(lambda xs, ws: w8a16_mosaic_phases(xs, ws, split_factor=split_factor, **kw))(xs, weights)
     for x, w, y in zip(xs, weights, got):
         assert y.shape == (8, w.values_t.shape[0]) and y.dtype == jnp.bfloat16
-        # the same tiles in the same order as the one-matmul kernel: the same bits
+        # the same tiles as the one-matmul kernel, and its int32 sums, which float32 holds exactly at these
+        # sizes (< 2**24) however many split-K partials they come in: the same bits
         one = w8a16_mosaic_matmul(x, w, int8_activations=True, **kw)
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(one, np.float32))
         want = np.asarray(matmul_reference.matmul(x.astype(jnp.float32), w))
