@@ -47,37 +47,42 @@ def smollm2_gguf():
     return default_gguf_path()
 
 
-# The files that take longest on the 2-core CI host (seconds each in a clean run, 2026-12-01), longest
+# The files that take longest on the 2-core CI host (seconds each in a clean run, 2026-12-02), longest
 # first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands files to the two
 # workers in collection order, so the long ones start first and the short ones fill in at the end,
 # and both workers finish together (longest-processing-time-first). Without --no-loadscope-reorder
 # xdist sorts the files by their number of tests instead, which put several of these single-test
 # files last. The order only changes when a file runs, never what it runs.
 SLOW_FILES_FIRST = (
-    "test_quant_quality.py",  # ~245
-    "test_engine_sharded.py",  # ~190
-    "test_kv_cache_int8.py",  # ~170
-    "test_server_e2e.py",  # ~145
-    "test_smollm2.py",  # ~130
-    "test_mosaic_attention.py",  # ~115
-    "test_sharding.py",  # ~110
-    "test_convert.py",  # ~105
-    "test_benchmark_scripts.py",  # ~100
-    "test_tp_long_prefill.py",  # ~100
-    "test_moe.py",  # ~90
-    "test_mesh_sweep.py",  # ~90
-    "test_int8_all_reduce_quality.py",  # ~85
-    "test_engine.py",  # ~75
-    "test_cli.py",  # ~70
-    "test_w8a8_engine.py",  # ~60
-    "test_engine_sharded_unrolled.py",  # ~55
-    "test_batch.py",  # ~50
-    "test_kernels_matmul.py",  # ~50
-    "test_grouped_matmul.py",  # ~45
-    "test_attention_reference.py",  # ~45
-    "test_fused_projections.py",  # ~40
-    "test_mla.py",  # ~40
-    "test_kernels_attention.py",  # ~35
+    "test_quant_quality.py",  # ~288
+    "test_engine_sharded.py",  # ~194
+    "test_kv_cache_int8.py",  # ~164
+    "test_server_e2e.py",  # ~122
+    "test_convert.py",  # ~122
+    "test_sharding.py",  # ~113
+    "test_smollm2.py",  # ~110
+    "test_moe.py",  # ~97
+    "test_benchmark_scripts.py",  # ~94
+    "test_tp_long_prefill.py",  # ~86
+    "test_mosaic_attention.py",  # ~85
+    "test_mesh_sweep.py",  # ~79
+    "test_cli.py",  # ~77
+    "test_engine.py",  # ~71
+    "test_int8_all_reduce_quality.py",  # ~71
+    "test_w8a8_engine.py",  # ~70
+    "test_kernels_matmul.py",  # ~69
+    "test_batch.py",  # ~67
+    "test_engine_sharded_unrolled.py",  # ~60
+    "test_grouped_matmul.py",  # ~55
+    "test_fused_projections.py",  # ~51
+    "test_mla.py",  # ~38
+    "test_fused_layer_probes.py",  # ~32
+    "test_reference_llama.py",  # ~27
+    "test_w8a16_mosaic.py",  # ~27
+    "test_w8a16_mosaic_phases.py",  # ~23
+    "test_sharding_distributed.py",  # ~23
+    "test_gptq.py",  # ~22
+    "test_smoothquant.py",  # ~21
 )
 
 
