@@ -1,0 +1,154 @@
+"""Where a large-batch decode step's time goes: B sequences with C tokens of context each, all
+decoding, through the full engine; the step's device wall time against its roofline, and CUPTI's
+kernel list.
+
+Why: on issue #3's workload (256 requests, 100-1024 tokens in and out) the engine's decode steps
+average ~21 ms on the H200 (docs/BENCHMARKS.md, 2026-12-02), about twice what reading the weights and
+the K/V pages at the copy rate would take. This script finds which kernels hold the difference.
+
+  python benchmarks/batch_decode_profile.py --model-config llama3-8b --batches 64,256 --context 1024 --out DIR
+  python benchmarks/batch_decode_profile.py --model-config tiny --batches 4 --context 40   # CPU smoke run
+
+Roofline of a decode step: max(bytes / copy rate, FLOPs / 645 TFLOP/s), where bytes = the weights
+(but the embedding table) + every K/V page the batch reads (B x C tokens, all layers), and FLOPs =
+2 x weights x B + the attention's 4 x B x C x heads x head_dim x layers.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_latency import back_to_back_ms, kernel_breakdown  # noqa: E402
+from model_configs import random_loaded_model  # noqa: E402
+from offline_throughput import copy_bandwidth_bytes_per_s, weight_bytes  # noqa: E402
+
+from jlight.engine import sampler  # noqa: E402
+from jlight.engine.engine_config import EngineConfig  # noqa: E402
+from jlight.engine.llm_engine import LLMEngine  # noqa: E402
+from jlight.engine.sampling_params import SamplingParams  # noqa: E402
+
+BF16_MATMUL_FLOPS = 645e12  # the H200's measured bf16 matmul rate (task statement, 2026-11-29)
+
+
+def decode_step_inputs(engine: LLMEngine, batch: int, context: int, max_tokens: int, temperature: float, seed: int = 0):
+    """Admit `batch` requests of `context` random prompt tokens and step until every one is decoding;
+    returns the StepInputs of the last step (a decode step of `batch` tokens) and the engine, ready to run on."""
+    calls, launch = [], engine.runner.launch
+
+    def spy(inp):
+        calls.append(inp)
+        return launch(inp)
+
+    engine.runner.launch = spy
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    for i in range(batch):
+        engine.add_request(f"r{i}", None, params,
+                           prompt_token_ids=rng.integers(0, engine.model_config.vocab_size, context).tolist())
+    generated = {}
+    while len(generated) < batch or min(generated.values()) < 2:  # every sequence past its first decode step
+        for out in engine.step():
+            generated[out.request_id] = generated.get(out.request_id, 0) + len(out.outputs[0].token_ids_delta)
+    engine.runner.launch = launch
+    return calls[-1]
+
+
+def engine_steps(engine: LLMEngine, steps: int) -> dict:
+    """`steps` full engine steps (host included), the batch unchanged: output tokens per second, and
+    the median and largest step time and host time inside runner.launch (the jitted call: a launch
+    that lasts about as long as the step means the host waited for the device inside it)."""
+    launch_s, launch = [], engine.runner.launch
+
+    def timed_launch(inp):
+        t0 = time.perf_counter()
+        out = launch(inp)
+        launch_s.append(time.perf_counter() - t0)
+        return out
+
+    engine.runner.launch = timed_launch
+    tokens, step_s = 0, []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tokens += sum(len(o.outputs[0].token_ids_delta) for o in engine.step())
+        step_s.append(time.perf_counter() - t0)
+    engine.runner.launch = launch
+    ms = lambda xs: [round(1e3 * float(np.median(xs)), 3), round(1e3 * max(xs), 3)]  # noqa: E731
+    return dict(tok_s=tokens / sum(step_s), step_ms_median_max=ms(step_s), launch_ms_median_max=ms(launch_s))
+
+
+def argmax_sampler(logits, s, history=None):
+    """--sampler argmax: the sampler without its lax.conds (greedy tokens, no logprobs); timing only."""
+    zeros = jnp.zeros((logits.shape[0], sampler.NUM_TOP_LOGPROBS))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape[0]), zeros.astype(jnp.int32), zeros
+
+
+def roofline(cfg, params, batch: int, context: int, copy_bw: float) -> dict:
+    kv_bytes = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
+    w_bytes = weight_bytes(params)
+    flops = 2 * w_bytes / 2 * batch + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return dict(weight_gb=w_bytes / 1e9, kv_gb=kv_bytes / 1e9, tflop=flops / 1e12,
+                memory_ms=(w_bytes + kv_bytes) / copy_bw * 1e3, compute_ms=flops / BF16_MATMUL_FLOPS * 1e3)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-config", default="llama3-8b")
+    ap.add_argument("--batches", default="64,256", help="comma-separated numbers of decoding sequences")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens of each sequence")
+    ap.add_argument("--temperature", type=float, default=0.6, help="0: greedy (the sampler skips its random draw)")
+    ap.add_argument("--engine-steps", type=int, default=20, help="full engine steps timed after the device-side figures")
+    ap.add_argument("--attention-impl", default="auto")
+    ap.add_argument("--sampler", default="engine", choices=["engine", "argmax"],
+                    help="argmax: replace the engine's sampler by a plain argmax (timing only: what its lax.conds cost)")
+    ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: CUPTI's kernel list of one step")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    if a.sampler == "argmax":  # before any engine traces its step
+        sampler.sample = argmax_sampler
+    loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=a.context + 4096)
+    gpu = jax.default_backend() == "gpu"
+    copy_bw = copy_bandwidth_bytes_per_s() if gpu else None
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
+                  jax=jax.__version__, command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""), copy_bw_tb_s=copy_bw and copy_bw / 1e12, rows={})
+    for batch in (int(b) for b in a.batches.split(",")):
+        max_len = a.context + a.engine_steps + 64
+        engine = LLMEngine(EngineConfig(
+            model=None, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), max_model_len=max_len,
+            num_pages=batch * (-(-max_len // 16)) + 2, warmup=False, attention_impl=a.attention_impl), loaded=loaded)
+        t0 = time.perf_counter()
+        inp = decode_step_inputs(engine, batch, a.context, max_len - a.context, a.temperature)
+        row = dict(batch=batch, context=a.context, fill_s=time.perf_counter() - t0,
+                   step_ms=back_to_back_ms(engine.runner, inp, reps=20))
+        if copy_bw:
+            row["roofline"] = roofline(engine.model_config, engine.runner.params, batch, a.context, copy_bw)
+        if a.kernel_breakdown and gpu:
+            row["kernels"] = kernel_breakdown(engine.runner, (inp, None), top=16)
+        row["engine"] = engine_steps(engine, a.engine_steps)
+        e = row["engine"]
+        line = (f"B={batch:4d} C={a.context}: decode step {row['step_ms']:.2f} ms back to back; engine {e['tok_s']:.0f} tok/s, "
+                f"step {e['step_ms_median_max'][0]:.2f} ms (max {e['step_ms_median_max'][1]:.1f}), launch "
+                f"{e['launch_ms_median_max'][0]:.2f} ms (max {e['launch_ms_median_max'][1]:.1f})")
+        if copy_bw:
+            r = row["roofline"]
+            floor = max(r["memory_ms"], r["compute_ms"])
+            line += (f"; roofline {floor:.2f} ms (memory {r['memory_ms']:.2f}: {r['weight_gb']:.1f} GB weights + "
+                     f"{r['kv_gb']:.1f} GB K/V; compute {r['compute_ms']:.2f}) -> {row['step_ms'] / floor:.2f}x")
+        print(line, flush=True)
+        result["rows"][str(batch)] = row
+        del engine
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "batch_decode_profile.json"), "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
