@@ -29,7 +29,7 @@ from decode_latency import back_to_back_ms, kernel_breakdown  # noqa: E402
 from model_configs import random_loaded_model  # noqa: E402
 from offline_throughput import copy_bandwidth_bytes_per_s, weight_bytes  # noqa: E402
 
-from jlight.engine import sampler  # noqa: E402
+from jlight.engine import model_runner, sampler  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
@@ -37,7 +37,8 @@ from jlight.engine.sampling_params import SamplingParams  # noqa: E402
 BF16_MATMUL_FLOPS = 645e12  # the H200's measured bf16 matmul rate (task statement, 2026-11-29)
 
 
-def decode_step_inputs(engine: LLMEngine, batch: int, context: int, max_tokens: int, temperature: float, seed: int = 0):
+def decode_step_inputs(engine: LLMEngine, batch: int, context: int, max_tokens: int, temperature: float, top_p: float,
+                       seed: int = 0):
     """Admit `batch` requests of `context` random prompt tokens and step until every one is decoding;
     returns the StepInputs of the last step (a decode step of `batch` tokens) and the engine, ready to run on."""
     calls, launch = [], engine.runner.launch
@@ -48,7 +49,7 @@ def decode_step_inputs(engine: LLMEngine, batch: int, context: int, max_tokens: 
 
     engine.runner.launch = spy
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=seed)
     for i in range(batch):
         engine.add_request(f"r{i}", None, params,
                            prompt_token_ids=rng.integers(0, engine.model_config.vocab_size, context).tolist())
@@ -103,6 +104,9 @@ def main():
     ap.add_argument("--batches", default="64,256", help="comma-separated numbers of decoding sequences")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of each sequence")
     ap.add_argument("--temperature", type=float, default=0.6, help="0: greedy (the sampler skips its random draw)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="< 1: every step sorts its logits (the sampler's filters)")
+    ap.add_argument("--cub-sort", action="store_true", help="let XLA sort with CUB, as the engine did before "
+                    "2026-12-02 (model_runner.STEP_COMPILER_OPTIONS emptied)")
     ap.add_argument("--engine-steps", type=int, default=20, help="full engine steps timed after the device-side figures")
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--sampler", default="engine", choices=["engine", "argmax"],
@@ -111,20 +115,23 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
+    if a.cub_sort:
+        model_runner.STEP_COMPILER_OPTIONS = {}
     if a.sampler == "argmax":  # before any engine traces its step
         sampler.sample = argmax_sampler
     loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=a.context + 4096)
     gpu = jax.default_backend() == "gpu"
     copy_bw = copy_bandwidth_bytes_per_s() if gpu else None
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""), copy_bw_tb_s=copy_bw and copy_bw / 1e12, rows={})
+                  jax=jax.__version__, command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  step_compiler_options=model_runner.STEP_COMPILER_OPTIONS, copy_bw_tb_s=copy_bw and copy_bw / 1e12, rows={})
     for batch in (int(b) for b in a.batches.split(",")):
         max_len = a.context + a.engine_steps + 64
         engine = LLMEngine(EngineConfig(
             model=None, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), max_model_len=max_len,
             num_pages=batch * (-(-max_len // 16)) + 2, warmup=False, attention_impl=a.attention_impl), loaded=loaded)
         t0 = time.perf_counter()
-        inp = decode_step_inputs(engine, batch, a.context, max_len - a.context, a.temperature)
+        inp = decode_step_inputs(engine, batch, a.context, max_len - a.context, a.temperature, a.top_p)
         row = dict(batch=batch, context=a.context, fill_s=time.perf_counter() - t0,
                    step_ms=back_to_back_ms(engine.runner, inp, reps=20))
         if copy_bw:

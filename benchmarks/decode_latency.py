@@ -32,7 +32,7 @@ import fusion_ablation  # noqa: E402
 from model_configs import random_loaded_model  # noqa: E402
 from offline_throughput import copy_bandwidth_bytes_per_s, decode_latency, weight_bytes  # noqa: E402
 
-from jlight.engine import step_packing  # noqa: E402
+from jlight.engine import model_runner, step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
@@ -171,7 +171,8 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     from jax.experimental.mosaic.gpu import profiler
 
     inp, _ = step_args
-    _, kernels = profiler.measure(jax.jit(runner._packed_step, static_argnums=7), aggregate=False)(
+    step = jax.jit(runner._packed_step, static_argnums=7, compiler_options=model_runner.STEP_COMPILER_OPTIONS)
+    _, kernels = profiler.measure(step, aggregate=False)(
         runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, *step_packing.pack(inp))
     by_name: dict[str, list] = {}
     for name, ms in kernels or []:
