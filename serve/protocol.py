@@ -17,8 +17,15 @@ from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPR
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request may batch this many prompts
 MAX_LOGIT_BIAS_ENTRIES = 32  # the engine applies at most this many per request
 
-# Strict types: OpenAI rejects "1" where an integer is expected, so do we.
+# Strict types: OpenAI rejects "1" where an integer is expected, so do we. A strict float
+# still takes an integer (temperature=1) but not a string or a bool.
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+def Number(**bounds):
+    return Annotated[float, Field(strict=True, **bounds)]
+
+
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -36,20 +43,20 @@ class SamplingFields(OpenAIBody):
     """Sampling fields shared by both endpoints (OpenAI's plus vLLM-style extensions)."""
     model: StrictStr | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
+    temperature: Number(ge=0.0, le=2.0) | None = 1.0
+    top_p: Number(gt=0.0, le=1.0) | None = 1.0
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: StrictInt | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    logit_bias: Annotated[dict[str, Number(ge=-100.0, le=100.0)],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Extensions (vLLM names).
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_p: Number(ge=0.0, le=1.0) | None = None
+    repetition_penalty: Number(gt=0.0) | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None

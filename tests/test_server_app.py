@@ -200,6 +200,11 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 64}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "temperature": "0.5"}, 400, "temperature"),  # a string is not a number
+    ("/v1/completions", {"prompt": "a", "top_p": True}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": "1"}, 400,
+     "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
@@ -232,6 +237,14 @@ def test_bad_input(server, path, body, status, param):
     error = r.json()["error"]
     assert error["param"] == param, error
     assert error["message"] and error["type"]
+
+
+def test_integers_are_numbers(server):
+    """Strict number fields still take JSON integers (temperature=1), as OpenAI does."""
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "temperature": 1, "top_p": 1,
+                                      "presence_penalty": 0, "logit_bias": {"5": 1}})
+    assert r.status_code == 200, r.text
 
 
 def test_body_size_limit(server):
