@@ -7,10 +7,12 @@ length, vocabulary) live in serve/validation.py.
 """
 from __future__ import annotations
 
+import functools
 import time
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -33,6 +35,22 @@ class OpenAIBody(BaseModel):
     # Clients send fields we do not use (user, service_tier, ...); ignoring them is what
     # OpenAI-compatible servers do. Unknown *values* of known fields are still errors.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's schema marks optional fields nullable (n, stream, echo, logprobs, ...) and
+        clients send null for "unset": a null for a field whose type has no None of its own
+        takes the default. (Where None is a value, e.g. max_tokens=None, it is kept.)"""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in _defaulted_on_null(cls)}
+
+
+@functools.cache
+def _defaulted_on_null(cls) -> frozenset[str]:
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if not f.is_required() and type(None) not in typing.get_args(f.annotation))
 
 
 class StreamOptions(OpenAIBody):

@@ -247,6 +247,22 @@ def test_integers_are_numbers(server):
     assert r.status_code == 200, r.text
 
 
+def test_null_means_default(server):
+    """OpenAI's schema lets clients send null for an unset optional field (n, stream, echo,
+    logprobs, ...); the server then uses the default rather than answering 400."""
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": None, "stream": None, "echo": None,
+                                      "best_of": None, "suffix": None, "stream_options": None, "logprobs": None,
+                                      "min_tokens": None, "ignore_eos": None})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["xx"]
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": None}], "max_tokens": 2,
+                                           "n": None, "stream": None, "logprobs": None, "top_logprobs": None,
+                                           "max_completion_tokens": None, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
 def test_body_size_limit(server):
     url, _ = server
     r = post(url, "/v1/completions", {"prompt": "a" * 5000})
