@@ -12,7 +12,8 @@ import time
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
+                      model_validator)
 
 from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -53,6 +54,22 @@ def _defaulted_on_null(cls) -> frozenset[str]:
                      if not f.is_required() and type(None) not in typing.get_args(f.annotation))
 
 
+def Unsupported(base: Any, asks_nothing, why: str):
+    """A field of a feature jlight lacks. A value that asks for nothing (no tools, plain text)
+    passes; any other is a 400 naming the field, because an answer that ignored it (prose
+    where JSON was asked for, no tool call) would look like success."""
+    def check(value, info: ValidationInfo):
+        if value is not None and not asks_nothing(value):
+            raise ValueError(f"{info.field_name} is not supported ({why}); leave {info.field_name} out")
+        return value
+    return Annotated[base, AfterValidator(check)]
+
+
+NO_GUIDED = "jlight has no guided decoding (structured output)"
+NO_TOOLS = "jlight does not parse tool calls"
+GuidedDecoding = Unsupported(Any, lambda v: False, NO_GUIDED)
+
+
 class StreamOptions(OpenAIBody):
     include_usage: StrictBool = False
 
@@ -80,6 +97,12 @@ class SamplingFields(OpenAIBody):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # vLLM's structured-output extensions, which jlight lacks.
+    guided_json: GuidedDecoding = None
+    guided_regex: GuidedDecoding = None
+    guided_choice: GuidedDecoding = None
+    guided_grammar: GuidedDecoding = None
+    structured_outputs: GuidedDecoding = None
 
 
 class CompletionRequest(SamplingFields):
@@ -88,8 +111,8 @@ class CompletionRequest(SamplingFields):
         | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
     max_tokens: PositiveInt | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Literal[False] = False  # echoing the prompt is not supported; say so instead of ignoring it
-    suffix: None = None  # insertion (fill-in-the-middle) is not supported
+    echo: Unsupported(StrictBool, lambda v: v is False, "the prompt is not returned with the completion") = False
+    suffix: Unsupported(StrictStr, lambda v: v == "", "jlight does not insert text (fill-in-the-middle)") = None
     best_of: PositiveInt | None = None
 
 
@@ -118,6 +141,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
+    tools: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
+    functions: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
+    tool_choice: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
+    function_call: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
+    response_format: Unsupported(dict, lambda v: v == {"type": "text"}, NO_GUIDED) = None
 
 
 class TokenizeRequest(OpenAIBody):

@@ -215,7 +215,6 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": [999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
@@ -261,6 +260,40 @@ def test_null_means_default(server):
                                            "max_completion_tokens": None, "stream_options": {"include_usage": None}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None
+
+
+CHAT_X = [{"role": "user", "content": "x"}]
+UNSUPPORTED = [
+    # Features jlight lacks: a 400 naming the field, never an answer that ignores it.
+    ("/v1/chat/completions", {"messages": CHAT_X, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "function_call": {"name": "f"}}, "function_call"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "guided_choice": ["yes", "no"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", UNSUPPORTED)
+def test_unsupported_feature_is_a_clear_400(server, path, body, param):
+    url, _ = server
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "not supported" in error["message"] and param in error["message"], error
+
+
+def test_unsupported_features_left_unused_pass(server):
+    """Values that ask for nothing (no tools, plain text) are what many clients always send."""
+    url, _ = server
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "max_tokens": 1, "tools": [], "tool_choice": "none",
+                                           "response_format": {"type": "text"}, "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "echo": False, "suffix": ""})
+    assert r.status_code == 200, r.text
 
 
 def test_body_size_limit(server):
