@@ -37,6 +37,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i or not skip_special_tokens).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id):
+        return bytes([token_id])
+
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
 
@@ -185,6 +188,22 @@ def test_completion_and_chat_shapes(server):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     prompt_len = len("<user>hi<assistant>")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == prompt_len
+
+
+def test_chat_logprob_bytes_rebuild_split_characters():
+    """A character split over tokens ("é" is two byte tokens here) shows as U+FFFD in each
+    token's text; its `bytes` must be the token's own bytes, which concatenate to the text."""
+    from jlight.serve.responses import ResponseBuilder
+    text = "é!"
+    ids = list(text.encode())  # [195, 169, 33]
+    logprobs = [{t: -0.1, 33: -2.0} for t in ids]
+    out = RequestOutput("r", None, [1], [CompletionOutput(index=0, text=text, token_ids=ids, finish_reason="length",
+                                                          logprobs=logprobs)], finished=True)
+    builder = ResponseBuilder("chat", "chatcmpl-1", "m", ByteTokenizer(), 1, want_logprobs=True, num_top_logprobs=2)
+    content = builder.full_response([out])["choices"][0]["logprobs"]["content"]
+    assert [t["bytes"] for t in content] == [[195], [169], [33]]
+    assert bytes(b for t in content for b in t["bytes"]).decode() == text
+    assert [t["bytes"] for t in content[0]["top_logprobs"]] == [[195], [33]]
 
 
 BAD_INPUTS = [
