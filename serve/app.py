@@ -108,6 +108,8 @@ def build_app(async_llm, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
+        if async_llm.error is not None:  # the engine loop is gone: take this server out of rotation
+            return PlainTextResponse(f"engine stopped: {async_llm.error}", status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/metrics")

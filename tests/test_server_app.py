@@ -70,6 +70,7 @@ class FakeAsyncLLM:
         self.active: set[str] = set()
         self.aborted: set[str] = set()  # requests that ended before their last token
         self.hold_first_token = False
+        self.error = None  # AsyncLLM.error: why the engine loop stopped
 
     async def generate(self, prompt, sampling_params, request_id):
         if len(self.active) >= self.max_waiting:
@@ -330,6 +331,19 @@ def test_auth(server):
         assert httpx.get(url + path, headers=HEADERS).status_code == 200
     r = post(url, "/v1/completions", {"prompt": "a"}, headers={})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_health_reports_a_dead_engine(server):
+    """Once the engine loop has stopped, every request fails: /health must say so, so that a
+    load balancer stops sending traffic here."""
+    url, llm = server
+    llm.error = RuntimeError("device lost")
+    try:
+        r = httpx.get(url + "/health")
+    finally:
+        llm.error = None
+    assert r.status_code == 503 and "device lost" in r.text, r.text
+    assert httpx.get(url + "/health").status_code == 200
 
 
 def test_backpressure_answers_503_with_retry_after(server):
