@@ -12,8 +12,8 @@ import time
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      ValidationInfo, WrapValidator, model_validator)
 
 from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -30,6 +30,18 @@ def Number(**bounds):
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+def OneOf(union: Any, shapes: str):
+    """A field that takes several shapes. pydantic would report only the first shape's
+    complaint ("Input should be a valid string" for token ids with a negative one); the
+    message names every shape instead."""
+    def check(value, handler, info: ValidationInfo):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"{info.field_name} must be {shapes}") from None
+    return Annotated[union, WrapValidator(check)]
 
 
 class OpenAIBody(BaseModel):
@@ -80,7 +92,8 @@ class SamplingFields(OpenAIBody):
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     temperature: Number(ge=0.0, le=2.0) | None = 1.0
     top_p: Number(gt=0.0, le=1.0) | None = 1.0
-    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: OneOf(StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None,
+                f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings") = None
     seed: StrictInt | None = None
     presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
     frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
@@ -107,8 +120,10 @@ class SamplingFields(OpenAIBody):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of strings (a batch), a list of token ids, or a list of those.
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)] \
-        | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+    prompt: OneOf(StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+                  | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
+                  f"a string, a list of token ids (integers >= 0), or a batch: a list of 1 to "
+                  f"{MAX_PROMPTS_PER_REQUEST} strings, or of 1 to {MAX_PROMPTS_PER_REQUEST} token-id lists")
     max_tokens: PositiveInt | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: Unsupported(StrictBool, lambda v: v is False, "the prompt is not returned with the completion") = False
@@ -123,7 +138,8 @@ class TextPart(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: OneOf(StrictStr | list[TextPart] | None,
+                   'a string or a list of {"type": "text", "text": ...} parts (jlight takes text only)') = None
     name: StrictStr | None = None
 
     def text(self) -> str:

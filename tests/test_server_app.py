@@ -245,6 +245,27 @@ BAD_INPUTS = [
 ]
 
 
+UNION_INPUTS = [
+    # Fields that take several shapes: the message lists the shapes, not the first one's complaint
+    # ("Input should be a valid string" for a list of token ids with a negative one).
+    ("/v1/completions", {"prompt": [-1]}, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop", "non-empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages.0.content", "text"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", UNION_INPUTS)
+def test_union_field_error_says_what_is_accepted(server, path, body, param, words):
+    url, _ = server
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert "valid string" not in error["message"], error
+
+
 @pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)
 def test_bad_input(server, path, body, status, param):
     url, _ = server
