@@ -352,6 +352,10 @@ def test_auth(server):
         assert httpx.get(url + path, headers=HEADERS).status_code == 200
     r = post(url, "/v1/completions", {"prompt": "a"}, headers={})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # The scheme is case-insensitive (RFC 9110 11.1); the key is not.
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY.upper()}"}).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Basic {API_KEY}"}).status_code == 401
 
 
 def test_health_reports_a_dead_engine(server):
