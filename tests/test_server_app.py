@@ -428,6 +428,16 @@ def test_metrics_text(server):
     assert values["jlight:kv_cache_pages_used"] == 0 and values["jlight:kv_cache_pages_total"] == 100
 
 
+def test_default_model_is_served_by_its_name():
+    """`jlight serve` with no model serves SmolLM2 from a cache file; clients name it
+    "SmolLM2-135M-Instruct", not the server's cache path."""
+    from jlight.serve import cli
+    assert cli.served_model_names(cli.build_parser().parse_args([])) == ["SmolLM2-135M-Instruct"]
+    assert cli.served_model_names(cli.build_parser().parse_args(["m.gguf"])) is None  # the engine's name: the path given
+    args = cli.build_parser().parse_args(["--served-model-name", "a", "--served-model-name", "b"])
+    assert cli.served_model_names(args) == ["a", "b"]
+
+
 def test_tokenize_roundtrip(server):
     url, _ = server
     ids = post(url, "/tokenize", {"prompt": "héllo"}).json()["tokens"]
