@@ -17,6 +17,22 @@ from jlight.errors import ModelLoadError
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (printable stand-ins for the 256 bytes), reversed."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_DECODER = _byte_level_decoder()
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -91,6 +107,21 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. Decoding a token alone gives U+FFFD when it holds
+        part of a multi-byte character; OpenAI's logprobs report its bytes instead, so the
+        client can join them. Byte-level BPE pieces map back through GPT-2's byte alphabet,
+        SentencePiece byte-fallback pieces are `<0xHH>`."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if REPLACEMENT_CHAR not in text:
+            return text.encode("utf-8")
+        piece = self.backend.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if piece and all(ch in _BYTE_LEVEL_DECODER for ch in piece):
+            return bytes(_BYTE_LEVEL_DECODER[ch] for ch in piece)
+        return text.encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""

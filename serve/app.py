@@ -40,6 +40,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         message, param = f"request body is not valid JSON: {first.get('msg', '')}", None
+    elif first.get("type") == "value_error" and first.get("ctx", {}).get("error"):
+        message = str(first["ctx"]["error"])  # our own validators' messages name the field already
     else:
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         if "input" in first and param:
@@ -106,6 +108,8 @@ def build_app(async_llm, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
+        if async_llm.error is not None:  # the engine loop is gone: take this server out of rotation
+            return PlainTextResponse(f"engine stopped: {async_llm.error}", status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/metrics")

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                              "(default: $JLIGHT_API_KEY)")
     server.add_argument("--served-model-name", action="append", default=None,
-                        help="name clients use for the model (repeatable; default: the model's name)")
+                        help="name clients use for the model (repeatable; default: the model path or hub id given, "
+                             "SmolLM2-135M-Instruct when none is)")
     server.add_argument("--max-waiting-requests", type=_positive_int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="answer 503 + Retry-After beyond this many requests waiting for their first token")
     server.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
@@ -50,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def served_model_names(args: argparse.Namespace) -> list[str] | None:
+    """--served-model-name, else None (the engine's name: the path or hub id given). With no
+    model the engine loads SmolLM2 from a cache file whose path clients cannot guess (and
+    should not see), so it is served as "SmolLM2-135M-Instruct"."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        from jlight.loading.default_model import DEFAULT_MODEL_NAME
+        return [DEFAULT_MODEL_NAME]
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn  # lazy: `import jlight` must not pull in the web stack
 
@@ -61,14 +74,15 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **engine_options(args))
     async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    max_body_bytes=args.max_body_bytes, served_model_names=args.served_model_name)
+                    max_body_bytes=args.max_body_bytes, served_model_names=served_model_names(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
     # uvicorn drains on SIGTERM, then re-raises the signal so the default action would
     # kill us with status 143; a no-op handler installed first makes it return instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s on http://%s:%d", llm.model_name, args.host, args.port)
+    logger.info("serving %s as %s on http://%s:%d", llm.model_name, served_model_names(args) or [llm.model_name],
+                args.host, args.port)
     uvicorn.Server(config).run()
     return 0
 

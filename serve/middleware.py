@@ -25,15 +25,16 @@ def _error(status: int, message: str, type_: str, param: str | None = None, code
 class GuardMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # header names arrive lower-cased
-        if self.expected_auth is not None and scope["path"] not in UNAUTHENTICATED_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected_auth):
+        if self.api_key is not None and scope["path"] not in UNAUTHENTICATED_PATHS:
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            # The scheme is case-insensitive ("bearer" is common); the key is compared in constant time.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
                 return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                                     "authentication_error", code="invalid_api_key",
                                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -7,25 +7,79 @@ length, vocabulary) live in serve/validation.py.
 """
 from __future__ import annotations
 
+import functools
 import time
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      ValidationInfo, WrapValidator, model_validator)
 
 from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request may batch this many prompts
 MAX_LOGIT_BIAS_ENTRIES = 32  # the engine applies at most this many per request
 
-# Strict types: OpenAI rejects "1" where an integer is expected, so do we.
+# Strict types: OpenAI rejects "1" where an integer is expected, so do we. A strict float
+# still takes an integer (temperature=1) but not a string or a bool.
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+def Number(**bounds):
+    return Annotated[float, Field(strict=True, **bounds)]
+
+
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+def OneOf(union: Any, shapes: str):
+    """A field that takes several shapes. pydantic would report only the first shape's
+    complaint ("Input should be a valid string" for token ids with a negative one); the
+    message names every shape instead."""
+    def check(value, handler, info: ValidationInfo):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"{info.field_name} must be {shapes}") from None
+    return Annotated[union, WrapValidator(check)]
 
 
 class OpenAIBody(BaseModel):
     # Clients send fields we do not use (user, service_tier, ...); ignoring them is what
     # OpenAI-compatible servers do. Unknown *values* of known fields are still errors.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's schema marks optional fields nullable (n, stream, echo, logprobs, ...) and
+        clients send null for "unset": a null for a field whose type has no None of its own
+        takes the default. (Where None is a value, e.g. max_tokens=None, it is kept.)"""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in _defaulted_on_null(cls)}
+
+
+@functools.cache
+def _defaulted_on_null(cls) -> frozenset[str]:
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if not f.is_required() and type(None) not in typing.get_args(f.annotation))
+
+
+def Unsupported(base: Any, asks_nothing, why: str):
+    """A field of a feature jlight lacks. A value that asks for nothing (no tools, plain text)
+    passes; any other is a 400 naming the field, because an answer that ignored it (prose
+    where JSON was asked for, no tool call) would look like success."""
+    def check(value, info: ValidationInfo):
+        if value is not None and not asks_nothing(value):
+            raise ValueError(f"{info.field_name} is not supported ({why}); leave {info.field_name} out")
+        return value
+    return Annotated[base, AfterValidator(check)]
+
+
+NO_GUIDED = "jlight has no guided decoding (structured output)"
+NO_TOOLS = "jlight does not parse tool calls"
+GuidedDecoding = Unsupported(Any, lambda v: False, NO_GUIDED)
 
 
 class StreamOptions(OpenAIBody):
@@ -36,35 +90,44 @@ class SamplingFields(OpenAIBody):
     """Sampling fields shared by both endpoints (OpenAI's plus vLLM-style extensions)."""
     model: StrictStr | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
-    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    temperature: Number(ge=0.0, le=2.0) | None = 1.0
+    top_p: Number(gt=0.0, le=1.0) | None = 1.0
+    stop: OneOf(StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None,
+                f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings") = None
     seed: StrictInt | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    presence_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    frequency_penalty: Number(ge=-2.0, le=2.0) | None = 0.0
+    logit_bias: Annotated[dict[str, Number(ge=-100.0, le=100.0)],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Extensions (vLLM names).
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_p: Number(ge=0.0, le=1.0) | None = None
+    repetition_penalty: Number(gt=0.0) | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # vLLM's structured-output extensions, which jlight lacks.
+    guided_json: GuidedDecoding = None
+    guided_regex: GuidedDecoding = None
+    guided_choice: GuidedDecoding = None
+    guided_grammar: GuidedDecoding = None
+    structured_outputs: GuidedDecoding = None
 
 
 class CompletionRequest(SamplingFields):
     # A string, a list of strings (a batch), a list of token ids, or a list of those.
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)] \
-        | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+    prompt: OneOf(StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+                  | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
+                  f"a string, a list of token ids (integers >= 0), or a batch: a list of 1 to "
+                  f"{MAX_PROMPTS_PER_REQUEST} strings, or of 1 to {MAX_PROMPTS_PER_REQUEST} token-id lists")
     max_tokens: PositiveInt | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Literal[False] = False  # echoing the prompt is not supported; say so instead of ignoring it
-    suffix: None = None  # insertion (fill-in-the-middle) is not supported
+    echo: Unsupported(StrictBool, lambda v: v is False, "the prompt is not returned with the completion") = False
+    suffix: Unsupported(StrictStr, lambda v: v == "", "jlight does not insert text (fill-in-the-middle)") = None
     best_of: PositiveInt | None = None
 
 
@@ -75,7 +138,8 @@ class TextPart(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: OneOf(StrictStr | list[TextPart] | None,
+                   'a string or a list of {"type": "text", "text": ...} parts (jlight takes text only)') = None
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -93,6 +157,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
+    tools: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
+    functions: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
+    tool_choice: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
+    function_call: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
+    response_format: Unsupported(dict, lambda v: v == {"type": "text"}, NO_GUIDED) = None
 
 
 class TokenizeRequest(OpenAIBody):

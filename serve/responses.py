@@ -21,16 +21,23 @@ def sse(payload: dict) -> str:
 
 
 class TokenText:
-    """Token id -> its text, cached (logprobs need one decode per token)."""
+    """Token id -> its text and its bytes, cached (logprobs need them for every token)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.cache = tokenizer, {}
+        self.tokenizer, self.cache, self.bytes_cache = tokenizer, {}, {}
 
     def __call__(self, token_id: int) -> str:
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: for part of a multi-byte character its text is U+FFFD."""
+        raw = self.bytes_cache.get(token_id)
+        if raw is None:
+            raw = self.bytes_cache[token_id] = list(self.tokenizer.token_bytes(token_id))
+        return raw
 
 
 def _new_logprobs(c: CompletionOutput, start: int) -> list[tuple[int, dict[int, float]]]:
@@ -77,8 +84,7 @@ class ResponseBuilder:
 
     def chat_logprobs(self, pairs) -> ChatLogprobs:
         def item(t, v, cls=TopLogprob, **kw):
-            text = self.token_text(t)
-            return cls(token=text, logprob=v, bytes=list(text.encode("utf-8")), **kw)
+            return cls(token=self.token_text(t), logprob=v, bytes=self.token_text.bytes(t), **kw)
         return ChatLogprobs(content=[
             item(token_id, entry.get(token_id, float("-inf")), ChatTokenLogprob,
                  top_logprobs=[item(t, v) for t, v in self._top(entry)])

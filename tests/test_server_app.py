@@ -37,6 +37,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i or not skip_special_tokens).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id):
+        return bytes([token_id])
+
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
 
@@ -67,6 +70,7 @@ class FakeAsyncLLM:
         self.active: set[str] = set()
         self.aborted: set[str] = set()  # requests that ended before their last token
         self.hold_first_token = False
+        self.error = None  # AsyncLLM.error: why the engine loop stopped
 
     async def generate(self, prompt, sampling_params, request_id):
         if len(self.active) >= self.max_waiting:
@@ -187,6 +191,22 @@ def test_completion_and_chat_shapes(server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == prompt_len
 
 
+def test_chat_logprob_bytes_rebuild_split_characters():
+    """A character split over tokens ("é" is two byte tokens here) shows as U+FFFD in each
+    token's text; its `bytes` must be the token's own bytes, which concatenate to the text."""
+    from jlight.serve.responses import ResponseBuilder
+    text = "é!"
+    ids = list(text.encode())  # [195, 169, 33]
+    logprobs = [{t: -0.1, 33: -2.0} for t in ids]
+    out = RequestOutput("r", None, [1], [CompletionOutput(index=0, text=text, token_ids=ids, finish_reason="length",
+                                                          logprobs=logprobs)], finished=True)
+    builder = ResponseBuilder("chat", "chatcmpl-1", "m", ByteTokenizer(), 1, want_logprobs=True, num_top_logprobs=2)
+    content = builder.full_response([out])["choices"][0]["logprobs"]["content"]
+    assert [t["bytes"] for t in content] == [[195], [169], [33]]
+    assert bytes(b for t in content for b in t["bytes"]).decode() == text
+    assert [t["bytes"] for t in content[0]["top_logprobs"]] == [[195], [33]]
+
+
 BAD_INPUTS = [
     # (path, body or raw bytes, expected status, expected param)
     ("/v1/completions", b"{not json", 400, None),
@@ -200,6 +220,11 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 64}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "temperature": "0.5"}, 400, "temperature"),  # a string is not a number
+    ("/v1/completions", {"prompt": "a", "top_p": True}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": "1"}, 400,
+     "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
@@ -210,7 +235,6 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": [999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
@@ -219,6 +243,27 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/detokenize", {"tokens": [1000]}, 400, "tokens"),
 ]
+
+
+UNION_INPUTS = [
+    # Fields that take several shapes: the message lists the shapes, not the first one's complaint
+    # ("Input should be a valid string" for a list of token ids with a negative one).
+    ("/v1/completions", {"prompt": [-1]}, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop", "non-empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages.0.content", "text"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", UNION_INPUTS)
+def test_union_field_error_says_what_is_accepted(server, path, body, param, words):
+    url, _ = server
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert "valid string" not in error["message"], error
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)
@@ -232,6 +277,64 @@ def test_bad_input(server, path, body, status, param):
     error = r.json()["error"]
     assert error["param"] == param, error
     assert error["message"] and error["type"]
+
+
+def test_integers_are_numbers(server):
+    """Strict number fields still take JSON integers (temperature=1), as OpenAI does."""
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "temperature": 1, "top_p": 1,
+                                      "presence_penalty": 0, "logit_bias": {"5": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_null_means_default(server):
+    """OpenAI's schema lets clients send null for an unset optional field (n, stream, echo,
+    logprobs, ...); the server then uses the default rather than answering 400."""
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": None, "stream": None, "echo": None,
+                                      "best_of": None, "suffix": None, "stream_options": None, "logprobs": None,
+                                      "min_tokens": None, "ignore_eos": None})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["xx"]
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": None}], "max_tokens": 2,
+                                           "n": None, "stream": None, "logprobs": None, "top_logprobs": None,
+                                           "max_completion_tokens": None, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+CHAT_X = [{"role": "user", "content": "x"}]
+UNSUPPORTED = [
+    # Features jlight lacks: a 400 naming the field, never an answer that ignores it.
+    ("/v1/chat/completions", {"messages": CHAT_X, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "function_call": {"name": "f"}}, "function_call"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "guided_choice": ["yes", "no"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", UNSUPPORTED)
+def test_unsupported_feature_is_a_clear_400(server, path, body, param):
+    url, _ = server
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "not supported" in error["message"] and param in error["message"], error
+
+
+def test_unsupported_features_left_unused_pass(server):
+    """Values that ask for nothing (no tools, plain text) are what many clients always send."""
+    url, _ = server
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "max_tokens": 1, "tools": [], "tool_choice": "none",
+                                           "response_format": {"type": "text"}, "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "echo": False, "suffix": ""})
+    assert r.status_code == 200, r.text
 
 
 def test_body_size_limit(server):
@@ -249,6 +352,23 @@ def test_auth(server):
         assert httpx.get(url + path, headers=HEADERS).status_code == 200
     r = post(url, "/v1/completions", {"prompt": "a"}, headers={})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # The scheme is case-insensitive (RFC 9110 11.1); the key is not.
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY.upper()}"}).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Basic {API_KEY}"}).status_code == 401
+
+
+def test_health_reports_a_dead_engine(server):
+    """Once the engine loop has stopped, every request fails: /health must say so, so that a
+    load balancer stops sending traffic here."""
+    url, llm = server
+    llm.error = RuntimeError("device lost")
+    try:
+        r = httpx.get(url + "/health")
+    finally:
+        llm.error = None
+    assert r.status_code == 503 and "device lost" in r.text, r.text
+    assert httpx.get(url + "/health").status_code == 200
 
 
 def test_backpressure_answers_503_with_retry_after(server):
@@ -306,6 +426,16 @@ def test_metrics_text(server):
     assert values['jlight:e2e_request_latency_seconds_bucket{le="+Inf"}'] == values["jlight:e2e_request_latency_seconds_count"]
     assert values['jlight:request_total{outcome="length"}'] >= 1
     assert values["jlight:kv_cache_pages_used"] == 0 and values["jlight:kv_cache_pages_total"] == 100
+
+
+def test_default_model_is_served_by_its_name():
+    """`jlight serve` with no model serves SmolLM2 from a cache file; clients name it
+    "SmolLM2-135M-Instruct", not the server's cache path."""
+    from jlight.serve import cli
+    assert cli.served_model_names(cli.build_parser().parse_args([])) == ["SmolLM2-135M-Instruct"]
+    assert cli.served_model_names(cli.build_parser().parse_args(["m.gguf"])) is None  # the engine's name: the path given
+    args = cli.build_parser().parse_args(["--served-model-name", "a", "--served-model-name", "b"])
+    assert cli.served_model_names(args) == ["a", "b"]
 
 
 def test_tokenize_roundtrip(server):

@@ -129,6 +129,18 @@ def test_n_seed_stop_logprobs(client, model_name, llm):
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
+def test_chat_logprob_bytes_join_to_the_text(client, model_name, llm):
+    """Emoji are split over byte tokens; each token's `bytes` (not its lone text, U+FFFD)
+    must concatenate to the reply."""
+    text = "😀 é 🎉"
+    assert b"".join(llm.tokenizer.token_bytes(t) for t in llm.tokenizer.encode(text)) == text.encode()
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Reply with 😀🎉😀🎉"}],
+                                       max_tokens=6, temperature=0, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content  # not empty, so the prefix check below can fail
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", errors="replace").startswith(r.choices[0].message.content)
+
+
 def test_batched_prompts_streaming_n2(client, model_name, llm):
     """Two prompts x n=2 in one streaming request: four choices, each ending once, with the
     greedy text of its prompt."""

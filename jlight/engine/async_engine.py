@@ -90,6 +90,11 @@ class AsyncLLM:
         return self._stats
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop stopped (every request now fails), or None while it runs."""
+        return self._error
+
+    @property
     def num_unfinished(self) -> int:
         with self._lock:
             return len(self._streams)
