@@ -68,12 +68,12 @@ def apply_penalties(logits, counts_output, seen, s: SamplingInputs):
     return logits
 
 
-# A known cost (H200, 2026-11-29): when a step samples ONE row, XLA:GPU turns these [1, V] sorts
-# into CUB custom calls, which cannot be recorded into a CUDA graph, so the lax.conds holding them
-# run on the host, which then waits for the forward pass to read each predicate: a 1-row step took
-# 7-9 ms to dispatch against ~2.5 ms for 4+ rows (docs/BENCHMARKS.md). A sort-free version
-# (bisection over int32 keys, argmax passes) removed the sorts but made the 4-row steps' dispatch
-# slower (2.3-2.8 -> 3.5-4.0 ms; their CUDA graphs grew by ~250 nodes), so it was not kept.
+# The sorts below sit under lax.conds. XLA:GPU would sort with CUB custom calls, which its CUDA graphs
+# cannot hold, and a conditional whose branch holds one runs on the host, which then waits for the
+# forward pass to read the predicate. So the step is compiled without CUB sorts
+# (model_runner.STEP_COMPILER_OPTIONS; H200, 2026-12-02: 64 sequences decoding 5,021 -> 8,608 tokens/s,
+# and a 1-row step's dispatch 7-9 -> 2.4 ms). A sort-free version (bisection over int32 keys, argmax
+# passes) was tried in 2026-11-29 and made 4-row steps' dispatch slower (their CUDA graphs grew).
 def apply_filters(logits, s: SamplingInputs):
     """Top-k, then top-p, then min-p over temperature-scaled logits; removed entries -> -inf-ish."""
     vocab = logits.shape[-1]
