@@ -82,3 +82,25 @@ def test_fusion_ablation_leaves_out_only_what_it_names():
             assert max(abs(a - b) for a, b in zip(ablated, reference)) < 1e-4
         else:
             assert max(abs(a - b) for a, b in zip(ablated, reference)) > 1e-3, name
+
+
+def test_batch_decode_profile_fills_the_batch_and_times_its_decode_step(tmp_path):
+    # the script's decode step must be one token per sequence, every sequence decoding; --sampler argmax
+    # and --cub-sort are the two diagnostics its device runs compare against the engine as it is.
+    for extra in ([], ["--sampler", "argmax", "--cub-sort", "--top-p", "0.9"]):
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_decode_profile.py"), "--model-config", "tiny",
+                        "--batches", "3", "--context", "20", "--engine-steps", "4", "--out", str(tmp_path), *extra],
+                       check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        result = json.loads((tmp_path / "batch_decode_profile.json").read_text())
+        row = result["rows"]["3"]
+        assert row["step_ms"] > 0 and row["engine"]["tok_s"] > 0
+        assert result["step_compiler_options"] == ({} if extra else {"xla_gpu_enable_cub_radix_sort": False})
+
+
+def test_attention_large_pool_check_compares_with_the_reference():
+    # the Triton kernel in interpret mode on CPU: bf16 rounding apart from the reference, every layer checked
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention_large_pool_check.py"), "--pages", "40",
+                          "--layers", "2", "--batch", "3", "--context", "50", "--impls", "triton"],
+                         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
+    errors = [float(line.split("rel err ")[1].split()[0]) for line in out.splitlines() if line.startswith("layer")]
+    assert len(errors) == 2 and all(0 < e < 1e-2 for e in errors), out
