@@ -131,6 +131,18 @@ def test_stop_strings_cut_exactly_across_tokens(llm):
     assert streamed == out.text
 
 
+def test_text_is_the_decode_of_token_ids_when_a_character_is_cut_off(llm):
+    """A finish that cuts a multi-byte character (max_tokens here) still gives text == decode(token_ids):
+    the bytes the detokenizer held back for a next token are flushed (as U+FFFD), in the stream too."""
+    tok = llm.tokenizer
+    lone_byte = next(t for t in range(3, 512) if tok.decode([t]) == "\ufffd")  # half of a UTF-8 character
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={lone_byte: 100.0})
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [lone_byte] * 3 and out.finish_reason == "length"
+    assert out.text == tok.decode(out.token_ids) != ""
+    assert "".join(llm.stream([5, 6, 7], params)) == out.text
+
+
 def test_abort_frees_every_page(llm):
     engine = llm.engine
     for i, p in enumerate(random_prompts(10, 30, 120, seed=8)):
