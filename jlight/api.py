@@ -5,6 +5,8 @@ import dataclasses
 import itertools
 from typing import Iterator
 
+import numpy as np
+
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.data_parallel import make_engine
 from jlight.engine.outputs import RequestOutput
@@ -78,10 +80,17 @@ class LLM:
     # ---- internals --------------------------------------------------------------------------
     def _add(self, prompt, params) -> str:
         rid = f"llm-{next(_ids)}"
+        if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
+            if len(prompt) != 1 or not set(prompt) <= {"prompt", "prompt_token_ids"}:
+                raise ValueError(f"prompt dict {sorted(prompt)!r} is invalid: give {{'prompt': text}} or {{'prompt_token_ids': [...]}}")
+            prompt = next(iter(prompt.values()))
         if isinstance(prompt, str):
             self.engine.add_request(rid, prompt, params)
+        elif _is_token_ids(prompt):
+            self.engine.add_request(rid, None, params, prompt_token_ids=[int(t) for t in prompt])
         else:
-            self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt))
+            raise ValueError(f"prompt {prompt!r:.80} is invalid: give a string, a list of token ids (integers), "
+                             "or {'prompt': text} / {'prompt_token_ids': [...]}")
         return rid
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -111,10 +120,12 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple, np.ndarray)):
+        raise ValueError(f"prompts={prompts!r:.80} is invalid: give a prompt or a list of prompts")
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
+    if prompts and isinstance(prompts[0], (int, np.integer)):
         return [prompts]  # one prompt given as token ids
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
@@ -126,10 +137,18 @@ def _broadcast_params(params, n: int) -> list[SamplingParams]:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params={params!r:.80} is invalid: give a SamplingParams or a list of them, one per prompt")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt")
     return params
+
+
+def _is_token_ids(prompt) -> bool:
+    # int() would silently truncate floats (1.5 -> 1), and bools are ints: accept only integers.
+    return isinstance(prompt, (list, tuple, np.ndarray)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt)
 
 
 def generate(prompts, model: str | None = None, *, max_tokens: int | None = 256, temperature: float = 0.0,

@@ -183,6 +183,26 @@ def test_bad_sampling_params_raise_clear_errors(llm):
     assert not llm.engine.requests
 
 
+def test_prompts_in_vllm_forms_and_bad_prompts(llm):
+    """vLLM's prompt dicts and numpy token ids work like strings and lists; anything else is a ValueError
+    naming the prompt (a dict was once generated for as the string of its first key)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [5, 6, 7]
+    expected = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], np.array(ids), [np.array(ids)]):
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    text = llm.generate("Paris is", params, use_tqdm=False)[0]
+    as_dict = llm.generate({"prompt": "Paris is"}, params, use_tqdm=False)[0]
+    assert as_dict.prompt == "Paris is" and as_dict.outputs[0].token_ids == text.outputs[0].token_ids
+    for prompt in (None, 5, [1.5, 2.0], [[5, None]], [{"prompt_ids": ids}], [{}], [["a"]]):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(prompt, params, use_tqdm=False)
+    for bad in ({"max_tokens": 3}, [params, "x"]):
+        with pytest.raises(ValueError, match="sampling_params"):
+            llm.generate([ids, ids], bad, use_tqdm=False)
+    assert not llm.engine.requests
+
+
 def test_no_compilation_after_warmup(llm):
     events = []
     jax.monitoring.register_event_duration_secs_listener(
