@@ -40,8 +40,13 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompts))
         ids = []
-        for prompt, params in zip(prompts, params_list):
-            ids.append(self._add(prompt, params))
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self._add(prompt, params))
+        except BaseException:  # a refused prompt: withdraw the ones added before it, or the next call would run them
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -203,6 +203,16 @@ def test_prompts_in_vllm_forms_and_bad_prompts(llm):
     assert not llm.engine.requests
 
 
+def test_a_refused_prompt_leaves_no_request_of_its_call_behind(llm):
+    """generate() adds its prompts one by one; when one is refused, the ones added before it are
+    withdrawn (they used to stay in the engine, holding pages, and run during the next call)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(jlight.PromptTooLongError):
+        llm.generate([[5, 6, 7], [8, 9], [5] * 1100], params, use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.scheduler.waiting
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
 def test_no_compilation_after_warmup(llm):
     events = []
     jax.monitoring.register_event_duration_secs_listener(
