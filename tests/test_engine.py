@@ -238,6 +238,26 @@ def test_no_compilation_after_warmup(llm):
     assert engine.block_manager.num_used_pages == 0
 
 
+def _compiles_after_warmup(engine) -> int:
+    compiled = engine.runner._step._cache_size()
+    engine.add_request("after-warmup", None, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), prompt_token_ids=[5, 6, 7])
+    engine.run_to_completion()
+    return engine.runner._step._cache_size() - compiled
+
+
+def test_committed_weights_compile_nothing_after_warmup(model_dir, tmp_path):
+    """Weights committed to a device (a `jlight convert` checkpoint's here; a mesh's too) make the step's
+    K/V and history outputs committed, unlike the fresh pools that the first warm-up step takes: another
+    jit cache key, so the first real step of that bucket compiled again."""
+    from jlight.convert import convert
+
+    convert(model_dir, str(tmp_path / "converted"), dtype="float32")
+    llm = jlight.LLM(str(tmp_path / "converted"), max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
+                     compilation_cache_dir=None)
+    assert all(leaf.committed for leaf in jax.tree.leaves(llm.engine.runner.params))
+    assert _compiles_after_warmup(llm.engine) == 0
+
+
 def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, monkeypatch):
     """layer_loop="unroll" (the GPU default) gives transformers' greedy tokens, and an engine that
     loaded its own weights frees each stacked array as it splits it (peak ~ one copy of the
