@@ -258,6 +258,20 @@ def test_committed_weights_compile_nothing_after_warmup(model_dir, tmp_path):
     assert _compiles_after_warmup(llm.engine) == 0
 
 
+def test_a_replica_on_its_own_device_compiles_nothing_after_warmup(model_dir):
+    """A data-parallel replica (LLMEngine with `devices`, no mesh) was built and warmed up under
+    jax.default_device, which is part of jit's cache key, and then stepped outside it: every bucket
+    compiled again on first use."""
+    import jlight.loading
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
+                          compilation_cache_dir=None)
+    engine = LLMEngine(config, loaded=jlight.loading.load_model(model_dir, dtype="float32"), devices=jax.devices()[:1])
+    assert _compiles_after_warmup(engine) == 0
+
+
 def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, monkeypatch):
     """layer_loop="unroll" (the GPU default) gives transformers' greedy tokens, and an engine that
     loaded its own weights frees each stacked array as it splits it (peak ~ one copy of the

@@ -67,11 +67,15 @@ class LLMEngine:
             if loaded is not None:
                 loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params, devices[0]))
             with jax.default_device(devices[0]):  # caches and buffers made at set-up live there too
-                self._init(config, loaded, None)
+                self._init(config, loaded, None, warmup=False)
+            # Warm up outside that context, as step() runs: the default device is part of jit's cache key,
+            # so buckets compiled under it compiled again on first use. The weights are committed to
+            # devices[0], so the steps run there anyway.
+            self.warmup_seconds = self._warmup() if config.warmup else 0.0
         else:
             self._init(config, loaded, devices)
 
-    def _init(self, config: EngineConfig, loaded, devices) -> None:
+    def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True) -> None:
         self.config = cfg = config
         _enable_compilation_cache(cfg.compilation_cache_dir)
         from jlight.models import get_model_family
@@ -125,7 +129,7 @@ class LLMEngine:
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
         # includes waiting for the device to finish the previous step.
         self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
-        self.warmup_seconds = self._warmup() if cfg.warmup else 0.0
+        self.warmup_seconds = self._warmup() if cfg.warmup and warmup else 0.0
 
     def _warmup(self) -> float:
         """Compile every shape bucket now (with a progress bar), so serving never compiles."""
