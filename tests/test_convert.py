@@ -150,6 +150,8 @@ def test_bad_inputs_raise_value_errors(tmp_path, loaded):
     (tmp_path / "notempty" / "file.txt").write_text("x")
     with pytest.raises(ValueError, match="-o"):
         convert(None, str(tmp_path / "notempty"))
+    with pytest.raises(ValueError, match="-o .*file.txt"):  # was a NotADirectoryError traceback
+        convert(None, str(tmp_path / "notempty" / "file.txt"))
     # A checkpoint from an unknown format version is refused with a message naming the fix.
     config, params = loaded
     out = str(tmp_path / "old")
