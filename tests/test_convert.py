@@ -289,3 +289,17 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
     got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
+
+
+def test_a_dtype_other_than_the_checkpoints_is_refused(loaded, tmp_path):
+    """A converted checkpoint's dtype is fixed at conversion. --dtype bfloat16 on a float32 one was
+    silently ignored (the model ran in float32); now it is refused, naming both fixes."""
+    from jlight.loading import load_model
+
+    config, params = loaded
+    out = str(tmp_path / "f32")
+    write_converted(out, config, params, dtype="float32", quantization=None, source="t")
+    with pytest.raises(ModelLoadError, match="float32.*--dtype bfloat16"):
+        load_model(out, dtype="bfloat16")
+    for dtype in ("auto", "float32"):
+        assert load_model(out, dtype=dtype).params["final_norm"].dtype == jnp.float32
