@@ -168,6 +168,11 @@ def test_logprobs_match_log_softmax_of_transformers(llm, hf_model):
         assert len(lps) >= 5
         assert abs(lps[tok] - ref[len(prompt) - 1 + i, tok]) < 1e-4
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    # vLLM's cumulative_logprob: the sum of the sampled tokens' logprobs (None when logprobs were not asked for).
+    want = sum(ref[len(prompt) - 1 + i, t] for i, t in enumerate(out.outputs[0].token_ids))
+    assert abs(out.outputs[0].cumulative_logprob - want) < 1e-3
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert plain.cumulative_logprob is None
     for pos in range(1, len(prompt)):
         assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref[pos - 1, prompt[pos]]) < 1e-4
 

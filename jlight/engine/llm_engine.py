@@ -383,6 +383,7 @@ class LLMEngine:
                 seq.first_token_time = now
             if want_lp and seq.params.logprobs is not None:
                 seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
+                seq.cumulative_logprob += float(lp[row])
             output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
             self._register_full_pages(seq)
             if seq.finish_reason is not None:

@@ -120,6 +120,7 @@ def make_request_output(req) -> RequestOutput:
         completions.append(CompletionOutput(
             index=seq.index, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
             text_delta=delta, token_ids_delta=ids_delta))
     first = req.seqs[0]
     return RequestOutput(
