@@ -68,7 +68,10 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() takes n=1; use generate() for several samples")
-        rid = self._add(_as_prompt_list(prompt)[0], params)
+        prompts = _as_prompt_list(prompt)
+        if len(prompts) != 1:  # taking prompts[0] silently dropped the others
+            raise ValueError(f"stream() takes one prompt, got {len(prompts)}; use generate() for several")
+        rid = self._add(prompts[0], params)
         try:
             while True:
                 finished = False

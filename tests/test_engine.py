@@ -205,6 +205,9 @@ def test_prompts_in_vllm_forms_and_bad_prompts(llm):
     for bad in ({"max_tokens": 3}, [params, "x"]):
         with pytest.raises(ValueError, match="sampling_params"):
             llm.generate([ids, ids], bad, use_tqdm=False)
+    assert "".join(llm.stream({"prompt_token_ids": ids}, params)) == llm.tokenizer.decode(expected)
+    with pytest.raises(ValueError, match="one prompt"):  # streamed only the first one before
+        next(llm.stream([ids, [8, 9]], params))
     assert not llm.engine.requests
 
 
