@@ -108,3 +108,8 @@ def test_wrong_typed_sampling_fields_are_errors_naming_the_field(fields, field):
     record = parse_line(0, 3, json.dumps({"prompt": "hi", **fields}).encode(), {})
     assert isinstance(record, BatchError) and record.error == f"line 3: {e.value}"
     assert SamplingParams(logit_bias={"5": 2, 7: -1.5}, stop=("a",)).validate(vocab_size=512).stop == ["a"]  # JSON's keys are strings
+
+
+def test_a_directory_as_input_is_named_as_such(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):  # it said "does not exist"
+        JsonlSource(str(tmp_path))
