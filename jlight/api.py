@@ -160,8 +160,13 @@ def _is_token_ids(prompt) -> bool:
 
 
 def generate(prompts, model: str | None = None, *, max_tokens: int | None = 256, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **engine_options) -> list[RequestOutput]:
-    """Load `model` (default SmolLM2-135M-Instruct) and generate for `prompts` in one call."""
-    llm = LLM(model, **engine_options)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **options) -> list[RequestOutput]:
+    """Load `model` (default SmolLM2-135M-Instruct) and generate for `prompts` in one call.
+
+    Other options are SamplingParams fields (stop, n, logprobs, ...) or else EngineConfig fields (dtype, ...)."""
+    sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **sampling)
+    params.validate()  # before loading the model
+    llm = LLM(model, **options)
     return llm.generate(prompts, params, use_tqdm=False)

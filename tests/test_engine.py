@@ -221,6 +221,16 @@ def test_a_refused_prompt_leaves_no_request_of_its_call_behind(llm):
     assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
+def test_module_generate_takes_sampling_options(model_dir):
+    """jlight.generate(..., stop=[...], logprobs=...) was refused as "unknown engine option(s) stop";
+    SamplingParams fields now go to the request, the rest to the engine."""
+    outs = jlight.generate([[5, 6, 7]], model_dir, max_tokens=6, ignore_eos=True, n=2, logprobs=0, dtype="float32",
+                           max_num_seqs=2, max_num_batched_tokens=16, num_pages=32, warmup=False, compilation_cache_dir=None)
+    assert [len(c.token_ids) for c in outs[0].outputs] == [6, 6] and len(outs[0].outputs[0].logprobs) == 6
+    with pytest.raises(ValueError, match="unknown engine option.*bogus"):
+        jlight.generate("x", model_dir, bogus=1)
+
+
 def test_no_compilation_after_warmup(llm):
     events = []
     jax.monitoring.register_event_duration_secs_listener(
