@@ -303,3 +303,17 @@ def test_a_dtype_other_than_the_checkpoints_is_refused(loaded, tmp_path):
         load_model(out, dtype="bfloat16")
     for dtype in ("auto", "float32"):
         assert load_model(out, dtype=dtype).params["final_norm"].dtype == jnp.float32
+
+
+# When one read fails, orbax leaves its other read coroutines un-awaited (a warning at garbage collection).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_corrupt_checkpoint_is_a_model_load_error(loaded, tmp_path):
+    """A converted checkpoint with a damaged data file (a copy cut short) raised orbax/TensorStore's
+    errors, a 160-line traceback from the CLI; it is now a ModelLoadError naming the directory and the fix."""
+    config, params = loaded
+    out = tmp_path / "cut"
+    write_converted(str(out), config, params, dtype="float32", quantization=None, source="t")
+    data = max((p for p in (out / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    with pytest.raises(ModelLoadError, match=f"{out}.*jlight convert"):
+        orbax_loader.load_orbax_model(str(out))
