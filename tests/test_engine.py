@@ -231,6 +231,20 @@ def test_module_generate_takes_sampling_options(model_dir):
         jlight.generate("x", model_dir, bogus=1)
 
 
+def test_min_tokens_bans_every_stop_token_or_refuses(llm):
+    """min_tokens bans EOS and stop_token_ids on the device, in NUM_BANNED slots a row. Ids past those were
+    silently left unbanned: a favoured stop token came out before min_tokens. Now that is refused."""
+    from jlight.engine.sampler import NUM_BANNED
+
+    stops = list(range(110 - (NUM_BANNED - 1), 110))  # with the one EOS id: exactly NUM_BANNED
+    params = SamplingParams(max_tokens=6, min_tokens=4, temperature=0, stop_token_ids=stops, logit_bias={109: 50.0})
+    out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    assert not set(out.token_ids[:4]) & set(stops) and out.token_ids[4:] == [109] and out.stop_reason == 109
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=6, min_tokens=4, stop_token_ids=[100] + stops), use_tqdm=False)
+    assert not llm.engine.requests
+
+
 def test_no_compilation_after_warmup(llm):
     events = []
     jax.monitoring.register_event_duration_secs_listener(

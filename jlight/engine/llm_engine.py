@@ -21,6 +21,7 @@ from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
+from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.errors import PromptTooLongError
@@ -251,7 +252,15 @@ class LLMEngine:
                 f" {self.max_model_len} tokens; lower max_tokens or shorten the prompt")
         if len(params.logit_bias or {}) > 32:
             raise ValueError("logit_bias has more than 32 entries; jlight supports up to 32")
+        if params.min_tokens > 0 and len(self._min_tokens_banned(params)) > NUM_BANNED:
+            # The sampler bans at most NUM_BANNED ids a row; the rest would come out before min_tokens.
+            raise ValueError(f"min_tokens with {len(params.stop_token_ids)} stop_token_ids is not supported: with the model's"
+                             f" EOS ids at most {NUM_BANNED} can be held back; pass fewer stop_token_ids or min_tokens=0")
         return prompt_token_ids, params
+
+    def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
+        """Token ids banned until min_tokens are out: EOS (unless ignore_eos) and the stop token ids."""
+        return sorted((set() if params.ignore_eos else self.eos_token_ids) | set(params.stop_token_ids))
 
     def add_request(self, request_id: str | None, prompt: str | None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> str:
@@ -262,10 +271,10 @@ class LLMEngine:
         now = arrival_time or time.time()
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seqs = []
-        banned = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        banned = self._min_tokens_banned(params)
         for i in range(params.n):
             seq = Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now)
-            seq.eos_ids_for_min_tokens = banned + list(params.stop_token_ids)
+            seq.eos_ids_for_min_tokens = banned
             seq.detokenizer = output_processor.make_detokenizer(self.tokenizer, params)
             if i > 0:
                 seq.parent = seqs[0]
