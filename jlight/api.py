@@ -5,6 +5,8 @@ import dataclasses
 import itertools
 from typing import Iterator
 
+import numpy as np
+
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.data_parallel import make_engine
 from jlight.engine.outputs import RequestOutput
@@ -38,8 +40,13 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompts))
         ids = []
-        for prompt, params in zip(prompts, params_list):
-            ids.append(self._add(prompt, params))
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self._add(prompt, params))
+        except BaseException:  # a refused prompt: withdraw the ones added before it, or the next call would run them
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -61,7 +68,10 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() takes n=1; use generate() for several samples")
-        rid = self._add(_as_prompt_list(prompt)[0], params)
+        prompts = _as_prompt_list(prompt)
+        if len(prompts) != 1:  # taking prompts[0] silently dropped the others
+            raise ValueError(f"stream() takes one prompt, got {len(prompts)}; use generate() for several")
+        rid = self._add(prompts[0], params)
         try:
             while True:
                 finished = False
@@ -78,10 +88,17 @@ class LLM:
     # ---- internals --------------------------------------------------------------------------
     def _add(self, prompt, params) -> str:
         rid = f"llm-{next(_ids)}"
+        if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
+            if len(prompt) != 1 or not set(prompt) <= {"prompt", "prompt_token_ids"}:
+                raise ValueError(f"prompt dict {sorted(prompt)!r} is invalid: give {{'prompt': text}} or {{'prompt_token_ids': [...]}}")
+            prompt = next(iter(prompt.values()))
         if isinstance(prompt, str):
             self.engine.add_request(rid, prompt, params)
+        elif _is_token_ids(prompt):
+            self.engine.add_request(rid, None, params, prompt_token_ids=[int(t) for t in prompt])
         else:
-            self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt))
+            raise ValueError(f"prompt {prompt!r:.80} is invalid: give a string, a list of token ids (integers), "
+                             "or {'prompt': text} / {'prompt_token_ids': [...]}")
         return rid
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -111,10 +128,12 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple, np.ndarray)):
+        raise ValueError(f"prompts={prompts!r:.80} is invalid: give a prompt or a list of prompts")
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
+    if prompts and isinstance(prompts[0], (int, np.integer)):
         return [prompts]  # one prompt given as token ids
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
@@ -126,15 +145,28 @@ def _broadcast_params(params, n: int) -> list[SamplingParams]:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params={params!r:.80} is invalid: give a SamplingParams or a list of them, one per prompt")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt")
     return params
 
 
+def _is_token_ids(prompt) -> bool:
+    # int() would silently truncate floats (1.5 -> 1), and bools are ints: accept only integers.
+    return isinstance(prompt, (list, tuple, np.ndarray)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt)
+
+
 def generate(prompts, model: str | None = None, *, max_tokens: int | None = 256, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **engine_options) -> list[RequestOutput]:
-    """Load `model` (default SmolLM2-135M-Instruct) and generate for `prompts` in one call."""
-    llm = LLM(model, **engine_options)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **options) -> list[RequestOutput]:
+    """Load `model` (default SmolLM2-135M-Instruct) and generate for `prompts` in one call.
+
+    Other options are SamplingParams fields (stop, n, logprobs, ...) or else EngineConfig fields (dtype, ...)."""
+    sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **sampling)
+    params.validate()  # before loading the model
+    llm = LLM(model, **options)
     return llm.generate(prompts, params, use_tqdm=False)

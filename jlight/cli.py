@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
         print(f"jlight: error: {e}", file=sys.stderr)
+        # Work the error abandoned (orbax's reads of a damaged checkpoint) may print "Exception ignored"
+        # tracebacks as it is collected at exit; the line above is all the user needs.
+        sys.unraisablehook = lambda unraisable: None
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -145,6 +145,8 @@ def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quan
         raise ValueError(f"--calibration needs --quantization int8 (GPTQ) or w8a8 (SmoothQuant), got --quantization {quantization}")
     if calibration is not None and not os.path.isfile(calibration):
         raise ValueError(f"--calibration {calibration}: no such file; give a text file (a few thousand tokens of varied text)")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"-o {output_dir} is a file; give a directory to write the checkpoint into")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not orbax_loader.is_orbax_model_dir(output_dir):
         raise ValueError(f"-o {output_dir} exists and is not a jlight checkpoint; pick an empty or new directory")
     from jlight import loading

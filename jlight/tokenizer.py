@@ -135,8 +135,9 @@ class Tokenizer:
         try:
             template = _compile_template(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
-            # Templates reject bad conversations with raise_exception (e.g. roles not alternating).
+        except (jinja2.TemplateError, TypeError) as e:
+            # Templates reject bad conversations with raise_exception (e.g. roles not alternating), and fail
+            # with TypeError on contents they cannot concatenate (None, a list of parts): the caller's input.
             raise ValueError(f"the chat template rejected these messages: {e}") from None
 
 

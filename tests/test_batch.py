@@ -194,17 +194,18 @@ def test_bad_lines_become_error_records_and_the_job_continues(llm, tmp_path):
         {"prompt": "hello", "messages": [{"role": "user", "content": "hi"}]},
         {"prompt": [1, -5]},
         {"messages": [{"role": "user", "content": "the lazy dog"}], "id": 7},
+        {"messages": [{"role": "user", "content": None}]},  # the template's TypeError once ended the job
     ]
     input_path = write_jsonl(tmp_path / "bad.jsonl", lines)
     output_path = str(tmp_path / "bad_out.jsonl")
     assert batch_cli.run(batch_args(input_path, output_path), llm=llm) == 0
     out = read_jsonl(output_path)
-    assert [r["line"] for r in out] == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert [r["line"] for r in out] == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
     by_line = {r["line"]: r for r in out}
     assert "text" in by_line[1] and "error" not in by_line[1]
     assert "text" in by_line[11] and by_line[11]["id"] == "7"
     expected_errors = {2: "not valid JSON", 3: "exactly one of 'prompt'", 4: "temperature", 6: "max_tokenz",
-                       7: "not an object", 8: "context", 9: "exactly one of", 10: "token ids"}
+                       7: "not an object", 8: "context", 9: "exactly one of", 10: "token ids", 12: "chat template"}
     for line, fragment in expected_errors.items():
         assert f"line {line}" in by_line[line]["error"], by_line[line]
         assert fragment in by_line[line]["error"], by_line[line]

@@ -89,3 +89,27 @@ def test_bad_lines_parse_to_errors_with_line_numbers(tmp_path):
         assert isinstance(record, BatchError) and record.line == line
         assert f"line {line}" in record.error and fragment in record.error, record.error
     assert records[5].sampling_params.stop == ["END"]
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"temperature": "hot"}, "temperature"), ({"top_p": None}, "top_p"), ({"stop": 5}, "stop"),
+    ({"stop_token_ids": 7}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias"), ({"logit_bias": {"5": "x"}}, "logit_bias"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"), ({"n": True}, "n"),
+])
+def test_wrong_typed_sampling_fields_are_errors_naming_the_field(fields, field):
+    """A wrong type is the user's error like a wrong value: a ValueError naming the field (a batch line's
+    error record), never a TypeError, nor a value that passes and then fails (or misbehaves) in the step."""
+    from jlight.batch.records import parse_line
+    from jlight.engine.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=f"^{field}=") as e:
+        SamplingParams(**fields).validate(vocab_size=512)
+    record = parse_line(0, 3, json.dumps({"prompt": "hi", **fields}).encode(), {})
+    assert isinstance(record, BatchError) and record.error == f"line 3: {e.value}"
+    assert SamplingParams(logit_bias={"5": 2, 7: -1.5}, stop=("a",)).validate(vocab_size=512).stop == ["a"]  # JSON's keys are strings
+
+
+def test_a_directory_as_input_is_named_as_such(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):  # it said "does not exist"
+        JsonlSource(str(tmp_path))

@@ -150,6 +150,8 @@ def test_bad_inputs_raise_value_errors(tmp_path, loaded):
     (tmp_path / "notempty" / "file.txt").write_text("x")
     with pytest.raises(ValueError, match="-o"):
         convert(None, str(tmp_path / "notempty"))
+    with pytest.raises(ValueError, match="-o .*file.txt"):  # was a NotADirectoryError traceback
+        convert(None, str(tmp_path / "notempty" / "file.txt"))
     # A checkpoint from an unknown format version is refused with a message naming the fix.
     config, params = loaded
     out = str(tmp_path / "old")
@@ -287,3 +289,33 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
     got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
+
+
+def test_a_dtype_other_than_the_checkpoints_is_refused(loaded, tmp_path):
+    """A converted checkpoint's dtype is fixed at conversion. --dtype bfloat16 on a float32 one was
+    silently ignored (the model ran in float32); now it is refused, naming both fixes."""
+    from jlight.loading import load_model
+
+    config, params = loaded
+    out = str(tmp_path / "f32")
+    write_converted(out, config, params, dtype="float32", quantization=None, source="t")
+    with pytest.raises(ModelLoadError, match="float32.*--dtype bfloat16"):
+        load_model(out, dtype="bfloat16")
+    for dtype in ("auto", "float32"):
+        assert load_model(out, dtype=dtype).params["final_norm"].dtype == jnp.float32
+
+
+def test_a_corrupt_checkpoint_is_one_line_from_the_cli(loaded, tmp_path):
+    """A converted checkpoint with a damaged data file (a copy cut short) made `jlight generate` exit 1 with
+    orbax/TensorStore's 160-line traceback; now it is a ModelLoadError naming the directory and the fix.
+    In a subprocess: orbax's abandoned reads would print into later tests of this process."""
+    config, params = loaded
+    out = tmp_path / "cut"
+    write_converted(str(out), config, params, dtype="float32", quantization=None, source="t")
+    data = max((p for p in (out / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    proc = subprocess.run([sys.executable, "-m", "jlight.cli", "generate", "hi", "--model", str(out), "--no-chat"],
+                          capture_output=True, text=True, timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("loading")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"jlight: error: {out}: the checkpoint's params could not be read") and "jlight convert" in lines[0]

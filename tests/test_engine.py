@@ -131,6 +131,18 @@ def test_stop_strings_cut_exactly_across_tokens(llm):
     assert streamed == out.text
 
 
+def test_text_is_the_decode_of_token_ids_when_a_character_is_cut_off(llm):
+    """A finish that cuts a multi-byte character (max_tokens here) still gives text == decode(token_ids):
+    the bytes the detokenizer held back for a next token are flushed (as U+FFFD), in the stream too."""
+    tok = llm.tokenizer
+    lone_byte = next(t for t in range(3, 512) if tok.decode([t]) == "\ufffd")  # half of a UTF-8 character
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={lone_byte: 100.0})
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [lone_byte] * 3 and out.finish_reason == "length"
+    assert out.text == tok.decode(out.token_ids) != ""
+    assert "".join(llm.stream([5, 6, 7], params)) == out.text
+
+
 def test_abort_frees_every_page(llm):
     engine = llm.engine
     for i, p in enumerate(random_prompts(10, 30, 120, seed=8)):
@@ -156,6 +168,11 @@ def test_logprobs_match_log_softmax_of_transformers(llm, hf_model):
         assert len(lps) >= 5
         assert abs(lps[tok] - ref[len(prompt) - 1 + i, tok]) < 1e-4
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    # vLLM's cumulative_logprob: the sum of the sampled tokens' logprobs (None when logprobs were not asked for).
+    want = sum(ref[len(prompt) - 1 + i, t] for i, t in enumerate(out.outputs[0].token_ids))
+    assert abs(out.outputs[0].cumulative_logprob - want) < 1e-3
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert plain.cumulative_logprob is None
     for pos in range(1, len(prompt)):
         assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref[pos - 1, prompt[pos]]) < 1e-4
 
@@ -168,6 +185,63 @@ def test_bad_sampling_params_raise_clear_errors(llm):
             llm.generate([[5, 6]], SamplingParams(**kwargs), use_tqdm=False)
     with pytest.raises(jlight.PromptTooLongError, match="context"):
         llm.generate([[5] * 1100], GREEDY, use_tqdm=False)
+    assert not llm.engine.requests
+
+
+def test_prompts_in_vllm_forms_and_bad_prompts(llm):
+    """vLLM's prompt dicts and numpy token ids work like strings and lists; anything else is a ValueError
+    naming the prompt (a dict was once generated for as the string of its first key)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [5, 6, 7]
+    expected = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], np.array(ids), [np.array(ids)]):
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    text = llm.generate("Paris is", params, use_tqdm=False)[0]
+    as_dict = llm.generate({"prompt": "Paris is"}, params, use_tqdm=False)[0]
+    assert as_dict.prompt == "Paris is" and as_dict.outputs[0].token_ids == text.outputs[0].token_ids
+    for prompt in (None, 5, [1.5, 2.0], [[5, None]], [{"prompt_ids": ids}], [{}], [["a"]]):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(prompt, params, use_tqdm=False)
+    for bad in ({"max_tokens": 3}, [params, "x"]):
+        with pytest.raises(ValueError, match="sampling_params"):
+            llm.generate([ids, ids], bad, use_tqdm=False)
+    assert "".join(llm.stream({"prompt_token_ids": ids}, params)) == llm.tokenizer.decode(expected)
+    with pytest.raises(ValueError, match="one prompt"):  # streamed only the first one before
+        next(llm.stream([ids, [8, 9]], params))
+    assert not llm.engine.requests
+
+
+def test_a_refused_prompt_leaves_no_request_of_its_call_behind(llm):
+    """generate() adds its prompts one by one; when one is refused, the ones added before it are
+    withdrawn (they used to stay in the engine, holding pages, and run during the next call)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(jlight.PromptTooLongError):
+        llm.generate([[5, 6, 7], [8, 9], [5] * 1100], params, use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.scheduler.waiting
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_module_generate_takes_sampling_options(model_dir):
+    """jlight.generate(..., stop=[...], logprobs=...) was refused as "unknown engine option(s) stop";
+    SamplingParams fields now go to the request, the rest to the engine."""
+    outs = jlight.generate([[5, 6, 7]], model_dir, max_tokens=6, ignore_eos=True, n=2, logprobs=0, dtype="float32",
+                           max_num_seqs=2, max_num_batched_tokens=16, num_pages=32, warmup=False, compilation_cache_dir=None)
+    assert [len(c.token_ids) for c in outs[0].outputs] == [6, 6] and len(outs[0].outputs[0].logprobs) == 6
+    with pytest.raises(ValueError, match="unknown engine option.*bogus"):
+        jlight.generate("x", model_dir, bogus=1)
+
+
+def test_min_tokens_bans_every_stop_token_or_refuses(llm):
+    """min_tokens bans EOS and stop_token_ids on the device, in NUM_BANNED slots a row. Ids past those were
+    silently left unbanned: a favoured stop token came out before min_tokens. Now that is refused."""
+    from jlight.engine.sampler import NUM_BANNED
+
+    stops = list(range(110 - (NUM_BANNED - 1), 110))  # with the one EOS id: exactly NUM_BANNED
+    params = SamplingParams(max_tokens=6, min_tokens=4, temperature=0, stop_token_ids=stops, logit_bias={109: 50.0})
+    out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    assert not set(out.token_ids[:4]) & set(stops) and out.token_ids[4:] == [109] and out.stop_reason == 109
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=6, min_tokens=4, stop_token_ids=[100] + stops), use_tqdm=False)
     assert not llm.engine.requests
 
 
@@ -194,6 +268,40 @@ def test_no_compilation_after_warmup(llm):
     engine.run_to_completion()
     assert events[base:] == [], f"{len(events) - base} compilations after warm-up"
     assert engine.block_manager.num_used_pages == 0
+
+
+def _compiles_after_warmup(engine) -> int:
+    compiled = engine.runner._step._cache_size()
+    engine.add_request("after-warmup", None, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), prompt_token_ids=[5, 6, 7])
+    engine.run_to_completion()
+    return engine.runner._step._cache_size() - compiled
+
+
+def test_committed_weights_compile_nothing_after_warmup(model_dir, tmp_path):
+    """Weights committed to a device (a `jlight convert` checkpoint's here; a mesh's too) make the step's
+    K/V and history outputs committed, unlike the fresh pools that the first warm-up step takes: another
+    jit cache key, so the first real step of that bucket compiled again."""
+    from jlight.convert import convert
+
+    convert(model_dir, str(tmp_path / "converted"), dtype="float32")
+    llm = jlight.LLM(str(tmp_path / "converted"), max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
+                     compilation_cache_dir=None)
+    assert all(leaf.committed for leaf in jax.tree.leaves(llm.engine.runner.params))
+    assert _compiles_after_warmup(llm.engine) == 0
+
+
+def test_a_replica_on_its_own_device_compiles_nothing_after_warmup(model_dir):
+    """A data-parallel replica (LLMEngine with `devices`, no mesh) was built and warmed up under
+    jax.default_device, which is part of jit's cache key, and then stepped outside it: every bucket
+    compiled again on first use."""
+    import jlight.loading
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
+                          compilation_cache_dir=None)
+    engine = LLMEngine(config, loaded=jlight.loading.load_model(model_dir, dtype="float32"), devices=jax.devices()[:1])
+    assert _compiles_after_warmup(engine) == 0
 
 
 def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, monkeypatch):

@@ -20,7 +20,8 @@ class JsonlSource:
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
-            raise ValueError(f"batch input {path!r} does not exist; pass a JSONL file with one request per line")
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise ValueError(f"batch input {path!r} {what}; pass a JSONL file with one request per line")
         self.path = path
         starts, ends, line_numbers = [], [], []
         offset = 0

@@ -21,6 +21,7 @@ from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
+from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.errors import PromptTooLongError
@@ -67,11 +68,15 @@ class LLMEngine:
             if loaded is not None:
                 loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params, devices[0]))
             with jax.default_device(devices[0]):  # caches and buffers made at set-up live there too
-                self._init(config, loaded, None)
+                self._init(config, loaded, None, warmup=False)
+            # Warm up outside that context, as step() runs: the default device is part of jit's cache key,
+            # so buckets compiled under it compiled again on first use. The weights are committed to
+            # devices[0], so the steps run there anyway.
+            self.warmup_seconds = self._warmup() if config.warmup else 0.0
         else:
             self._init(config, loaded, devices)
 
-    def _init(self, config: EngineConfig, loaded, devices) -> None:
+    def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True) -> None:
         self.config = cfg = config
         _enable_compilation_cache(cfg.compilation_cache_dir)
         from jlight.models import get_model_family
@@ -125,7 +130,7 @@ class LLMEngine:
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
         # includes waiting for the device to finish the previous step.
         self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
-        self.warmup_seconds = self._warmup() if cfg.warmup else 0.0
+        self.warmup_seconds = self._warmup() if cfg.warmup and warmup else 0.0
 
     def _warmup(self) -> float:
         """Compile every shape bucket now (with a progress bar), so serving never compiles."""
@@ -247,7 +252,15 @@ class LLMEngine:
                 f" {self.max_model_len} tokens; lower max_tokens or shorten the prompt")
         if len(params.logit_bias or {}) > 32:
             raise ValueError("logit_bias has more than 32 entries; jlight supports up to 32")
+        if params.min_tokens > 0 and len(self._min_tokens_banned(params)) > NUM_BANNED:
+            # The sampler bans at most NUM_BANNED ids a row; the rest would come out before min_tokens.
+            raise ValueError(f"min_tokens with {len(params.stop_token_ids)} stop_token_ids is not supported: with the model's"
+                             f" EOS ids at most {NUM_BANNED} can be held back; pass fewer stop_token_ids or min_tokens=0")
         return prompt_token_ids, params
+
+    def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
+        """Token ids banned until min_tokens are out: EOS (unless ignore_eos) and the stop token ids."""
+        return sorted((set() if params.ignore_eos else self.eos_token_ids) | set(params.stop_token_ids))
 
     def add_request(self, request_id: str | None, prompt: str | None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> str:
@@ -258,10 +271,10 @@ class LLMEngine:
         now = arrival_time or time.time()
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seqs = []
-        banned = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        banned = self._min_tokens_banned(params)
         for i in range(params.n):
             seq = Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now)
-            seq.eos_ids_for_min_tokens = banned + list(params.stop_token_ids)
+            seq.eos_ids_for_min_tokens = banned
             seq.detokenizer = output_processor.make_detokenizer(self.tokenizer, params)
             if i > 0:
                 seq.parent = seqs[0]
@@ -379,6 +392,7 @@ class LLMEngine:
                 seq.first_token_time = now
             if want_lp and seq.params.logprobs is not None:
                 seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
+                seq.cumulative_logprob += float(lp[row])
             output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
             self._register_full_pages(seq)
             if seq.finish_reason is not None:

@@ -17,6 +17,9 @@ class _NoText:
     def add(self, token_ids) -> str:
         return ""
 
+    def flush(self) -> str:
+        return ""
+
 
 def make_detokenizer(tokenizer, params):
     if tokenizer is None:
@@ -31,20 +34,25 @@ def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None
     p = seq.params
     n_out = len(seq.output_token_ids)
     past_min = n_out >= p.min_tokens
+    # On every finish the detokenizer's held-back bytes (a multi-byte character cut off, kept for a next
+    # token that will not come) are flushed, as decode gives them (U+FFFD), so text == decode(token_ids).
     if past_min and not p.ignore_eos and token in eos_ids:
+        seq.text += seq.detokenizer.flush()
         seq.finish_reason, seq.stop_reason = "stop", None
         return
     if past_min and token in p.stop_token_ids:
+        seq.text += seq.detokenizer.flush()
         seq.finish_reason, seq.stop_reason = "stop", token
         return
     seq.text += seq.detokenizer.add([token])
+    at_length = (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.prompt_token_ids) + n_out >= max_model_len
+    if at_length:  # flushed before the stop-string check, which then sees the whole text
+        seq.text += seq.detokenizer.flush()
     if p.stop and past_min:
         _check_stop_strings(seq)
         if seq.finish_reason is not None:
             return
-    if p.max_tokens is not None and n_out >= p.max_tokens:
-        seq.finish_reason = "length"
-    elif len(seq.prompt_token_ids) + n_out >= max_model_len:
+    if at_length:
         seq.finish_reason = "length"
 
 
@@ -112,6 +120,7 @@ def make_request_output(req) -> RequestOutput:
         completions.append(CompletionOutput(
             index=seq.index, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
             text_delta=delta, token_ids_delta=ids_delta))
     first = req.seqs[0]
     return RequestOutput(

@@ -13,6 +13,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # One dict per generated token: {token_id: logprob} holding the sampled token and the top-N.
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (as vLLM), with logprobs only
     text_delta: str = ""  # new text since the previous output for this request
     token_ids_delta: list[int] = dataclasses.field(default_factory=list)
 

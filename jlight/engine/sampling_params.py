@@ -33,8 +33,11 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Other types are left for validate() to name (list(5) would be a TypeError here).
+        if isinstance(self.stop, (list, tuple)) or self.stop is None:
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +48,23 @@ class SamplingParams:
         def bad(field, why):
             raise ValueError(f"{field}={getattr(self, field)!r} is invalid: {why}")
 
+        # Types first: a string or None would make the range checks below raise TypeError, and a
+        # bool passes as an int. The engine relies on these types inside its step.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                bad(name, "must be a number")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                bad(name, "must be an integer")
+        if not isinstance(self.stop, list):
+            bad("stop", "must be a string or a list of strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids (integers)")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or not all(_is_int(t) or (isinstance(t, str) and t.isdigit()) for t in self.logit_bias)
+                or not all(_is_number(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values())):
+            bad("logit_bias", "must map token ids to numbers in [-100, 100]")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer from 1 to {MAX_N}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -85,3 +105,12 @@ class SamplingParams:
                 if not 0 <= int(t) < vocab_size:
                     bad("logit_bias", f"token ids must be in [0, {vocab_size})")
         return self
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    """An int or a finite-or-infinite float; not a bool, a string or NaN (NaN fails every range check)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

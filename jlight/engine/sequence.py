@@ -39,6 +39,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0  # kept as tokens come (summing the dicts each output would be quadratic)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.first_token_time: float | None = None
         # Text state (owned by the engine's output processing).

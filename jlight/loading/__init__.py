@@ -61,7 +61,7 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     from jlight.loading import orbax_loader
 
     if orbax_loader.is_orbax_model_dir(model):
-        return load_converted_dir(model, mesh=mesh)
+        return load_converted_dir(model, mesh=mesh, dtype=dtype)
     if os.path.isdir(model):
         return load_hf_dir(model, dtype, place)
     if os.path.exists(model):
@@ -91,13 +91,18 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     return LoadedModel(config, params, tokenizer, generation_config, name or model_dir, jdtype)
 
 
-def load_converted_dir(model_dir: str, mesh=None) -> LoadedModel:
-    """A directory written by `jlight convert` (orbax params; dtype fixed at conversion).
-    With a mesh, each array is restored straight into its sharding on that mesh."""
+def load_converted_dir(model_dir: str, mesh=None, dtype="auto") -> LoadedModel:
+    """A directory written by `jlight convert` (orbax params; dtype fixed at conversion, so `dtype`
+    must be "auto" or that dtype). With a mesh, each array is restored straight into its sharding."""
     from jlight.loading import orbax_loader
     from jlight.loading.safetensors_loader import read_generation_config
     from jlight.tokenizer import Tokenizer
 
+    stored = orbax_loader.read_manifest(model_dir).get("dtype")
+    if dtype != "auto" and stored in DTYPES and resolve_dtype(dtype, stored) != DTYPES[stored]:
+        # It used to be ignored silently: the model ran in the stored dtype, not the one asked for.
+        raise ModelLoadError(f"{model_dir} was converted to {stored}; drop --dtype (or pass {stored}), "
+                             f"or convert again with --dtype {jnp.dtype(resolve_dtype(dtype, stored)).name}")
     config, params = orbax_loader.load_orbax_model(model_dir, mesh=mesh)
     generation_config = read_generation_config(model_dir)
     has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))

@@ -126,7 +126,16 @@ def restore_params(directory: str, shardings=None, *, manifest: dict | None = No
     params_path = os.path.abspath(os.path.join(directory, PARAMS_DIR))
     if not os.path.isdir(params_path):
         raise ModelLoadError(f"{directory} has no {PARAMS_DIR}/ folder; the conversion did not finish, run `jlight convert` again")
-    return ocp.StandardCheckpointer().restore(params_path, target)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:  # closed even on failure (else its threads print at exit)
+            return checkpointer.restore(params_path, target)
+    except Exception as e:  # orbax/TensorStore errors of many types; reading the user's files is all this does
+        root = e
+        while root.__cause__ is not None or root.__context__ is not None:  # the innermost error says what is wrong
+            root = root.__cause__ or root.__context__
+        why = (str(root).strip().splitlines() or [type(root).__name__])[0][:200]
+        raise ModelLoadError(f"{directory}: the checkpoint's params could not be read ({why}); "
+                             "it is damaged or incomplete, run `jlight convert` again") from e
 
 
 def load_orbax_model(directory: str, *, mesh=None):
