@@ -73,7 +73,7 @@ def apply_penalties(logits, counts_output, seen, s: SamplingInputs):
 # forward pass to read the predicate. So the step is compiled without CUB sorts
 # (model_runner.STEP_COMPILER_OPTIONS; H200, 2026-12-02: 64 sequences decoding 5,021 -> 8,608 tokens/s,
 # and a 1-row step's dispatch 7-9 -> 2.4 ms). A sort-free version (bisection over int32 keys, argmax
-# passes) was tried in 2026-11-29 and made 4-row steps' dispatch slower (their CUDA graphs grew).
+# passes) was tried on 2026-11-29 and made 4-row steps' dispatch slower (their CUDA graphs grew).
 def apply_filters(logits, s: SamplingInputs):
     """Top-k, then top-p, then min-p over temperature-scaled logits; removed entries -> -inf-ish."""
     vocab = logits.shape[-1]
