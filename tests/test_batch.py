@@ -245,3 +245,32 @@ def test_batch_takes_every_engine_option_of_generate_and_serve(tmp_path, monkeyp
     assert seen["max_num_seqs"] == 4 and seen["max_num_batched_tokens"] == 32
     with pytest.raises(ValueError, match="--mesh or --tensor-parallel-size"):
         batch_cli._make_llm(parser.parse_args([input_path, "-o", out, "--mesh", "tp=2", "-tp", "2"]))
+
+
+def test_records_carry_token_ids_and_the_logprobs_a_line_asks_for(tmp_path, llm):
+    lines = [{"prompt": "the quick brown fox", "logprobs": 2},
+             {"prompt": [11, 12, 13, 14], "prompt_logprobs": 1},
+             {"prompt": "Paris is", "n": 2, "temperature": 0.8, "seed": 3, "logprobs": 0},
+             {"prompt": "numbers and letters"}]
+    output_path = str(tmp_path / "out.jsonl")
+    assert batch_cli.run(batch_args(write_jsonl(tmp_path / "in.jsonl", lines), output_path), llm=llm) == 0
+    records = read_jsonl(output_path)
+    defaults = dict(max_tokens=8, temperature=0.0)
+    want = [llm.generate([line["prompt"]], SamplingParams(**{**defaults, **{k: v for k, v in line.items() if k != "prompt"}}),
+                         use_tqdm=False)[0] for line in lines]
+
+    def as_json(by_token):  # the record's form of one position's {token id: logprob}
+        return None if by_token is None else {str(t): lp for t, lp in by_token.items()}
+
+    for record, ref in zip(records, want):
+        for got, sample in zip(record.get("choices", [record]), ref.outputs):
+            assert got["token_ids"] == sample.token_ids and got["text"] == sample.text
+            if sample.logprobs is None:
+                assert "logprobs" not in got and "cumulative_logprob" not in got
+            else:
+                assert got["logprobs"] == [as_json(d) for d in sample.logprobs]
+                assert got["cumulative_logprob"] == pytest.approx(sum(d[t] for d, t in zip(sample.logprobs, sample.token_ids)))
+    assert [len(d) for d in records[0]["logprobs"]] and all(2 <= len(d) <= 3 for d in records[0]["logprobs"])
+    assert records[1]["prompt_logprobs"][0] is None and len(records[1]["prompt_logprobs"]) == 4
+    assert records[1]["prompt_logprobs"] == [as_json(d) for d in want[1].prompt_logprobs]
+    assert len(records[2]["choices"]) == 2 and "prompt_logprobs" not in records[0]

@@ -26,7 +26,9 @@ _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="JSONL file: one {\"prompt\": ...} or {\"messages\": [...]} object per line")
-    parser.add_argument("-o", "--output", required=True, help="JSONL file to write, one answer per input line, in input order")
+    parser.add_argument("-o", "--output", required=True,
+                        help="JSONL file to write, one answer per input line, in input order: text, token_ids, "
+                             "finish_reason, token counts, and logprobs / prompt_logprobs when the line asks for them")
     # The engine options of generate/chat/serve (the mesh is each process's own); batch's own
     # defaults for the sizes are in BATCH_ENGINE_DEFAULTS.
     add_engine_arguments(parser)

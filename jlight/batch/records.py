@@ -74,19 +74,35 @@ def _is_messages(x) -> bool:
 
 
 def result_record(request: BatchRequest, output) -> dict:
-    """The output line for a finished request (`output` is its final RequestOutput)."""
+    """The output line for a finished request (`output` is its final RequestOutput): the first sample's
+    text, token ids and finish reason, and its logprobs and the prompt's when the line asked for them
+    (one {"token id": logprob} object per token: the sampled or prompt token and the top alternatives;
+    the first prompt token's is null, having nothing before it). With n > 1, every sample in `choices`."""
     first = output.outputs[0]
     record = {
         "line": request.line,
         "id": request.id,
-        "text": first.text,
-        "finish_reason": first.finish_reason,
+        **_sample_fields(first),
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": sum(len(o.token_ids) for o in output.outputs),
     }
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = [_json_logprobs(d) for d in output.prompt_logprobs]
     if len(output.outputs) > 1:
-        record["choices"] = [{"text": o.text, "finish_reason": o.finish_reason} for o in output.outputs]
+        record["choices"] = [_sample_fields(o) for o in output.outputs]
     return record
+
+
+def _sample_fields(sample) -> dict:
+    fields = {"text": sample.text, "token_ids": list(sample.token_ids), "finish_reason": sample.finish_reason}
+    if sample.logprobs is not None:
+        fields["logprobs"] = [_json_logprobs(d) for d in sample.logprobs]
+        fields["cumulative_logprob"] = sample.cumulative_logprob
+    return fields
+
+
+def _json_logprobs(by_token: dict[int, float] | None) -> dict[str, float] | None:
+    return None if by_token is None else {str(token): logprob for token, logprob in by_token.items()}
 
 
 def error_record(error: BatchError) -> dict:
