@@ -261,8 +261,14 @@ def test_gptq_calibrated_convert_keeps_the_int8_format(tiny_model, tmp_path):
     assert changed > 0  # GPTQ chose other values than round-to-nearest somewhere
 
     llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
-    got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    greedy = jlight.SamplingParams(max_tokens=6, temperature=0.0)
+    got = llm.generate(["the quick brown fox"], greedy, use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
+    # Asking for the mode the checkpoint already has runs it as stored; another mode is refused by name.
+    again = jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    assert again.generate(["the quick brown fox"], greedy, use_tqdm=False)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="quantization='w8a8': the checkpoint's weights are already quantized as 'int8'"):
+        jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
 
     with pytest.raises(ValueError, match="--calibration needs --quantization int8 \\(GPTQ\\) or w8a8"):
         convert(model_dir, str(tmp_path / "x"), dtype="float32", calibration=str(text))
@@ -287,8 +293,14 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     want = prefill_logits(original, config, PROMPT)
     np.testing.assert_allclose(prefill_logits(float_params, config, PROMPT), want, atol=0.05 * np.abs(want).max())
     llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
-    got = llm.generate(["the quick brown fox"], jlight.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    greedy = jlight.SamplingParams(max_tokens=6, temperature=0.0)
+    got = llm.generate(["the quick brown fox"], greedy, use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
+    # Asking for the mode the checkpoint already has runs it as stored; another mode is refused by name.
+    again = jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    assert again.generate(["the quick brown fox"], greedy, use_tqdm=False)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="quantization='w8a8': the checkpoint's weights are already quantized as 'int8'"):
+        jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
 
 
 def test_a_dtype_other_than_the_checkpoints_is_refused(loaded, tmp_path):

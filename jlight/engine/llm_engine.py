@@ -163,7 +163,12 @@ class LLMEngine:
         if cfg.quantization:
             from jlight.pallas_kernels.quantization import quantize_params
 
-            params = quantize_params(params, cfg.quantization)
+            stored = _stored_quantization(params)
+            if stored is None:
+                params = quantize_params(params, cfg.quantization)
+            elif stored != cfg.quantization:  # a converted checkpoint quantized in another mode
+                raise ValueError(f"quantization={cfg.quantization!r}: the checkpoint's weights are already quantized as "
+                                 f"{stored!r}; drop the option (or pass {stored!r}), or convert the original weights again")
         plan = None
         if mesh is not None:
             from jlight.sharding.plan import ShardingPlan
@@ -427,6 +432,17 @@ class LLMEngine:
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()
+
+
+def _stored_quantization(params) -> str | None:
+    """The quantization mode of already-quantized weights ("int8" or "w8a8"), or None for float ones."""
+    from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
+
+    quantized = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+                 if isinstance(w, QuantizedWeight)]
+    if not quantized:
+        return None
+    return "w8a8" if isinstance(quantized[0], W8A8Weight) else "int8"
 
 
 def _enable_compilation_cache(path: str | None) -> None:
