@@ -351,3 +351,15 @@ def test_warmup_for_one_request_compiles_only_its_buckets(tiny_model):
     assert compiled == 3  # buckets 64, 32 and 8; not 16
     llm.generate([list(range(3, 93))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert engine.runner._step._cache_size() == compiled
+
+
+def test_a_max_model_len_beyond_the_model_is_capped_with_a_warning(model_dir, caplog):
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+
+    with caplog.at_level("WARNING", logger="jlight.engine.llm_engine"):
+        engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=10**6, max_num_seqs=2,
+                                        max_num_batched_tokens=16, num_pages=32, warmup=False))
+    limit = engine.model_config.max_position_embeddings
+    assert engine.max_model_len == limit < 10**6
+    assert f"max_model_len=1000000 is beyond the model's {limit} positions; using {limit}" in caplog.text

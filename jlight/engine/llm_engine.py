@@ -102,6 +102,9 @@ class LLMEngine:
         params, sharding_plan = self._prepare_params(loaded, mesh, on_gpu(), owns_weights)
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:  # said, not silently capped
+            logger.warning("max_model_len=%d is beyond the model's %d positions; using %d", cfg.max_model_len,
+                           mc.max_position_embeddings, self.max_model_len)
         max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if on_gpu() else 512)
         kv_dtype = params["final_norm"].dtype  # the model's compute dtype
         if cfg.kv_cache_dtype != "auto" and mc.family == "deepseek":
