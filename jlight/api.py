@@ -22,7 +22,13 @@ class LLM:
     >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, tensor_parallel_size: int | None = None, **engine_options):
+        if tensor_parallel_size is not None:  # vLLM's name for it, as the CLI's --tensor-parallel-size
+            if engine_options.get("mesh"):
+                raise ValueError("give either mesh or tensor_parallel_size, not both")
+            if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is invalid: must be an integer >= 1")
+            engine_options["mesh"] = f"tp={tensor_parallel_size}"
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_options) - fields)
         if unknown:

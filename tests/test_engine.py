@@ -363,3 +363,14 @@ def test_a_max_model_len_beyond_the_model_is_capped_with_a_warning(model_dir, ca
     limit = engine.model_config.max_position_embeddings
     assert engine.max_model_len == limit < 10**6
     assert f"max_model_len=1000000 is beyond the model's {limit} positions; using {limit}" in caplog.text
+
+
+def test_tensor_parallel_size_is_the_mesh_tp(model_dir):
+    """vLLM's LLM(..., tensor_parallel_size=N) is mesh="tp=N" (as the CLI's --tensor-parallel-size)."""
+    with pytest.raises(ValueError, match="tp=2"):  # one CPU device here: the tp=2 mesh itself is refused
+        jlight.LLM(model_dir, tensor_parallel_size=2, dtype="float32", warmup=False)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="tensor_parallel_size=.* is invalid"):
+            jlight.LLM(model_dir, tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match="either mesh or tensor_parallel_size"):
+        jlight.LLM(model_dir, tensor_parallel_size=2, mesh="tp=2")
