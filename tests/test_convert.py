@@ -297,10 +297,10 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     got = llm.generate(["the quick brown fox"], greedy, use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
     # Asking for the mode the checkpoint already has runs it as stored; another mode is refused by name.
-    again = jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    again = jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
     assert again.generate(["the quick brown fox"], greedy, use_tqdm=False)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
-    with pytest.raises(ValueError, match="quantization='w8a8': the checkpoint's weights are already quantized as 'int8'"):
-        jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    with pytest.raises(ValueError, match="quantization='int8': the checkpoint's weights are already quantized as 'w8a8'"):
+        jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
 
 
 def test_a_dtype_other_than_the_checkpoints_is_refused(loaded, tmp_path):

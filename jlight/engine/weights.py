@@ -1,0 +1,72 @@
+"""The loaded weights made ready for the engine's step: quantized, sharded, unrolled, fused and
+laid out K-major, as the EngineConfig asks, freeing the engine's own copies as it goes."""
+from __future__ import annotations
+
+import jax
+
+from jlight.engine.engine_config import EngineConfig
+
+
+def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weights: bool = False):
+    """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan);
+    a plan's config is the model config the engine runs (e.g. KV heads replicated up to tp).
+    owns_weights: the weights are this engine's own load, so their parts may be freed as they go."""
+    from jlight.pallas_kernels.dispatch import kmajor_weight_types
+
+    params = loaded.params
+    if cfg.quantization:
+        from jlight.pallas_kernels.quantization import quantize_params
+
+        stored = _stored_quantization(params)
+        if stored is None:
+            params = quantize_params(params, cfg.quantization)
+        elif stored != cfg.quantization:  # a converted checkpoint quantized in another mode
+            raise ValueError(f"quantization={cfg.quantization!r}: the checkpoint's weights are already quantized as "
+                             f"{stored!r}; drop the option (or pass {stored!r}), or convert the original weights again")
+    plan = None
+    if mesh is not None:
+        from jlight.sharding.plan import ShardingPlan
+
+        plan = ShardingPlan(mesh, loaded.config, family.param_axes(loaded.config))
+        if plan.dp > 1:
+            raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
+        params = plan.prepare_params(params)
+    unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
+    unrolled = unroll and hasattr(family, "unstack_layers")
+    if unrolled:
+        # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
+        # Mixtral-8x7B, 93 GB, fits one H200 only that way). Sharded weights keep their
+        # shardings when split, and a plan over the per-layer tree runs them under the mesh.
+        params = family.unstack_layers(params, donate=owns_weights)
+        jax.block_until_ready(params)
+        if plan is not None:  # ShardingPlan was imported with the mesh above
+            from jlight.models.layers import split_layer_axes
+
+            plan = ShardingPlan(mesh, plan.source_config, split_layer_axes(plan.param_axes, params))
+    if plan is None and cfg.fuse_projections and hasattr(family, "fuse_projections"):
+        # Per-layer weights are this engine's own copies (split_layers made them), so their parts
+        # are freed as they are fused; a caller's stacked weights are left intact.
+        params = dict(params, layers=family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
+    kmajor = kmajor_weight_types(cfg.matmul_impl)
+    if plan is None and kmajor:
+        from jlight.models.layers import FUSED_PROJECTIONS
+        from jlight.pallas_kernels.quantization import QUANTIZABLE, transpose_to_kmajor
+
+        # The linear weights K-major where their matmul reads them faster so. The [in, out] copies
+        # are freed as they go when they are this engine's own (quantized here, or loaded by it).
+        params = transpose_to_kmajor(params, kmajor, names=QUANTIZABLE + tuple(FUSED_PROJECTIONS),
+                                     delete_source=owns_weights or bool(cfg.quantization))
+    if owns_weights:
+        loaded.params = None  # the loaded tree (stacked, unfused) is spent; a caller's LoadedModel keeps its params
+    return params, plan
+
+
+def _stored_quantization(params) -> str | None:
+    """The quantization mode of already-quantized weights ("int8" or "w8a8"), or None for float ones."""
+    from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
+
+    quantized = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+                 if isinstance(w, QuantizedWeight)]
+    if not quantized:
+        return None
+    return "w8a8" if isinstance(quantized[0], W8A8Weight) else "int8"
