@@ -14,6 +14,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jlight.serve.echo import Echo, prompt_texts
 from jlight.serve.errors import RequestError
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, to_sampling_params
 from jlight.serve.request_runner import EngineJob, RequestRunner
@@ -111,9 +112,18 @@ class GenerationHandlers:
             raise RequestError(f"{len(prompts)} prompts x n={body.n} asks for more than {MAX_SEQUENCES_PER_REQUEST} "
                                f"sequences in one request; lower n or split the prompts", param="n")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        jobs = self._jobs(request_id, body, prompts, body.max_tokens, "prompt", "max_tokens")
+        max_tokens, echo = body.max_tokens, None
+        if max_tokens == 0 and not body.echo:
+            raise RequestError("max_tokens=0 generates nothing; it is only allowed with echo=true "
+                               "(to score the prompt); ask for at least 1 token", param="max_tokens")
+        if body.echo:
+            echo = Echo(prompt_texts(body.prompt, prompts, self.tokenizer), generate=max_tokens != 0)
+            # The engine always samples one token; with max_tokens=0 the response leaves it out.
+            max_tokens = max_tokens if echo.generate else 1
+        jobs = self._jobs(request_id, body, prompts, max_tokens, "prompt", "max_tokens")
         builder = ResponseBuilder("completion", request_id, model, self.tokenizer, body.n,
-                                  want_logprobs=body.logprobs is not None, num_top_logprobs=body.logprobs or 0)
+                                  want_logprobs=body.logprobs is not None, num_top_logprobs=body.logprobs or 0,
+                                  echo=echo)
         return await self._respond(request, body, jobs, builder)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:

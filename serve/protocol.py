@@ -124,9 +124,10 @@ class CompletionRequest(SamplingFields):
                   | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
                   f"a string, a list of token ids (integers >= 0), or a batch: a list of 1 to "
                   f"{MAX_PROMPTS_PER_REQUEST} strings, or of 1 to {MAX_PROMPTS_PER_REQUEST} token-id lists")
-    max_tokens: PositiveInt | None = 16
+    # 0 only with echo (vLLM's rule): the prompt and its logprobs come back, nothing is generated.
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Unsupported(StrictBool, lambda v: v is False, "the prompt is not returned with the completion") = False
+    echo: StrictBool = False  # the prompt comes back before the completion (serve/echo.py)
     suffix: Unsupported(StrictStr, lambda v: v == "", "jlight does not insert text (fill-in-the-middle)") = None
     best_of: PositiveInt | None = None
 
@@ -278,10 +279,13 @@ class ModelList(BaseModel):
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     """Map a validated request onto SamplingParams; `max_tokens` is already resolved
     against the context length. None in an optional OpenAI field means "the default"."""
+    prompt_logprobs = None
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
+        if req.echo:  # the echoed prompt's tokens get logprobs like the generated ones
+            prompt_logprobs = logprobs
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         n=req.n,
@@ -299,6 +303,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_token
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -9,6 +9,7 @@ import json
 import time
 
 from jlight.engine.outputs import CompletionOutput, RequestOutput
+from jlight.serve.echo import Echo, prompt_offsets, prompt_pairs
 from jlight.serve.protocol import (ChatChoice, ChatCompletionResponse, ChatDeltaChoice, ChatLogprobs,
                                    ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                                    CompletionLogprobs, CompletionResponse, TopLogprob, usage_of)
@@ -56,10 +57,11 @@ class ResponseBuilder:
     """Builds one HTTP request's bodies; keeps per-choice state across stream chunks."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, n: int, want_logprobs: bool,
-                 num_top_logprobs: int = 0):
+                 num_top_logprobs: int = 0, echo: Echo | None = None):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.want_logprobs, self.num_top = want_logprobs, num_top_logprobs
-        self.token_text = TokenText(tokenizer)
+        self.echo = echo
+        self.tokenizer, self.token_text = tokenizer, TokenText(tokenizer)
         self.created = int(time.time())
         self.tokens_sent: dict[int, int] = {}  # choice index -> tokens already streamed
         self.text_offset: dict[int, int] = {}  # choice index -> characters already streamed
@@ -71,8 +73,9 @@ class ResponseBuilder:
     def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(entry.items(), key=lambda kv: -kv[1])[:self.num_top]
 
-    def completion_logprobs(self, pairs, offset: int) -> CompletionLogprobs:
-        lp = CompletionLogprobs()
+    def completion_logprobs(self, pairs, offset: int, lp: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """Appends `pairs` to `lp` (a new one by default), their text starting at `offset`."""
+        lp = CompletionLogprobs() if lp is None else lp
         for token_id, entry in pairs:
             text = self.token_text(token_id)
             lp.tokens.append(text)
@@ -81,6 +84,39 @@ class ResponseBuilder:
             lp.text_offset.append(offset)
             offset += len(text)
         return lp
+
+    def echoed_prompt(self, prompt_index: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt's text and, with logprobs, its tokens' logprobs (None for the first token:
+        nothing predicts it)."""
+        text = self.echo.texts[prompt_index]
+        if not self.want_logprobs:
+            return text, None
+        lp = CompletionLogprobs()
+        offsets = prompt_offsets(self.tokenizer, out.prompt_token_ids, text)
+        for (token_id, entry), offset in zip(prompt_pairs(out), offsets):
+            if entry is None:
+                lp.tokens.append(self.token_text(token_id))
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                lp.text_offset.append(offset)
+            else:
+                self.completion_logprobs([(token_id, entry)], offset, lp)
+        return text, lp
+
+    def completion_choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput,
+                          text: str, pairs, offset: int, first: bool) -> CompletionChoice:
+        """One choice's text and logprobs from `offset` on; the echoed prompt goes before them
+        in a choice's `first` body (the whole response, or its first stream chunk)."""
+        reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
+        if self.echo is not None and not self.echo.generate:  # max_tokens=0: the one token run is not shown
+            text, pairs, reason = "", [], "length" if reason else None
+        lp = None
+        if self.echo is not None and first:
+            prompt_text, lp = self.echoed_prompt(prompt_index, out)
+            text, offset = prompt_text + text, offset + len(prompt_text)
+        if self.want_logprobs:
+            lp = self.completion_logprobs(pairs, offset, lp)
+        return CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=lp)
 
     def chat_logprobs(self, pairs) -> ChatLogprobs:
         def item(t, v, cls=TopLogprob, **kw):
@@ -94,9 +130,7 @@ class ResponseBuilder:
 
     def full_response(self, finals: list[RequestOutput]) -> dict:
         """`finals[i]` is prompt i's last RequestOutput."""
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-        completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        usage = usage_of(prompt_tokens, completion_tokens)
+        usage = self._usage(finals)
         choices = []
         for p, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -108,8 +142,7 @@ class ResponseBuilder:
                                               logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
                                               finish_reason=reason))
                 else:
-                    choices.append(CompletionChoice(index=index, text=c.text, finish_reason=reason,
-                                                    logprobs=self.completion_logprobs(pairs, 0) if self.want_logprobs else None))
+                    choices.append(self.completion_choice(index, p, out, c, c.text, pairs, 0, first=True))
         cls = ChatCompletionResponse if self.kind == "chat" else CompletionResponse
         return cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage).model_dump()
 
@@ -149,14 +182,19 @@ class ResponseBuilder:
                                          finish_reason=reason).model_dump()
                 choice["delta"] = {"content": c.text_delta}  # later deltas carry no role
             else:
-                offset = self.text_offset.get(index, 0)
-                choice = CompletionChoice(index=index, text=c.text_delta, finish_reason=reason,
-                                          logprobs=self.completion_logprobs(pairs, offset) if self.want_logprobs else None).model_dump()
-                self.text_offset[index] = offset + len(c.text_delta)
+                first = index not in self.text_offset
+                choice = self.completion_choice(index, prompt_index, out, c, c.text_delta, pairs,
+                                                self.text_offset.get(index, 0), first).model_dump()
+                self.text_offset[index] = self.text_offset.get(index, 0) + len(choice["text"])
             chunks.append(self._chunk([choice]))
         return chunks
 
-    def usage_chunk(self, finals: list[RequestOutput]) -> str:
+    def _usage(self, finals: list[RequestOutput]):
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return self._chunk([], usage=usage_of(prompt_tokens, completion_tokens))
+        if self.echo is not None and not self.echo.generate:
+            completion_tokens = 0  # max_tokens=0: the token the engine ran is not returned
+        return usage_of(prompt_tokens, completion_tokens)
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> str:
+        return self._chunk([], usage=self._usage(finals))

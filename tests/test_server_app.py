@@ -99,9 +99,18 @@ class FakeAsyncLLM:
                         finish_reason=None if k < length else ("length" if length == total else "stop"),
                         text_delta="x" if fresh else "", token_ids_delta=[120] if fresh else [],
                         logprobs=[{120: -0.5, 121: -1.5}] * k if sampling_params.logprobs is not None else None))
-                yield RequestOutput(request_id, None, list(prompt), outs, finished=done)
+                yield RequestOutput(request_id, None, list(prompt), outs, finished=done,
+                                    prompt_logprobs=self.prompt_logprobs(prompt, sampling_params))
         finally:  # closing the generator early aborts, as AsyncLLM's does
             self.abort(request_id)
+
+    @staticmethod
+    def prompt_logprobs(prompt, params):
+        """Like the engine's: None for the first prompt token, then each token's logprob and
+        'x' (id 120) as the runner-up."""
+        if params.prompt_logprobs is None:
+            return None
+        return [None] + [{t: -0.25, 120: -3.0} for t in prompt[1:]]
 
     def abort(self, request_id):
         if request_id in self.active:
@@ -313,7 +322,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", {"messages": CHAT_X, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"messages": CHAT_X, "guided_choice": ["yes", "no"]}, "guided_choice"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
 ]
 
@@ -336,6 +344,82 @@ def test_unsupported_features_left_unused_pass(server):
     r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "echo": False, "suffix": ""})
     assert r.status_code == 200, r.text
 
+
+def _check_offsets(choice):
+    """Each token's text_offset is where its text starts in the choice's text (one byte
+    token per character here)."""
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    for token, offset in zip(lp["tokens"], lp["text_offset"]):
+        assert choice["text"][offset:offset + len(token)] == token
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(server):
+    """lm-evaluation-harness's request: echo, logprobs=1, batched prompts (text and token ids), n=2.
+    Each choice is the prompt then the completion; the prompt's first token has no logprob."""
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": ["ab", "cd"], "max_tokens": 3, "n": 2, "logprobs": 1, "echo": True,
+                                      "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "abxxx"), (1, "abxx"), (2, "cdxxx"), (3, "cdxx")]
+    lp = body["choices"][2]["logprobs"]
+    assert lp["tokens"] == ["c", "d", "x", "x", "x"]
+    assert lp["token_logprobs"] == [None, -0.25, -0.5, -0.5, -0.5]
+    assert lp["top_logprobs"] == [None, {"d": -0.25}, {"x": -0.5}, {"x": -0.5}, {"x": -0.5}]
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+    for choice in body["choices"]:
+        _check_offsets(choice)
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 10, "total_tokens": 14}
+
+    # Token ids echo as their text; without logprobs there are none to report.
+    r = post(url, "/v1/completions", {"prompt": [[104, 105], [33]], "max_tokens": 2, "echo": True})
+    assert [(c["text"], c["logprobs"]) for c in r.json()["choices"]] == [("hixx", None), ("!xx", None)]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(server):
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": "abc", "max_tokens": 0, "logprobs": 0, "echo": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("abc", "length")
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.25, -0.25]
+    assert choice["logprobs"]["top_logprobs"] == [None, None, None]  # logprobs=0: no alternatives
+    assert r.json()["usage"]["completion_tokens"] == 0
+    r = post(url, "/v1/completions", {"prompt": "abc", "max_tokens": 0, "echo": True, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [("abc", "length")]
+    r = post(url, "/v1/completions", {"prompt": "abc", "max_tokens": 0})  # without echo it asks for nothing
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_echo_streams_the_prompt_in_the_first_chunk(server):
+    url, _ = server
+    r = post(url, "/v1/completions", {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "logprobs": 1, "echo": True,
+                                      "stream": True})
+    chunks = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+    merged = {}
+    for c in chunks:
+        m = merged.setdefault(c["index"], {"text": "", "logprobs": {k: [] for k in c["logprobs"]}})
+        if not m["text"]:  # a choice's first chunk holds its prompt and its first token
+            assert c["text"][:2] in ("ab", "cd") and c["logprobs"]["token_logprobs"][0] is None
+        m["text"] += c["text"]
+        for k, v in c["logprobs"].items():
+            m["logprobs"][k] += v
+    assert {i: m["text"] for i, m in merged.items()} == {0: "abxxx", 1: "abxx", 2: "cdxxx", 3: "cdxx"}
+    for choice in merged.values():
+        _check_offsets(choice)
+
+
+def test_prompt_offsets_skip_an_added_bos_and_count_split_characters_once():
+    from jlight.serve.echo import prompt_offsets
+
+    class WithBos(ByteTokenizer):
+        all_special_ids = [1]
+
+    ids = [1] + list("é!".encode())  # a BOS the text does not hold, then "é" as two byte tokens
+    assert prompt_offsets(WithBos(), ids, "é!") == [0, 0, 0, 1]
+    assert prompt_offsets(WithBos(), ids, "\x01é!") == [0, 1, 1, 2]  # the BOS's text sent as part of the prompt
 
 def test_body_size_limit(server):
     url, _ = server

@@ -9,6 +9,8 @@ it, so it runs last.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import random
@@ -157,6 +159,94 @@ def test_batched_prompts_streaming_n2(client, model_name, llm):
     expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
     assert texts == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}
     assert set(reasons) == {0, 1, 2, 3}
+
+
+@contextlib.contextmanager
+def _gguf_name_map_built_once():
+    """transformers builds gguf's tensor-name map once per submodule of the model (~400 times,
+    ~5 s here). It depends only on its arguments and is only read, so build each one once."""
+    import gguf
+
+    real = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(real)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = real
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' own model of the GGUF the server runs (float32, as jlight on the CPU): the
+    reference for the echoed prompt logprobs."""
+    torch = pytest.importorskip("torch")
+    from test_smollm2 import _one_gguf_reader_per_file
+    from transformers import AutoModelForCausalLM
+
+    from jlight.loading.default_model import default_gguf_path
+    directory, name = os.path.split(default_gguf_path())
+    with _one_gguf_reader_per_file(), _gguf_name_map_built_once():
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(hf_model, ids):
+    import torch
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def _check_echo(choice, ids, prompt_text, tok, ref):
+    """One echoed choice: the prompt's text then the generated token's; one logprob entry per
+    token, each transformers' (None for the first token), offsets that point into the text."""
+    lp = choice.logprobs
+    generated = ids + [tok.encode(lp.tokens[-1], add_special_tokens=False)[0]]
+    assert choice.text.startswith(prompt_text) and len(lp.tokens) == len(generated)
+    assert lp.tokens[:len(ids)] == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(generated)):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, generated[i]], abs=1e-3), i
+        (top_text, top_value), = lp.top_logprobs[i].items()
+        assert top_value == pytest.approx(ref[i - 1].max(), abs=1e-3)
+        assert top_text == tok.decode([int(ref[i - 1].argmax())], skip_special_tokens=False)
+    assert int(ref[len(ids) - 1].argmax()) == generated[-1]  # temperature 0
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert choice.text[offset:offset + len(token)] == token
+
+
+def test_echo_logprobs_match_transformers(client, model_name, llm, hf_model):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs=1, max_tokens=1, temperature=0):
+    a batch of token-id prompts with n=2, and a text prompt. Asked twice, the second time with the
+    prompts' pages in the prefix cache: the engine must compute their logprobs all the same."""
+    tok = llm.tokenizer
+    text_prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+    token_lists = [tok.encode("One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"),
+                   tok.encode(text_prompt)]
+    assert min(len(ids) for ids in token_lists) > 16  # a full page or more, so the prefix cache holds some
+    refs = [None, None]
+    for _ in range(2):
+        r = client.completions.create(model=model_name, prompt=token_lists, echo=True, logprobs=1, max_tokens=1,
+                                      temperature=0, n=2)
+        assert len(r.choices) == 4
+        for choice in r.choices:
+            ids = token_lists[choice.index // 2]
+            if refs[choice.index // 2] is None:
+                refs[choice.index // 2] = _hf_logprobs(hf_model, ids + [tok.encode(choice.logprobs.tokens[-1],
+                                                                                    add_special_tokens=False)[0]])
+            _check_echo(choice, ids, tok.decode(ids, skip_special_tokens=False), tok, refs[choice.index // 2])
+        r_text = client.completions.create(model=model_name, prompt=text_prompt, echo=True, logprobs=1, max_tokens=1,
+                                           temperature=0)
+        _check_echo(r_text.choices[0], token_lists[1], text_prompt, tok, refs[1])
+
+    # max_tokens=0 scores the prompt alone; a stream carries the prompt in its first chunk.
+    r = client.completions.create(model=model_name, prompt=text_prompt, echo=True, logprobs=0, max_tokens=0)
+    ids, lp = token_lists[1], r.choices[0].logprobs
+    assert r.choices[0].text == text_prompt and len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([refs[1][i - 1, ids[i]] for i in range(1, len(ids))], abs=1e-3)
+    stream = client.completions.create(model=model_name, prompt=text_prompt, echo=True, max_tokens=3, temperature=0,
+                                       stream=True)
+    texts = [c.choices[0].text for c in stream if c.choices]
+    expected = llm.generate(text_prompt, greedy(3), use_tqdm=False)[0].outputs[0].text
+    assert texts[0].startswith(text_prompt) and "".join(texts) == text_prompt + expected
 
 
 async def _stream_client(url, i, leave_after):
