@@ -86,6 +86,13 @@ class StreamOptions(OpenAIBody):
     include_usage: StrictBool = False
 
 
+def _only_when_streaming(value, info: ValidationInfo):
+    """stream_options without stream=true (OpenAI and vLLM answer 400): the options would do nothing."""
+    if value is not None and not info.data.get("stream"):
+        raise ValueError("stream_options is only allowed with stream=true; set stream=true or leave stream_options out")
+    return value
+
+
 class SamplingFields(OpenAIBody):
     """Sampling fields shared by both endpoints (OpenAI's plus vLLM-style extensions)."""
     model: StrictStr | None = None
@@ -100,7 +107,7 @@ class SamplingFields(OpenAIBody):
     logit_bias: Annotated[dict[str, Number(ge=-100.0, le=100.0)],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     stream: StrictBool = False
-    stream_options: StreamOptions | None = None
+    stream_options: Annotated[StreamOptions | None, AfterValidator(_only_when_streaming)] = None  # after stream
     # Extensions (vLLM names).
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     min_p: Number(ge=0.0, le=1.0) | None = None

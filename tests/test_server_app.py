@@ -251,6 +251,7 @@ BAD_INPUTS = [
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/detokenize", {"tokens": [1000]}, 400, "tokens"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 
 
@@ -307,9 +308,12 @@ def test_null_means_default(server):
     assert [c["text"] for c in r.json()["choices"]] == ["xx"]
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": None}], "max_tokens": 2,
                                            "n": None, "stream": None, "logprobs": None, "top_logprobs": None,
-                                           "max_completion_tokens": None, "stream_options": {"include_usage": None}})
+                                           "max_completion_tokens": None, "stream_options": None})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "max_tokens": 2, "stream": True,
+                                           "stream_options": {"include_usage": None}})  # a null inside, too
+    assert r.status_code == 200 and '"usage"' not in r.text, r.text
 
 
 CHAT_X = [{"role": "user", "content": "x"}]
