@@ -62,8 +62,8 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 # copies its predicate to the host and waits for it, i.e. for the whole forward pass. So the host could not
 # queue the next step while the device ran this one. On the H200 (Llama-3-8B shape, 64 sequences with
 # 1k tokens of context each decoding, 2026-12-02, docs/BENCHMARKS.md) the host waited 9.7 ms inside each
-# 12.8 ms step; with this option 2.3 ms inside a 7.5 ms step: 5,021 -> 8,608 tokens/s. (The flag is
-# XLA:GPU's; other backends accept and ignore it.)
+# 12.8 ms step; with this option (set through XLA_FLAGS in that run) 2.3 ms inside a 7.5 ms step:
+# 5,021 -> 8,608 tokens/s. (The flag is XLA:GPU's; other backends accept and ignore it.)
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 
 
