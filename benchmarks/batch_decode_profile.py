@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_latency import back_to_back_ms, kernel_breakdown  # noqa: E402
+from decode_latency import _spy_on_steps, back_to_back_ms, kernel_breakdown  # noqa: E402
 from model_configs import random_loaded_model  # noqa: E402
 from offline_throughput import copy_bandwidth_bytes_per_s, weight_bytes  # noqa: E402
 
@@ -37,17 +37,11 @@ from jlight.engine.sampling_params import SamplingParams  # noqa: E402
 BF16_MATMUL_FLOPS = 645e12  # the H200's measured bf16 matmul rate (task statement, 2026-11-29)
 
 
-def decode_step_inputs(engine: LLMEngine, batch: int, context: int, max_tokens: int, temperature: float, top_p: float,
-                       seed: int = 0):
+def decode_step_inputs(engine: LLMEngine, calls: list, batch: int, context: int, max_tokens: int, temperature: float,
+                       top_p: float, seed: int = 0):
     """Admit `batch` requests of `context` random prompt tokens and step until every one is decoding;
-    returns the StepInputs of the last step (a decode step of `batch` tokens) and the engine, ready to run on."""
-    calls, launch = [], engine.runner.launch
-
-    def spy(inp):
-        calls.append(inp)
-        return launch(inp)
-
-    engine.runner.launch = spy
+    returns the StepInputs of the last step (a decode step of `batch` tokens). `calls` is the runner's
+    launch spy (decode_latency._spy_on_steps)."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=seed)
     for i in range(batch):
@@ -57,29 +51,20 @@ def decode_step_inputs(engine: LLMEngine, batch: int, context: int, max_tokens: 
     while len(generated) < batch or min(generated.values()) < 2:  # every sequence past its first decode step
         for out in engine.step():
             generated[out.request_id] = generated.get(out.request_id, 0) + len(out.outputs[0].token_ids_delta)
-    engine.runner.launch = launch
-    return calls[-1]
+    return calls[-1][0]
 
 
-def engine_steps(engine: LLMEngine, steps: int) -> dict:
+def engine_steps(engine: LLMEngine, calls: list, steps: int) -> dict:
     """`steps` full engine steps (host included), the batch unchanged: output tokens per second, and
     the median and largest step time and host time inside runner.launch (the jitted call: a launch
     that lasts about as long as the step means the host waited for the device inside it)."""
-    launch_s, launch = [], engine.runner.launch
-
-    def timed_launch(inp):
-        t0 = time.perf_counter()
-        out = launch(inp)
-        launch_s.append(time.perf_counter() - t0)
-        return out
-
-    engine.runner.launch = timed_launch
+    first = len(calls)
     tokens, step_s = 0, []
     for _ in range(steps):
         t0 = time.perf_counter()
         tokens += sum(len(o.outputs[0].token_ids_delta) for o in engine.step())
         step_s.append(time.perf_counter() - t0)
-    engine.runner.launch = launch
+    launch_s = [t for _, t in calls[first:]]
     ms = lambda xs: [round(1e3 * float(np.median(xs)), 3), round(1e3 * max(xs), 3)]  # noqa: E731
     return dict(tok_s=tokens / sum(step_s), step_ms_median_max=ms(step_s), launch_ms_median_max=ms(launch_s))
 
@@ -130,15 +115,16 @@ def main():
         engine = LLMEngine(EngineConfig(
             model=None, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), max_model_len=max_len,
             num_pages=batch * (-(-max_len // 16)) + 2, warmup=False, attention_impl=a.attention_impl), loaded=loaded)
+        calls = _spy_on_steps(engine.runner)  # (inputs, host seconds of the launch) of every step
         t0 = time.perf_counter()
-        inp = decode_step_inputs(engine, batch, a.context, max_len - a.context, a.temperature, a.top_p)
+        inp = decode_step_inputs(engine, calls, batch, a.context, max_len - a.context, a.temperature, a.top_p)
         row = dict(batch=batch, context=a.context, fill_s=time.perf_counter() - t0,
                    step_ms=back_to_back_ms(engine.runner, inp, reps=20))
         if copy_bw:
             row["roofline"] = roofline(engine.model_config, engine.runner.params, batch, a.context, copy_bw)
         if a.kernel_breakdown and gpu:
             row["kernels"] = kernel_breakdown(engine.runner, (inp, None), top=16)
-        row["engine"] = engine_steps(engine, a.engine_steps)
+        row["engine"] = engine_steps(engine, calls, a.engine_steps)
         e = row["engine"]
         line = (f"B={batch:4d} C={a.context}: decode step {row['step_ms']:.2f} ms back to back; engine {e['tok_s']:.0f} tok/s, "
                 f"step {e['step_ms_median_max'][0]:.2f} ms (max {e['step_ms_median_max'][1]:.1f}), launch "
