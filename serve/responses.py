@@ -74,13 +74,15 @@ class ResponseBuilder:
         return sorted(entry.items(), key=lambda kv: -kv[1])[:self.num_top]
 
     def completion_logprobs(self, pairs, offset: int, lp: CompletionLogprobs | None = None) -> CompletionLogprobs:
-        """Appends `pairs` to `lp` (a new one by default), their text starting at `offset`."""
+        """Appends `pairs` to `lp` (a new one by default), their text starting at `offset`. An entry of
+        None (an echoed prompt's first token, which nothing predicts) gets null logprobs."""
         lp = CompletionLogprobs() if lp is None else lp
         for token_id, entry in pairs:
             text = self.token_text(token_id)
             lp.tokens.append(text)
-            lp.token_logprobs.append(entry.get(token_id))
-            lp.top_logprobs.append({self.token_text(t): v for t, v in self._top(entry)} if self.num_top else None)
+            lp.token_logprobs.append(None if entry is None else entry.get(token_id))
+            lp.top_logprobs.append({self.token_text(t): v for t, v in self._top(entry)}
+                                   if self.num_top and entry is not None else None)
             lp.text_offset.append(offset)
             offset += len(text)
         return lp
@@ -93,14 +95,8 @@ class ResponseBuilder:
             return text, None
         lp = CompletionLogprobs()
         offsets = prompt_offsets(self.tokenizer, out.prompt_token_ids, text)
-        for (token_id, entry), offset in zip(prompt_pairs(out), offsets):
-            if entry is None:
-                lp.tokens.append(self.token_text(token_id))
-                lp.token_logprobs.append(None)
-                lp.top_logprobs.append(None)
-                lp.text_offset.append(offset)
-            else:
-                self.completion_logprobs([(token_id, entry)], offset, lp)
+        for pair, offset in zip(prompt_pairs(out), offsets):  # each at its own offset (tokens may take no room)
+            self.completion_logprobs([pair], offset, lp)
         return text, lp
 
     def completion_choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput,

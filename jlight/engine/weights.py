@@ -65,8 +65,8 @@ def _stored_quantization(params) -> str | None:
     """The quantization mode of already-quantized weights ("int8" or "w8a8"), or None for float ones."""
     from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
 
-    quantized = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-                 if isinstance(w, QuantizedWeight)]
-    if not quantized:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    first = next((w for w in leaves if isinstance(w, QuantizedWeight)), None)
+    if first is None:
         return None
-    return "w8a8" if isinstance(quantized[0], W8A8Weight) else "int8"
+    return "w8a8" if isinstance(first, W8A8Weight) else "int8"
