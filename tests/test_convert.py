@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -318,16 +319,32 @@ def test_a_dtype_other_than_the_checkpoints_is_refused(loaded, tmp_path):
 
 
 def test_a_corrupt_checkpoint_is_one_line_from_the_cli(loaded, tmp_path):
-    """A converted checkpoint with a damaged data file (a copy cut short) made `jlight generate` exit 1 with
-    orbax/TensorStore's 160-line traceback; now it is a ModelLoadError naming the directory and the fix.
-    In a subprocess: orbax's abandoned reads would print into later tests of this process."""
+    """A converted checkpoint with a data file cut short (an interrupted copy) made `jlight generate` exit 1
+    with orbax/TensorStore's 160-line traceback, and later (on a slower machine) with tracebacks from
+    orbax's abandoned reads at exit. The manifest's file sizes now refuse it before orbax reads anything:
+    one line naming the file and the fix."""
     config, params = loaded
     out = tmp_path / "cut"
     write_converted(str(out), config, params, dtype="float32", quantization=None, source="t")
     data = max((p for p in (out / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[: size // 3])
     proc = subprocess.run([sys.executable, "-m", "jlight.cli", "generate", "hi", "--model", str(out), "--no-chat"],
                           capture_output=True, text=True, timeout=300)
     lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("loading")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"jlight: error: {out}: the checkpoint's params could not be read") and "jlight convert" in lines[0]
+    rel = data.relative_to(out)
+    assert lines[0] == (f"jlight: error: {out}: the checkpoint's file {rel} has {size // 3} bytes, the conversion "
+                        f"wrote {size}; it is damaged or incomplete, copy it again or run `jlight convert` again")
+
+
+def test_a_missing_checkpoint_file_is_named(loaded, tmp_path):
+    from jlight.loading import load_model
+
+    config, params = loaded
+    out = tmp_path / "missing"
+    write_converted(str(out), config, params, dtype="float32", quantization=None, source="t")
+    victim = next(p for p in sorted((out / "params").rglob("*")) if p.is_file())
+    victim.unlink()
+    with pytest.raises(ModelLoadError, match=f"file {re.escape(str(victim.relative_to(out)))} is missing"):
+        load_model(str(out))

@@ -57,11 +57,36 @@ def save_params(directory: str, params, *, manifest_extra: dict | None = None) -
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(directory, PARAMS_DIR)), params, force=True)
     checkpointer.wait_until_finished()
-    manifest = {"format_version": FORMAT_VERSION, "skeleton": params_skeleton(params), **(manifest_extra or {})}
+    manifest = {"format_version": FORMAT_VERSION, "skeleton": params_skeleton(params),
+                "files": _file_sizes(os.path.join(directory, PARAMS_DIR)), **(manifest_extra or {})}
     tmp = os.path.join(directory, MANIFEST_NAME + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
     os.replace(tmp, os.path.join(directory, MANIFEST_NAME))
+
+
+def _file_sizes(params_path: str) -> dict:
+    """{path relative to params/: size in bytes} of every file orbax wrote."""
+    sizes = {}
+    for root, _, names in os.walk(params_path):
+        for name in names:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, params_path)] = os.path.getsize(path)
+    return sizes
+
+
+def check_files(directory: str, manifest: dict) -> None:
+    """Refuse a checkpoint whose params files are missing or cut short (an interrupted copy), before
+    orbax reads it: its failed reads leave threads that print tracebacks when the process exits.
+    Checkpoints written before the manifest listed its files are not checked."""
+    params_path = os.path.join(directory, PARAMS_DIR)
+    for rel, size in manifest.get("files", {}).items():
+        path = os.path.join(params_path, rel)
+        found = os.path.getsize(path) if os.path.isfile(path) else None
+        if found != size:
+            what = "is missing" if found is None else f"has {found} bytes, the conversion wrote {size}"
+            raise ModelLoadError(f"{directory}: the checkpoint's file {PARAMS_DIR}/{rel} {what}; "
+                                 "it is damaged or incomplete, copy it again or run `jlight convert` again")
 
 
 def read_manifest(directory: str) -> dict:
@@ -126,6 +151,7 @@ def restore_params(directory: str, shardings=None, *, manifest: dict | None = No
     params_path = os.path.abspath(os.path.join(directory, PARAMS_DIR))
     if not os.path.isdir(params_path):
         raise ModelLoadError(f"{directory} has no {PARAMS_DIR}/ folder; the conversion did not finish, run `jlight convert` again")
+    check_files(directory, manifest)
     try:
         with ocp.StandardCheckpointer() as checkpointer:  # closed even on failure (else its threads print at exit)
             return checkpointer.restore(params_path, target)
