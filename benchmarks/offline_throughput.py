@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
+from step_trace import StepTrace, format_summary, matmul_flops_per_s  # noqa: E402
 
 
 def copy_bandwidth_bytes_per_s(nbytes: int = 2 << 30) -> float:
@@ -103,6 +104,8 @@ def main():
     ap.add_argument("--mosaic-w8a16-bf16", action="store_true", help="that kernel with bf16 activations (not its int8 terms)")
     ap.add_argument("--mosaic-w8a16-ctas-per-sm", type=int, default=1,
                     help="its programs per SM (at 8 rows bf16 activations needed 2; w8a16_mosaic.py)")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="time every step and compare it with its own roofline, by kind and batch size (step_trace.py)")
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     a = ap.parse_args()
     if a.mosaic_w8a16_rows is not None:  # read when the steps are traced
@@ -142,6 +145,7 @@ def main():
     in_lens = rng.integers(a.input_len[0], a.input_len[1] + 1, a.num_requests)
     out_lens = rng.integers(a.output_len[0], a.output_len[1] + 1, a.num_requests)
     engine.step_seconds = dict.fromkeys(engine.step_seconds, 0.0)
+    trace = StepTrace().install(engine) if a.step_trace else None
     steps0 = engine.num_steps
     t0 = time.perf_counter()
     for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
@@ -162,7 +166,22 @@ def main():
           f"{generated / elapsed:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s, {steps} steps ({elapsed / steps * 1e3:.1f} ms/step), "
           f"preemptions {result['preemptions']}")
     print("per-step host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in breakdown.items()))
+    if trace is not None:
+        result["step_trace"] = trace_summary(engine, trace)
+        print(format_summary(result["step_trace"]), flush=True)
     _write(result, a)
+
+
+def trace_summary(engine: LLMEngine, trace: StepTrace) -> list[dict]:
+    runner = engine.runner
+    kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves((runner.k_cache, runner.v_cache)))
+    on_gpu = jax.default_backend() != "cpu"
+    return trace.summary(
+        weight_bytes=weight_bytes(runner.params), kv_bytes_per_token=kv_bytes // (runner.num_pages * runner.page_size),
+        num_params=sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(runner.params)
+                       if jax.tree_util.keystr(path) != "['embed']"),
+        copy_bytes_per_s=copy_bandwidth_bytes_per_s() if on_gpu else copy_bandwidth_bytes_per_s(1 << 28),
+        matmul_flops_per_s=matmul_flops_per_s() if on_gpu else matmul_flops_per_s(1024))
 
 
 def _write(result: dict, a) -> None:

@@ -104,3 +104,39 @@ def test_attention_large_pool_check_compares_with_the_reference():
                          check=True, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
     errors = [float(line.split("rel err ")[1].split()[0]) for line in out.splitlines() if line.startswith("layer")]
     assert len(errors) == 2 and all(0 < e < 1e-2 for e in errors), out
+
+
+def test_step_trace_gives_each_step_the_wait_of_the_call_after_it(monkeypatch):
+    # The engine runs one step ahead, so call k's wait is step k-1's device time; a step must get the
+    # duration of the call after the one that scheduled it, and land in the group its plan says.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from types import SimpleNamespace
+
+    import step_trace
+
+    row = lambda start, n: SimpleNamespace(start=start, num_tokens=n)  # noqa: E731
+    plans = iter([[row(0, 40), row(0, 20)], [row(40, 1), row(20, 1)], [row(41, 1)], []])
+    durations = iter([0.001, 0.004, 0.002, 0.003])
+    clock = [0.0]
+    monkeypatch.setattr(step_trace, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    engine = SimpleNamespace(scheduler=SimpleNamespace(schedule=lambda: SimpleNamespace(rows=(r := next(plans)),
+                                                                                         num_tokens=sum(x.num_tokens for x in r))),
+                             runner=SimpleNamespace(buckets=[8, 64]))
+
+    def step():
+        engine.scheduler.schedule()
+        clock[0] += next(durations)
+
+    engine.step = step
+    trace = step_trace.StepTrace().install(engine)
+    for _ in range(4):
+        engine.step()
+    steps = trace.steps()
+    assert [(s["rows"], s["bucket"], s["prefill_tokens"], s["context_tokens"]) for s in steps] == [
+        (2, 64, 60, 60), (2, 8, 0, 62), (1, 8, 0, 42)]
+    assert [round(s["seconds"], 6) for s in steps] == [0.004, 0.002, 0.003]
+    groups = trace.summary(weight_bytes=1000, kv_bytes_per_token=10, num_params=1, copy_bytes_per_s=1e6,
+                           matmul_flops_per_s=1e12)
+    assert [(g["group"], g["steps"]) for g in groups] == [("with prefill", 1), ("decode 1-1 seqs", 1), ("decode 2-8 seqs", 1)]
+    assert abs(groups[2]["roofline_s"] - (1000 + 620) / 1e6) < 1e-12
+    assert abs(groups[2]["efficiency"] - 1.62e-3 / 0.002) < 1e-9

@@ -24,6 +24,7 @@ from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
+from jlight.engine.structured_output import GrammarCompiler
 from jlight.engine.weights import prepare_params
 from jlight.errors import PromptTooLongError
 
@@ -114,6 +115,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
                              "cache stays in the model dtype); use kv_cache_dtype='auto'")
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
+        self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len)
         self.runner = ModelRunner(
@@ -122,8 +125,7 @@ class LLMEngine:
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
-            min_token_bucket=cfg.min_token_bucket or 8)
-        self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
+            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
         self._free_slots = list(range(cfg.max_num_seqs))
@@ -213,6 +215,8 @@ class LLMEngine:
             # The sampler bans at most NUM_BANNED ids a row; the rest would come out before min_tokens.
             raise ValueError(f"min_tokens with {len(params.stop_token_ids)} stop_token_ids is not supported: with the model's"
                              f" EOS ids at most {NUM_BANNED} can be held back; pass fewer stop_token_ids or min_tokens=0")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         return prompt_token_ids, params
 
     def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
@@ -233,6 +237,8 @@ class LLMEngine:
             seq = Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now)
             seq.eos_ids_for_min_tokens = banned
             seq.detokenizer = output_processor.make_detokenizer(self.tokenizer, params)
+            if params.structured_outputs is not None:
+                seq.matcher = self.grammars.matcher(params.structured_outputs)
             if i > 0:
                 seq.parent = seqs[0]
             seqs.append(seq)
@@ -287,10 +293,10 @@ class LLMEngine:
         if plan.rows:
             for r in plan.rows:
                 self._ensure_slot(r.seq)
-            inp, _ = self.runner.prepare(plan, self._slots)
+            inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
-            out = self.runner.launch(inp)
+            out = self.runner.launch(inp, guide_mask)
             t1 = time.perf_counter()
             timing["launch"] += t1 - t2
             for row, r in enumerate(plan.rows):
@@ -351,6 +357,8 @@ class LLMEngine:
                 seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
                 seq.cumulative_logprob += float(lp[row])
             output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
+            if seq.matcher is not None and seq.finish_reason is None:
+                output_processor.advance_grammar(seq, token)
             self._register_full_pages(seq)
             if seq.finish_reason is not None:
                 self._finish(seq)

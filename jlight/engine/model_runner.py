@@ -70,7 +70,7 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8):
+                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1):
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_seqs = max_num_seqs
@@ -85,6 +85,12 @@ class ModelRunner:
         self.history_dummy_slot = max_num_seqs
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len + 1), jnp.int32)  # [slots + dummy, tokens]
         self.prev_sampled = jnp.zeros((max_num_seqs,), jnp.int32)
+        # Structured outputs: each step takes a [B, W] allowed-token bitmask. Steps without constrained
+        # rows pass this bucket's all-ones mask, made once here on the device (under a data-parallel
+        # replica's default device), so they copy nothing; a step with constrained rows passes its own.
+        self.guide_mask_words = guide_mask_words
+        self._no_guide = {min(T, max_num_seqs): jnp.full((min(T, max_num_seqs), guide_mask_words), -1, jnp.int32)
+                          for T in self.buckets}
 
         def model_fn(params, k_cache, v_cache, tokens, md):
             hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
@@ -94,20 +100,21 @@ class ModelRunner:
         if sharding_plan is not None:
             model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
         self._model_fn = model_fn
-        self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(7,),
+        self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
                              compiler_options=STEP_COMPILER_OPTIONS)
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
 
     # ---- the device function ------------------------------------------------------------
-    def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, layout: step_packing.Layout):
+    def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
+                     layout: step_packing.Layout):
         inp = step_packing.unpack(layout, ints, floats)
-        return self._step_impl(params, k_cache, v_cache, history, prev_sampled, inp)
+        return self._step_impl(params, k_cache, v_cache, history, prev_sampled, inp, guide_mask)
 
-    def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs):
+    def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs, guide_mask):
         tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
         (hidden, logits), k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
         hist = (history[inp.history_slot], inp.prompt_len, inp.history_len)
-        toks, lp, top_ids, top_lps = sampler.sample(logits, inp.sampling, history=hist)
+        toks, lp, top_ids, top_lps = sampler.sample(logits, inp.sampling, history=hist, guide_mask=guide_mask)
         history = history.at[inp.history_slot, inp.history_len].set(toks)
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
 
@@ -136,8 +143,11 @@ class ModelRunner:
         row[: len(token_ids)] = token_ids
         self.history = self._write_history(self.history, np.int32(slot), row)
 
-    def prepare(self, plan: SchedulePlan, slots: dict[int, int]) -> tuple[StepInputs, int]:
-        """Build the step's host arrays. `slots` maps seq_id -> history slot (penalty users only)."""
+    def prepare(self, plan: SchedulePlan, slots: dict[int, int], fill_masks=None) -> tuple[StepInputs, np.ndarray | None]:
+        """Build the step's host arrays. `slots` maps seq_id -> history slot (penalty users only).
+
+        Returns them with the step's allowed-token bitmask when a sampling row has a grammar matcher
+        (`fill_masks([(matcher, row), ...], bitmask)` writes their rows), else None."""
         num_tokens = plan.num_tokens
         T = self.bucket_for(max(num_tokens, 1))
         B = min(T, self.max_num_seqs)
@@ -167,6 +177,7 @@ class ModelRunner:
         prompt_len = np.zeros(B, np.int32)
         history_len = np.zeros(B, np.int32)
         use_pen = use_filt = want_lp = want_plp = False
+        guided = []  # (matcher, row) of the rows whose next token is held to a grammar
 
         t = 0
         ps = self.page_size
@@ -210,6 +221,8 @@ class ModelRunner:
                     bias_ids[row, : len(items)] = [int(k) for k, _ in items]
                     bias_vals[row, : len(items)] = [float(v) for _, v in items]
                 want_lp |= p.logprobs is not None
+                if seq.matcher is not None:
+                    guided.append((seq.matcher, row))
                 if seq.seq_id in slots:
                     use_pen = True
                     history_slot[row] = slots[seq.seq_id]
@@ -219,14 +232,22 @@ class ModelRunner:
         query_start[len(plan.rows):] = t
         md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, logits_indices)
         s = sampler.SamplingInputs(temperature, top_k, top_p, min_p, rep, presence, frequency, seed, token_index,
-                                   banned, bias_ids, bias_vals, np.bool_(use_pen), np.bool_(use_filt), np.bool_(want_lp))
+                                   banned, bias_ids, bias_vals, np.bool_(use_pen), np.bool_(use_filt), np.bool_(want_lp),
+                                   np.bool_(bool(guided)))
         inp = StepInputs(tokens, from_prev, md, s, history_slot, prompt_len, history_len, next_token, np.bool_(want_plp))
-        return inp, B
+        guide_mask = None
+        if guided:
+            guide_mask = np.full((B, self.guide_mask_words), -1, np.int32)  # unconstrained rows: every token
+            fill_masks(guided, guide_mask)
+        return inp, guide_mask
 
-    def launch(self, inp: StepInputs) -> StepOutputs:
+    def launch(self, inp: StepInputs, guide_mask: np.ndarray | None = None) -> StepOutputs:
         """Dispatch one step (returns at once; outputs are device arrays)."""
+        if guide_mask is None:
+            guide_mask = self._no_guide[inp.md.context_lens.shape[0]]
+        ints, floats, layout = step_packing.pack(inp)
         self.k_cache, self.v_cache, self.history, self.prev_sampled, out = self._step(
-            self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, *step_packing.pack(inp))
+            self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask, layout)
         return out
 
     def warmup(self, progress=None, buckets=None) -> float:

@@ -6,9 +6,13 @@ until the sequence either moves past them or finishes.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from jlight.engine.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class _NoText:
@@ -54,6 +58,19 @@ def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None
             return
     if at_length:
         seq.finish_reason = "length"
+
+
+def advance_grammar(seq, token: int) -> None:
+    """Feed a constrained sequence's new token to its grammar matcher; finish it ("stop") once the grammar
+    is complete, so it needs no EOS step, or if the matcher failed (which the mask should prevent)."""
+    matcher = seq.matcher
+    if not matcher.consume_token(token) or matcher.is_error():
+        logger.warning("request %s: token %d broke its structured-output grammar (%s); stopping it",
+                       seq.request_id, token, matcher.get_error() or "rejected")
+    elif not matcher.is_stopped():
+        return
+    seq.text += seq.detokenizer.flush()
+    seq.finish_reason, seq.stop_reason = "stop", None
 
 
 def _check_stop_strings(seq) -> None:

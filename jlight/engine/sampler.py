@@ -1,7 +1,7 @@
 """On-device sampling: every row of a batch with its own parameters, in one jitted function.
 
-Order of logit processing (as in vLLM): logit bias and banned tokens (min_tokens), then
-repetition / presence / frequency penalties, then temperature, top-k, top-p and min-p;
+Order of logit processing (as in vLLM): logit bias and banned tokens (min_tokens), the
+structured-output mask, then repetition / presence / frequency penalties, then temperature, top-k, top-p and min-p;
 greedy rows take the argmax. Expensive parts run under `lax.cond` so a batch that does
 not use them pays nothing, and no parameter value ever changes a compiled shape.
 
@@ -37,6 +37,7 @@ class SamplingInputs(NamedTuple):
     use_penalties: jax.Array  # [] bool: any row has a penalty
     use_filters: jax.Array  # [] bool: any row has top-k / top-p / min-p
     want_logprobs: jax.Array  # [] bool
+    use_guide: jax.Array  # [] bool: some row's tokens are held to a grammar (the step's allowed-token bitmask)
 
 
 def _scatter_rows(logits, ids, values, mode):
@@ -95,9 +96,19 @@ def apply_filters(logits, s: SamplingInputs):
     return jnp.where(logits >= threshold, logits, _NEG)
 
 
-def sample(logits, s: SamplingInputs, history=None):
+def allowed_tokens(bitmask, vocab: int):
+    """[B, W] int32 bitmask (bit t % 32 of word t // 32 set: token t allowed) -> [B, vocab] bool."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    bits = bits.reshape(bitmask.shape[0], -1)
+    if bits.shape[1] < vocab:  # tokens beyond the mask's width are not allowed
+        bits = jnp.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    return bits[:, :vocab] != 0
+
+
+def sample(logits, s: SamplingInputs, history=None, guide_mask=None):
     """logits: [B, V] float32 raw model logits; history: None or (token ids [B, L], prompt_len [B],
-    history_len [B]) for the penalties.
+    history_len [B]) for the penalties; guide_mask: None or the [B, W] int32 allowed-token bitmask of
+    structured outputs (rows without constraints all ones), applied when s.use_guide.
 
     Returns (token ids [B], logprob of each sampled token [B], top ids [B, N], top logprobs [B, N]);
     logprobs are those of the raw model distribution (as vLLM reports by default).
@@ -105,6 +116,9 @@ def sample(logits, s: SamplingInputs, history=None):
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = _scatter_rows(logits, s.bias_ids, s.bias_values, "add")
     logits = _scatter_rows(logits, s.banned_ids, jnp.full(s.banned_ids.shape, _NEG), "min")
+    if guide_mask is not None:  # before penalties and filters, so top-k/top-p choose among allowed tokens
+        logits = jax.lax.cond(s.use_guide, lambda l: jnp.where(allowed_tokens(guide_mask, l.shape[-1]), l, _NEG),
+                              lambda l: l, logits)
     if history is not None:
         def penalize(l):
             counts, seen = token_counts(*history, l.shape[-1])

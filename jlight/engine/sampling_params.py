@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jlight.engine.structured_output import StructuredOutputParams
+
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -29,6 +31,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output held to a JSON schema, any JSON object, a regex, a choice or a grammar (structured_output.py):
+    # a StructuredOutputParams or a dict of its fields, e.g. {"json": schema}.
+    structured_outputs: StructuredOutputParams | dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -97,6 +102,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS):
                 bad(name, f"must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputParams.coerce(self.structured_outputs)
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not isinstance(t, int) or not 0 <= t < vocab_size:

@@ -91,6 +91,8 @@ class Scheduler:
                 continue
             if not self._wants_tokens(seq):
                 continue
+            if seq.matcher is not None and seq.num_pending_tokens:
+                continue  # its allowed tokens depend on the one the device is still sampling (structured_output.py)
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             while not self._ensure_pages(seq, start + n):

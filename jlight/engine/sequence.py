@@ -36,6 +36,7 @@ class Sequence:
         self.admitted_once = False
         self.parent: Sequence | None = None  # for n > 1: samples after the first wait for its prompt
         self.eos_ids_for_min_tokens: list[int] = []  # banned until min_tokens are out (EOS + stop ids)
+        self.matcher = None  # structured outputs: the grammar matcher of the tokens so far (llguidance)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []
