@@ -72,10 +72,10 @@ def test_warmup_packs_to_the_layouts_serving_uses(tiny_model):
     served = {}
     real_prepare = runner.prepare
 
-    def record(plan, slots):
-        inp, B = real_prepare(plan, slots)
+    def record(plan, slots, fill_masks=None):
+        inp, guide_mask = real_prepare(plan, slots, fill_masks)
         served.setdefault(len(inp.tokens), set()).add(step_packing.pack(inp)[2])
-        return inp, B
+        return inp, guide_mask
 
     runner.prepare = record
     params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
