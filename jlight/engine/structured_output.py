@@ -129,17 +129,17 @@ class GrammarCompiler:
         try:
             text = params.grammar_text()
         except ValueError as e:
-            raise ValueError(f"structured_outputs.{kind} is invalid: {_first_line(e)}") from None
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_one_line(e)}") from None
         error = llg.LLMatcher.validate_grammar(text, self._tok())
         if error:
-            raise ValueError(f"structured_outputs.{kind} is invalid: {_first_line(error)}")
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_one_line(error)}")
         return text
 
     def matcher(self, params: StructuredOutputParams):
         llg = _import_llguidance()
         m = llg.LLMatcher(self._tok(), self.check(params), log_level=0)
         if m.is_error():  # validate_grammar passed, so this is unexpected; still said, not ignored
-            raise ValueError(f"structured_outputs.{params.kind()} is invalid: {_first_line(m.get_error())}")
+            raise ValueError(f"structured_outputs.{params.kind()} is invalid: {_one_line(m.get_error())}")
         return m
 
     @property
@@ -155,5 +155,7 @@ class GrammarCompiler:
         fill_next_token_bitmask_par(self._executor, matchers, bitmask)
 
 
-def _first_line(e) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+def _one_line(e) -> str:
+    """llguidance's message on one line (its regex errors put the reason on a later line), shortened."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
