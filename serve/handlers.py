@@ -20,7 +20,7 @@ from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, erro
 from jlight.serve.request_runner import EngineJob, RequestRunner
 from jlight.serve.responses import DONE, ResponseBuilder, sse
 from jlight.serve.validation import (chat_prompt, check_logit_bias_keys, check_model_name, completion_prompts,
-                                     resolve_max_tokens, validate_sampling_params)
+                                     resolve_max_tokens, structured_outputs_param, validate_sampling_params)
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +92,15 @@ class GenerationHandlers:
     def _jobs(self, request_id: str, body, prompts: list[list[int]], max_tokens: int | None,
               prompt_param: str, max_tokens_param: str) -> list[EngineJob]:
         check_logit_bias_keys(body.logit_bias)
+        structured_param = structured_outputs_param(body)
         jobs = []
         for i, ids in enumerate(prompts):
             budget = resolve_max_tokens(max_tokens, len(ids), self.max_model_len, prompt_param, max_tokens_param)
             params = to_sampling_params(body, budget)
             validate_sampling_params(params, self.vocab_size, {"max_tokens": max_tokens_param,
-                                                               "logprobs": "top_logprobs" if prompt_param == "messages" else "logprobs"})
-            jobs.append(EngineJob(f"{request_id}-{i}", ids, params))
+                                                               "logprobs": "top_logprobs" if prompt_param == "messages" else "logprobs"},
+                                     structured_param)
+            jobs.append(EngineJob(f"{request_id}-{i}", ids, params, structured_param))
         return jobs
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:

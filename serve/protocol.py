@@ -8,6 +8,7 @@ length, vocabulary) live in serve/validation.py.
 from __future__ import annotations
 
 import functools
+import json
 import time
 import typing
 from typing import Annotated, Any, Literal
@@ -32,15 +33,15 @@ def Number(**bounds):
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
-def OneOf(union: Any, shapes: str):
+def OneOf(union: Any, shapes: str, name: str | None = None):
     """A field that takes several shapes. pydantic would report only the first shape's
     complaint ("Input should be a valid string" for token ids with a negative one); the
-    message names every shape instead."""
+    message names every shape instead. `name`: the field's name in messages, if not its own."""
     def check(value, handler, info: ValidationInfo):
         try:
             return handler(value)
         except ValidationError:
-            raise ValueError(f"{info.field_name} must be {shapes}") from None
+            raise ValueError(f"{name or info.field_name} must be {shapes}") from None
     return Annotated[union, WrapValidator(check)]
 
 
@@ -67,9 +68,9 @@ def _defaulted_on_null(cls) -> frozenset[str]:
 
 
 def Unsupported(base: Any, asks_nothing, why: str):
-    """A field of a feature jlight lacks. A value that asks for nothing (no tools, plain text)
-    passes; any other is a 400 naming the field, because an answer that ignored it (prose
-    where JSON was asked for, no tool call) would look like success."""
+    """A field of a feature jlight lacks. A value that asks for nothing (no tools, an empty
+    suffix) passes; any other is a 400 naming the field, because an answer that ignored it
+    (no tool call, no inserted suffix) would look like success."""
     def check(value, info: ValidationInfo):
         if value is not None and not asks_nothing(value):
             raise ValueError(f"{info.field_name} is not supported ({why}); leave {info.field_name} out")
@@ -77,9 +78,7 @@ def Unsupported(base: Any, asks_nothing, why: str):
     return Annotated[base, AfterValidator(check)]
 
 
-NO_GUIDED = "jlight has no guided decoding (structured output)"
 NO_TOOLS = "jlight does not parse tool calls"
-GuidedDecoding = Unsupported(Any, lambda v: False, NO_GUIDED)
 
 
 class StreamOptions(OpenAIBody):
@@ -91,6 +90,77 @@ def _only_when_streaming(value, info: ValidationInfo):
     if value is not None and not info.data.get("stream"):
         raise ValueError("stream_options is only allowed with stream=true; set stream=true or leave stream_options out")
     return value
+
+
+# ---- structured outputs: the request fields that constrain the output ---------------
+
+JsonSchema = dict[str, Any]  # a JSON schema as a JSON object
+
+
+def SchemaOrText(name: str):
+    """A JSON schema as an object or as its JSON text (vLLM takes both); the text must at least parse."""
+    def parses(value):
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"{name} is not valid JSON text ({e}); send the JSON schema as an object "
+                                 f"or as its JSON text") from None
+        return value
+    return Annotated[OneOf(JsonSchema | StrictStr, "a JSON schema: an object, or its JSON text", name),
+                     AfterValidator(parses)]
+
+
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+
+
+def Choices(name: str):
+    return OneOf(Annotated[list[NonEmptyStr], Field(min_length=1)], "a non-empty list of non-empty strings", name)
+
+
+class JsonSchemaFormat(OpenAIBody):
+    """OpenAI's response_format.json_schema; only `schema` constrains the output."""
+    name: StrictStr | None = None  # OpenAI requires it; it changes nothing here, so it may be left out
+    description: StrictStr | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBody):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), or json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('response_format of type "json_schema" needs the schema: send '
+                             '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs object: exactly one of its fields (jlight's StructuredOutputParams)."""
+    # An unknown field (vLLM's whitespace_pattern, structural_tag, ...) asks for something jlight would not do.
+    model_config = ConfigDict(extra="forbid")
+    json_: SchemaOrText("structured_outputs.json") | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: NonEmptyStr | None = None
+    choice: Choices("structured_outputs.choice") | None = None
+    grammar: NonEmptyStr | None = None  # Lark or GBNF
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name, value in self.params().items() if value not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        """The fields under StructuredOutputParams' names."""
+        return {"json": self.json_, "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
+                "grammar": self.grammar}
 
 
 class SamplingFields(OpenAIBody):
@@ -117,12 +187,14 @@ class SamplingFields(OpenAIBody):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    # vLLM's structured-output extensions, which jlight lacks.
-    guided_json: GuidedDecoding = None
-    guided_regex: GuidedDecoding = None
-    guided_choice: GuidedDecoding = None
-    guided_grammar: GuidedDecoding = None
-    structured_outputs: GuidedDecoding = None
+    # Structured outputs, at most one of them (structured_outputs_asked): OpenAI's response_format
+    # (vLLM takes it on /v1/completions too), vLLM's older guided_* fields and its newer object.
+    response_format: ResponseFormat | None = None
+    guided_json: SchemaOrText("guided_json") | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Choices("guided_choice") | None = None
+    guided_grammar: NonEmptyStr | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -169,7 +241,6 @@ class ChatCompletionRequest(SamplingFields):
     functions: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
     tool_choice: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
     function_call: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
-    response_format: Unsupported(dict, lambda v: v == {"type": "text"}, NO_GUIDED) = None
 
 
 class TokenizeRequest(OpenAIBody):
@@ -283,6 +354,26 @@ class ModelList(BaseModel):
 
 # ---- request -> SamplingParams -----------------------------------------------------
 
+def structured_outputs_asked(req: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
+    """Each output constraint the request sets, as (the request field that set it, as an error's param;
+    the StructuredOutputParams fields it means). A valid request has at most one
+    (validation.structured_outputs_param checks)."""
+    asked = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        asked.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+    for field, name in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        if getattr(req, field) is not None:
+            asked.append((field, {name: getattr(req, field)}))
+    if req.structured_outputs is not None:
+        name, value = next((k, v) for k, v in req.structured_outputs.params().items() if v not in (None, False))
+        asked.append((f"structured_outputs.{name}", {name: value}))
+    return asked
+
+
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     """Map a validated request onto SamplingParams; `max_tokens` is already resolved
     against the context length. None in an optional OpenAI field means "the default"."""
@@ -294,6 +385,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_token
         if req.echo:  # the echoed prompt's tokens get logprobs like the generated ones
             prompt_logprobs = logprobs
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    asked = structured_outputs_asked(req)
     return SamplingParams(
         n=req.n,
         max_tokens=max_tokens,
@@ -314,6 +406,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_token
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=asked[0][1] if asked else None,
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import re
 import time
 from typing import AsyncIterator
 
@@ -20,6 +19,7 @@ from jlight.engine.sampling_params import SamplingParams
 from jlight.errors import EngineOverloadedError
 from jlight.serve.errors import RequestError
 from jlight.serve.metrics import ServerMetrics
+from jlight.serve.validation import engine_error
 
 RETRY_AFTER_SECONDS = 1
 
@@ -29,6 +29,7 @@ class EngineJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    structured_param: str | None = None  # the request field behind params.structured_outputs, for errors
 
 
 class Admission:
@@ -109,11 +110,10 @@ class RequestRunner:
                 finished[:] = [True] * len(jobs)  # the engine never took them
                 self.metrics.record_finished("overloaded")
                 raise overloaded() from None
-            except ValueError as e:  # the engine's own checks (ours run first, so rarely reached)
+            except ValueError as e:  # the engine's own checks: the grammar compiles there; ours run first otherwise
                 finished[:] = [True] * len(jobs)
                 self.metrics.record_finished("invalid")
-                match = re.match(r"(\w+)=", str(e))
-                raise RequestError(str(e), param=match.group(1) if match else None) from None
+                raise engine_error(e, jobs[0].structured_param) from None
             except (asyncio.CancelledError, GeneratorExit):
                 self._abort_unfinished(jobs, finished, "client_disconnect")
                 raise

@@ -10,7 +10,7 @@ import re
 
 from jlight.engine.sampling_params import SamplingParams
 from jlight.serve.errors import RequestError
-from jlight.serve.protocol import ChatMessage
+from jlight.serve.protocol import ChatMessage, SamplingFields, structured_outputs_asked
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +113,38 @@ def check_logit_bias_keys(logit_bias: dict[str, float] | None) -> None:
                                param="logit_bias")
 
 
-def validate_sampling_params(params: SamplingParams, vocab_size: int, field_names: dict[str, str]) -> None:
+def structured_outputs_param(body: SamplingFields) -> str | None:
+    """The request field that constrains the output (response_format, guided_*, structured_outputs),
+    as structured_outputs_asked names it, or None; a 400 when the request sets more than one."""
+    asked = [param for param, _ in structured_outputs_asked(body)]
+    if len(asked) > 1:
+        names = [param.split(".")[0] for param in asked]
+        raise RequestError(f"{' and '.join(names)} each constrain the output; send only one of them", param=names[1])
+    return asked[0] if asked else None
+
+
+def engine_error(e: ValueError, structured_param: str | None = None,
+                 field_names: dict[str, str] | None = None) -> RequestError:
+    """A ValueError from SamplingParams.validate() or the engine's validate_request -> a 400 naming
+    the request field. The engine names its fields "max_tokens=..." (`field_names` maps them to request
+    fields where they differ) and structured outputs "structured_outputs.regex is invalid: ...", which
+    becomes the request's own field (`structured_param`, e.g. guided_regex) in the message and param."""
+    message = str(e)
+    structured = re.match(r"structured_outputs(\.\w+)?\b", message)
+    if structured and structured_param:
+        if structured.group(1):
+            message = structured_param + message[structured.end():]
+        return RequestError(message, param=structured_param)
+    match = re.match(r"(\w+)=", message)
+    field = match.group(1) if match else None
+    return RequestError(message, param=(field_names or {}).get(field, field))
+
+
+def validate_sampling_params(params: SamplingParams, vocab_size: int, field_names: dict[str, str],
+                             structured_param: str | None = None) -> None:
     """SamplingParams.validate(), with its ValueError turned into a 400 naming the request field
-    (`field_names` maps SamplingParams fields to request fields where they differ)."""
+    (see engine_error)."""
     try:
         params.validate(vocab_size)
     except ValueError as e:
-        match = re.match(r"(\w+)=", str(e))
-        field = match.group(1) if match else None
-        raise RequestError(str(e), param=field_names.get(field, field)) from None
+        raise engine_error(e, structured_param, field_names) from None

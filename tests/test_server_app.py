@@ -71,8 +71,14 @@ class FakeAsyncLLM:
         self.aborted: set[str] = set()  # requests that ended before their last token
         self.hold_first_token = False
         self.error = None  # AsyncLLM.error: why the engine loop stopped
+        self.last_params = None  # the SamplingParams of the latest request
 
     async def generate(self, prompt, sampling_params, request_id):
+        self.last_params = sampling_params
+        constraint = sampling_params.structured_outputs
+        if constraint is not None and "INVALID" in str(getattr(constraint, constraint.kind())):
+            # As the engine's validate_request says when llguidance refuses a grammar.
+            raise ValueError(f"structured_outputs.{constraint.kind()} is invalid: fake compile error")
         if len(self.active) >= self.max_waiting:
             raise EngineOverloadedError("queue full")
         self.active.add(request_id)
@@ -323,9 +329,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", {"messages": CHAT_X, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT_X, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT_X, "function_call": {"name": "f"}}, "function_call"),
-    ("/v1/chat/completions", {"messages": CHAT_X, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/chat/completions", {"messages": CHAT_X, "guided_choice": ["yes", "no"]}, "guided_choice"),
     ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
 ]
 
@@ -347,6 +350,98 @@ def test_unsupported_features_left_unused_pass(server):
     assert r.status_code == 200, r.text
     r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "echo": False, "suffix": ""})
     assert r.status_code == 200, r.text
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+STRUCTURED = [
+    # (request fields, the StructuredOutputParams fields they mean)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     {"json": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json": json.dumps(SCHEMA)}),
+    ({"guided_regex": "[ab]+"}, {"regex": "[ab]+"}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"guided_grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json": SCHEMA}),
+    ({"structured_outputs": {"json_object": True, "regex": None}}, {"json_object": True}),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, {"choice": ["a", "b"]}),
+    # text asks for nothing, so it goes with another constraint
+    ({"response_format": {"type": "text"}, "guided_regex": "x"}, {"regex": "x"}),
+]
+
+
+@pytest.mark.parametrize("fields,expected", STRUCTURED)
+def test_structured_outputs_reach_the_engine(server, fields, expected):
+    """Each way OpenAI and vLLM clients ask for structured output becomes the engine's
+    structured_outputs, on both endpoints, streaming and n > 1 included."""
+    from jlight.engine.structured_output import StructuredOutputParams
+    url, llm = server
+    want = StructuredOutputParams(**expected)
+    for path, body in (("/v1/chat/completions", {"messages": CHAT_X}), ("/v1/completions", {"prompt": "a"})):
+        r = post(url, path, {**body, **fields, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert llm.last_params.structured_outputs == want
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, **fields, "max_tokens": 2, "n": 2, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    assert llm.last_params.structured_outputs == want and llm.last_params.n == 2
+
+
+def test_no_structured_output_by_default():
+    assert to_sampling_params(CompletionRequest(prompt="a"), 4).structured_outputs is None
+    chat = ChatCompletionRequest(messages=CHAT_X, response_format={"type": "text"})
+    assert to_sampling_params(chat, 4).structured_outputs is None
+
+
+STRUCTURED_BAD = [
+    # (path, body, param, words in the message)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+     "response_format", "schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "schema"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": None}}},
+     "response_format", "schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ("/v1/chat/completions", {"response_format": {"json_schema": {"schema": SCHEMA}}}, "response_format.type", ""),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}},
+     "response_format.json_schema.schema", ""),
+    ("/v1/completions", {"guided_json": "{not json"}, "guided_json", "JSON"),
+    ("/v1/completions", {"guided_json": 5}, "guided_json", "JSON schema"),
+    ("/v1/completions", {"guided_regex": ""}, "guided_regex", ""),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"guided_choice": "yes"}, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"guided_grammar": 3}, "guided_grammar", ""),
+    ("/v1/completions", {"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ("/v1/completions", {"structured_outputs": {"json_object": False}}, "structured_outputs", "exactly one"),
+    ("/v1/completions", {"structured_outputs": {"json": "[1,"}}, "structured_outputs.json", "structured_outputs.json"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern", ""),
+    ("/v1/completions", {"structured_outputs": ["regex", "a"]}, "structured_outputs", ""),
+    # Two constraints at once: which one would win is a guess, so neither does.
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+     "response_format and guided_regex"),
+    ("/v1/completions", {"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "guided_choice and structured_outputs"),
+    # The engine refuses the grammar (the fake one does for "INVALID"): its field, as the request named it.
+    ("/v1/completions", {"guided_regex": "INVALID"}, "guided_regex", "guided_regex is invalid"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "INVALID"}}, "structured_outputs.regex",
+     "structured_outputs.regex is invalid"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": "INVALID"}}}},
+     "response_format.json_schema.schema", "response_format.json_schema.schema is invalid"),
+    ("/v1/completions", {"guided_json": {"x": "INVALID"}, "stream": True}, "guided_json", "guided_json is invalid"),
+    ("/v1/completions", {"prompt": ["a", "b"], "guided_choice": ["INVALID"], "n": 2}, "guided_choice",
+     "guided_choice is invalid"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", STRUCTURED_BAD)
+def test_bad_structured_outputs_are_a_400_naming_the_field(server, path, body, param, words):
+    url, _ = server
+    base = {"messages": CHAT_X} if path == "/v1/chat/completions" else {"prompt": "a"}
+    r = post(url, path, {**base, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
 
 
 def _check_offsets(choice):

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -159,6 +160,96 @@ def test_batched_prompts_streaming_n2(client, model_name, llm):
     expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
     assert texts == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}
     assert set(reasons) == {0, 1, 2, 3}
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+PERSON_CHAT = [{"role": "user", "content": "Describe a person as JSON with their name and age."}]
+
+
+def _check_person(text):
+    person = json.loads(text)
+    assert set(person) == {"name", "age"}, person
+    assert isinstance(person["name"], str) and len(person["name"]) <= 20, person
+    assert type(person["age"]) is int and 0 <= person["age"] <= 150, person
+
+
+def test_structured_outputs(client, model_name):
+    """The output follows each kind of constraint, as the openai client sends them (response_format)
+    and as vLLM's clients do (guided_* and structured_outputs in extra_body)."""
+    kw = dict(model=model_name, temperature=0, max_tokens=40)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(messages=PERSON_CHAT, response_format=fmt, **kw)
+    assert r.choices[0].finish_reason == "stop"
+    _check_person(r.choices[0].message.content)
+
+    r = client.chat.completions.create(messages=PERSON_CHAT, response_format={"type": "json_object"}, **kw)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+
+    colours = ["red", "green", "blue"]
+    r = client.chat.completions.create(messages=CHAT, extra_body={"guided_choice": colours}, **kw)
+    assert r.choices[0].message.content in colours
+
+    phone = r"\d{3}-\d{4}"
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "Give me a phone number."}],
+                                       extra_body={"guided_regex": phone}, **kw)
+    assert re.fullmatch(phone, r.choices[0].message.content), r.choices[0].message.content
+
+    # vLLM's newer object, and response_format on /v1/completions (vLLM takes it there too).
+    r = client.completions.create(prompt=PROMPT, extra_body={"structured_outputs": {"regex": r" [A-Z][a-z]+\."}}, **kw)
+    assert re.fullmatch(r" [A-Z][a-z]+\.", r.choices[0].text), r.choices[0].text
+    r = client.completions.create(prompt="A person as JSON: ", extra_body={"response_format": fmt}, **kw)
+    _check_person(r.choices[0].text)
+
+
+def test_structured_outputs_stream_and_n2(client, model_name):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    stream = client.chat.completions.create(model=model_name, messages=PERSON_CHAT, response_format=fmt, temperature=0,
+                                            max_tokens=40, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    _check_person("".join(c.choices[0].delta.content or "" for c in chunks))
+
+    answers = ["yes", "no", "maybe"]
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                       n=2, temperature=1.0, seed=1, max_tokens=8, extra_body={"guided_choice": answers})
+    assert len(r.choices) == 2 and all(c.message.content in answers for c in r.choices), r.choices
+
+
+STRUCTURED_BAD = [
+    # (path, body, param, words in the message): the engine compiles the grammar (llguidance) and refuses it
+    ("/v1/chat/completions", {"guided_regex": "[a-"}, "guided_regex", "guided_regex is invalid"),
+    ("/v1/completions", {"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex",
+     "structured_outputs.regex is invalid"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format.json_schema.schema", "bogus"),
+    ("/v1/completions", {"guided_json": {"type": "bogus"}, "stream": True}, "guided_json", "guided_json is invalid"),
+    ("/v1/completions", {"guided_grammar": "start: (", "n": 2}, "guided_grammar", "guided_grammar is invalid"),
+    # ...or the server does, before the engine sees the request
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+     "response_format and guided_regex"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", STRUCTURED_BAD)
+def test_bad_structured_outputs_real_model(server, path, body, param, words):
+    url, _ = server
+    base = {"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": PROMPT}
+    r = httpx.post(url + path, json={**base, "max_tokens": 4, **body}, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_bad_structured_outputs_openai_client(client, model_name):
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, extra_body={"guided_regex": "[a-"})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
 
 
 @contextlib.contextmanager
