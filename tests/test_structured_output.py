@@ -3,6 +3,7 @@ with the same grammar applied by hand, constraints mixed into batches, preemptio
 compiles after warm-up, and bad constraints refused by name."""
 import json
 import re
+import textwrap
 
 import jax
 import numpy as np
@@ -199,3 +200,34 @@ def test_params_object_and_dict_are_the_same(llm):
     b = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
                                               structured_outputs=StructuredOutputParams(choice=CHOICES)), use_tqdm=False)
     assert ids_of(a) == ids_of(b) and a[0].outputs[0].text in CHOICES
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    import jlight
+    from jlight import SamplingParams
+
+    llm = jlight.LLM({path!r}, dtype="float32", mesh="tp=3", max_num_seqs=4, max_num_batched_tokens=32,
+                     min_token_bucket=32, max_model_len=256, page_size=8, num_pages=128, compilation_cache_dir=None)
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if name.endswith("jaxpr_to_mlir_module_duration") else None)
+    prompts = [llm.tokenizer.apply_chat_template([{{"role": "user", "content": q}}]) for q in ("Is it?", "A number?", "Hi")]
+    params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs={{"choice": ["yes", "no"]}}),
+              SamplingParams(temperature=0.5, seed=1, max_tokens=8, structured_outputs={{"regex": "[0-9]{{4}}"}}),
+              SamplingParams(temperature=0, max_tokens=8)]
+    texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    print("RESULT" + json.dumps(dict(texts=texts, compiles=len(events))))
+""")
+
+
+def test_constrained_steps_under_a_mesh_compile_nothing(smollm2_gguf):
+    """Under a mesh the all-ones mask of unconstrained steps is committed (replicated); a constrained step's
+    mask passed as a host array was another jit cache key: each bucket compiled again at its first
+    constrained step. Now both are replicated over the mesh."""
+    from simulated_devices import run_script
+
+    result = run_script(MESH_SCRIPT.format(path=smollm2_gguf), num_devices=3)
+    assert result["compiles"] == 0
+    assert result["texts"][0] in ("yes", "no") and re.fullmatch("[0-9]{4}", result["texts"][1])

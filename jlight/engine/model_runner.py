@@ -91,6 +91,12 @@ class ModelRunner:
         self.guide_mask_words = guide_mask_words
         self._no_guide = {min(T, max_num_seqs): jnp.full((min(T, max_num_seqs), guide_mask_words), -1, jnp.int32)
                           for T in self.buckets}
+        # Under a mesh both kinds of mask are replicated over it (a host array would be another jit cache
+        # key than the committed all-ones one: a compile at the first constrained step).
+        self._mask_sharding = None
+        if sharding_plan is not None and sharding_plan.mesh is not None:
+            self._mask_sharding = jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec())
+            self._no_guide = {B: jax.device_put(m, self._mask_sharding) for B, m in self._no_guide.items()}
 
         def model_fn(params, k_cache, v_cache, tokens, md):
             hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
@@ -245,6 +251,8 @@ class ModelRunner:
         """Dispatch one step (returns at once; outputs are device arrays)."""
         if guide_mask is None:
             guide_mask = self._no_guide[inp.md.context_lens.shape[0]]
+        elif self._mask_sharding is not None:
+            guide_mask = jax.device_put(guide_mask, self._mask_sharding)
         ints, floats, layout = step_packing.pack(inp)
         self.k_cache, self.v_cache, self.history, self.prev_sampled, out = self._step(
             self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask, layout)
