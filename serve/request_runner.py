@@ -81,6 +81,8 @@ def _outcome(out: RequestOutput) -> str:
     reasons = {c.finish_reason for c in out.outputs}
     if "abort" in reasons:
         return "abort"
+    if "error" in reasons:  # a structured-output constraint no token could meet
+        return "error"
     return "length" if reasons == {"length"} else "stop"
 
 

@@ -231,3 +231,14 @@ def test_constrained_steps_under_a_mesh_compile_nothing(smollm2_gguf):
     result = run_script(MESH_SCRIPT.format(path=smollm2_gguf), num_devices=3)
     assert result["compiles"] == 0
     assert result["texts"][0] in ("yes", "no") and re.fullmatch("[0-9]{4}", result["texts"][1])
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_ends_with_error(llm):
+    """SmolLM2 has no token for the lead byte of U+62DBF (no 0xF1 byte token): after "a" no token is allowed.
+    The sampled token broke the constraint and the request reported "stop"; now the token is dropped and
+    the request finishes with "error"."""
+    out = llm.generate([chat(llm, "Write.")], SamplingParams(temperature=0, max_tokens=8,
+                                                             structured_outputs={"regex": "a\U00062DBFb"}),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("a", "error") and len(out.token_ids) == 1
+    assert not llm.engine.requests and llm.engine.block_manager.num_used_pages == 0

@@ -9,6 +9,7 @@ and frees its pages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -51,9 +52,15 @@ class AsyncLLM:
             raise EngineOverloadedError("the server is shutting down; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
         if isinstance(prompt, str):
-            ids, params = self.engine.validate_request(prompt, sampling_params)
+            validate = functools.partial(self.engine.validate_request, prompt, sampling_params)
         else:
-            ids, params = self.engine.validate_request(None, sampling_params, list(prompt))
+            validate = functools.partial(self.engine.validate_request, None, sampling_params, list(prompt))
+        if getattr(sampling_params, "structured_outputs", None) is not None:
+            # Compiling a grammar takes milliseconds (the first one also builds llguidance's view of the
+            # vocabulary, about a second): off the event loop, which serves every other stream.
+            ids, params = await asyncio.to_thread(validate)
+        else:
+            ids, params = validate()
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -349,16 +349,19 @@ class LLMEngine:
             if seq.finished or seq.seq_id not in self._seq_request:
                 continue  # aborted, or finished by an earlier token: this one was a wasted step
             token = int(tokens[row])
-            seq.output_token_ids.append(token)
-            self.generation_tokens_total += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if want_lp and seq.params.logprobs is not None:
-                seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
-                seq.cumulative_logprob += float(lp[row])
-            output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
-            if seq.matcher is not None and seq.finish_reason is None:
-                output_processor.advance_grammar(seq, token)
+            if seq.matcher is not None and not output_processor.grammar_accepts(seq, token):
+                pass  # finished with "error"; the token, which breaks the constraint, is not kept
+            else:
+                seq.output_token_ids.append(token)
+                self.generation_tokens_total += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if want_lp and seq.params.logprobs is not None:
+                    seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
+                    seq.cumulative_logprob += float(lp[row])
+                output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
+                if seq.matcher is not None and seq.finish_reason is None and seq.matcher.is_stopped():
+                    output_processor.finish_grammar(seq)
             self._register_full_pages(seq)
             if seq.finish_reason is not None:
                 self._finish(seq)

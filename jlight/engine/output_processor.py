@@ -60,15 +60,22 @@ def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None
         seq.finish_reason = "length"
 
 
-def advance_grammar(seq, token: int) -> None:
-    """Feed a constrained sequence's new token to its grammar matcher; finish it ("stop") once the grammar
-    is complete, so it needs no EOS step, or if the matcher failed (which the mask should prevent)."""
-    matcher = seq.matcher
-    if not matcher.consume_token(token) or matcher.is_error():
-        logger.warning("request %s: token %d broke its structured-output grammar (%s); stopping it",
-                       seq.request_id, token, matcher.get_error() or "rejected")
-    elif not matcher.is_stopped():
-        return
+def grammar_accepts(seq, token: int) -> bool:
+    """Feed a constrained sequence's sampled token to its matcher. False (and the sequence finished with
+    "error") when the matcher refuses it: the mask allowed no token at all (a constraint this vocabulary
+    cannot spell, e.g. a character none of its tokens can start) or the matcher failed."""
+    if seq.matcher.consume_token(token) and not seq.matcher.is_error():
+        return True
+    logger.warning("request %s: no token satisfies its structured-output constraint (%s); finishing it with "
+                   "finish_reason='error'", seq.request_id,
+                   (seq.matcher.get_error().strip().splitlines() or [f"token {token} refused"])[0][:300])
+    seq.text += seq.detokenizer.flush()
+    seq.finish_reason, seq.stop_reason = "error", None
+    return False
+
+
+def finish_grammar(seq) -> None:
+    """The constraint is complete (only EOS could follow): finish now, saving the EOS step."""
     seq.text += seq.detokenizer.flush()
     seq.finish_reason, seq.stop_reason = "stop", None
 

@@ -20,6 +20,7 @@ import threading
 import numpy as np
 
 _FIELDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_REMEMBERED_GRAMMARS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,7 @@ class GrammarCompiler:
         self._ll_tokenizer = None
         self._executor = None
         self._lock = threading.Lock()
+        self._checked: dict[str, str] = {}  # params as JSON -> grammar text, for valid params
 
     def _tok(self):
         with self._lock:
@@ -123,7 +125,13 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def check(self, params: StructuredOutputParams) -> str:
-        """The grammar text of valid params; ValueError with llguidance's message otherwise."""
+        """The grammar text of valid params; ValueError with llguidance's message otherwise.
+        Valid ones are remembered (a server sees the same few schemas again and again)."""
+        key = json.dumps(dataclasses.asdict(params), sort_keys=True, default=repr)
+        with self._lock:
+            text = self._checked.get(key)
+        if text is not None:
+            return text
         llg = _import_llguidance()
         kind = params.kind()
         try:
@@ -133,6 +141,10 @@ class GrammarCompiler:
         error = llg.LLMatcher.validate_grammar(text, self._tok())
         if error:
             raise ValueError(f"structured_outputs.{kind} is invalid: {_one_line(error)}")
+        with self._lock:
+            if len(self._checked) >= MAX_REMEMBERED_GRAMMARS:
+                self._checked.pop(next(iter(self._checked)))  # the oldest
+            self._checked[key] = text
         return text
 
     def matcher(self, params: StructuredOutputParams):
