@@ -274,3 +274,22 @@ def test_records_carry_token_ids_and_the_logprobs_a_line_asks_for(tmp_path, llm)
     assert records[1]["prompt_logprobs"][0] is None and len(records[1]["prompt_logprobs"]) == 4
     assert records[1]["prompt_logprobs"] == [as_json(d) for d in want[1].prompt_logprobs]
     assert len(records[2]["choices"]) == 2 and "prompt_logprobs" not in records[0]
+
+
+def test_lines_can_ask_for_structured_outputs(llm, tmp_path):
+    """A line's `structured_outputs` (a SamplingParams field) holds its answer to a choice or a regex; a
+    constraint that does not compile is that line's error record, and the job goes on."""
+    import re
+
+    lines = [{"prompt": "the quick", "structured_outputs": {"choice": ["yes", "no"]}, "temperature": 0.8, "seed": 1},
+             {"prompt": "Paris is", "structured_outputs": {"regex": "[0-9]{3}"}, "max_tokens": 8},
+             {"prompt": "lazy dog", "structured_outputs": {"regex": "[0-"}},
+             {"prompt": "fox", "structured_outputs": {"choice": ["a"], "regex": "b"}}]
+    input_path = write_jsonl(tmp_path / "so.jsonl", lines)
+    output_path = str(tmp_path / "so_out.jsonl")
+    assert batch_cli.run(batch_args(input_path, output_path), llm=llm) == 0
+    by_line = {r["line"]: r for r in read_jsonl(output_path)}
+    assert by_line[1]["text"] in ("yes", "no") and by_line[1]["finish_reason"] == "stop"
+    assert re.fullmatch("[0-9]{3}", by_line[2]["text"]) and by_line[2]["finish_reason"] == "stop"
+    assert "line 3" in by_line[3]["error"] and "structured_outputs.regex is invalid" in by_line[3]["error"]
+    assert "line 4" in by_line[4]["error"] and "exactly one of" in by_line[4]["error"]
