@@ -35,7 +35,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="of the device memory left after the weights, for KV pages (default 0.8)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's knob instead: the engine's whole share of the device memory JAX manages "
+                        "(weights included); the KV pool gets the rest of that share")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"],
                    help="auto: the model's dtype; int8: int8 K/V with a scale per token and head (about 2x the pages)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -49,7 +53,7 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
+                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

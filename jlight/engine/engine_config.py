@@ -22,6 +22,10 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
+    # vLLM's knob, for its users: the engine's whole share of the memory JAX's allocator manages
+    # (bytes_limit: 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise). When given,
+    # the KV pool takes that share less what the weights use, and kv_cache_memory_fraction is unused.
+    gpu_memory_utilization: float | None = None
     # "auto": K/V pages in the model's dtype; "int8": int8 values + a float32 scale per token and
     # KV head (about half the bytes, so about twice the pages). Llama/MoE families; not MLA. On GPU
     # int8 pages of 32 or 64 tokens run the Mosaic GPU attention, pages of 8 or 16 the Triton one
@@ -66,6 +70,8 @@ class EngineConfig:
             bad("num_pages", "must be >= 2 (page 0 is reserved)")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             bad("kv_cache_memory_fraction", "must be in (0, 1]")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.quantization not in (None, "int8", "w8a8"):
             bad("quantization", "must be None, 'int8' or 'w8a8'")
         if self.kv_cache_dtype not in ("auto", "int8"):

@@ -177,8 +177,7 @@ class LLMEngine:
         wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1
         stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
         if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            return max(2, int(free * cfg.kv_cache_memory_fraction) // bytes_per_page)
+            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization)
         # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
         return max(2, min(wanted, (2 << 30) // bytes_per_page))
 
@@ -395,6 +394,21 @@ class LLMEngine:
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()
+
+
+def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
+                     gpu_memory_utilization: float | None) -> int:
+    """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
+    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
+    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left."""
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    if gpu_memory_utilization is None:
+        return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
+    budget = int(limit * gpu_memory_utilization) - in_use
+    if budget < 2 * bytes_per_page:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
+                         f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
+    return budget // bytes_per_page
 
 
 def _enable_compilation_cache(path: str | None) -> None:
