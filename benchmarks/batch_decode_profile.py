@@ -69,7 +69,7 @@ def engine_steps(engine: LLMEngine, calls: list, steps: int) -> dict:
     return dict(tok_s=tokens / sum(step_s), step_ms_median_max=ms(step_s), launch_ms_median_max=ms(launch_s))
 
 
-def argmax_sampler(logits, s, history=None):
+def argmax_sampler(logits, s, history=None, guide_mask=None):
     """--sampler argmax: the sampler without its lax.conds (greedy tokens, no logprobs); timing only."""
     zeros = jnp.zeros((logits.shape[0], sampler.NUM_TOP_LOGPROBS))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape[0]), zeros.astype(jnp.int32), zeros

@@ -87,9 +87,9 @@ def _spy_on_steps(runner) -> list:
     """Record (StepInputs, host seconds of the launch: packing and the jitted call) for each step."""
     calls, launch = [], runner.launch
 
-    def spy(inp):
+    def spy(inp, guide_mask=None):
         t0 = time.perf_counter()
-        out = launch(inp)
+        out = launch(inp, guide_mask)
         calls.append((inp, time.perf_counter() - t0))  # the host's dispatch time (the step runs async)
         return out
 
@@ -117,7 +117,7 @@ def dispatch_breakdown(runner, inp, reps: int = 50) -> dict:
     r, times = runner, []
     for _ in range(reps + 1):  # the first call is not timed: it may trace for device-resident buffers
         t0 = time.perf_counter()
-        out = r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, layout)
+        out = r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, r.unconstrained_mask(inp), layout)
         times.append(time.perf_counter() - t0)
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(out)
     row["call_on_device_inputs_ms"] = 1e3 * statistics.median(times[1:])
@@ -133,12 +133,13 @@ def back_to_back_ms(runner, inp, reps: int = 50) -> float:
     r = runner
     ints, floats, layout = step_packing.pack(inp)
     ints, floats = jax.block_until_ready(jax.device_put((ints, floats)))
+    mask = r.unconstrained_mask(inp)
     r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(  # compiled, and the queue empty
-        r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, layout))
+        r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, mask, layout))
     t0 = time.perf_counter()
     for _ in range(reps):
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = r._step(
-            r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, layout)
+            r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, mask, layout)
     jax.block_until_ready(r.k_cache)
     return 1e3 * (time.perf_counter() - t0) / reps
 
@@ -171,9 +172,11 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     from jax.experimental.mosaic.gpu import profiler
 
     inp, _ = step_args
-    step = jax.jit(runner._packed_step, static_argnums=7, compiler_options=model_runner.STEP_COMPILER_OPTIONS)
+    step = jax.jit(runner._packed_step, static_argnums=8, compiler_options=model_runner.STEP_COMPILER_OPTIONS)
+    ints, floats, layout = step_packing.pack(inp)
     _, kernels = profiler.measure(step, aggregate=False)(
-        runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, *step_packing.pack(inp))
+        runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, ints, floats,
+        runner.unconstrained_mask(inp), layout)
     by_name: dict[str, list] = {}
     for name, ms in kernels or []:
         entry = by_name.setdefault(name, [0, 0.0])

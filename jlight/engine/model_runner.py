@@ -247,10 +247,14 @@ class ModelRunner:
             fill_masks(guided, guide_mask)
         return inp, guide_mask
 
+    def unconstrained_mask(self, inp: StepInputs):
+        """The device-resident all-ones mask of inp's bucket: what a step without constrained rows takes."""
+        return self._no_guide[inp.md.context_lens.shape[0]]
+
     def launch(self, inp: StepInputs, guide_mask: np.ndarray | None = None) -> StepOutputs:
         """Dispatch one step (returns at once; outputs are device arrays)."""
         if guide_mask is None:
-            guide_mask = self._no_guide[inp.md.context_lens.shape[0]]
+            guide_mask = self.unconstrained_mask(inp)
         elif self._mask_sharding is not None:
             guide_mask = jax.device_put(guide_mask, self._mask_sharding)
         ints, floats, layout = step_packing.pack(inp)
