@@ -26,20 +26,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from step_trace import StepTrace, format_summary, matmul_flops_per_s  # noqa: E402
+from step_trace import StepTrace, format_summary  # noqa: E402
+
+
+def _median_seconds(f, x, reps: int = 10) -> float:
+    f(x).block_until_ready()  # compiled
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
 
 
 def copy_bandwidth_bytes_per_s(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, counting bytes read plus written (median of 10)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / float(np.median(times))
+    return 2 * nbytes / _median_seconds(jax.jit(lambda a: a + 1.0), jnp.ones((nbytes // 4,), jnp.float32))
+
+
+def matmul_flops_per_s(n: int = 8192) -> float:
+    """bf16 matmul rate of the default device (median of 10 n x n x n products)."""
+    return 2.0 * n ** 3 / _median_seconds(jax.jit(lambda a: a @ a), jnp.ones((n, n), jnp.bfloat16))
 
 
 def weight_bytes(params) -> int:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 DECODE_BINS = (1, 8, 32, 64, 128, 256, 1 << 30)
 
 
@@ -97,19 +95,3 @@ def format_summary(groups: list[dict]) -> str:
         lines.append(f"| {g['steps']} | {g['group']} | {g['mean_rows']:.0f} | {g['mean_context']:.0f} | {g['ms_per_step']:.2f} "
                      f"| {g['roofline_ms_per_step']:.2f} | {g['efficiency']:.0%} | {g['seconds'] / total:.0%} |")
     return "\n".join(lines)
-
-
-def matmul_flops_per_s(n: int = 8192) -> float:
-    """bf16 matmul rate of the default device (median of 10 n x n x n products)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.bfloat16)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2.0 * n ** 3 / float(np.median(times))
