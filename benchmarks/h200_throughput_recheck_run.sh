@@ -6,13 +6,6 @@
 # session's prepared split_factor rows of the one-kernel-per-layer probe.
 # Usage on the GPU machine: bash benchmarks/h200_throughput_recheck_run.sh "$OUT"
 source "$(dirname "$0")/h200_setup.sh"
-run() {  # NAME TIMEOUT COMMAND...: the command's output to $OUT/NAME.txt, a few lines of it here
-  local name=$1 limit=$2; shift 2
-  local start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-  echo "== $name: exit $?, $(( $(date +%s) - start )) s"
-  grep -vE "^compiling|Warning|warn|^\s*$" "$OUT/$name.txt" | tail -12 | cut -c1-240
-}
 run throughput_2048 230 python3 benchmarks/offline_throughput.py --model-config llama3-8b --dtype bfloat16 \
   --max-num-seqs 256 --max-num-batched-tokens 2048 --latency-tokens 0 --out "$OUT/throughput_2048"
 for v in bf16-b8 int8-auto-b8; do
