@@ -102,3 +102,28 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     top5 = np.argsort(-probs)[:5]
     assert abs(np.mean(np.isin(draws, top5)) - probs[top5].sum()) < 0.12
 
+
+
+def test_the_structured_output_mask_allows_only_its_tokens():
+    """Bit t % 32 of word t // 32 allows token t (llguidance's layout, read back with numpy's unpackbits);
+    a vocabulary wider than the mask allows none of the extra tokens; use_guide=False ignores the mask."""
+    rng = np.random.default_rng(5)
+    words = (V - 40 + 31) // 32  # narrower than V: the last tokens have no bits
+    mask = rng.integers(-2**31, 2**31, size=(B, words), dtype=np.int64).astype(np.int32)
+    mask[:, 0] &= ~1  # token 0 never allowed
+    expected = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
+    expected = np.pad(expected, ((0, 0), (0, V - expected.shape[1])))
+    assert (np.asarray(sampler.allowed_tokens(jnp.asarray(mask), V)) == expected).all()
+
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    logits[:, 0] = 100.0  # the unconstrained favourite, which the mask bans
+    for temperature in (0.0, 1.5):
+        s = inputs(temperature=np.full(B, temperature, np.float32), use_guide=np.bool_(True))
+        for trial in range(5):
+            s = s._replace(token_index=np.full(B, trial, np.int32))
+            tokens = np.asarray(sample(jnp.asarray(logits), s, guide_mask=jnp.asarray(mask))[0])
+            assert expected[np.arange(B), tokens].all(), tokens
+        if temperature == 0.0:
+            assert (tokens == np.where(expected, logits, -np.inf).argmax(-1)).all()
+    s = inputs(temperature=np.zeros(B, np.float32), use_guide=np.bool_(False))
+    assert (np.asarray(sample(jnp.asarray(logits), s, guide_mask=jnp.asarray(mask))[0]) == 0).all()
