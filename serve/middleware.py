@@ -12,7 +12,7 @@ import hmac
 
 from starlette.responses import JSONResponse
 
-from jlight.serve.protocol import error_body
+from jlight.serve.response_models import error_body
 
 UNAUTHENTICATED_PATHS = ("/health",)
 

@@ -1,4 +1,5 @@
-"""OpenAI request/response bodies for /v1/completions and /v1/chat/completions.
+"""OpenAI request bodies for /v1/completions and /v1/chat/completions (the responses' are in
+serve/response_models.py).
 
 The request models carry range checks in their Field() constraints so they show up in
 the OpenAPI schema (clients and schemathesis read them); `to_sampling_params` maps a
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 import typing
 from typing import Annotated, Any, Literal
 
@@ -255,103 +255,6 @@ class DetokenizeRequest(OpenAIBody):
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
-# ---- responses -------------------------------------------------------------------
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str | None = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatDeltaChoice(BaseModel):
-    index: int
-    delta: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "jlight"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelCard]
-
-
 # ---- request -> SamplingParams -----------------------------------------------------
 
 def structured_outputs_asked(req: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
@@ -408,12 +311,3 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_token
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured_outputs=asked[0][1] if asked else None,
     )
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()

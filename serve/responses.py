@@ -10,9 +10,9 @@ import time
 
 from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.serve.echo import Echo, prompt_offsets, prompt_pairs
-from jlight.serve.protocol import (ChatChoice, ChatCompletionResponse, ChatDeltaChoice, ChatLogprobs,
-                                   ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
-                                   CompletionLogprobs, CompletionResponse, TopLogprob, usage_of)
+from jlight.serve.response_models import (ChatChoice, ChatCompletionResponse, ChatDeltaChoice, ChatLogprobs,
+                                          ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
+                                          CompletionLogprobs, CompletionResponse, TopLogprob, usage_of)
 
 DONE = "data: [DONE]\n\n"
 
