@@ -49,6 +49,8 @@ class DataParallelEngine:
         self.replicas = [LLMEngine(replica_config, loaded=loaded, devices=devices[r * per:(r + 1) * per])
                          for r in range(dp)]
         first = self.replicas[0]
+        for replica in self.replicas[1:]:  # one grammar compiler: llguidance's view of the vocabulary is built once
+            replica.grammars = first.grammars
         self.config = config
         self.tokenizer, self.model_config = first.tokenizer, first.model_config
         self.max_model_len, self.model_name = first.max_model_len, first.model_name
