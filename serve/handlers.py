@@ -133,15 +133,18 @@ class GenerationHandlers:
         model = check_model_name(body.model, self.served_names)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        forced = body.forced_tool_call()  # before the template: a tool_choice jlight cannot answer is a 400
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         ids = await _off_loop_if_large(sum(len(m.text()) for m in body.messages), chat_prompt,
-                                       body.messages, self.tokenizer, body.add_generation_prompt)
+                                       body.messages, self.tokenizer, body.add_generation_prompt, tools)
         max_tokens, param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(request_id, body, [ids], max_tokens, "messages", param)
         builder = ResponseBuilder("chat", request_id, model, self.tokenizer, body.n,
-                                  want_logprobs=body.logprobs, num_top_logprobs=body.top_logprobs or 0)
+                                  want_logprobs=body.logprobs, num_top_logprobs=body.top_logprobs or 0,
+                                  forced_tool_call=forced)
         return await self._respond(request, body, jobs, builder)
 
     async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:

@@ -17,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       ValidationInfo, WrapValidator, model_validator)
 
 from jlight.engine.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from jlight.serve.tool_calls import ForcedToolCall, forced_tool_call
 
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request may batch this many prompts
 MAX_LOGIT_BIAS_ENTRIES = 32  # the engine applies at most this many per request
@@ -78,7 +79,8 @@ def Unsupported(base: Any, asks_nothing, why: str):
     return Annotated[base, AfterValidator(check)]
 
 
-NO_TOOLS = "jlight does not parse tool calls"
+LEGACY_FUNCTIONS = "the deprecated function-calling fields; send tools and tool_choice instead"
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 class StreamOptions(OpenAIBody):
@@ -216,11 +218,25 @@ class TextPart(OpenAIBody):
     text: StrictStr
 
 
+class FunctionCallText(OpenAIBody):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI returns it
+
+
+class MessageToolCall(OpenAIBody):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCallText
+
+
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: OneOf(StrictStr | list[TextPart] | None,
                    'a string or a list of {"type": "text", "text": ...} parts (jlight takes text only)') = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message's calls
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -230,6 +246,39 @@ class ChatMessage(OpenAIBody):
         return "".join(part.text for part in self.content)
 
 
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(OpenAIBody):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: JsonSchema | None = None  # the arguments' JSON schema; none: the function takes no arguments
+    strict: StrictBool | None = None  # the arguments always follow the schema here, strict or not
+
+
+class ChatTool(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(OpenAIBody):
+    name: StrictStr  # any text: one not among the tools gets a 400 that lists them
+
+
+class NamedToolChoice(OpenAIBody):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+def _unique_names(tools: list[ChatTool]) -> list[ChatTool]:
+    names = [tool.function.name for tool in tools]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"tools has more than one function named {', '.join(map(repr, repeated))}; "
+                         f"give each function its own name")
+    return tools
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -237,10 +286,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
-    tools: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
-    functions: Unsupported(list, lambda v: v == [], NO_TOOLS) = None
-    tool_choice: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
-    function_call: Unsupported(Any, lambda v: v in ("none", "auto"), NO_TOOLS) = None
+    # Tools (serve/tool_calls.py): only a forced call, "required" or a named function, is answered.
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS), AfterValidator(_unique_names)] | None = None
+    tool_choice: OneOf(Literal["none", "auto", "required"] | NamedToolChoice | None,
+                       '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}') = None
+    parallel_tool_calls: StrictBool | None = None  # false: "required" makes exactly one call
+    functions: Unsupported(list, lambda v: v == [], LEGACY_FUNCTIONS) = None
+    function_call: Unsupported(Any, lambda v: v in ("none", "auto"), LEGACY_FUNCTIONS) = None
+
+    def forced_tool_call(self) -> ForcedToolCall | None:
+        """The tool call tool_choice forces, or None; a RequestError naming tool_choice for choices
+        jlight cannot answer ("auto" with tools)."""
+        return forced_tool_call(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 class TokenizeRequest(OpenAIBody):
@@ -274,6 +331,9 @@ def structured_outputs_asked(req: SamplingFields) -> list[tuple[str, dict[str, A
     if req.structured_outputs is not None:
         name, value = next((k, v) for k, v in req.structured_outputs.params().items() if v not in (None, False))
         asked.append((f"structured_outputs.{name}", {name: value}))
+    forced = req.forced_tool_call() if isinstance(req, ChatCompletionRequest) else None
+    if forced is not None:  # last, so that with another constraint the 400 names tools
+        asked.append((forced.param, {"json": forced.schema}))
     return asked
 
 

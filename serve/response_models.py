@@ -61,9 +61,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str | None = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # a forced tool call's (serve/tool_calls.py)
 
 
 class ChatChoice(BaseModel):

@@ -13,6 +13,7 @@ from jlight.serve.echo import Echo, prompt_offsets, prompt_pairs
 from jlight.serve.response_models import (ChatChoice, ChatCompletionResponse, ChatDeltaChoice, ChatLogprobs,
                                           ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                                           CompletionLogprobs, CompletionResponse, TopLogprob, usage_of)
+from jlight.serve.tool_calls import ForcedToolCall, choice_fields, tool_call
 
 DONE = "data: [DONE]\n\n"
 
@@ -57,8 +58,9 @@ class ResponseBuilder:
     """Builds one HTTP request's bodies; keeps per-choice state across stream chunks."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, n: int, want_logprobs: bool,
-                 num_top_logprobs: int = 0, echo: Echo | None = None):
+                 num_top_logprobs: int = 0, echo: Echo | None = None, forced_tool_call: ForcedToolCall | None = None):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
+        self.forced = forced_tool_call  # a chat request's forced tool call: its output is the call's JSON
         self.want_logprobs, self.num_top = want_logprobs, num_top_logprobs
         self.echo = echo
         self.tokenizer, self.token_text = tokenizer, TokenText(tokenizer)
@@ -134,7 +136,10 @@ class ResponseBuilder:
                 pairs = _new_logprobs(c, 0) if self.want_logprobs else []
                 reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
                 if self.kind == "chat":
-                    choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text),
+                    fields = {"content": c.text}
+                    if self.forced is not None:
+                        fields, reason = choice_fields(self.forced, c.text, reason)
+                    choices.append(ChatChoice(index=index, message=ChatResponseMessage(**fields),
                                               logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
                                               finish_reason=reason))
                 else:
@@ -155,8 +160,17 @@ class ResponseBuilder:
         """Chat streams open each choice with an empty assistant delta, as OpenAI does."""
         if self.kind != "chat":
             return []
-        return [self._chunk([ChatDeltaChoice(index=i, delta=ChatResponseMessage(role="assistant", content="")).model_dump()])
-                for i in range(num_prompts * self.n)]
+        chunks = []
+        for i in range(num_prompts * self.n):
+            choice = ChatDeltaChoice(index=i, delta=ChatResponseMessage(role="assistant", content="")).model_dump()
+            choice["delta"] = {"role": "assistant", "content": ""}
+            if self.forced is not None:
+                # A named call opens at once (id, name, empty arguments) and its arguments stream on.
+                choice["delta"] = {"role": "assistant", "content": None}
+                if self.forced.named:
+                    choice["delta"]["tool_calls"] = [tool_call(self.forced.function_name, "", index=0)]
+            chunks.append(self._chunk([choice]))
+        return chunks
 
     def stream_chunks(self, prompt_index: int, out: RequestOutput) -> list[str]:
         chunks = []
@@ -168,6 +182,10 @@ class ResponseBuilder:
                 continue
             if c.finished:
                 self.finish_sent.add(index)
+            elif self.forced is not None and not self.forced.named:
+                # "required"'s array can only be split into calls once complete: its calls go out with
+                # the finish chunk (and any logprobs then cover every token, tokens_sent not having moved).
+                continue
             start = self.tokens_sent.get(index, 0)
             pairs = _new_logprobs(c, start) if self.want_logprobs else []
             self.tokens_sent[index] = len(c.token_ids)
@@ -177,6 +195,8 @@ class ResponseBuilder:
                                          logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
                                          finish_reason=reason).model_dump()
                 choice["delta"] = {"content": c.text_delta}  # later deltas carry no role
+                if self.forced is not None:
+                    choice["delta"], choice["finish_reason"] = self._tool_delta(c, reason)
             else:
                 first = index not in self.text_offset
                 choice = self.completion_choice(index, prompt_index, out, c, c.text_delta, pairs,
@@ -184,6 +204,15 @@ class ResponseBuilder:
                 self.text_offset[index] = self.text_offset.get(index, 0) + len(choice["text"])
             chunks.append(self._chunk([choice]))
         return chunks
+
+    def _tool_delta(self, c: CompletionOutput, reason: str | None) -> tuple[dict, str | None]:
+        """A forced call's stream delta: a named call's argument text, or "required"'s calls once finished."""
+        if self.forced.named:  # its finish_reason is the engine's (choice_fields)
+            return {"tool_calls": [{"index": 0, "function": {"arguments": c.text_delta}}]}, reason
+        fields, reason = choice_fields(self.forced, c.text, reason)
+        if not fields["tool_calls"]:
+            return {"content": fields["content"]}, reason
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(fields["tool_calls"])]}, reason
 
     def _usage(self, finals: list[RequestOutput]):
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)

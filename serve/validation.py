@@ -5,6 +5,7 @@ Every failure is a RequestError naming the request field at fault (OpenAI's `par
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -64,18 +65,45 @@ def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
     return token_lists
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> list[int]:
-    """Render `messages` with the model's chat template and tokenize the result."""
+def _template_message(m: ChatMessage, text: str) -> dict:
+    """A message as chat templates read it; tool fields only where given (templates test `is defined`)."""
+    message = {"role": m.role, "content": text}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": call.id, "type": call.type,
+                                  "function": {"name": call.function.name,
+                                               "arguments": _arguments_for_template(call.function.arguments)}}
+                                 for call in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments_for_template(arguments: str):
+    """The arguments as a dict where they parse: HF templates expect a mapping (they `tojson` it or loop
+    over its items), as transformers documents and vLLM does; other text stays as sent."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
+    """Render `messages` (and `tools`, the request's tool dicts, for templates that show them) with the
+    model's chat template and tokenize the result."""
     plain = []
     for i, m in enumerate(messages):
         text = m.text()
         _check_text(text, f"messages[{i}].content")
-        plain.append({"role": m.role, "content": text})
-    if all(not m["content"] for m in plain):
+        plain.append(_template_message(m, text))
+    if all(not m["content"] and not m.get("tool_calls") for m in plain):
         raise RequestError("messages are all empty; send at least one message with content",
                            param="messages")
     try:
-        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        # Only with tools: a template (or a tokenizer stand-in) that knows nothing of them renders as before.
+        extra = {"tools": tools} if tools else {}
+        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # templates raise arbitrary errors (e.g. "roles must alternate")
         logger.info("chat template rejected messages: %s", e)
         raise RequestError(f"messages cannot be rendered with this model's chat template: {e}",

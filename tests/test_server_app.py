@@ -40,8 +40,16 @@ class ByteTokenizer:
     def token_bytes(self, token_id):
         return bytes([token_id])
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        """Like a tool-aware template: the tools' names first, then each message with its tool fields."""
+        tools = "".join(f"<tool {t['function']['name']}>" for t in kwargs.pop("tools", []))
+        assert not kwargs, kwargs
+        def fields(m):
+            calls = "".join(f"<call {c['id']} {c['function']['name']} {c['function']['arguments']}>"
+                            for c in m.get("tool_calls", []))
+            return calls + (f"<answers {m['tool_call_id']}>" if "tool_call_id" in m else "")
+        return tools + "".join(f"<{m['role']}>{fields(m)}{m['content']}" for m in messages) + (
+            "<assistant>" if add_generation_prompt else "")
 
 
 @dataclasses.dataclass
@@ -61,10 +69,10 @@ class FakeAsyncLLM:
     """Generates 'x' tokens every `token_delay` s; each running request holds one KV page.
     `gate` (an asyncio.Event-like flag) holds every request before its first token."""
 
-    def __init__(self, token_delay=0.01, max_waiting=1000):
+    def __init__(self, token_delay=0.01, max_waiting=1000, max_model_len=64):
         self.tokenizer = ByteTokenizer()
         self.model_config = type("Cfg", (), {"vocab_size": 256})()
-        self.max_model_len = 64
+        self.max_model_len = max_model_len
         self.model_name = "fake-model"
         self.token_delay, self.max_waiting = token_delay, max_waiting
         self.active: set[str] = set()
@@ -72,9 +80,14 @@ class FakeAsyncLLM:
         self.hold_first_token = False
         self.error = None  # AsyncLLM.error: why the engine loop stopped
         self.last_params = None  # the SamplingParams of the latest request
+        self.last_prompt = None  # the latest request's prompt, as text
+        # Text every sample of a constrained request generates (one token a byte), as a model held to
+        # the constraint would; None: constrained requests get 'x's like the rest.
+        self.scripted_text = None
 
     async def generate(self, prompt, sampling_params, request_id):
         self.last_params = sampling_params
+        self.last_prompt = bytes(prompt).decode("utf-8", errors="replace")
         constraint = sampling_params.structured_outputs
         if constraint is not None and "INVALID" in str(getattr(constraint, constraint.kind())):
             # As the engine's validate_request says when llguidance refuses a grammar.
@@ -86,24 +99,32 @@ class FakeAsyncLLM:
             while self.hold_first_token and request_id in self.active:
                 await asyncio.sleep(0.01)
             n, total = sampling_params.n, sampling_params.max_tokens
-            # Sample i stops ("stop") i tokens early; like the engine, a finished sample is
-            # repeated, unchanged, in the outputs that follow while its siblings run on.
-            lengths = [max(1, total - i) for i in range(n)]
-            for step in range(1, total + 1):
+            if constraint is not None and self.scripted_text is not None:
+                script = list(self.scripted_text.encode("utf-8"))
+                samples = [script[:total]] * n
+                reasons = ["stop" if len(script) <= total else "length"] * n
+            else:
+                # Sample i stops ("stop") i tokens early; like the engine, a finished sample is
+                # repeated, unchanged, in the outputs that follow while its siblings run on.
+                samples = [[120] * max(1, total - i) for i in range(n)]
+                reasons = ["length" if len(tokens) == total else "stop" for tokens in samples]
+            steps = max(len(tokens) for tokens in samples)
+            for step in range(1, steps + 1):
                 await asyncio.sleep(self.token_delay)
                 if request_id not in self.active:
                     return
-                done = step == total
+                done = step == steps
                 if done:
                     self.active.discard(request_id)
                 outs = []
-                for i, length in enumerate(lengths):
-                    k = min(step, length)
-                    fresh = step <= length
+                for i, (tokens, reason) in enumerate(zip(samples, reasons)):
+                    k = min(step, len(tokens))
+                    fresh = step <= len(tokens)
                     outs.append(CompletionOutput(
-                        index=i, text="x" * k, token_ids=[120] * k,
-                        finish_reason=None if k < length else ("length" if length == total else "stop"),
-                        text_delta="x" if fresh else "", token_ids_delta=[120] if fresh else [],
+                        index=i, text=bytes(tokens[:k]).decode("utf-8", errors="replace"), token_ids=tokens[:k],
+                        finish_reason=None if k < len(tokens) else reason,
+                        text_delta=bytes(tokens[k - 1:k]).decode("utf-8", errors="replace") if fresh else "",
+                        token_ids_delta=tokens[k - 1:k] if fresh else [],
                         logprobs=[{120: -0.5, 121: -1.5}] * k if sampling_params.logprobs is not None else None))
                 yield RequestOutput(request_id, None, list(prompt), outs, finished=done,
                                     prompt_logprobs=self.prompt_logprobs(prompt, sampling_params))
@@ -138,10 +159,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
+    yield from _serve(FakeAsyncLLM())
+
+
+def _serve(llm):
+    """Serve `llm` on a free port in a thread; yields (url, llm) until the fixture ends."""
     import uvicorn
 
     from jlight.serve.app import build_app
-    llm = FakeAsyncLLM()
     app = build_app(llm, api_key=API_KEY, max_waiting_requests=8, max_body_bytes=4096)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -325,8 +350,9 @@ def test_null_means_default(server):
 CHAT_X = [{"role": "user", "content": "x"}]
 UNSUPPORTED = [
     # Features jlight lacks: a 400 naming the field, never an answer that ignores it.
-    ("/v1/chat/completions", {"messages": CHAT_X, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": CHAT_X, "tool_choice": "required"}, "tool_choice"),
+    # tools with tool_choice "auto" (the default): jlight cannot find a call in free text
+    ("/v1/chat/completions", {"messages": CHAT_X, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT_X, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT_X, "function_call": {"name": "f"}}, "function_call"),
     ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
@@ -657,3 +683,177 @@ def test_serving_benchmark_client(server, tmp_path):
     s = report["results"][0]
     # The stand-in tokenizer has one token per byte: "general kenobi" is 14 tokens.
     assert (s["completed"], s["total_output_tokens"]) == (4, 56)
+
+
+# ---- forced tool calls (serve/tool_calls.py) ------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time"}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CALL_ID = r"call_[0-9a-f]{24}"
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    """Byte tokens make tool prompts long: this stand-in has room for them."""
+    yield from _serve(FakeAsyncLLM(max_model_len=1024))
+
+
+@pytest.fixture
+def scripted(tool_server):
+    """The stand-in engine's constrained output, for one test."""
+    _, llm = tool_server
+    def set_text(text):
+        llm.scripted_text = text
+    yield set_text
+    llm.scripted_text = None
+
+
+def test_named_tool_choice_returns_the_call(tool_server, scripted):
+    import re
+
+    from jlight.engine.structured_output import StructuredOutputParams
+    url, llm = tool_server
+    scripted('{"city": "Paris"}')
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": NAMED, "n": 2,
+                                           "max_tokens": 30})
+    assert r.status_code == 200, r.text
+    assert llm.last_params.structured_outputs == StructuredOutputParams(json=WEATHER)
+    choices = r.json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:  # OpenAI's finish_reason for a named tool_choice (see tool_calls.choice_fields)
+        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+        [call] = choice["message"]["tool_calls"]
+        assert re.fullmatch(CALL_ID, call["id"]) and call["type"] == "function"
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choices[0]["message"]["tool_calls"][0]["id"] != choices[1]["message"]["tool_calls"][0]["id"]
+    # A function without parameters takes an empty object.
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 30,
+                                           "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert r.status_code == 200, r.text
+    assert llm.last_params.structured_outputs == StructuredOutputParams(json={"type": "object", "properties": {}})
+
+
+def test_tools_and_tool_messages_reach_the_template(tool_server):
+    url, llm = tool_server
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    r = post(url, "/v1/chat/completions", {"messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    # tool_choice "none": plain text, nothing constrains it, and the template still sees the tools.
+    assert r.json()["choices"][0]["message"]["content"] == "xx" and llm.last_params.structured_outputs is None
+    # The arguments reach the template as a dict (what HF templates expect), rendered here by Python's str().
+    assert llm.last_prompt == ("<tool get_weather><tool get_time><user>weather?"
+                               "<assistant><call call_1 get_weather {'city': 'Oslo'}><tool><answers call_1>rain"
+                               "<assistant>")
+
+
+def test_required_returns_each_call(tool_server, scripted):
+    url, llm = tool_server
+    calls = '[{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}, {"name": "get_time", "parameters": {}}]'
+    scripted(calls)
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "required",
+                                           "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    schema = llm.last_params.structured_outputs.json
+    assert (schema["type"], schema["minItems"], "maxItems" in schema) == ("array", 1, False)
+    branches = schema["items"]["anyOf"]
+    assert [b["properties"]["name"] for b in branches] == [{"type": "string", "enum": ["get_weather"]},
+                                                           {"type": "string", "enum": ["get_time"]}]
+    assert branches[0]["properties"]["parameters"] == WEATHER
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] == [
+        ("get_weather", {"city": "Rome", "days": 2}), ("get_time", {})]
+    # parallel_tool_calls=false: exactly one call.
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "required",
+                                           "parallel_tool_calls": False, "max_tokens": 200})
+    assert r.status_code == 200 and llm.last_params.structured_outputs.json["maxItems"] == 1
+    # Cut short by max_tokens, the array holds no complete call: the text comes back as it is.
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "required",
+                                           "max_tokens": 10})
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"], choice["message"]["tool_calls"]) == (
+        "length", calls[:10], [])
+
+
+def _stream(url, body):
+    r = post(url, "/v1/chat/completions", {**body, "stream": True})
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_streamed_named_tool_call(tool_server, scripted):
+    import re
+    url, _ = tool_server
+    scripted('{"city": "Paris"}')
+    chunks = _stream(url, {"messages": CHAT_X, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 30})
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and first["content"] is None
+    [header] = first["tool_calls"]
+    assert re.fullmatch(CALL_ID, header["id"])
+    assert header == {"index": 0, "id": header["id"], "type": "function",
+                      "function": {"name": "get_weather", "arguments": ""}}
+    rest = [c["choices"][0] for c in chunks[1:]]
+    assert all(list(c["delta"]) == ["tool_calls"] and c["delta"]["tool_calls"][0]["index"] == 0 for c in rest)
+    assert "".join(c["delta"]["tool_calls"][0]["function"]["arguments"] for c in rest) == '{"city": "Paris"}'
+    assert [c["finish_reason"] for c in rest][-2:] == [None, "stop"]
+
+
+def test_streamed_required_tool_calls_come_at_the_end(tool_server, scripted):
+    url, _ = tool_server
+    scripted('[{"name": "get_time", "parameters": {}}]')
+    chunks = _stream(url, {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "required", "max_tokens": 100, "n": 2})
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert [c["delta"] for c in mine[:1]] == [{"role": "assistant", "content": None}]
+        [last] = mine[1:]  # the array is split into calls once complete
+        assert last["finish_reason"] == "tool_calls"
+        [call] = last["delta"]["tool_calls"]
+        assert (call["index"], call["function"]) == (0, {"name": "get_time", "arguments": "{}"})
+
+
+TOOLS_BAD = [
+    # (body fields, param, words in the message)
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", '"required"'),
+    ({"tools": TOOLS}, "tool_choice", '"none"'),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"tool_choice": NAMED}, "tool_choice", "no tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools", "'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "required"},
+     "tools.0.function.name", "pattern"),
+    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools.0.function.name", "required"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "guided_regex": "a+"}, "tools", "guided_regex and tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools",
+     "response_format and tools"),
+    ({"functions": [{"name": "f"}]}, "functions", "tools and tool_choice"),
+    ({"function_call": {"name": "f"}}, "function_call", "tools and tool_choice"),
+    # the engine refuses the function's schema: the 400 names that function's parameters
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"INVALID": 1}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", "is invalid"),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", TOOLS_BAD)
+def test_bad_tool_requests_are_400s(tool_server, fields, param, words):
+    url, _ = tool_server
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_tool_choice_none_with_a_constraint_is_fine(tool_server):
+    """tool_choice "none" constrains nothing, so another constraint may hold the text."""
+    url, llm = tool_server
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "none",
+                                           "guided_regex": "x+", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert llm.last_params.structured_outputs.regex == "x+"
