@@ -51,13 +51,21 @@ def forced_tool_call(tools, tool_choice, parallel_tool_calls: bool | None = None
             '{"name": ...}} to force a call, or tool_choice "none" for a plain-text answer', param="tool_choice")
     by_name = {tool.function.name: tool for tool in tools}
     if choice == "required":
-        return ForcedToolCall(None, _required_schema(tools, parallel_tool_calls), "tools")
+        return ForcedToolCall(None, _compact(_required_schema(tools, parallel_tool_calls)), "tools")
     name = choice.function.name
     if name not in by_name:
         raise RequestError(f"tool_choice names function {name!r}, which is not among the tools "
                            f"({', '.join(sorted(by_name))}); name one of them", param="tool_choice")
     index = next(i for i, tool in enumerate(tools) if tool.function.name == name)
-    return ForcedToolCall(name, _parameters(by_name[name]), f"tools.{index}.function.parameters")
+    return ForcedToolCall(name, _compact(_parameters(by_name[name])), f"tools.{index}.function.parameters")
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with JSON's optional whitespace ruled out (llguidance's x-guidance option, which the engine
+    reads). Arguments are read by a program, and a small model left free pads them with newlines until
+    max_tokens cuts the call short (SmolLM2-135M did, in test_server_e2e). vLLM leaves whitespace free
+    unless started with --disable-any-whitespace; a schema that sets x-guidance itself keeps its own."""
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
 def _parameters(tool) -> dict[str, Any]:

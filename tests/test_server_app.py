@@ -693,6 +693,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time"}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CALL_ID = r"call_[0-9a-f]{24}"
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # tool_calls._compact: no optional whitespace
 
 
 @pytest.fixture(scope="module")
@@ -720,7 +721,7 @@ def test_named_tool_choice_returns_the_call(tool_server, scripted):
     r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": NAMED, "n": 2,
                                            "max_tokens": 30})
     assert r.status_code == 200, r.text
-    assert llm.last_params.structured_outputs == StructuredOutputParams(json=WEATHER)
+    assert llm.last_params.structured_outputs == StructuredOutputParams(json={**WEATHER, **COMPACT})
     choices = r.json()["choices"]
     assert len(choices) == 2
     for choice in choices:  # OpenAI's finish_reason for a named tool_choice (see tool_calls.choice_fields)
@@ -733,7 +734,8 @@ def test_named_tool_choice_returns_the_call(tool_server, scripted):
     r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 30,
                                            "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert r.status_code == 200, r.text
-    assert llm.last_params.structured_outputs == StructuredOutputParams(json={"type": "object", "properties": {}})
+    assert llm.last_params.structured_outputs == StructuredOutputParams(
+        json={"type": "object", "properties": {}, **COMPACT})
 
 
 def test_tools_and_tool_messages_reach_the_template(tool_server):
@@ -762,6 +764,7 @@ def test_required_returns_each_call(tool_server, scripted):
     assert r.status_code == 200, r.text
     schema = llm.last_params.structured_outputs.json
     assert (schema["type"], schema["minItems"], "maxItems" in schema) == ("array", 1, False)
+    assert schema["x-guidance"] == COMPACT["x-guidance"]
     branches = schema["items"]["anyOf"]
     assert [b["properties"]["name"] for b in branches] == [{"type": "string", "enum": ["get_weather"]},
                                                            {"type": "string", "enum": ["get_time"]}]
@@ -857,3 +860,19 @@ def test_tool_choice_none_with_a_constraint_is_fine(tool_server):
                                            "guided_regex": "x+", "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert llm.last_params.structured_outputs.regex == "x+"
+
+
+def test_required_schema_moves_defs_to_the_top(tool_server):
+    """A tool's "#/$defs/..." references must still resolve once its schema is nested in the array."""
+    url, llm = tool_server
+    place = {"type": "object", "properties": {"where": {"$ref": "#/$defs/City"}}, "$defs": {"City": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": place}}, TOOLS[1]]
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": tools, "tool_choice": "required", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    schema = llm.last_params.structured_outputs.json
+    assert schema["$defs"] == {"City": {"type": "string"}}
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == {k: v for k, v in place.items() if k != "$defs"}
+    other = {**place, "$defs": {"City": {"type": "integer"}}}  # the same name for another definition
+    tools = [tools[0], {"type": "function", "function": {"name": "stay", "parameters": other}}]
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": tools, "tool_choice": "required", "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text

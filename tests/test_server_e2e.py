@@ -230,7 +230,9 @@ STRUCTURED_BAD = [
      "schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
      "response_format and guided_regex"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    # tools with tool_choice "auto" (the default): jlight finds no calls in free text (see tool tests below)
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     "not supported"),
 ]
 
 
@@ -264,6 +266,68 @@ def _gguf_name_map_built_once():
         yield
     finally:
         gguf.get_tensor_name_map = real
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast for a city",
+    # Bounded lengths keep the call within the tests' few tokens.
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER_CHAT = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _valid_arguments(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return set(args) == {"city", "days"} and isinstance(args["city"], str) and type(args["days"]) is int
+    return name == "get_time" and set(args) == {"zone"} and isinstance(args["zone"], str)
+
+
+def test_named_tool_call(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice=NAMED_WEATHER, max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None, choice
+    [call] = choice.message.tool_calls
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id) and call.type == "function"
+    assert call.function.name == "get_weather" and _valid_arguments("get_weather", call.function.arguments), call
+
+
+def test_required_tool_calls(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice="required", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert _valid_arguments(call.function.name, call.function.arguments), call
+
+
+def test_streamed_named_tool_call(client, model_name):
+    stream = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER_TOOL],
+                                            tool_choice=NAMED_WEATHER, max_tokens=60, temperature=0, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [call for d in deltas for call in d.delta.tool_calls or []]
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert _valid_arguments("get_weather", "".join(call.function.arguments or "" for call in calls))
+    assert deltas[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": NAMED_WEATHER, "extra_body": {"guided_regex": "a+"}}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "auto"}, "tool_choice"),
+    ({"functions": [WEATHER_TOOL["function"]]}, "functions"),
+])
+def test_bad_tool_requests_openai_client(client, model_name, fields, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, max_tokens=4, **fields)
+    assert raised.value.body["param"] == param, raised.value.body
 
 
 @pytest.fixture(scope="module")
