@@ -80,7 +80,9 @@ def _required_schema(tools, parallel_tool_calls: bool | None) -> dict[str, Any]:
     items = []
     for i, tool in enumerate(tools):
         parameters = dict(_parameters(tool))
-        for key, value in parameters.pop("$defs", {}).items():
+        # $defs that are not an object stay where they are, for the grammar compiler to refuse (a 400).
+        tool_defs = parameters.pop("$defs") if isinstance(parameters.get("$defs"), dict) else {}
+        for key, value in tool_defs.items():
             if defs.setdefault(key, value) != value:
                 raise RequestError(f"tools define $defs {key!r} differently; give the definitions different "
                                    f"names", param=f"tools.{i}.function.parameters")

@@ -876,3 +876,8 @@ def test_required_schema_moves_defs_to_the_top(tool_server):
     tools = [tools[0], {"type": "function", "function": {"name": "stay", "parameters": other}}]
     r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": tools, "tool_choice": "required", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
+    # $defs that are not an object are the grammar compiler's to refuse, not a server error.
+    bad = {"type": "object", "$defs": ["INVALID"]}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": bad}}, TOOLS[1]]
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": tools, "tool_choice": "required", "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
