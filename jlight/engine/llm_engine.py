@@ -348,9 +348,8 @@ class LLMEngine:
             if seq.finished or seq.seq_id not in self._seq_request:
                 continue  # aborted, or finished by an earlier token: this one was a wasted step
             token = int(tokens[row])
-            if seq.matcher is not None and not output_processor.grammar_accepts(seq, token):
-                pass  # finished with "error"; the token, which breaks the constraint, is not kept
-            else:
+            # A token the grammar refuses is not kept: grammar_accepts finished the sequence with "error".
+            if seq.matcher is None or output_processor.grammar_accepts(seq, token):
                 seq.output_token_ids.append(token)
                 self.generation_tokens_total += 1
                 if seq.first_token_time is None:
