@@ -53,6 +53,12 @@ VARIANTS = {
     "mosaic-i8-layer": dict(layer=True, barrier=True),
     "mosaic-i8-layer-nobarrier": dict(layer=True, barrier=False),
     "mosaic-i8-layer-s2": dict(layer=True, barrier=True, split_factor=2),  # units half as long
+    # deeper weight prefetch (default 4 slots of 16 KiB): a program that reaches a barrier early has
+    # that many of the next phase's weight tiles in flight, so the HBM keeps streaming while it waits
+    "mosaic-i8-layer-st8": dict(layer=True, barrier=True, num_stages=8),
+    "mosaic-i8-layer-st10": dict(layer=True, barrier=True, num_stages=10),
+    "mosaic-i8-layer-st10-s2": dict(layer=True, barrier=True, num_stages=10, split_factor=2),
+    "mosaic-i8-layer-st10-nobarrier": dict(layer=True, barrier=False, num_stages=10),
 }
 
 
