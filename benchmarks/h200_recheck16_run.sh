@@ -14,8 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site
 for part in "${PARTS[@]}"; do case $part in
 tests)
-  run pytest_gpu 200 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py \
-    -k "batched or preemption or logprobs or no_compilation or seeded or abort" ;;
+  run pytest_gpu 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_kernels_attention.py ;;
 structured)
   tiny=$(python3 -c "import sys; sys.path.insert(0, 'tests'); from tiny_models import make_tiny_model; print(make_tiny_model('/tmp/tiny', 'LlamaForCausalLM'))" 2>/dev/null | tail -1)
   run structured 150 python3 benchmarks/structured_output.py --model "$tiny" --num-requests 32 --max-tokens 48 \

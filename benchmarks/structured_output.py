@@ -55,11 +55,14 @@ def throughput(llm, prompts: list[str], constrained: list[bool], max_tokens: int
         engine.add_request(f"so-{i}-{time.monotonic_ns()}", prompt, SamplingParams(
             temperature=0.8, seed=i, max_tokens=max_tokens, structured_outputs={"json": SCHEMA} if c else None))
     tokens, valid, finished = 0, 0, 0
+    reasons = {}  # finish_reason -> count ("error" would mean a token the grammar refused was sampled)
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens += len(out.outputs[0].token_ids_delta)
             if out.finished:
                 finished += 1
+                reason = out.outputs[0].finish_reason
+                reasons[reason] = reasons.get(reason, 0) + 1
                 if constrained[int(out.request_id.split("-")[1])]:
                     try:
                         valid += isinstance(json.loads(out.outputs[0].text), dict)
@@ -67,7 +70,7 @@ def throughput(llm, prompts: list[str], constrained: list[bool], max_tokens: int
                         pass
     elapsed = time.perf_counter() - t0
     steps = engine.num_steps - steps0
-    return dict(requests=len(prompts), constrained=int(sum(constrained)), constrained_valid_json=valid,
+    return dict(requests=len(prompts), constrained=int(sum(constrained)), constrained_valid_json=valid, finish_reasons=reasons,
                 output_tokens=tokens, seconds=elapsed, output_tok_s=tokens / elapsed, steps=steps,
                 host_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in engine.step_seconds.items()})
 
@@ -103,7 +106,7 @@ def main():
     for name, constrained in (("none", [False] * n), ("all", [True] * n), ("half", [i % 2 == 0 for i in range(n)])):
         r = result["runs"][name] = throughput(llm, prompts, constrained, a.max_tokens)
         print(f"{name:>4} constrained: {r['output_tok_s']:.0f} output tok/s, {r['steps']} steps, "
-              f"{r['constrained_valid_json']}/{r['constrained']} valid JSON, host ms/step "
+              f"{r['constrained_valid_json']}/{r['constrained']} valid JSON, finished {r['finish_reasons']}, host ms/step "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()), flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

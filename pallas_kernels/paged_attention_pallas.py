@@ -56,6 +56,7 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
     pos = pltr.load(pos_ref.at[rows], mask=valid, other=-1)  # [block_rows]
     head_dim = q.shape[-1]
     kv_per_step = pages_per_step * page_size
+    full_f32 = q.dtype == jnp.float32
 
     # Pages this program reads: its split's share, cut at the block's last position.
     num_pages = (jnp.max(pos) + page_size) // page_size
@@ -74,7 +75,9 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         v = v_ref[pages].reshape(kv_per_step, head_dim)
         if quantized:  # int8 -> q's dtype is exact; the scales are applied to s and p below
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        s = pltr.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [block_rows, kv_per_step]
+        # float32 operands: true float32 products (Triton's default is TF32), as the XLA reference and a
+        # float32 model's other matmuls (model_runner.matmul_precision) have them
+        s = pltr.dot(q, k, trans_b=True, allow_tf32=not full_f32).astype(jnp.float32) * scale  # [block_rows, kv_per_step]
         if quantized:
             s = s * k_scale_ref[pages].reshape(1, kv_per_step)
         kv_pos = step * kv_per_step + jnp.arange(kv_per_step)
@@ -88,7 +91,7 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         l = l * correction + jnp.sum(p, axis=1)
         if quantized:
             p = p * v_scale_ref[pages].reshape(1, kv_per_step)
-        acc = acc * correction[:, None] + pltr.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * correction[:, None] + pltr.dot(p.astype(v.dtype), v, allow_tf32=not full_f32).astype(jnp.float32)
         return m_new, l, acc
 
     init = (

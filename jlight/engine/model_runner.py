@@ -67,6 +67,16 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 
 
+def matmul_precision(compute_dtype) -> str | None:
+    """The step's matmul precision: full float32 for a float32 model, else XLA's default.
+
+    XLA:GPU multiplies float32 matrices in TF32 unless told otherwise (a 10-bit mantissa: on the H200 a
+    tiny float32 Llama's logprobs were 3.5e-4 off transformers' float32 ones, 2026-12-02). Whoever runs
+    a model in float32 wants the reference's numbers, as torch gives them (TF32 off for matmuls by
+    default). No effect on CPU, whose float32 dots are exact, or on bf16 operands."""
+    return "highest" if jnp.dtype(compute_dtype) == jnp.float32 else None
+
+
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
@@ -106,6 +116,7 @@ class ModelRunner:
         if sharding_plan is not None:
             model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
         self._model_fn = model_fn
+        self._precision = matmul_precision(kv_dtype)
         self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
                              compiler_options=STEP_COMPILER_OPTIONS)
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
@@ -114,7 +125,8 @@ class ModelRunner:
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
                      layout: step_packing.Layout):
         inp = step_packing.unpack(layout, ints, floats)
-        return self._step_impl(params, k_cache, v_cache, history, prev_sampled, inp, guide_mask)
+        with jax.default_matmul_precision(self._precision):  # read while tracing: part of the compiled step
+            return self._step_impl(params, k_cache, v_cache, history, prev_sampled, inp, guide_mask)
 
     def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs, guide_mask):
         tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
