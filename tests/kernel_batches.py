@@ -10,7 +10,16 @@ from jlight.pallas_kernels.quantization import dequantize_kv_pool, quantize_kv_p
 # The XLA reference attention compiled as one program, as the engine runs it (inside its jitted step).
 # Called outside jit, JAX dispatches it operation by operation and compiles each of its ~30 operations
 # on its own for every new shape: 2-4 s a call on the 2-core CI host, against one compile here.
-reference_attention = jax.jit(attention_reference.paged_attention, static_argnames=("scale", "sliding_window"))
+# Its matmuls in true float32 on a GPU too, where XLA's default is TF32 (the kernels take float32 at
+# full precision, as a float32 model's step does: model_runner.matmul_precision).
+
+
+def _reference_attention(*args, **kwargs):
+    with jax.default_matmul_precision("highest"):
+        return attention_reference.paged_attention(*args, **kwargs)
+
+
+reference_attention = jax.jit(_reference_attention, static_argnames=("scale", "sliding_window"))
 # The same for the int8 pools' quantization (elementwise, and a max: the same values either way).
 quantize_pool = jax.jit(quantize_kv_pool)
 dequantize_pool = jax.jit(dequantize_kv_pool)

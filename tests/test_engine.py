@@ -374,3 +374,24 @@ def test_tensor_parallel_size_is_the_mesh_tp(model_dir):
             jlight.LLM(model_dir, tensor_parallel_size=bad)
     with pytest.raises(ValueError, match="either mesh or tensor_parallel_size"):
         jlight.LLM(model_dir, tensor_parallel_size=2, mesh="tp=2")
+
+
+def test_a_float32_step_multiplies_in_float32_and_a_bf16_step_as_xla_likes(llm, model_dir):
+    """XLA:GPU would multiply float32 matrices in TF32 (logprobs 3.5e-4 off transformers on the H200);
+    the step of a float32 model asks every dot for full precision, a bf16 model's asks for nothing."""
+    from jlight.engine import step_packing
+    from jlight.engine.scheduler import SchedulePlan
+
+    def step_text(runner):
+        inp, _ = runner.prepare(SchedulePlan([], []), {})
+        ints, floats, layout = step_packing.pack(inp)
+        return runner._step.lower(runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled,
+                                  ints, floats, runner.unconstrained_mask(inp), layout).as_text()
+
+    def dots(runner):
+        return [line for line in step_text(runner).splitlines() if "stablehlo.dot_general" in line]
+
+    f32 = dots(llm.engine.runner)
+    assert f32 and all("precision = [HIGHEST, HIGHEST]" in d for d in f32), f32
+    bf16 = dots(jlight.LLM(model_dir, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, num_pages=8).engine.runner)
+    assert bf16 and not any("HIGHEST" in d for d in bf16), bf16

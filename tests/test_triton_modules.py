@@ -20,7 +20,7 @@ from jlight.pallas_kernels import (
 )
 from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, QuantizedWeightT, W8A8Weight, kv_scales_shape
 from kernel_batches import random_batch
-from triton_lowering import verified_triton_modules
+from triton_lowering import triton_module_texts, verified_triton_modules
 
 S = jax.ShapeDtypeStruct
 
@@ -34,11 +34,12 @@ def _attention_args(kv_dtype, q_lens, ctx_lens, num_tokens):
     if kv_dtype == "int8":
         pool = QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
     else:
-        pool = S(shape, jnp.bfloat16)
-    return S((num_tokens, 32, head_dim), jnp.bfloat16), pool, md
+        pool = S(shape, jnp.float32 if kv_dtype == "f32" else jnp.bfloat16)
+    q_dtype = jnp.float32 if kv_dtype == "f32" else jnp.bfloat16  # float32: full-precision dots, not TF32
+    return S((num_tokens, 32, head_dim), q_dtype), pool, md
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "f32"])
 @pytest.mark.parametrize("batch,cfg", [
     ("decode", {}), ("decode", dict(num_splits=2)), ("decode", dict(pages_per_step=8, num_warps=8, num_stages=3)),
     ("prefill", {}),
@@ -51,6 +52,19 @@ def test_paged_attention_modules_verify(kv_dtype, batch, cfg):
     fn = lambda q, k, v, md: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
                                                                      interpret=False, **cfg)
     assert verified_triton_modules(fn, q, pool, pool, md) == 1
+
+
+def test_float32_attention_multiplies_in_float32_not_tf32():
+    """Triton's dots default to TF32; a float32 model's attention must not (model_runner.matmul_precision).
+    tt.dot omits its inputPrecision when it is IEEE, Triton's own default."""
+    fn = lambda q, k, v, md: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
+                                                                     interpret=False)
+    for kv_dtype, tf32 in (("f32", False), ("bf16", True)):
+        q, pool, md = _attention_args(kv_dtype, [1] * 8, [4096] * 8, 8)
+        dots = [line for text in triton_module_texts(fn, q, pool, pool, md)
+                for line in text.splitlines() if "tt.dot " in line]
+        assert len(dots) == 2, dots
+        assert all(("inputPrecision = tf32" in d) == tf32 for d in dots), (kv_dtype, dots)
 
 
 @pytest.mark.parametrize("m,cfg", [

@@ -32,7 +32,12 @@ def _verifying_lowering(verified: list):
 def verified_triton_modules(fn, *args) -> int:
     """Lower jit(fn)(*args) for CUDA (args may be ShapeDtypeStructs); verify every Triton module.
     Returns how many were lowered, so a caller can assert the kernel path was taken at all."""
+    return len(triton_module_texts(fn, *args))
+
+
+def triton_module_texts(fn, *args) -> list[str]:
+    """verified_triton_modules' lowering, returning each verified module's MLIR text."""
     verified = []
     with _verifying_lowering(verified):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    return len(verified)
+    return [str(result.module) for result in verified]
