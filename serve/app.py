@@ -52,11 +52,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 def build_app(async_llm, api_key: str | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              served_model_names: list[str] | None = None) -> FastAPI:
+              served_model_names: list[str] | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """tool_call_parser: a serve/tool_parsers.py format ("hermes"); with it tool_choice "auto" is answered."""
     served_names = list(served_model_names or [async_llm.model_name])
     metrics = ServerMetrics()
     runner = RequestRunner(async_llm, metrics, Admission(max_waiting_requests))
-    handlers = GenerationHandlers(async_llm, runner, served_names)
+    handlers = GenerationHandlers(async_llm, runner, served_names, tool_call_parser)
     tokenizer = async_llm.tokenizer
 
     @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ import sys
 
 from jlight.cli import add_engine_arguments, engine_options
 from jlight.serve.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S
+from jlight.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("jlight.serve")
 
@@ -43,6 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    tools = parser.add_argument_group("tool calls (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools): the model chooses, and the calls '
+                            "it writes are found by --tool-call-parser")
+    tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="the model's tool-call format: hermes, <tool_call>{...}</tool_call> (Hermes, Qwen2.5, Qwen3)")
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser for tool_choice "auto", or None (a 400 then); the two flags only make sense together."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give both "
+                         "(e.g. --enable-auto-tool-choice --tool-call-parser hermes) or neither")
+    return args.tool_call_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,10 +86,12 @@ def run(args: argparse.Namespace) -> int:
     from jlight.serve.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = tool_call_parser(args)  # before the model loads: a bad flag pair fails at once
     llm = LLM(args.model, **engine_options(args))
     async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    max_body_bytes=args.max_body_bytes, served_model_names=served_model_names(args))
+                    max_body_bytes=args.max_body_bytes, served_model_names=served_model_names(args),
+                    tool_call_parser=parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
     # uvicorn drains on SIGTERM, then re-raises the signal so the default action would

@@ -84,8 +84,9 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 class GenerationHandlers:
-    def __init__(self, async_llm, runner: RequestRunner, served_names: list[str]):
+    def __init__(self, async_llm, runner: RequestRunner, served_names: list[str], tool_call_parser: str | None = None):
         self.llm, self.runner, self.served_names = async_llm, runner, served_names
+        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is a 400
         self.tokenizer = async_llm.tokenizer
         self.vocab_size = async_llm.model_config.vocab_size
         self.max_model_len = async_llm.max_model_len
@@ -133,7 +134,9 @@ class GenerationHandlers:
         model = check_model_name(body.model, self.served_names)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        forced = body.forced_tool_call()  # before the template: a tool_choice jlight cannot answer is a 400
+        # before the template: a tool_choice jlight cannot answer is a 400
+        forced = body.forced_tool_call(auto_tool_choice=self.tool_call_parser is not None)
+        parse_calls = self.tool_call_parser is not None and body.parses_tool_calls()
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         ids = await _off_loop_if_large(sum(len(m.text()) for m in body.messages), chat_prompt,
                                        body.messages, self.tokenizer, body.add_generation_prompt, tools)
@@ -144,7 +147,7 @@ class GenerationHandlers:
         jobs = self._jobs(request_id, body, [ids], max_tokens, "messages", param)
         builder = ResponseBuilder("chat", request_id, model, self.tokenizer, body.n,
                                   want_logprobs=body.logprobs, num_top_logprobs=body.top_logprobs or 0,
-                                  forced_tool_call=forced)
+                                  forced_tool_call=forced, parse_tool_calls=parse_calls)
         return await self._respond(request, body, jobs, builder)
 
     async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:

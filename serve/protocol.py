@@ -294,10 +294,15 @@ class ChatCompletionRequest(SamplingFields):
     functions: Unsupported(list, lambda v: v == [], LEGACY_FUNCTIONS) = None
     function_call: Unsupported(Any, lambda v: v in ("none", "auto"), LEGACY_FUNCTIONS) = None
 
-    def forced_tool_call(self) -> ForcedToolCall | None:
+    def forced_tool_call(self, auto_tool_choice: bool = False) -> ForcedToolCall | None:
         """The tool call tool_choice forces, or None; a RequestError naming tool_choice for choices
-        jlight cannot answer ("auto" with tools)."""
-        return forced_tool_call(self.tools, self.tool_choice, self.parallel_tool_calls)
+        jlight cannot answer ("auto" with tools on a server without a tool-call parser)."""
+        return forced_tool_call(self.tools, self.tool_choice, self.parallel_tool_calls, auto_tool_choice)
+
+    def parses_tool_calls(self) -> bool:
+        """Whether the answer is free text that may hold calls: tools given, tool_choice "auto" (OpenAI's
+        default with tools). Only asked once forced_tool_call(auto_tool_choice=True) has passed."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
 class TokenizeRequest(OpenAIBody):
@@ -331,7 +336,9 @@ def structured_outputs_asked(req: SamplingFields) -> list[tuple[str, dict[str, A
     if req.structured_outputs is not None:
         name, value = next((k, v) for k, v in req.structured_outputs.params().items() if v not in (None, False))
         asked.append((f"structured_outputs.{name}", {name: value}))
-    forced = req.forced_tool_call() if isinstance(req, ChatCompletionRequest) else None
+    # auto_tool_choice=True: "auto" constrains nothing either way; whether this server answers it at all
+    # is the handler's check, made before this (GenerationHandlers.chat)
+    forced = req.forced_tool_call(auto_tool_choice=True) if isinstance(req, ChatCompletionRequest) else None
     if forced is not None:  # last, so that with another constraint the 400 names tools
         asked.append((forced.param, {"json": forced.schema}))
     return asked

@@ -13,7 +13,8 @@ from jlight.serve.echo import Echo, prompt_offsets, prompt_pairs
 from jlight.serve.response_models import (ChatChoice, ChatCompletionResponse, ChatDeltaChoice, ChatLogprobs,
                                           ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                                           CompletionLogprobs, CompletionResponse, TopLogprob, usage_of)
-from jlight.serve.tool_calls import ForcedToolCall, choice_fields, tool_call
+from jlight.serve import tool_parsers
+from jlight.serve.tool_calls import ForcedToolCall, choice_fields, parsed_choice_fields, tool_call
 
 DONE = "data: [DONE]\n\n"
 
@@ -58,9 +59,13 @@ class ResponseBuilder:
     """Builds one HTTP request's bodies; keeps per-choice state across stream chunks."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, n: int, want_logprobs: bool,
-                 num_top_logprobs: int = 0, echo: Echo | None = None, forced_tool_call: ForcedToolCall | None = None):
+                 num_top_logprobs: int = 0, echo: Echo | None = None, forced_tool_call: ForcedToolCall | None = None,
+                 parse_tool_calls: bool = False):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.forced = forced_tool_call  # a chat request's forced tool call: its output is the call's JSON
+        # tool_choice "auto" on a server with a parser: calls are found in the free text (serve/tool_parsers.py)
+        self.parse_tool_calls = parse_tool_calls
+        self.tool_streams: dict[int, tool_parsers.HermesStream] = {}  # choice index -> its parser state
         self.want_logprobs, self.num_top = want_logprobs, num_top_logprobs
         self.echo = echo
         self.tokenizer, self.token_text = tokenizer, TokenText(tokenizer)
@@ -139,6 +144,8 @@ class ResponseBuilder:
                     fields = {"content": c.text}
                     if self.forced is not None:
                         fields, reason = choice_fields(self.forced, c.text, reason)
+                    elif self.parse_tool_calls:
+                        fields, reason = parsed_choice_fields(c.text, reason)
                     choices.append(ChatChoice(index=index, message=ChatResponseMessage(**fields),
                                               logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
                                               finish_reason=reason))
@@ -180,6 +187,9 @@ class ResponseBuilder:
             index = prompt_index * self.n + c.index
             if index in self.finish_sent:
                 continue
+            parsed = self._parsed_delta(index, c) if self.parse_tool_calls and self.kind == "chat" else None
+            if parsed is not None and not (parsed[0] or c.finished):
+                continue  # held back: maybe the start of a call; its tokens' logprobs go out with what follows
             if c.finished:
                 self.finish_sent.add(index)
             elif self.forced is not None and not self.forced.named:
@@ -197,6 +207,8 @@ class ResponseBuilder:
                 choice["delta"] = {"content": c.text_delta}  # later deltas carry no role
                 if self.forced is not None:
                     choice["delta"], choice["finish_reason"] = self._tool_delta(c, reason)
+                elif parsed is not None:
+                    choice["delta"], choice["finish_reason"] = parsed
             else:
                 first = index not in self.text_offset
                 choice = self.completion_choice(index, prompt_index, out, c, c.text_delta, pairs,
@@ -204,6 +216,23 @@ class ResponseBuilder:
                 self.text_offset[index] = self.text_offset.get(index, 0) + len(choice["text"])
             chunks.append(self._chunk([choice]))
         return chunks
+
+    def _parsed_delta(self, index: int, c: CompletionOutput) -> tuple[dict, str | None]:
+        """A chat delta under tool_choice "auto": the content that is surely not a call, each call whose
+        block closed (whole), and the finish_reason ("tool_calls" for "stop" once a call was made). The
+        delta is empty while the parser holds text back."""
+        stream = self.tool_streams.setdefault(index, tool_parsers.HermesStream())
+        content, calls = stream.feed(c.text_delta)
+        if c.finished:
+            content += stream.finish()[0]
+        delta: dict = {}
+        if content or (c.finished and not calls):
+            delta["content"] = content
+        if calls:
+            first = stream.num_calls - len(calls)
+            delta["tool_calls"] = [tool_call(name, arguments, index=first + k) for k, (name, arguments) in enumerate(calls)]
+        reason = c.finish_reason
+        return delta, "tool_calls" if reason == "stop" and stream.num_calls else reason
 
     def _tool_delta(self, c: CompletionOutput, reason: str | None) -> tuple[dict, str | None]:
         """A forced call's stream delta: a named call's argument text, or "required"'s calls once finished."""

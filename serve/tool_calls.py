@@ -1,10 +1,11 @@
 """Forced tool calls: tool_choice "required" or a named function, built on structured outputs.
 
-jlight has no parser that finds a tool call in free text, so it only answers tool choices
-that leave the model no other way out: the output is held to a JSON schema (as vLLM does for
-these two choices) and the generated JSON *is* the call. A named function's output is its
+These choices leave the model no other way out: the output is held to a JSON schema (as vLLM does
+for these two choices) and the generated JSON *is* the call. A named function's output is its
 arguments object; "required"'s is an array of {"name", "parameters"} items, one per call.
-tool_choice "auto" would need that parser, so it is a 400 rather than a silently ignored tool.
+tool_choice "auto" lets the model choose, so its calls must be found in free text: that takes a
+parser for the model's format (serve/tool_parsers.py), which the server has only when started with
+--enable-auto-tool-choice; without one "auto" is a 400 rather than a silently ignored tool.
 
 The request models (ChatTool, NamedToolChoice) are in serve/protocol.py; this module works on
 them and on the generated text.
@@ -16,6 +17,7 @@ import json
 import uuid
 from typing import Any
 
+from jlight.serve import tool_parsers
 from jlight.serve.errors import RequestError
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes no arguments
@@ -33,9 +35,11 @@ class ForcedToolCall:
         return self.function_name is not None
 
 
-def forced_tool_call(tools, tool_choice, parallel_tool_calls: bool | None = None) -> ForcedToolCall | None:
-    """The call `tool_choice` forces over `tools` (protocol.ChatTool list), None for plain text;
-    a 400 naming tool_choice where the pair asks for what jlight cannot do."""
+def forced_tool_call(tools, tool_choice, parallel_tool_calls: bool | None = None,
+                     auto_tool_choice: bool = False) -> ForcedToolCall | None:
+    """The call `tool_choice` forces over `tools` (protocol.ChatTool list), None for plain text or, with
+    auto_tool_choice (the server has a parser), for "auto"; a 400 naming tool_choice where the pair asks
+    for what jlight cannot do."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise RequestError("tool_choice asks for a tool call but the request has no tools; send the "
@@ -45,10 +49,13 @@ def forced_tool_call(tools, tool_choice, parallel_tool_calls: bool | None = None
     if choice == "none":
         return None  # the template still sees the tools; the answer is text
     if choice == "auto":
+        if auto_tool_choice:
+            return None  # free text; the server's parser finds the calls in it
         raise RequestError(
-            'tool_choice "auto" (the default when tools are given) is not supported: jlight cannot tell a tool '
-            'call from text in free output. Send tool_choice "required" or {"type": "function", "function": '
-            '{"name": ...}} to force a call, or tool_choice "none" for a plain-text answer', param="tool_choice")
+            'tool_choice "auto" (the default when tools are given) is not supported by this server: finding '
+            'calls in free output needs one started with --enable-auto-tool-choice --tool-call-parser hermes. '
+            'Or send tool_choice "required" or {"type": "function", "function": {"name": ...}} to force a '
+            'call, or tool_choice "none" for a plain-text answer', param="tool_choice")
     by_name = {tool.function.name: tool for tool in tools}
     if choice == "required":
         return ForcedToolCall(None, _compact(_required_schema(tools, parallel_tool_calls)), "tools")
@@ -142,4 +149,14 @@ def choice_fields(forced: ForcedToolCall, text: str, engine_reason: str | None) 
     if calls is None:
         return {"content": text, "tool_calls": []}, engine_reason
     return ({"content": None, "tool_calls": [tool_call(name, arguments) for name, arguments in calls]},
+            "tool_calls" if engine_reason == "stop" else engine_reason)
+
+
+def parsed_choice_fields(text: str, engine_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """choice_fields for tool_choice "auto": the calls the parser finds in free `text` and the rest as
+    content; finish_reason "tool_calls" for a "stop" once a call was made, as OpenAI answers."""
+    content, calls = tool_parsers.parse(text)
+    if not calls:
+        return {"content": text}, engine_reason
+    return ({"content": content, "tool_calls": [tool_call(name, arguments) for name, arguments in calls]},
             "tool_calls" if engine_reason == "stop" else engine_reason)

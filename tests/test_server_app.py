@@ -84,6 +84,7 @@ class FakeAsyncLLM:
         # Text every sample of a constrained request generates (one token a byte), as a model held to
         # the constraint would; None: constrained requests get 'x's like the rest.
         self.scripted_text = None
+        self.free_text = None  # the same for requests without a constraint (a model choosing to call tools)
 
     async def generate(self, prompt, sampling_params, request_id):
         self.last_params = sampling_params
@@ -99,8 +100,9 @@ class FakeAsyncLLM:
             while self.hold_first_token and request_id in self.active:
                 await asyncio.sleep(0.01)
             n, total = sampling_params.n, sampling_params.max_tokens
-            if constraint is not None and self.scripted_text is not None:
-                script = list(self.scripted_text.encode("utf-8"))
+            script_text = self.scripted_text if constraint is not None else self.free_text
+            if script_text is not None:
+                script = list(script_text.encode("utf-8"))
                 samples = [script[:total]] * n
                 reasons = ["stop" if len(script) <= total else "length"] * n
             else:
@@ -162,12 +164,12 @@ def server():
     yield from _serve(FakeAsyncLLM())
 
 
-def _serve(llm):
+def _serve(llm, **app_options):
     """Serve `llm` on a free port in a thread; yields (url, llm) until the fixture ends."""
     import uvicorn
 
     from jlight.serve.app import build_app
-    app = build_app(llm, api_key=API_KEY, max_waiting_requests=8, max_body_bytes=4096)
+    app = build_app(llm, api_key=API_KEY, max_waiting_requests=8, max_body_bytes=4096, **app_options)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -350,7 +352,7 @@ def test_null_means_default(server):
 CHAT_X = [{"role": "user", "content": "x"}]
 UNSUPPORTED = [
     # Features jlight lacks: a 400 naming the field, never an answer that ignores it.
-    # tools with tool_choice "auto" (the default): jlight cannot find a call in free text
+    # tools with tool_choice "auto" (the default) on a server started without a tool-call parser
     ("/v1/chat/completions", {"messages": CHAT_X, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT_X, "functions": [{"name": "f"}]}, "functions"),
@@ -647,6 +649,18 @@ def test_default_model_is_served_by_its_name():
     assert cli.served_model_names(args) == ["a", "b"]
 
 
+def test_auto_tool_choice_flags_go_together():
+    from jlight.serve import cli
+    parse = cli.build_parser().parse_args
+    assert cli.tool_call_parser(parse([])) is None
+    assert cli.tool_call_parser(parse(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])) == "hermes"
+    for one in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        with pytest.raises(ValueError, match="go together"):
+            cli.tool_call_parser(parse(one))
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse(["--tool-call-parser", "mistral"])
+
+
 def test_tokenize_roundtrip(server):
     url, _ = server
     ids = post(url, "/tokenize", {"prompt": "héllo"}).json()["tokens"]
@@ -824,7 +838,7 @@ def test_streamed_required_tool_calls_come_at_the_end(tool_server, scripted):
 TOOLS_BAD = [
     # (body fields, param, words in the message)
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", '"required"'),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice --tool-call-parser hermes"),
     ({"tools": TOOLS}, "tool_choice", '"none"'),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
     ({"tool_choice": NAMED}, "tool_choice", "no tools"),
@@ -881,3 +895,87 @@ def test_required_schema_moves_defs_to_the_top(tool_server):
     tools = [{"type": "function", "function": {"name": "go", "parameters": bad}}, TOOLS[1]]
     r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": tools, "tool_choice": "required", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+# ---- tool_choice "auto" with a parser (serve/tool_parsers.py) ---------------------------------
+
+AUTO_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def auto_tool_server():
+    """`jlight serve --enable-auto-tool-choice --tool-call-parser hermes` around the stand-in engine."""
+    yield from _serve(FakeAsyncLLM(max_model_len=1024), tool_call_parser="hermes")
+
+
+@pytest.fixture
+def free_text(auto_tool_server):
+    """What the stand-in engine writes for unconstrained requests, for one test."""
+    _, llm = auto_tool_server
+    def set_text(text):
+        llm.free_text = text
+    yield set_text
+    llm.free_text = None
+
+
+def test_auto_finds_the_calls_in_free_text(auto_tool_server, free_text):
+    import re
+    url, llm = auto_tool_server
+    free_text("Checking.\n" + AUTO_CALL)
+    for body in ({"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200},  # "auto" is the default with tools
+                 {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 200}):
+        r = post(url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert llm.last_params.structured_outputs is None  # nothing holds the text: the model chooses
+        assert llm.last_prompt.startswith("<tool get_weather><tool get_time>")
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking.\n"
+        [call] = choice["message"]["tool_calls"]
+        assert re.fullmatch(CALL_ID, call["id"]) and call["type"] == "function"
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # No call written: a plain answer; cut short inside a call: its text, and the engine's reason.
+    free_text("It is sunny.")
+    choice = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200}).json()["choices"][0]
+    assert (choice["message"]["content"], choice["message"].get("tool_calls"), choice["finish_reason"]) == (
+        "It is sunny.", None, "stop")
+    free_text(AUTO_CALL)
+    choice = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 20}).json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (AUTO_CALL[:20], "length")
+    # Without tools the parser stays out of it, even for text that looks like a call.
+    choice = post(url, "/v1/chat/completions", {"messages": CHAT_X, "max_tokens": 200}).json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (AUTO_CALL, "stop")
+
+
+def test_auto_streams_content_then_each_call_whole(auto_tool_server, free_text):
+    url, _ = auto_tool_server
+    second = AUTO_CALL.replace("get_weather", "get_time").replace('{"city": "Paris"}', "{}")
+    free_text("Checking.\n" + AUTO_CALL + second)
+    chunks = _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 300, "n": 2})
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        content = "".join(c["delta"].get("content") or "" for c in mine[1:])
+        assert content == "Checking.\n"  # not one character of the calls' text
+        calls = [call for c in mine for call in c["delta"].get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (0, "get_weather", '{"city": "Paris"}'), (1, "get_time", "{}")]
+        assert calls[0]["id"] != calls[1]["id"]
+        assert [c["finish_reason"] for c in mine][-1] == "tool_calls"
+        assert sum(c["finish_reason"] is not None for c in mine) == 1
+
+
+def test_auto_tool_calls_through_the_openai_client(auto_tool_server, free_text):
+    """The openai SDK reads the calls, and its stream helper assembles the streamed ones into the same message."""
+    import openai
+    url, _ = auto_tool_server
+    free_text("Checking.\n" + AUTO_CALL)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+    message = client.chat.completions.create(model="fake-model", messages=CHAT_X, tools=TOOLS,
+                                             max_tokens=200).choices[0].message
+    assert message.content == "Checking.\n"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    with client.chat.completions.stream(model="fake-model", messages=CHAT_X, tools=TOOLS, max_tokens=200) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "Checking.\n"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]

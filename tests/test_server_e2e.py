@@ -230,7 +230,7 @@ STRUCTURED_BAD = [
      "schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
      "response_format and guided_regex"),
-    # tools with tool_choice "auto" (the default): jlight finds no calls in free text (see tool tests below)
+    # tools with tool_choice "auto" (the default) on a server started without --enable-auto-tool-choice
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
      "not supported"),
 ]
