@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer tool_choice "auto" (the default with tools): the model chooses, and the calls '
                             "it writes are found by --tool-call-parser")
-    tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="the model's tool-call format: hermes, <tool_call>{...}</tool_call> (Hermes, Qwen2.5, Qwen3)")
+    tools.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                       help="the model's tool-call format: hermes, <tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5, "
+                            'Qwen3); llama3_json, an answer of {"name", "parameters"} objects (Llama 3.1-3.3)')
 
 
 def tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -136,7 +136,7 @@ class GenerationHandlers:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         # before the template: a tool_choice jlight cannot answer is a 400
         forced = body.forced_tool_call(auto_tool_choice=self.tool_call_parser is not None)
-        parse_calls = self.tool_call_parser is not None and body.parses_tool_calls()
+        tool_parser = self.tool_call_parser if body.parses_tool_calls() else None  # "auto": calls in free text
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         ids = await _off_loop_if_large(sum(len(m.text()) for m in body.messages), chat_prompt,
                                        body.messages, self.tokenizer, body.add_generation_prompt, tools)
@@ -147,7 +147,7 @@ class GenerationHandlers:
         jobs = self._jobs(request_id, body, [ids], max_tokens, "messages", param)
         builder = ResponseBuilder("chat", request_id, model, self.tokenizer, body.n,
                                   want_logprobs=body.logprobs, num_top_logprobs=body.top_logprobs or 0,
-                                  forced_tool_call=forced, parse_tool_calls=parse_calls)
+                                  forced_tool_call=forced, tool_parser=tool_parser)
         return await self._respond(request, body, jobs, builder)
 
     async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:

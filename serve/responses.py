@@ -60,12 +60,12 @@ class ResponseBuilder:
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, n: int, want_logprobs: bool,
                  num_top_logprobs: int = 0, echo: Echo | None = None, forced_tool_call: ForcedToolCall | None = None,
-                 parse_tool_calls: bool = False):
+                 tool_parser: str | None = None):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.forced = forced_tool_call  # a chat request's forced tool call: its output is the call's JSON
         # tool_choice "auto" on a server with a parser: calls are found in the free text (serve/tool_parsers.py)
-        self.parse_tool_calls = parse_tool_calls
-        self.tool_streams: dict[int, tool_parsers.HermesStream] = {}  # choice index -> its parser state
+        self.tool_parser = tool_parser
+        self.tool_streams: dict = {}  # choice index -> its parser's stream state
         self.want_logprobs, self.num_top = want_logprobs, num_top_logprobs
         self.echo = echo
         self.tokenizer, self.token_text = tokenizer, TokenText(tokenizer)
@@ -144,8 +144,8 @@ class ResponseBuilder:
                     fields = {"content": c.text}
                     if self.forced is not None:
                         fields, reason = choice_fields(self.forced, c.text, reason)
-                    elif self.parse_tool_calls:
-                        fields, reason = parsed_choice_fields(c.text, reason)
+                    elif self.tool_parser is not None:
+                        fields, reason = parsed_choice_fields(c.text, reason, self.tool_parser)
                     choices.append(ChatChoice(index=index, message=ChatResponseMessage(**fields),
                                               logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
                                               finish_reason=reason))
@@ -187,7 +187,7 @@ class ResponseBuilder:
             index = prompt_index * self.n + c.index
             if index in self.finish_sent:
                 continue
-            parsed = self._parsed_delta(index, c) if self.parse_tool_calls and self.kind == "chat" else None
+            parsed = self._parsed_delta(index, c) if self.tool_parser is not None and self.kind == "chat" else None
             if parsed is not None and not (parsed[0] or c.finished):
                 continue  # held back: maybe the start of a call; its tokens' logprobs go out with what follows
             if c.finished:
@@ -221,10 +221,13 @@ class ResponseBuilder:
         """A chat delta under tool_choice "auto": the content that is surely not a call, each call whose
         block closed (whole), and the finish_reason ("tool_calls" for "stop" once a call was made). The
         delta is empty while the parser holds text back."""
-        stream = self.tool_streams.setdefault(index, tool_parsers.HermesStream())
+        if index not in self.tool_streams:
+            self.tool_streams[index] = tool_parsers.new_stream(self.tool_parser)
+        stream = self.tool_streams[index]
         content, calls = stream.feed(c.text_delta)
         if c.finished:
-            content += stream.finish()[0]
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
         delta: dict = {}
         if content or (c.finished and not calls):
             delta["content"] = content

@@ -53,7 +53,8 @@ def forced_tool_call(tools, tool_choice, parallel_tool_calls: bool | None = None
             return None  # free text; the server's parser finds the calls in it
         raise RequestError(
             'tool_choice "auto" (the default when tools are given) is not supported by this server: finding '
-            'calls in free output needs one started with --enable-auto-tool-choice --tool-call-parser hermes. '
+            'calls in free output needs one started with --enable-auto-tool-choice --tool-call-parser hermes '
+            '(or llama3_json, the format of the model). '
             'Or send tool_choice "required" or {"type": "function", "function": {"name": ...}} to force a '
             'call, or tool_choice "none" for a plain-text answer', param="tool_choice")
     by_name = {tool.function.name: tool for tool in tools}
@@ -152,10 +153,10 @@ def choice_fields(forced: ForcedToolCall, text: str, engine_reason: str | None) 
             "tool_calls" if engine_reason == "stop" else engine_reason)
 
 
-def parsed_choice_fields(text: str, engine_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """choice_fields for tool_choice "auto": the calls the parser finds in free `text` and the rest as
+def parsed_choice_fields(text: str, engine_reason: str | None, parser: str) -> tuple[dict[str, Any], str | None]:
+    """choice_fields for tool_choice "auto": the calls `parser` finds in free `text` and the rest as
     content; finish_reason "tool_calls" for a "stop" once a call was made, as OpenAI answers."""
-    content, calls = tool_parsers.parse(text)
+    content, calls = tool_parsers.parse(text, parser)
     if not calls:
         return {"content": text}, engine_reason
     return ({"content": content, "tool_calls": [tool_call(name, arguments) for name, arguments in calls]},

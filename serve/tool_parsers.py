@@ -1,21 +1,24 @@
 """Tool calls found in free output, for tool_choice "auto" (`jlight serve --enable-auto-tool-choice
---tool-call-parser hermes`, vLLM's flags and parser name).
+--tool-call-parser NAME`, vLLM's flags and parser names).
 
-"hermes": the model writes each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-as the chat templates of Hermes, Qwen2.5 and Qwen3 teach it. Text outside the blocks is the
-message's content. A block whose JSON is not a call (bad JSON, no name) stays in the content as
-written, so nothing the model wrote is lost; so does a block that max_tokens cut short.
+- "hermes": the model writes each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  as the chat templates of Hermes, Qwen2.5 and Qwen3 teach it. Text outside the blocks is the
+  message's content. A block whose JSON is not a call (bad JSON, no name) stays in the content as
+  written, so nothing the model wrote is lost; so does a block that max_tokens cut short.
+- "llama3_json": Llama 3.1-3.3's JSON tool calling. An answer that opens with `{` (or Llama's
+  `<|python_tag|>`) is calls, `{"name": ..., "parameters": {...}}` objects separated by `;`;
+  any other answer is content. Calls that do not parse whole come back as content.
 
 Streaming gives the same content and calls as parsing the whole text (tests check every split
-point): content streams as it comes, except a tail that could still open a block; each call goes
-out whole once its block closes.
+point): content streams as it comes, except what could still turn out to be a call; each call
+goes out whole, hermes's once its block closes, llama3_json's at the end.
 """
 from __future__ import annotations
 
 import json
 
-TOOL_CALL_PARSERS = ("hermes",)
-START, END = "<tool_call>", "</tool_call>"
+START, END = "<tool_call>", "</tool_call>"  # hermes
+PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's token before a call (the text has it only with special tokens)
 
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
@@ -23,9 +26,13 @@ Call = tuple[str, str]  # (function name, arguments as JSON text)
 def parse_call(block: str) -> Call | None:
     """The call in one block's inner text, or None when it is not one."""
     try:
-        obj = json.loads(block)
+        return call_of(json.loads(block))
     except ValueError:
         return None
+
+
+def call_of(obj) -> Call | None:
+    """The call a decoded JSON value states, or None when it is not one."""
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))  # some templates say "parameters"
@@ -36,12 +43,17 @@ def parse_call(block: str) -> Call | None:
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-def parse(text: str) -> tuple[str | None, list[Call]]:
+def parse(text: str, parser: str = "hermes") -> tuple[str | None, list[Call]]:
     """(content, calls) of a whole generated text; content None when only calls were written."""
-    stream = HermesStream()
+    stream = new_stream(parser)
     content, calls = stream.feed(text)
     rest, more = stream.finish()
     return _content(content + rest, calls + more), calls + more
+
+
+def new_stream(parser: str):
+    """A choice's stream state for `parser` (a TOOL_CALL_PARSERS name)."""
+    return TOOL_CALL_PARSERS[parser]()
 
 
 def _content(text: str, calls: list[Call]) -> str | None:
@@ -90,6 +102,62 @@ class HermesStream:
         """Whatever is left is content: a possible start that never came, or an unclosed block."""
         rest, self.pending, self.in_block = self.pending, "", False
         return rest, []
+
+
+class Llama3JsonStream:
+    """llama3_json's stream: undecided until the first visible character; then either content, passed on
+    as it comes, or calls, held to the end and parsed whole."""
+
+    def __init__(self):
+        self.pending = ""
+        self.mode = None  # None: undecided; "text"; "calls"
+        self.num_calls = 0
+
+    def feed(self, delta: str) -> tuple[str, list[Call]]:
+        if self.mode == "text":
+            return delta, []
+        self.pending += delta
+        if self.mode is None:
+            head = self.pending.lstrip()
+            if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+                return "", []  # whitespace, or maybe the start of the tag: wait
+            if head.startswith(("{", PYTHON_TAG)):
+                self.mode = "calls"
+            else:
+                self.mode, text, self.pending = "text", self.pending, ""
+                return text, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[Call]]:
+        text, self.pending = self.pending, ""
+        calls = parse_json_calls(text) if self.mode == "calls" else None
+        if calls is None:  # undecided (only whitespace), or calls that do not parse: content
+            return text, []
+        self.num_calls += len(calls)
+        return "", calls
+
+
+def parse_json_calls(text: str) -> list[Call] | None:
+    """The `;`-separated call objects that make up `text` (after an optional python tag), or None."""
+    body = text.strip()
+    body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(body) and (body[i].isspace() or (calls and body[i] == ";")):
+            i += 1
+        if i == len(body):
+            return calls or None
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except ValueError:
+            return None
+        call = call_of(obj)
+        if call is None:
+            return None
+        calls.append(call)
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesStream, "llama3_json": Llama3JsonStream}
 
 
 def _partial_start(text: str) -> int:

@@ -979,3 +979,30 @@ def test_auto_tool_calls_through_the_openai_client(auto_tool_server, free_text):
     assert final.finish_reason == "tool_calls" and final.message.content == "Checking.\n"
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         ("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.fixture(scope="module")
+def llama_tool_server():
+    """The same with --tool-call-parser llama3_json."""
+    yield from _serve(FakeAsyncLLM(max_model_len=1024), tool_call_parser="llama3_json")
+
+
+def test_auto_with_llama3_json_calls(llama_tool_server):
+    url, llm = llama_tool_server
+    llm.free_text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    try:
+        choice = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200}).json()["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (None, "tool_calls")
+        want = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == want
+        mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
+        calls = [call for c in mine for call in c["delta"].get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (i, name, arguments) for i, (name, arguments) in enumerate(want)]
+        assert not "".join(c["delta"].get("content") or "" for c in mine) and mine[-1]["finish_reason"] == "tool_calls"
+        llm.free_text = "Oslo is rainy."  # an answer, not a call: content, streamed as it comes
+        mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
+        assert "".join(c["delta"].get("content") or "" for c in mine) == "Oslo is rainy."
+        assert len(mine) == len("Oslo is rainy.") + 1 and mine[-1]["finish_reason"] == "stop"
+    finally:
+        llm.free_text = None

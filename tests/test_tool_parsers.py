@@ -1,10 +1,10 @@
-"""The hermes tool-call parser (serve/tool_parsers.py): whole texts, and streams split anywhere."""
+"""The tool-call parsers (serve/tool_parsers.py): whole texts, and streams split anywhere."""
 import json
 
 import pytest
 
 from jlight.serve import tool_parsers
-from jlight.serve.tool_parsers import HermesStream, parse
+from jlight.serve.tool_parsers import HermesStream, new_stream, parse
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 TEXTS = [
@@ -39,26 +39,60 @@ def test_whole_texts():
     assert json.loads(parse(CALL)[1][0][1]) == {"city": "Paris", "days": 2}
 
 
-def _streamed(pieces):
-    stream, content, calls = HermesStream(), "", []
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+LLAMA_TEXTS = [
+    "plain text, no calls at all",
+    LLAMA_CALL,
+    "  \n" + LLAMA_CALL,
+    "<|python_tag|>" + LLAMA_CALL,
+    LLAMA_CALL + "; " + '{"name": "get_time", "parameters": {}}',
+    "<|python_ta is not the tag",
+    "Use {braces} like this",
+    LLAMA_CALL + " and then some text",  # not calls alone: content
+    '{"name": "f", "parameters": {}',  # cut short: content
+    '{"parameters": {}}',  # no name: content
+    "   ",
+]
+
+
+def test_llama3_json_whole_texts():
+    weather = ("get_weather", '{"city": "Paris", "days": 2}')
+    assert parse(LLAMA_TEXTS[0], "llama3_json") == (LLAMA_TEXTS[0], [])
+    for text in LLAMA_TEXTS[1:4]:
+        assert parse(text, "llama3_json") == (None, [weather]), text
+    assert parse(LLAMA_TEXTS[4], "llama3_json") == (None, [weather, ("get_time", "{}")])
+    for text in LLAMA_TEXTS[5:]:
+        assert parse(text, "llama3_json") == (text, []), text
+
+
+def _streamed(pieces, parser):
+    stream, content, calls = new_stream(parser), "", []
     for piece in pieces:
         text, new = stream.feed(piece)
         content, calls = content + text, calls + new
-    content += stream.finish()[0]
+    rest, more = stream.finish()
+    content, calls = content + rest, calls + more
     assert stream.num_calls == len(calls)
     return content, calls
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_a_stream_split_anywhere_gives_the_whole_texts_answer(text):
-    want_content, want_calls = parse(text)
+@pytest.mark.parametrize("parser,text", [("hermes", t) for t in TEXTS] + [("llama3_json", t) for t in LLAMA_TEXTS])
+def test_a_stream_split_anywhere_gives_the_whole_texts_answer(parser, text):
+    want_content, want_calls = parse(text, parser)
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
     splits += [[text[:i], text[i:j], text[j:]] for i in range(0, len(text), 7) for j in range(i, len(text), 5)]
     for pieces in splits:
-        content, calls = _streamed(pieces)
+        content, calls = _streamed(pieces, parser)
         assert calls == want_calls, pieces
         # the stream's content is the same text; a whole text of calls and whitespace says None instead
         assert (None if calls and not content.strip() else content) == want_content, pieces
+
+
+def test_llama3_json_content_streams_at_once():
+    stream = new_stream("llama3_json")
+    assert stream.feed(" ") == ("", [])  # undecided
+    assert stream.feed("Hel") == (" Hel", [])
+    assert stream.feed("lo {") == ("lo {", [])
 
 
 def test_content_is_never_a_piece_of_a_call():
@@ -68,4 +102,4 @@ def test_content_is_never_a_piece_of_a_call():
     for ch in "ok " + CALL:
         sent += stream.feed(ch)[0]
     assert sent == "ok "
-    assert tool_parsers.TOOL_CALL_PARSERS == ("hermes",)
+    assert sorted(tool_parsers.TOOL_CALL_PARSERS) == ["hermes", "llama3_json"]
