@@ -908,19 +908,10 @@ def auto_tool_server():
     yield from _serve(FakeAsyncLLM(max_model_len=1024), tool_call_parser="hermes")
 
 
-@pytest.fixture
-def free_text(auto_tool_server):
-    """What the stand-in engine writes for unconstrained requests, for one test."""
-    _, llm = auto_tool_server
-    def set_text(text):
-        llm.free_text = text
-    yield set_text
-    llm.free_text = None
-
-
-def test_auto_finds_the_calls_in_free_text(auto_tool_server, free_text):
+def test_auto_finds_the_calls_in_free_text(auto_tool_server, monkeypatch):
     import re
     url, llm = auto_tool_server
+    free_text = lambda text: monkeypatch.setattr(llm, "free_text", text)  # what the stand-in writes
     free_text("Checking.\n" + AUTO_CALL)
     for body in ({"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200},  # "auto" is the default with tools
                  {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 200}):
@@ -946,10 +937,10 @@ def test_auto_finds_the_calls_in_free_text(auto_tool_server, free_text):
     assert (choice["message"]["content"], choice["finish_reason"]) == (AUTO_CALL, "stop")
 
 
-def test_auto_streams_content_then_each_call_whole(auto_tool_server, free_text):
-    url, _ = auto_tool_server
+def test_auto_streams_content_then_each_call_whole(auto_tool_server, monkeypatch):
+    url, llm = auto_tool_server
     second = AUTO_CALL.replace("get_weather", "get_time").replace('{"city": "Paris"}', "{}")
-    free_text("Checking.\n" + AUTO_CALL + second)
+    monkeypatch.setattr(llm, "free_text", "Checking.\n" + AUTO_CALL + second)
     chunks = _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 300, "n": 2})
     for index in (0, 1):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
@@ -964,11 +955,11 @@ def test_auto_streams_content_then_each_call_whole(auto_tool_server, free_text):
         assert sum(c["finish_reason"] is not None for c in mine) == 1
 
 
-def test_auto_tool_calls_through_the_openai_client(auto_tool_server, free_text):
+def test_auto_tool_calls_through_the_openai_client(auto_tool_server, monkeypatch):
     """The openai SDK reads the calls, and its stream helper assembles the streamed ones into the same message."""
     import openai
-    url, _ = auto_tool_server
-    free_text("Checking.\n" + AUTO_CALL)
+    url, llm = auto_tool_server
+    monkeypatch.setattr(llm, "free_text", "Checking.\n" + AUTO_CALL)
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
     message = client.chat.completions.create(model="fake-model", messages=CHAT_X, tools=TOOLS,
                                              max_tokens=200).choices[0].message
@@ -987,22 +978,20 @@ def llama_tool_server():
     yield from _serve(FakeAsyncLLM(max_model_len=1024), tool_call_parser="llama3_json")
 
 
-def test_auto_with_llama3_json_calls(llama_tool_server):
+def test_auto_with_llama3_json_calls(llama_tool_server, monkeypatch):
     url, llm = llama_tool_server
-    llm.free_text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
-    try:
-        choice = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200}).json()["choices"][0]
-        assert (choice["message"]["content"], choice["finish_reason"]) == (None, "tool_calls")
-        want = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == want
-        mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
-        calls = [call for c in mine for call in c["delta"].get("tool_calls", [])]
-        assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            (i, name, arguments) for i, (name, arguments) in enumerate(want)]
-        assert not "".join(c["delta"].get("content") or "" for c in mine) and mine[-1]["finish_reason"] == "tool_calls"
-        llm.free_text = "Oslo is rainy."  # an answer, not a call: content, streamed as it comes
-        mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
-        assert "".join(c["delta"].get("content") or "" for c in mine) == "Oslo is rainy."
-        assert len(mine) == len("Oslo is rainy.") + 1 and mine[-1]["finish_reason"] == "stop"
-    finally:
-        llm.free_text = None
+    monkeypatch.setattr(llm, "free_text", '{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                                          '{"name": "get_time", "parameters": {}}')
+    choice = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200}).json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (None, "tool_calls")
+    want = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == want
+    mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
+    calls = [call for c in mine for call in c["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (i, name, arguments) for i, (name, arguments) in enumerate(want)]
+    assert not "".join(c["delta"].get("content") or "" for c in mine) and mine[-1]["finish_reason"] == "tool_calls"
+    monkeypatch.setattr(llm, "free_text", "Oslo is rainy.")  # an answer, not a call: content, streamed as it comes
+    mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
+    assert "".join(c["delta"].get("content") or "" for c in mine) == "Oslo is rainy."
+    assert len(mine) == len("Oslo is rainy.") + 1 and mine[-1]["finish_reason"] == "stop"
