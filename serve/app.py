@@ -123,8 +123,12 @@ def build_app(async_llm, api_key: str | None = None,
         check_model_name(body.model, served_names)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send exactly one of prompt or messages", param="prompt")
+        if body.tools is not None and body.messages is None:
+            raise RequestError("tools go with messages (a chat prompt); send messages, or leave tools out",
+                               param="tools")
         if body.messages is not None:
-            ids = chat_prompt(body.messages, tokenizer)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+            ids = chat_prompt(body.messages, tokenizer, body.add_generation_prompt, tools)
         else:
             try:
                 ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

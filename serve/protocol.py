@@ -310,6 +310,9 @@ class TokenizeRequest(OpenAIBody):
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
+    # with messages, as in a chat request: the prompt counted is the one the chat endpoint would run
+    add_generation_prompt: StrictBool = True
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS), AfterValidator(_unique_names)] | None = None
 
 
 class DetokenizeRequest(OpenAIBody):

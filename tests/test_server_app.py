@@ -995,3 +995,16 @@ def test_auto_with_llama3_json_calls(llama_tool_server, monkeypatch):
     mine = [c["choices"][0] for c in _stream(url, {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200})]
     assert "".join(c["delta"].get("content") or "" for c in mine) == "Oslo is rainy."
     assert len(mine) == len("Oslo is rainy.") + 1 and mine[-1]["finish_reason"] == "stop"
+
+
+def test_tokenize_counts_the_chat_prompt_with_its_tools(tool_server):
+    """/tokenize with messages and tools gives the prompt the chat endpoint runs (vLLM's fields)."""
+    url, llm = tool_server
+    r = post(url, "/v1/chat/completions", {"messages": CHAT_X, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    ids = post(url, "/tokenize", {"messages": CHAT_X, "tools": TOOLS}).json()["tokens"]
+    assert bytes(ids).decode() == llm.last_prompt == "<tool get_weather><tool get_time><user>x<assistant>"
+    ids = post(url, "/tokenize", {"messages": CHAT_X, "add_generation_prompt": False}).json()["tokens"]
+    assert bytes(ids).decode() == "<user>x"
+    r = post(url, "/tokenize", {"prompt": "x", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
