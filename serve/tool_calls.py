@@ -1,4 +1,5 @@
-"""Forced tool calls: tool_choice "required" or a named function, built on structured outputs.
+"""Tool calls in responses: the forced ones (tool_choice "required" or a named function), built on
+structured outputs, and the message fields of the ones "auto" finds in free text.
 
 These choices leave the model no other way out: the output is held to a JSON schema (as vLLM does
 for these two choices) and the generated JSON *is* the call. A named function's output is its
