@@ -301,8 +301,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def parses_tool_calls(self) -> bool:
         """Whether the answer is free text that may hold calls: tools given, tool_choice "auto" (OpenAI's
-        default with tools). Only asked once forced_tool_call(auto_tool_choice=True) has passed."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
+        default with tools), and no constraint on the output: one held to the client's own format
+        (response_format, guided_*) is that answer, not calls. Only asked once
+        forced_tool_call(auto_tool_choice=True) has passed."""
+        return bool(self.tools) and self.tool_choice in (None, "auto") and not structured_outputs_asked(self)
 
 
 class TokenizeRequest(OpenAIBody):

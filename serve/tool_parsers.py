@@ -31,9 +31,12 @@ def parse_call(block: str) -> Call | None:
         return None
 
 
-def call_of(obj) -> Call | None:
-    """The call a decoded JSON value states, or None when it is not one."""
+def call_of(obj, need_arguments: bool = False) -> Call | None:
+    """The call a decoded JSON value states, or None when it is not one. need_arguments: only an object
+    that names its arguments is a call (else a JSON answer about someone's "name" would be one)."""
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]):
+        return None
+    if need_arguments and not ("arguments" in obj or "parameters" in obj):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))  # some templates say "parameters"
     if isinstance(arguments, str):  # already JSON text
@@ -151,7 +154,7 @@ def parse_json_calls(text: str) -> list[Call] | None:
             obj, i = decoder.raw_decode(body, i)
         except ValueError:
             return None
-        call = call_of(obj)
+        call = call_of(obj, need_arguments=True)  # no tag around it: the arguments key marks a call
         if call is None:
             return None
         calls.append(call)

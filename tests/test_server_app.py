@@ -1008,3 +1008,17 @@ def test_tokenize_counts_the_chat_prompt_with_its_tools(tool_server):
     assert bytes(ids).decode() == "<user>x"
     r = post(url, "/tokenize", {"prompt": "x", "tools": TOOLS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_auto_leaves_an_answer_held_to_the_clients_format_alone(llama_tool_server, monkeypatch):
+    """With response_format (or guided_*), the constrained JSON is the answer, even one that reads like a call."""
+    url, llm = llama_tool_server
+    call_like = '{"name": "get_time", "parameters": {}}'
+    monkeypatch.setattr(llm, "scripted_text", call_like)
+    body = {"messages": CHAT_X, "tools": TOOLS, "max_tokens": 200, "response_format": {"type": "json_object"}}
+    choice = post(url, "/v1/chat/completions", body).json()["choices"][0]
+    assert (choice["message"]["content"], choice["message"].get("tool_calls"), choice["finish_reason"]) == (
+        call_like, None, "stop")
+    monkeypatch.setattr(llm, "free_text", call_like)  # the same text unconstrained is a call
+    choice = post(url, "/v1/chat/completions", {**body, "response_format": None}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"

@@ -51,6 +51,7 @@ LLAMA_TEXTS = [
     LLAMA_CALL + " and then some text",  # not calls alone: content
     '{"name": "f", "parameters": {}',  # cut short: content
     '{"parameters": {}}',  # no name: content
+    '{"name": "Bob", "age": 3}',  # an answer in JSON, not a call: no arguments
     "   ",
 ]
 
