@@ -53,7 +53,7 @@ def build_app(async_llm, api_key: str | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               served_model_names: list[str] | None = None, tool_call_parser: str | None = None) -> FastAPI:
-    """tool_call_parser: a serve/tool_parsers.py format ("hermes", "llama3_json"); with it tool_choice "auto"
+    """tool_call_parser: a serve/tool_parsers.py format ("hermes", "llama3_json", "mistral"); with it tool_choice "auto"
     is answered."""
     served_names = list(served_model_names or [async_llm.model_name])
     metrics = ServerMetrics()

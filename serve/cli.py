@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "it writes are found by --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                        help="the model's tool-call format: hermes, <tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5, "
-                            'Qwen3); llama3_json, an answer of {"name", "parameters"} objects (Llama 3.1-3.3)')
+                            'Qwen3); llama3_json, an answer of {"name", "parameters"} objects (Llama 3.1-3.3); mistral, '
+                            'an answer that is a JSON array of {"name", "arguments"} objects (Mistral, tokenizer v3)')
 
 
 def tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -55,7 +55,7 @@ def forced_tool_call(tools, tool_choice, parallel_tool_calls: bool | None = None
         raise RequestError(
             'tool_choice "auto" (the default when tools are given) is not supported by this server: finding '
             'calls in free output needs one started with --enable-auto-tool-choice --tool-call-parser hermes '
-            '(or llama3_json, the format of the model). '
+            '(or llama3_json or mistral: the format of the model). '
             'Or send tool_choice "required" or {"type": "function", "function": {"name": ...}} to force a '
             'call, or tool_choice "none" for a plain-text answer', param="tool_choice")
     by_name = {tool.function.name: tool for tool in tools}

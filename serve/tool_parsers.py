@@ -8,10 +8,13 @@
 - "llama3_json": Llama 3.1-3.3's JSON tool calling. An answer that opens with `{` (or Llama's
   `<|python_tag|>`) is calls, `{"name": ..., "parameters": {...}}` objects separated by `;`;
   any other answer is content. Calls that do not parse whole come back as content.
+- "mistral": Mistral's JSON tool calls (tokenizer v3, e.g. Mistral-7B-Instruct-v0.3): an answer that
+  opens with `[` (or `[TOOL_CALLS]`) is a JSON array of `{"name", "arguments"}` objects. The later
+  `[TOOL_CALLS]name[ARGS]{...}` form (tokenizer v11+) is not read: such an answer stays content.
 
 Streaming gives the same content and calls as parsing the whole text (tests check every split
 point): content streams as it comes, except what could still turn out to be a call; each call
-goes out whole, hermes's once its block closes, llama3_json's at the end.
+goes out whole, hermes's once its block closes, the others' at the end.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import json
 
 START, END = "<tool_call>", "</tool_call>"  # hermes
 PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's token before a call (the text has it only with special tokens)
+TOOL_CALLS_TAG = "[TOOL_CALLS]"  # mistral's, likewise
 
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
@@ -107,9 +111,12 @@ class HermesStream:
         return rest, []
 
 
-class Llama3JsonStream:
-    """llama3_json's stream: undecided until the first visible character; then either content, passed on
-    as it comes, or calls, held to the end and parsed whole."""
+class JsonAnswerStream:
+    """A stream for formats whose calls are the whole answer (llama3_json, mistral): undecided until the
+    first visible character; then either content, passed on as it comes, or calls, held to the end and
+    parsed whole. Subclasses name the tag that may come first, what opens calls, and how they parse."""
+    tag: str
+    opens: tuple[str, ...]
 
     def __init__(self):
         self.pending = ""
@@ -122,9 +129,9 @@ class Llama3JsonStream:
         self.pending += delta
         if self.mode is None:
             head = self.pending.lstrip()
-            if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+            if not head or (self.tag.startswith(head) and head != self.tag):
                 return "", []  # whitespace, or maybe the start of the tag: wait
-            if head.startswith(("{", PYTHON_TAG)):
+            if head.startswith((self.tag, *self.opens)):
                 self.mode = "calls"
             else:
                 self.mode, text, self.pending = "text", self.pending, ""
@@ -133,34 +140,58 @@ class Llama3JsonStream:
 
     def finish(self) -> tuple[str, list[Call]]:
         text, self.pending = self.pending, ""
-        calls = parse_json_calls(text) if self.mode == "calls" else None
-        if calls is None:  # undecided (only whitespace), or calls that do not parse: content
+        body = text.strip()
+        calls = self.parse_calls(body[len(self.tag):] if body.startswith(self.tag) else body) if self.mode == "calls" else None
+        if not calls:  # undecided (only whitespace), or calls that do not parse: content
             return text, []
         self.num_calls += len(calls)
         return "", calls
 
+    @staticmethod
+    def parse_calls(body: str) -> list[Call] | None:
+        raise NotImplementedError
 
-def parse_json_calls(text: str) -> list[Call] | None:
-    """The `;`-separated call objects that make up `text` (after an optional python tag), or None."""
-    body = text.strip()
-    body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
-    decoder, calls, i = json.JSONDecoder(), [], 0
-    while True:
-        while i < len(body) and (body[i].isspace() or (calls and body[i] == ";")):
-            i += 1
-        if i == len(body):
-            return calls or None
+
+class Llama3JsonStream(JsonAnswerStream):
+    """Llama 3.1-3.3: `{"name", "parameters"}` objects separated by `;`, maybe after <|python_tag|>."""
+    tag, opens = PYTHON_TAG, ("{",)
+
+    @staticmethod
+    def parse_calls(body: str) -> list[Call] | None:
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while True:
+            while i < len(body) and (body[i].isspace() or (calls and body[i] == ";")):
+                i += 1
+            if i == len(body):
+                return calls
+            try:
+                obj, i = decoder.raw_decode(body, i)
+            except ValueError:
+                return None
+            call = call_of(obj, need_arguments=True)  # no tag around it: the arguments key marks a call
+            if call is None:
+                return None
+            calls.append(call)
+
+
+class MistralStream(JsonAnswerStream):
+    """Mistral's JSON tool calls: `[TOOL_CALLS]` (a special token, so often absent from the text), then a
+    JSON array of `{"name", "arguments"}` objects."""
+    tag, opens = TOOL_CALLS_TAG, ("[",)
+
+    @staticmethod
+    def parse_calls(body: str) -> list[Call] | None:
         try:
-            obj, i = decoder.raw_decode(body, i)
+            items = json.loads(body)
         except ValueError:
             return None
-        call = call_of(obj, need_arguments=True)  # no tag around it: the arguments key marks a call
-        if call is None:
+        if not isinstance(items, list):
             return None
-        calls.append(call)
+        calls = [call_of(item, need_arguments=True) for item in items]
+        return None if None in calls else calls
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesStream, "llama3_json": Llama3JsonStream}
+TOOL_CALL_PARSERS = {"hermes": HermesStream, "llama3_json": Llama3JsonStream, "mistral": MistralStream}
 
 
 def _partial_start(text: str) -> int:

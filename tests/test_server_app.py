@@ -658,7 +658,7 @@ def test_auto_tool_choice_flags_go_together():
         with pytest.raises(ValueError, match="go together"):
             cli.tool_call_parser(parse(one))
     with pytest.raises(SystemExit):  # argparse names the choices
-        parse(["--tool-call-parser", "mistral"])
+        parse(["--tool-call-parser", "pythonic"])
 
 
 def test_tokenize_roundtrip(server):

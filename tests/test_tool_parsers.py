@@ -56,6 +56,29 @@ LLAMA_TEXTS = [
 ]
 
 
+MISTRAL_CALLS = '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time", "arguments": {}}]'
+MISTRAL_TEXTS = [
+    "plain text, no calls at all",
+    MISTRAL_CALLS,
+    "[TOOL_CALLS]" + MISTRAL_CALLS,
+    " \n" + MISTRAL_CALLS,
+    "[1, 2, 3]",  # a JSON array that is not calls: content
+    '[{"name": "Bob", "age": 3}]',  # objects without arguments: content
+    MISTRAL_CALLS[:30],  # cut short: content
+    "[TOOL_CALLS]get_weather[ARGS]{}",  # the v11 form, not read: content
+    "[TOOL_CA and then no tag",
+]
+
+
+def test_mistral_whole_texts():
+    want = [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")]
+    assert parse(MISTRAL_TEXTS[0], "mistral") == (MISTRAL_TEXTS[0], [])
+    for text in MISTRAL_TEXTS[1:4]:
+        assert parse(text, "mistral") == (None, want), text
+    for text in MISTRAL_TEXTS[4:]:
+        assert parse(text, "mistral") == (text, []), text
+
+
 def test_llama3_json_whole_texts():
     weather = ("get_weather", '{"city": "Paris", "days": 2}')
     assert parse(LLAMA_TEXTS[0], "llama3_json") == (LLAMA_TEXTS[0], [])
@@ -77,7 +100,8 @@ def _streamed(pieces, parser):
     return content, calls
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", t) for t in TEXTS] + [("llama3_json", t) for t in LLAMA_TEXTS])
+@pytest.mark.parametrize("parser,text", [("hermes", t) for t in TEXTS] + [("llama3_json", t) for t in LLAMA_TEXTS]
+                         + [("mistral", t) for t in MISTRAL_TEXTS])
 def test_a_stream_split_anywhere_gives_the_whole_texts_answer(parser, text):
     want_content, want_calls = parse(text, parser)
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
@@ -103,4 +127,4 @@ def test_content_is_never_a_piece_of_a_call():
     for ch in "ok " + CALL:
         sent += stream.feed(ch)[0]
     assert sent == "ok "
-    assert sorted(tool_parsers.TOOL_CALL_PARSERS) == ["hermes", "llama3_json"]
+    assert sorted(tool_parsers.TOOL_CALL_PARSERS) == ["hermes", "llama3_json", "mistral"]
