@@ -75,7 +75,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str | None = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None  # a forced tool call's (serve/tool_calls.py)
+    tool_calls: list[ToolCall] | None = None  # forced or found calls (serve/tool_calls.py, tool_parsers.py)
 
 
 class ChatChoice(BaseModel):

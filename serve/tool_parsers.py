@@ -18,7 +18,9 @@ goes out whole, hermes's once its block closes, the others' at the end.
 """
 from __future__ import annotations
 
+import functools
 import json
+from typing import Callable
 
 START, END = "<tool_call>", "</tool_call>"  # hermes
 PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's token before a call (the text has it only with special tokens)
@@ -114,11 +116,11 @@ class HermesStream:
 class JsonAnswerStream:
     """A stream for formats whose calls are the whole answer (llama3_json, mistral): undecided until the
     first visible character; then either content, passed on as it comes, or calls, held to the end and
-    parsed whole. Subclasses name the tag that may come first, what opens calls, and how they parse."""
-    tag: str
-    opens: tuple[str, ...]
+    parsed whole. tag: what may come first; opens: what starts calls; parse_calls: the body (tag cut)
+    -> its calls, or None when it is not calls."""
 
-    def __init__(self):
+    def __init__(self, tag: str, opens: tuple[str, ...], parse_calls: Callable[[str], list[Call] | None]):
+        self.tag, self.opens, self.parse_calls = tag, opens, parse_calls
         self.pending = ""
         self.mode = None  # None: undecided; "text"; "calls"
         self.num_calls = 0
@@ -147,51 +149,43 @@ class JsonAnswerStream:
         self.num_calls += len(calls)
         return "", calls
 
-    @staticmethod
-    def parse_calls(body: str) -> list[Call] | None:
-        raise NotImplementedError
 
-
-class Llama3JsonStream(JsonAnswerStream):
-    """Llama 3.1-3.3: `{"name", "parameters"}` objects separated by `;`, maybe after <|python_tag|>."""
-    tag, opens = PYTHON_TAG, ("{",)
-
-    @staticmethod
-    def parse_calls(body: str) -> list[Call] | None:
-        decoder, calls, i = json.JSONDecoder(), [], 0
-        while True:
-            while i < len(body) and (body[i].isspace() or (calls and body[i] == ";")):
-                i += 1
-            if i == len(body):
-                return calls
-            try:
-                obj, i = decoder.raw_decode(body, i)
-            except ValueError:
-                return None
-            call = call_of(obj, need_arguments=True)  # no tag around it: the arguments key marks a call
-            if call is None:
-                return None
-            calls.append(call)
-
-
-class MistralStream(JsonAnswerStream):
-    """Mistral's JSON tool calls: `[TOOL_CALLS]` (a special token, so often absent from the text), then a
-    JSON array of `{"name", "arguments"}` objects."""
-    tag, opens = TOOL_CALLS_TAG, ("[",)
-
-    @staticmethod
-    def parse_calls(body: str) -> list[Call] | None:
+def llama3_calls(body: str) -> list[Call] | None:
+    """Llama 3.1-3.3: `{"name", "parameters"}` objects separated by `;` (after <|python_tag|>, if any)."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(body) and (body[i].isspace() or (calls and body[i] == ";")):
+            i += 1
+        if i == len(body):
+            return calls
         try:
-            items = json.loads(body)
+            obj, i = decoder.raw_decode(body, i)
         except ValueError:
             return None
-        if not isinstance(items, list):
+        call = call_of(obj, need_arguments=True)  # no tag around it: the arguments key marks a call
+        if call is None:
             return None
-        calls = [call_of(item, need_arguments=True) for item in items]
-        return None if None in calls else calls
+        calls.append(call)
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesStream, "llama3_json": Llama3JsonStream, "mistral": MistralStream}
+def mistral_calls(body: str) -> list[Call] | None:
+    """Mistral's JSON tool calls: a JSON array of `{"name", "arguments"}` objects (after `[TOOL_CALLS]`, a
+    special token and so often absent from the text)."""
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    calls = [call_of(item, need_arguments=True) for item in items]
+    return None if None in calls else calls
+
+
+TOOL_CALL_PARSERS = {  # name -> a new stream
+    "hermes": HermesStream,
+    "llama3_json": functools.partial(JsonAnswerStream, PYTHON_TAG, ("{",), llama3_calls),
+    "mistral": functools.partial(JsonAnswerStream, TOOL_CALLS_TAG, ("[",), mistral_calls),
+}
 
 
 def _partial_start(text: str) -> int:
