@@ -12,19 +12,26 @@ Per program: the query rows are copied to shared memory once; K and V pages stre
 head, all copies of a step arriving on one barrier), so the next step's pages are in flight while
 the current one is multiplied: S = Q K^T (wgmma), online softmax in registers, O += P V (wgmma,
 P from registers). Two stages of 64 positions keep a program at 80 KB of shared memory, so two
-run on each SM. Split-K over pages for small decode batches as in the Triton kernel, merged by
-the same online-softmax combine. Inputs and outputs are token-major ([blocks, KVH, rows, D]): a
-decode step needs no gather or transpose around the kernel.
+run on each SM. Inputs and outputs are token-major ([blocks, KVH, rows, D]): a decode step needs
+no gather or transpose around the kernel.
 
-On the H200 (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 us, 4.19 TB/s
-(113% of the 3.70 TB/s copy rate, which counts a read and a write; the Triton kernel 421 us),
-batch 8 59 us (Triton 76), a 4096-token causal prefill 460 us (Triton 684).
+Decode steps whose (block, KV head) programs would not fill the GPU twice over run as work items
+(flash-decoding, split_kv.py): each block's K/V steps are cut into equal chunks computed on the
+device from the real context lengths, a program takes one (item, KV head) and writes its
+unnormalised softmax state, and split_kv.combine merges each block's items. Batch-1 decode of a
+model with 8 KV heads thus runs on about 264 programs at any context length, not 8.
+
+The kernel's integer inputs (blocks, positions, work items, the page table) do not depend on the
+layer, so the layers of a step share one computation of them; the layer reaches the kernel as
+its first page in the [layers * pages] view of the pool.
 
 int8 KV pools (QuantizedKV): the int8 pages and their scales (one float32 per token and KV head,
 head-major in the pool so that a page's scales of one head are one TMA copy) stream through the
 slots at half the bytes. Each step converts its K and V tiles to q's dtype (exact for int8) in
 registers, into one shared-memory tile each for the two wgmmas, and applies the scales in float32
 as the Triton kernel does: K's to the score columns, V's to the probabilities that multiply V.
+fp8 (e4m3) pools are plain arrays with no scales (scale 1, as vLLM's uncalibrated fp8 cache):
+their tiles are converted the same way and need nothing else.
 
 Contract the kernel relies on: the tokens of a row in one step have consecutive positions
 (a prefill chunk or one decode token), so a block's row positions follow from its first token's.
@@ -43,11 +50,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels import pallas_mode, split_kv
 from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
-from jlight.pallas_kernels.paged_attention_pallas import _choose_splits, merge_splits
 from jlight.pallas_kernels.quantization import QuantizedKV
+from jlight.pallas_kernels.tiling import NUM_SMS
 
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
@@ -56,12 +63,12 @@ _LOG2E = math.log2(math.e)
 # batch-64 decode at 4k context in 268 / 256 / 254 / 253 us for pages of 8 / 16 / 32 / 64; docs/BENCHMARKS.md).
 PAGE_SIZES = (8, 16, 32, 64)
 _ONE_TOKEN_BLOCKS_UP_TO = 16  # steps of at most this many tokens run one token per block
-# int8 KV pools (QuantizedKV) here rather than in the Triton kernel (a switch, so that benchmarks can
-# time both), for pages of these sizes: one page's scales of one KV head are page_size x 4 bytes, and
-# a TMA copy here must move a multiple of 128 bytes (each thread of the warpgroup arrives on the
-# barrier with an equal share), so pages of 8 and 16 tokens keep int8 pools on the Triton kernel.
-INT8_KV = True
+# int8 KV pools (QuantizedKV) take pages of these sizes: one page's scales of one KV head are
+# page_size x 4 bytes, and a TMA copy here must move a multiple of 128 bytes (each thread of the
+# warpgroup arrives on the barrier with an equal share), so pages of 8 and 16 tokens keep int8 pools
+# on the Triton kernel. fp8 pools have no scales and take every page size.
 INT8_PAGE_SIZES = (32, 64)
+FP8_DTYPE = jnp.float8_e4m3fn
 
 
 def supports(q, k_cache) -> bool:
@@ -69,9 +76,9 @@ def supports(q, k_cache) -> bool:
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return False  # wgmma on 16-bit floats only; float32 goes to the Triton kernel
     if isinstance(k_cache, QuantizedKV):
-        if not INT8_KV or k_cache.values.dtype != jnp.int8 or k_cache.shape[2] not in INT8_PAGE_SIZES:
+        if k_cache.values.dtype != jnp.int8 or k_cache.shape[2] not in INT8_PAGE_SIZES:
             return False
-    elif not hasattr(k_cache, "dtype") or k_cache.dtype != q.dtype:
+    elif not hasattr(k_cache, "dtype") or k_cache.dtype not in (q.dtype, FP8_DTYPE):
         return False
     head_dim, page_size = q.shape[-1], k_cache.shape[2]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[3]
@@ -81,30 +88,40 @@ def supports(q, k_cache) -> bool:
         and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
-            pages_per_step, steps_per_split, num_stages, scale, sliding_window, num_splits, quantized, interpreting):
-    if quantized:  # the pools' scales ([pages, kv_heads, page_size]) follow the values
+def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_items, item_base, table_base, table_width,
+            group, page_size, pages_per_step, num_stages, scale, sliding_window, convert, scaled, interpreting):
+    if scaled:  # int8 pools: their scales ([pages, kv_heads, page_size]) follow the values
         ks_ref, vs_ref, *refs = refs
-        *refs, ks_smem, vs_smem, kd_smem, vd_smem = refs  # scale slots; the K and V tiles in q's dtype
-    num_scratch = 6 if num_splits == 1 else 8
+        *refs, ks_smem, vs_smem = refs  # scale slots
+    if convert:  # int8 / fp8 pools: the K and V tiles in q's dtype, where the wgmmas read them
+        *refs, kd_smem, vd_smem = refs
+    work = num_items > 0  # flash-decoding: program = (work item, KV head), partial states out
+    num_scratch = 8 if work else 6
     out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
     q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
     o_smem, stat_smem = scratch[6:] or (None, None)
-    block, head, split = lax.axis_index("block"), lax.axis_index("head"), lax.axis_index("split")
+    head = lax.axis_index("head")
+    if work:
+        item = lax.axis_index("item")
+        block = meta_ref[item_base + item]
+    else:
+        block = lax.axis_index("block")
     kv_per_step = pages_per_step * page_size
-    # meta (built in the wrapper): row, start, end of every block, the positions, the page table.
+    page_offset = layer_ref[0]  # the layer's first page in the [layers * pages] view of the pool
+    # meta (built in the wrapper): row, start, end of every block, the positions, the work items, the page table.
     row, start, end = meta_ref[block], meta_ref[num_blocks + block], meta_ref[2 * num_blocks + block]
     num_tokens = end - start  # 0 for an unused block
     first_pos = meta_ref[3 * num_blocks + start]
-    last_pos = first_pos + num_tokens - 1
 
-    # Steps this program runs: its split's share, cut at the block's last position.
-    num_pages = jnp.where(num_tokens > 0, (last_pos + page_size) // page_size, 0)
-    num_steps = (num_pages + pages_per_step - 1) // pages_per_step
-    first_step = split * steps_per_split
-    if sliding_window is not None:
-        first_step = jnp.maximum(first_step, jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step)
-    last_step = jnp.minimum((split + 1) * steps_per_split, num_steps)
+    if work:  # the item's steps, cut by split_kv.work_items
+        first_step, last_step = meta_ref[item_base + num_items + item], meta_ref[item_base + 2 * num_items + item]
+    else:  # all the block's steps, cut at its last position
+        last_pos = first_pos + num_tokens - 1
+        num_pages = jnp.where(num_tokens > 0, (last_pos + page_size) // page_size, 0)
+        last_step = (num_pages + pages_per_step - 1) // pages_per_step
+        first_step = jnp.int32(0)
+        if sliding_window is not None:
+            first_step = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step, last_step)
 
     # The block's query rows ([rows, head_dim]: 8 * ceil(group / 8) for decode, 64 for prefill) into
     # the top of the tile; rows below them are never written and are masked out (row_ok).
@@ -113,11 +130,11 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
 
     def issue(step, slot):  # TMA the step's pages of this KV head into the slot
         for i in range(pages_per_step):
-            page = meta_ref[table_base + row * table_width + step * pages_per_step + i]
+            page = page_offset + meta_ref[table_base + row * table_width + step * pages_per_step + i]
             dst = pl.ds(i * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, dst], v_bar.at[slot])
-            if quantized:
+            if scaled:
                 plgpu.copy_gmem_to_smem(ks_ref.at[page, head], ks_smem.at[slot, dst], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(vs_ref.at[page, head], vs_smem.at[slot, dst], v_bar.at[slot])
 
@@ -139,7 +156,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
     r, c = iota(shape, 0), iota(shape, 1)
 
     def converted(values_smem, tile_smem):
-        """An int8 slot in q's dtype (exact) in tile_smem, where the wgmmas read it."""
+        """An int8 or fp8 slot in q's dtype (exact) in tile_smem, where the wgmmas read it."""
         tile_smem[...] = values_smem[...].astype(tile_smem.dtype)
         plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
         return tile_smem
@@ -155,24 +172,24 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         acc, m, l = carry
         slot = lax.rem(step - first_step, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        k_tile = converted(k_smem.at[slot], kd_smem) if quantized else k_smem.at[slot]
+        k_tile = converted(k_smem.at[slot], kd_smem) if convert else k_smem.at[slot]
 
-        def v_converted():  # int8: V's tile, converted while the Q K^T wgmma runs
+        def v_converted():  # V's tile in q's dtype, converted while the Q K^T wgmma runs
             plgpu.barrier_wait(v_bar.at[slot])
             return converted(v_smem.at[slot], vd_smem)
 
         if interpreting:
             s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
-            v_tile = v_converted() if quantized else None
+            v_tile = v_converted() if convert else None
         else:
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-                if quantized:
+                if convert:
                     v_converted()
                 return acc_ref[...]  # reading the accumulator waits for the wgmma
             s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-            v_tile = vd_smem if quantized else None
-        if quantized:
+            v_tile = vd_smem if convert else None
+        if scaled:
             s = s * column_scales(ks_smem.at[slot])
         kv_pos = step * kv_per_step + c
         mask = row_ok & (kv_pos <= row_pos)
@@ -185,11 +202,12 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
         alpha = jnp.exp2(m - m_new)
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if quantized:  # (p * s_v) . V_int8 = p . (s_v * V_int8); l keeps the unscaled p
+        if scaled:  # (p * s_v) . V_int8 = p . (s_v * V_int8); l keeps the unscaled p
             p16 = (p * column_scales(vs_smem.at[slot])).astype(q_smem.dtype)
         else:
-            plgpu.barrier_wait(v_bar.at[slot])
             p16 = p.astype(q_smem.dtype)
+        if not convert:
+            plgpu.barrier_wait(v_bar.at[slot])
             v_tile = v_smem.at[slot]
         if interpreting:
             acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
@@ -220,38 +238,48 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_
 
     # Only the block's rows go out (an unused block writes zeros: acc = 0, l = 0).
     rows = pl.ds(0, io_rows)
-    if num_splits == 1:  # normalise here; the output tile reuses the query's slot
+    if not work:  # normalise here; the output tile reuses the query's slot
         (o_ref,) = out_refs
         q_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(q_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[block, head])
-    else:  # split-K: the unnormalised state goes to the combine (m in log2 units)
+    else:  # the item's unnormalised state goes to the combine (m in log2 units)
         o_ref, l_ref, m_ref = out_refs
         o_smem[...] = acc
         stat_smem[0] = l
         stat_smem[1] = m
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, block, head])
-        plgpu.copy_smem_to_gmem(stat_smem.at[0, rows], l_ref.at[split, block, head])
-        plgpu.copy_smem_to_gmem(stat_smem.at[1, rows], m_ref.at[split, block, head])
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[item, head])
+        plgpu.copy_smem_to_gmem(stat_smem.at[0, rows], l_ref.at[item, head])
+        plgpu.copy_smem_to_gmem(stat_smem.at[1, rows], m_ref.at[item, head])
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_splits", "num_stages", "kv_per_step"))
+# Decode steps run as work items (flash-decoding) while their (block, KV head) programs number fewer
+# than this many waves of PROGRAMS_PER_SM programs on every SM; larger decode batches fill the GPU
+# as they are and skip the combine.
+_WORK_ITEMS_BELOW_WAVES = 2
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_items", "num_stages",
+                                             "kv_per_step", "min_steps_per_item"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
-                    interpret: bool | None = None, num_splits: int | None = None, num_stages: int = 2,
-                    kv_per_step: int = 64):
+                    interpret: bool | None = None, num_items: int | None = None, num_stages: int = 2,
+                    kv_per_step: int = 64, min_steps_per_item: int = 2):
     """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim] in bf16/f16,
-    K/V pools of q's dtype or int8 QuantizedKV pools (`supports`)."""
+    K/V pools of q's dtype, fp8 (e4m3) pools or int8 QuantizedKV pools (`supports`).
+
+    num_items: decode steps' work items (split_kv): None picks by the cost rule, 0 runs one program
+    per (block, KV head) with no combine, n >= the step's blocks forces n items."""
     if not supports(q, k_cache):
         raise ValueError(f"the Mosaic GPU attention kernel does not take q {q.dtype}{q.shape} with pools "
                          f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}; use the Triton kernel "
                          "(paged_attention_pallas) or attention_impl='reference'")
     if kv_per_step % 64 or kv_per_step > 256:
         raise ValueError(f"kv_per_step={kv_per_step} must be 64, 128, 192 or 256 (the P.V wgmma sums over 64-position chunks)")
-    quantized = isinstance(k_cache, QuantizedKV)
-    if quantized != isinstance(v_cache, QuantizedKV):
-        raise ValueError("k_cache and v_cache must both be int8 QuantizedKV pools or both plain arrays")
+    scaled = isinstance(k_cache, QuantizedKV)
+    if scaled != isinstance(v_cache, QuantizedKV) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must be pools of one kind: both int8 QuantizedKV pools or both arrays of one dtype")
     interpreting = pallas_mode.resolve(interpret)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -262,39 +290,52 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     block_q = 1 if num_tokens <= max(num_rows, _ONE_TOKEN_BLOCKS_UP_TO) else _ROWS // group
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
     pages_per_step = max(1, kv_per_step // page_size)
+    kv_per_step = pages_per_step * page_size
     num_steps = -(-max_pages // pages_per_step)
-    num_splits = num_splits or (_choose_splits(num_blocks * num_kv_heads, num_steps) if block_q == 1 else 1)
-    steps_per_split = -(-num_steps // num_splits)
+    if num_items is None:
+        few = num_blocks * num_kv_heads < _WORK_ITEMS_BELOW_WAVES * split_kv.PROGRAMS_PER_SM * NUM_SMS
+        num_items = split_kv.num_work_items(num_blocks, num_kv_heads) if block_q == 1 and few else 0
+    elif num_items and num_items < num_blocks:
+        raise ValueError(f"num_items={num_items} must be 0 or at least the step's {num_blocks} query blocks")
 
-    # Global page ids in the [layers * pages] view of the pool, padded so every step reads
-    # whole steps inside the table (the padding points at scratch page 0).
-    table = md.page_table + layer * num_pages
-    table = jnp.pad(table, ((0, 0), (0, num_splits * steps_per_split * pages_per_step - max_pages)))
-    pools = [(c.values if quantized else c).reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
+    # The page table padded so every step reads whole steps inside it (the padding points at scratch
+    # page 0); page ids index the [layers * pages] view of the pool from the layer's first page on.
+    table = jnp.pad(md.page_table, ((0, 0), (0, num_steps * pages_per_step - max_pages)))
+    layer_offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
+    pools = [(c.values if scaled else c).reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
              for c in (k_cache, v_cache)]
-    if quantized:
+    if scaled:
         pools += [c.scales.reshape(num_layers * num_pages, num_kv_heads, page_size) for c in (k_cache, v_cache)]
     row, start, end = query_blocks(md.query_start, num_blocks, block_q)
     q_rows = _query_rows(q, num_kv_heads, block_q, start, end)  # [blocks, KVH, io_rows, D]
     io_rows = q_rows.shape[2]
+    positions = jnp.pad(md.positions, (0, 1))  # the extra entry keeps an unused block's read in range when T = 0
+    parts = [row, start, end, positions]
+    if num_items:
+        items = split_kv.work_items(*_block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
+                                    num_items, min_steps=min_steps_per_item)
+        parts += [items.block, items.first_step, items.last_step]
     # The kernel's integer inputs as one array that XLA must compute: a custom call's operands must
-    # be 256-byte aligned, and a slice of the engine's packed step inputs (the page table at layer 0,
-    # an unpadded table) reached it as an unaligned view ("Input buffer 4 is not 256-byte aligned",
-    # H200, 2026-12-01). The extra position entry keeps an unused block's read in range when T = 0.
-    meta = jnp.concatenate([row, start, end, md.positions, jnp.zeros((1,), jnp.int32), table.reshape(-1)])
+    # be 256-byte aligned, and a slice of the engine's packed step inputs (an unpadded page table)
+    # reached it as an unaligned view (H200, jax 0.11.2). It does not depend on the layer, so the
+    # layers of a step share one.
+    meta = jnp.concatenate(parts + [table.reshape(-1)])
 
-    tile = (num_blocks, num_kv_heads, io_rows)
-    if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct(tile + (head_dim,), q.dtype)
-    else:
+    if num_items:
+        tile = (num_items, num_kv_heads, io_rows)
         out_type = (
-            jax.ShapeDtypeStruct((num_splits,) + tile + (head_dim,), jnp.float32),  # acc
-            jax.ShapeDtypeStruct((num_splits,) + tile, jnp.float32),  # l
-            jax.ShapeDtypeStruct((num_splits,) + tile, jnp.float32),  # m (log2 units)
+            jax.ShapeDtypeStruct(tile + (head_dim,), jnp.float32),  # acc
+            jax.ShapeDtypeStruct(tile, jnp.float32),  # l
+            jax.ShapeDtypeStruct(tile, jnp.float32),  # m (log2 units)
         )
+        grid, grid_names = (num_items, num_kv_heads), ("item", "head")
+    else:
+        out_type = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, io_rows, head_dim), q.dtype)
+        grid, grid_names = (num_blocks, num_kv_heads), ("block", "head")
     kv_tile = (num_stages, pages_per_step * page_size, head_dim)
-    slot_dtype = jnp.int8 if quantized else q.dtype
-    copies_per_slot = pages_per_step * (2 if quantized else 1)  # int8: each page's values and scales
+    slot_dtype = k_cache.dtype
+    convert = slot_dtype != q.dtype
+    copies_per_slot = pages_per_step * (2 if scaled else 1)  # int8: each page's values and scales
     scratch = [
         swizzled_smem((_ROWS, head_dim), q.dtype),  # the query tile, then the output tile
         swizzled_smem(kv_tile, slot_dtype),  # K slots
@@ -303,28 +344,32 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's K pages copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's V pages copied
     ]
-    if num_splits > 1:
-        scratch += [swizzled_smem((_ROWS, head_dim), jnp.float32),  # split-K partial output
-                    plgpu.SMEM((2, _ROWS), jnp.float32)]  # split-K l and m
-    if quantized:
-        scratch += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32),  # K, V scale slots
-                    swizzled_smem(kv_tile[1:], q.dtype), swizzled_smem(kv_tile[1:], q.dtype)]  # K, V tiles in q's dtype
+    if num_items:
+        scratch += [swizzled_smem((_ROWS, head_dim), jnp.float32),  # an item's partial output
+                    plgpu.SMEM((2, _ROWS), jnp.float32)]  # its l and m
+    if convert:
+        scratch += [swizzled_smem(kv_tile[1:], q.dtype), swizzled_smem(kv_tile[1:], q.dtype)]  # K, V tiles in q's dtype
+    if scaled:
+        scratch += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32)]  # K, V scale slots
+    item_base = 3 * num_blocks + num_tokens + 1
     kernel = functools.partial(
-        _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
-        group=group, page_size=page_size, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
-        num_stages=num_stages, scale=scale, sliding_window=sliding_window, num_splits=num_splits,
-        quantized=quantized, interpreting=interpreting)
+        _kernel, num_blocks=num_blocks, num_items=num_items, item_base=item_base,
+        table_base=item_base + 3 * num_items, table_width=table.shape[1],
+        group=group, page_size=page_size, pages_per_step=pages_per_step,
+        num_stages=num_stages, scale=scale, sliding_window=sliding_window, convert=convert, scaled=scaled,
+        interpreting=interpreting)
     result = plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_blocks, num_kv_heads, num_splits),
-        grid_names=("block", "head", "split"),
+        grid=grid,
+        grid_names=grid_names,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpreting else None,
-    )(meta, q_rows, *pools)
+    )(meta, layer_offset, q_rows, *pools)
 
-    out = (result if num_splits == 1 else merge_splits(*result, exp=jnp.exp2)).astype(q.dtype)  # [blocks, KVH, rows, D]
+    out = split_kv.combine(items, *result, out_dtype=q.dtype, interpret=interpret) if num_items else result
+    # out: [blocks, KVH, rows, D]
     if block_q == 1:  # decode: block t is token t, its first `group` rows its heads (padding tokens got zeros)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
     # prefill: token t is rows (t - start) * group + [0, group) of its block
@@ -333,6 +378,20 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
     return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def _block_steps(positions, start, end, page_size: int, pages_per_step: int, sliding_window: int | None):
+    """Each query block's K/V steps [begin, end): up to the page of its last position, and from the
+    first step its sliding window still sees."""
+    kv_per_step = page_size * pages_per_step
+    num_tokens = end - start
+    first_pos = positions[start]
+    num_pages = jnp.where(num_tokens > 0, (first_pos + num_tokens - 1 + page_size) // page_size, 0)
+    step_end = (num_pages + pages_per_step - 1) // pages_per_step
+    step_begin = jnp.zeros_like(step_end)
+    if sliding_window is not None:
+        step_begin = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step, step_end)
+    return step_begin.astype(jnp.int32), step_end.astype(jnp.int32)
 
 
 def _query_rows(q, num_kv_heads: int, block_q: int, start, end):

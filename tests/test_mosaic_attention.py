@@ -19,11 +19,14 @@ from jlight.pallas_kernels.quantization import QuantizedKV, kv_scales_shape, qua
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
 
-# (name, group, head_dim, q_lens, context_lens, num_tokens incl. padding, sliding_window, num_splits)
+# (name, group, head_dim, q_lens, context_lens, num_tokens incl. padding, sliding_window, num_items)
 CASES = [
-    # decode rows at page boundaries (16, 17, 64, 65), an empty row, split-K over a long row
-    ("decode_split", 4, 128, [1, 1, 1, 0, 1, 1, 1], [1, 16, 17, 0, 64, 65, 700], 7, None, 3),
-    ("decode_gqa1", 1, 64, [1, 1, 0, 1], [1, 33, 0, 15], 4, None, 1),
+    # decode rows at page boundaries (16, 17, 64, 65), an empty row, work items over ragged rows
+    ("decode_items", 4, 128, [1, 1, 1, 0, 1, 1, 1], [1, 16, 17, 0, 64, 65, 700], 7, None, 12),
+    ("decode_gqa1", 1, 64, [1, 1, 0, 1], [1, 33, 0, 15], 4, None, 0),  # one program per (block, head)
+    # batch-1 decode padded to 8 tokens, by the cost rule: one long row cut into many items
+    ("decode_batch1_items", 4, 128, [1], [3000], 8, None, None),
+    ("decode_window_items", 8, 64, [1, 1, 1], [900, 40, 300], 4, 128, 9),
     # mixed prefill chunks (earlier context in pages) + decode + empty row + padding tokens
     ("mixed_gqa8", 8, 64, [37, 1, 0, 16, 5], [37, 200, 0, 48, 70], 64, None, None),
     ("mixed_gqa3", 3, 64, [20, 1, 7], [20, 90, 130], 32, None, None),  # SmolLM2's 9/3 heads
@@ -44,12 +47,12 @@ def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, num_layers=2, pa
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference(case):
-    name, group, head_dim, q_lens, ctx_lens, num_tokens, window, num_splits = case
-    q, k, v, md = _inputs(np.random.default_rng(abs(hash(name)) % 2**32), group, head_dim, q_lens, ctx_lens, num_tokens)
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, window, num_items = case
+    q, k, v, md = _inputs(np.random.default_rng(sum(map(ord, name))), group, head_dim, q_lens, ctx_lens, num_tokens)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window)
     f32 = lambda a: a.astype(jnp.float32)
     want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)  # the reference, jitted (kernel_batches)
-    got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_splits=num_splits, **kw)
+    got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_items=num_items, **kw)
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
@@ -65,9 +68,9 @@ def test_other_page_sizes_match_reference(page_size):
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
-# int8 pools: (name, group, head_dim, q_lens, context_lens, num_tokens, num_splits, page_size)
+# int8 pools: (name, group, head_dim, q_lens, context_lens, num_tokens, num_items, page_size)
 INT8_CASES = [
-    ("decode_split_p32", 4, 128, [1, 1, 1, 0, 1], [1, 32, 33, 0, 700], 5, 3, 32),
+    ("decode_items_p32", 4, 128, [1, 1, 1, 0, 1], [1, 32, 33, 0, 700], 5, 9, 32),
     ("mixed_gqa3_p64", 3, 64, [20, 1, 7], [20, 90, 130], 32, None, 64),
     ("prefill_gqa8_p32", 8, 64, [40, 1], [300, 65], 48, None, 32),
 ]
@@ -80,14 +83,14 @@ def _int8_pools(rng, shape):
 @pytest.mark.parametrize("case", INT8_CASES, ids=[c[0] for c in INT8_CASES])
 def test_int8_pools_match_reference(case):
     """int8 pages against the XLA reference over the same int8 pools (which dequantizes in float32)."""
-    name, group, head_dim, q_lens, ctx_lens, num_tokens, num_splits, page_size = case
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, num_items, page_size = case
     rng = np.random.default_rng(sum(map(ord, name)))
     q, k, _, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size=page_size)
     kq, vq = _int8_pools(rng, k.shape)
     assert paged_attention_mosaic.supports(q, kq)
     kw = dict(scale=head_dim ** -0.5)
     want = reference_attention(q.astype(jnp.float32), kq, vq, jnp.int32(1), md, **kw)
-    got = paged_attention_mosaic.paged_attention(q, kq, vq, jnp.int32(1), md, num_splits=num_splits, **kw)
+    got = paged_attention_mosaic.paged_attention(q, kq, vq, jnp.int32(1), md, num_items=num_items, **kw)
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
@@ -103,21 +106,21 @@ def test_no_races_in_the_copy_protocol(monkeypatch):
     q8, k8, _, md8 = _inputs(rng, 4, 64, [1, 1], [300, 129], 2, num_layers=1, page_size=32)
     pools = {"bf16": (q, k, v, md), "int8": (q8, *_int8_pools(rng, k8.shape), md8)}
     for kind, (q_, k_, v_, md_) in pools.items():
-        for splits in (1, 2):
+        for items in (0, 5):
             # interpret=True: the detector lives in the interpreter, which a GPU would otherwise skip
             jax.block_until_ready(paged_attention_mosaic.paged_attention(q_, k_, v_, jnp.int32(0), md_, scale=0.125,
-                                                                         num_splits=splits, interpret=True))
-            assert not interpret_pallas_call.get_races().races_found, f"races with {kind} pools, num_splits={splits}"
+                                                                         num_items=items, interpret=True))
+            assert not interpret_pallas_call.get_races().races_found, f"races with {kind} pools, num_items={items}"
 
 
 S = jax.ShapeDtypeStruct
 
 
 @pytest.mark.parametrize("batch,cfg,page_size,kv", [
-    ("decode", {}, PAGE_SIZE, "bf16"), ("decode", dict(num_splits=2), PAGE_SIZE, "bf16"),
+    ("decode", {}, PAGE_SIZE, "bf16"), ("decode", dict(num_items=0), PAGE_SIZE, "bf16"),
     ("decode", dict(kv_per_step=128, num_stages=2), PAGE_SIZE, "bf16"), ("prefill", {}, PAGE_SIZE, "bf16"),
     ("decode", {}, 8, "bf16"), ("prefill", {}, 64, "bf16"),
-    ("decode", {}, 32, "int8"), ("decode", dict(num_splits=2), 64, "int8"), ("prefill", {}, 32, "int8"),
+    ("decode", {}, 32, "int8"), ("decode", dict(num_items=0), 64, "int8"), ("prefill", {}, 32, "int8"),
     ("decode", {}, 32, "int8-d64"),  # int8 rows of 64 bytes: a 64-byte swizzle
 ])
 def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size, kv):
@@ -144,8 +147,6 @@ def test_supports_and_fallback(monkeypatch):
     assert not paged_attention_mosaic.supports(q, quantize_kv_pool(pool))  # int8 pages of 16: the Triton kernel
     int8_p32 = quantize_kv_pool(jnp.zeros((1, 4, 32, 2, 64), jnp.float32))
     assert paged_attention_mosaic.supports(q, int8_p32)  # int8 pages of 32 (and 64): this kernel
-    monkeypatch.setattr(paged_attention_mosaic, "INT8_KV", False)
-    assert not paged_attention_mosaic.supports(q, int8_p32)
     assert not paged_attention_mosaic.supports(jnp.zeros((2, 8, 32), jnp.bfloat16), pool[..., :32])  # head_dim 32
     assert paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 32, 2, 64), jnp.bfloat16))  # pages of 32: run on the H200
     assert not paged_attention_mosaic.supports(q, jnp.zeros((1, 4, 128, 2, 64), jnp.bfloat16))  # pages of 128: not run on a GPU

@@ -1,0 +1,137 @@
+"""Flash-decoding: a step's attention work cut into items that fill the GPU, and the combine.
+
+A decode step of few sequences has too few (query block, KV head) pairs to occupy the GPU's
+SMs: batch 1 of a model with 8 KV heads is 8 programs. So each query block's K/V steps (runs of
+`kv_per_step` positions) are cut into chunks, one *work item* each, and each item runs as its
+own program per KV head. Items write unnormalised softmax states (acc, l, m); `combine` merges
+a block's items into its output.
+
+Invariants of the work list (`work_items`), all computed on the device from the batch:
+- There are exactly `num_items` items (static); items of one block are consecutive and in step
+  order; item i covers steps [first_step[i], last_step[i]) of block block[i].
+- Every step a block needs is covered by exactly one item; a block with no steps (an unused
+  block, padding) has no item; items past the last used one are empty (first == last == 0,
+  block 0) and nothing reads their output.
+- The chunk (steps per item) is one number for the whole step, the smallest that keeps the
+  item count within `num_items` and each block's within `max_items_per_block`, and at least
+  `min_steps`. So a long context spreads over as many programs as the grid offers, a short
+  one is not cut into items cheaper than their fixed cost, and ragged contexts get items of
+  equal size (no program waits on one long row).
+
+The cost rule (`num_work_items`) sizes the grid from static shapes only: enough items that
+`num_kv_heads` programs each fill the SMs about twice over even when one block holds all the
+work (batch 1), plus one item per block.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.tiling import NUM_SMS, next_pow2
+
+PROGRAMS_PER_SM = 2  # the attention kernels keep two programs resident per SM
+
+
+class WorkItems(NamedTuple):
+    block: jax.Array  # [num_items] int32, the query block each item belongs to (0 for an empty item)
+    first_step: jax.Array  # [num_items] int32, the item's first K/V step
+    last_step: jax.Array  # [num_items] int32, one past its last step (== first_step: empty)
+    block_first_item: jax.Array  # [num_blocks] int32, index of each block's first item
+    block_num_items: jax.Array  # [num_blocks] int32, items of each block (0: no work)
+
+
+def num_work_items(num_blocks: int, num_kv_heads: int) -> int:
+    """The static grid size: enough items that batch-1 decode fills the SMs PROGRAMS_PER_SM times
+    over with its num_kv_heads programs an item, plus one item per block."""
+    return num_blocks + -(-PROGRAMS_PER_SM * NUM_SMS // num_kv_heads)
+
+
+def work_items(step_begin, step_end, num_items: int, *, min_steps: int = 2, max_items_per_block: int | None = None) -> WorkItems:
+    """Cut each block's steps [step_begin[b], step_end[b]) into chunks of one common size.
+
+    step_begin, step_end: [num_blocks] int32 (equal for a block with no work).
+    """
+    num_blocks = step_begin.shape[0]
+    if num_items < num_blocks:
+        raise ValueError(f"num_items={num_items} must be >= the {num_blocks} query blocks")
+    max_per_block = max_items_per_block or num_items
+    steps = jnp.maximum(step_end - step_begin, 0)  # [NB]
+    used = steps > 0
+    total = jnp.sum(steps)
+    free = num_items - jnp.sum(used)  # items beyond one per used block: sum(ceil(s / c)) <= total / c + used
+    chunk = jnp.maximum(-(-total // jnp.maximum(free, 1)), min_steps)
+    chunk = jnp.maximum(chunk, -(-jnp.max(steps) // max_per_block))
+    chunk = jnp.where(free > 0, chunk, jnp.maximum(jnp.max(steps), 1))  # no spare items: one item a block
+    n = jnp.where(used, -(-steps // chunk), 0).astype(jnp.int32)  # [NB]
+    cu = jnp.cumsum(n)  # inclusive
+    first_item = (cu - n).astype(jnp.int32)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    real = item < cu[-1]
+    # compare_all: the default method is a while loop, which XLA:GPU drives from the host.
+    block = jnp.minimum(jnp.searchsorted(cu, item, side="right", method="compare_all"), num_blocks - 1).astype(jnp.int32)
+    k = item - first_item[block]
+    first = step_begin[block] + k * chunk
+    last = jnp.minimum(first + chunk, step_end[block])
+    zero = jnp.zeros_like(item)
+    return WorkItems(jnp.where(real, block, zero), jnp.where(real, first, zero).astype(jnp.int32),
+                     jnp.where(real, last, zero).astype(jnp.int32), first_item, n)
+
+
+def combine_reference(items: WorkItems, acc, l, m):
+    """Merge each block's items: acc [num_items, ..., D] float32, l and m [num_items, ...] (m in
+    log2 units, as the kernels keep it) -> [num_blocks, ..., D] float32 (zeros for a block with
+    no items)."""
+    num_items = acc.shape[0]
+    item = jnp.arange(num_items)
+    first, count = items.block_first_item, items.block_num_items
+    mine = (item[None, :] >= first[:, None]) & (item[None, :] < (first + count)[:, None])  # [NB, P]
+    extra = (1,) * (m.ndim - 1)
+    mine_m = mine.reshape(mine.shape + extra)
+    m_max = jnp.max(jnp.where(mine_m, m[None], -jnp.inf), axis=1)  # [NB, ...]
+    w = jnp.exp2(m[None] - jnp.where(jnp.isfinite(m_max), m_max, 0.0)[:, None])  # [NB, P, ...]
+    # items outside the block (unused ones may hold anything, NaN included) contribute nothing
+    l_sum = jnp.sum(jnp.where(mine_m, w * l[None], 0.0), axis=1)
+    acc_sum = jnp.sum(jnp.where(mine_m[..., None], w[..., None] * acc[None], 0.0), axis=1)
+    return acc_sum / jnp.maximum(l_sum, 1e-30)[..., None]
+
+
+def _combine_kernel(first_ref, count_ref, acc_ref, l_ref, m_ref, o_ref):
+    block, head = pl.program_id(0), pl.program_id(1)
+    first, count = first_ref[block], count_ref[block]
+    rows, head_dim = o_ref.shape[-2:]
+
+    def body(i, carry):
+        m, l, acc = carry
+        mi, li = m_ref[first + i, head], l_ref[first + i, head]  # [rows]
+        m_new = jnp.maximum(m, mi)
+        a, b = jnp.exp2(m - m_new), jnp.exp2(mi - m_new)
+        return m_new, l * a + li * b, acc * a[:, None] + acc_ref[first + i, head] * b[:, None]
+
+    init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, count, body, init)
+    o_ref[block, head] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def combine(items: WorkItems, acc, l, m, *, out_dtype, interpret: bool | None = None):
+    """combine_reference as one Pallas (Triton) program per (block, KV head), reading only the block's
+    items: acc [num_items, KVH, rows, D], l and m [num_items, KVH, rows] -> [num_blocks, KVH, rows, D]."""
+    num_items, num_kv_heads, rows, head_dim = acc.shape
+    if rows != next_pow2(rows) or head_dim != next_pow2(head_dim):
+        raise ValueError(f"combine needs power-of-two rows and head_dim, got {rows} and {head_dim}")
+    num_blocks = items.block_first_item.shape[0]
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
+    return pl.pallas_call(
+        _combine_kernel,
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[full((num_blocks,)), full((num_blocks,)), full(acc.shape), full(l.shape), full(m.shape)],
+        out_specs=full((num_blocks, num_kv_heads, rows, head_dim)),
+        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), out_dtype),
+        interpret=pallas_mode.resolve(interpret),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        name="split_kv_combine",
+    )(items.block_first_item, items.block_num_items, acc, l, m)

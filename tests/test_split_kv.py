@@ -1,0 +1,102 @@
+"""Flash-decoding's work list and combine (pallas_kernels/split_kv.py).
+
+The work list is checked against its invariants on random ragged step ranges; the combine (the
+Pallas program, interpreted here) against the XLA reference, and both against a softmax over the
+whole row computed in numpy from the same scores.
+"""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from jlight.pallas_kernels import split_kv
+
+
+def _check_items(begin, end, num_items, min_steps, max_per_block=None):
+    items = split_kv.work_items(jnp.asarray(begin, jnp.int32), jnp.asarray(end, jnp.int32), num_items,
+                                min_steps=min_steps, max_items_per_block=max_per_block)
+    block, first, last = (np.asarray(a) for a in items[:3])
+    block_first, block_n = np.asarray(items.block_first_item), np.asarray(items.block_num_items)
+    assert block.shape == (num_items,)
+    sizes = last - first
+    for b, (lo, hi) in enumerate(zip(begin, end)):
+        mine = np.arange(block_first[b], block_first[b] + block_n[b])
+        assert np.all(block[mine] == b)
+        if hi <= lo:
+            assert block_n[b] == 0
+            continue
+        # consecutive items in step order cover [lo, hi) exactly once
+        assert first[mine[0]] == lo and last[mine[-1]] == hi
+        assert np.all(first[mine[1:]] == last[mine[:-1]])
+        assert np.all(sizes[mine] > 0)
+        if max_per_block:
+            assert block_n[b] <= max_per_block
+    used = block_n.sum()
+    assert np.all(sizes[used:] == 0) and np.all(first[used:] == 0)
+    real = sizes[:used]
+    # one chunk size for the whole step: every item but a block's last has it, and none is longer
+    not_last = np.flatnonzero(block[:used - 1] == block[1:used]) if used > 1 else np.array([], int)
+    if len(not_last):
+        chunk = real[not_last[0]]
+        assert np.all(real[not_last] == chunk) and np.all(real <= chunk)
+    assert np.all(real >= min(min_steps, real.min(initial=min_steps)))
+    return items, real
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_work_items_cover_every_step_once(seed):
+    rng = np.random.default_rng(seed)
+    num_blocks = int(rng.integers(1, 20))
+    end = rng.integers(0, 300, num_blocks) * (rng.random(num_blocks) < 0.8)  # some blocks without work
+    begin = np.minimum(rng.integers(0, 50, num_blocks) * (rng.random(num_blocks) < 0.3), end)  # sliding windows
+    num_items = num_blocks + int(rng.integers(0, 60))
+    _check_items(begin, end, num_items, min_steps=int(rng.integers(1, 4)),
+                 max_per_block=int(rng.integers(1, 40)) if seed % 2 else None)
+
+
+def test_batch1_long_context_spreads_over_the_grid():
+    num_items = split_kv.num_work_items(8, 8)  # batch-1 decode padded to 8 tokens, 8 KV heads
+    assert num_items * 8 >= 2 * 132  # the grid fills every SM twice with one row's items
+    _, sizes = _check_items([0] * 8, [512] + [0] * 7, num_items, min_steps=2)  # 32k positions of one row
+    assert len(sizes) >= num_items - 8  # the row takes (nearly) every item of the grid
+    _, sizes = _check_items([0] * 8, [3] + [0] * 7, num_items, min_steps=2)  # a short row: few, whole chunks
+    assert list(sizes) == [2, 1]
+
+
+def test_no_spare_items_means_one_item_a_block():
+    _, sizes = _check_items([0, 0, 0], [5, 90, 7], 3, min_steps=1)
+    assert list(sizes) == [5, 90, 7]
+    with pytest.raises(ValueError, match="num_items=2"):
+        split_kv.work_items(jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.int32), 2)
+
+
+def test_combine_equals_a_softmax_over_the_whole_row():
+    """Rows of scores cut into items: the kernel's and the reference's merge of per-item (acc, l, m)
+    equal softmax(scores) @ values over the whole row."""
+    rng = np.random.default_rng(0)
+    kv_heads, rows, head_dim = 2, 8, 64
+    begin, end = np.array([0, 0, 0, 2]), np.array([7, 0, 3, 11])  # steps per block; block 1 has none
+    items = split_kv.work_items(jnp.asarray(begin, jnp.int32), jnp.asarray(end, jnp.int32), 9, min_steps=2)
+    block, first, last = (np.asarray(a) for a in items[:3])
+    steps = 16  # positions per step
+    scores = rng.standard_normal((4, kv_heads, rows, 11 * steps)) * 3
+    values = rng.standard_normal((4, kv_heads, 11 * steps, head_dim))
+    acc = np.full((9, kv_heads, rows, head_dim), np.nan, np.float32)  # unused items: never read
+    l = np.full((9, kv_heads, rows), np.nan, np.float32)
+    m = np.full((9, kv_heads, rows), np.nan, np.float32)
+    for i in range(int(np.asarray(items.block_num_items).sum())):
+        b, cols = block[i], slice(first[i] * steps, last[i] * steps)
+        s = scores[block[i], :, :, cols] * np.log2(np.e)  # log2 units, as the kernels keep m
+        m[i] = s.max(-1)
+        p = np.exp2(s - m[i][..., None])
+        l[i], acc[i] = p.sum(-1), np.einsum("hrp,hpd->hrd", p, values[b, :, cols])
+    want = np.zeros((4, kv_heads, rows, head_dim))
+    for b in range(4):
+        if end[b] > begin[b]:
+            s = scores[b, :, :, begin[b] * steps:end[b] * steps]
+            p = np.exp(s - s.max(-1, keepdims=True))
+            want[b] = np.einsum("hrp,hpd->hrd", p / p.sum(-1, keepdims=True), values[b, :, begin[b] * steps:end[b] * steps])
+    args = (items, jnp.asarray(acc), jnp.asarray(l), jnp.asarray(m))
+    ref = np.asarray(split_kv.combine_reference(*args))
+    got = np.asarray(split_kv.combine(*args, out_dtype=jnp.float32, interpret=True))
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
