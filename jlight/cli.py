@@ -40,8 +40,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's knob instead: the engine's whole share of the device memory JAX manages "
                         "(weights included); the KV pool gets the rest of that share")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"],
-                   help="auto: the model's dtype; int8: int8 K/V with a scale per token and head (about 2x the pages)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "int8"],
+                   help="auto: the model's dtype; fp8: e4m3 K/V (2x the pages of bf16); int8: int8 K/V with a scale per "
+                        "token and head (about 2x the pages)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])

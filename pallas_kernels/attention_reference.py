@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
-from jlight.pallas_kernels.quantization import QuantizedKV, quantize_kv
+from jlight.pallas_kernels.quantization import FP8_KV_DTYPE, QuantizedKV, quantize_kv, to_fp8_kv
 
 _MASKED = -1e30
 _KV_PER_STEP = 128  # K/V positions a loop step reads (whole pages): fewer, larger products than one page
@@ -25,7 +25,8 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
     """Scatter this step's K/V into the paged cache.
 
     k_cache, v_cache: [num_layers, num_pages, page_size, num_kv_heads, head_dim], or QuantizedKV
-    pools of that shape (int8 KV cache: each token's vector per KV head is quantized here).
+    pools of that shape (int8 KV cache: each token's vector per KV head is quantized here); fp8
+    pools take the values saturated to the format's range.
     k, v: [T, num_kv_heads, head_dim]; slot_mapping: [T] flat slots.
     """
     page_size = k_cache.shape[2]
@@ -38,7 +39,8 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
             # scales [T, kv_heads] go to [layer, page, :, offset] (the pool keeps them head-major)
             return QuantizedKV(cache.values.at[layer, page, offset].set(values),
                                cache.scales.at[layer, page, :, offset].set(scales))
-        return cache.at[layer, page, offset].set(x.astype(cache.dtype))
+        values = to_fp8_kv(x) if cache.dtype == FP8_KV_DTYPE else x.astype(cache.dtype)
+        return cache.at[layer, page, offset].set(values)
 
     return write(k_cache, k), write(v_cache, v)
 

@@ -31,7 +31,8 @@ slots at half the bytes. Each step converts its K and V tiles to q's dtype (exac
 registers, into one shared-memory tile each for the two wgmmas, and applies the scales in float32
 as the Triton kernel does: K's to the score columns, V's to the probabilities that multiply V.
 fp8 (e4m3) pools are plain arrays with no scales (scale 1, as vLLM's uncalibrated fp8 cache):
-their tiles are converted the same way and need nothing else.
+their tiles are converted the same way, to float16 (exact; Mosaic GPU converts e4m3 to bfloat16 only
+through float32), and both products run in float16 (q converted once, P in float16).
 
 Contract the kernel relies on: the tokens of a row in one step have consecutive positions
 (a prefill chunk or one decode token), so a block's row positions follow from its first token's.
@@ -156,7 +157,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
     r, c = iota(shape, 0), iota(shape, 1)
 
     def converted(values_smem, tile_smem):
-        """An int8 or fp8 slot in q's dtype (exact) in tile_smem, where the wgmmas read it."""
+        """An int8 or fp8 slot in the products' dtype (exact) in tile_smem, where the wgmmas read it."""
         tile_smem[...] = values_smem[...].astype(tile_smem.dtype)
         plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
         return tile_smem
@@ -307,7 +308,10 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     if scaled:
         pools += [c.scales.reshape(num_layers * num_pages, num_kv_heads, page_size) for c in (k_cache, v_cache)]
     row, start, end = query_blocks(md.query_start, num_blocks, block_q)
-    q_rows = _query_rows(q, num_kv_heads, block_q, start, end)  # [blocks, KVH, io_rows, D]
+    # The products' dtype: q's, but float16 over fp8 pools (Mosaic GPU converts e4m3 to float16 in
+    # registers, exactly, and to bfloat16 only through float32).
+    dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
+    q_rows = _query_rows(q, num_kv_heads, block_q, start, end).astype(dtype)  # [blocks, KVH, io_rows, D]
     io_rows = q_rows.shape[2]
     positions = jnp.pad(md.positions, (0, 1))  # the extra entry keeps an unused block's read in range when T = 0
     parts = [row, start, end, positions]
@@ -330,14 +334,14 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         )
         grid, grid_names = (num_items, num_kv_heads), ("item", "head")
     else:
-        out_type = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, io_rows, head_dim), q.dtype)
+        out_type = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, io_rows, head_dim), dtype)
         grid, grid_names = (num_blocks, num_kv_heads), ("block", "head")
     kv_tile = (num_stages, pages_per_step * page_size, head_dim)
     slot_dtype = k_cache.dtype
-    convert = slot_dtype != q.dtype
+    convert = slot_dtype != dtype
     copies_per_slot = pages_per_step * (2 if scaled else 1)  # int8: each page's values and scales
     scratch = [
-        swizzled_smem((_ROWS, head_dim), q.dtype),  # the query tile, then the output tile
+        swizzled_smem((_ROWS, head_dim), dtype),  # the query tile, then the output tile
         swizzled_smem(kv_tile, slot_dtype),  # K slots
         swizzled_smem(kv_tile, slot_dtype),  # V slots
         plgpu.Barrier(),  # query copied
@@ -348,7 +352,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         scratch += [swizzled_smem((_ROWS, head_dim), jnp.float32),  # an item's partial output
                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # its l and m
     if convert:
-        scratch += [swizzled_smem(kv_tile[1:], q.dtype), swizzled_smem(kv_tile[1:], q.dtype)]  # K, V tiles in q's dtype
+        scratch += [swizzled_smem(kv_tile[1:], dtype), swizzled_smem(kv_tile[1:], dtype)]  # K, V tiles in the products' dtype
     if scaled:
         scratch += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32)]  # K, V scale slots
     item_base = 3 * num_blocks + num_tokens + 1
@@ -368,7 +372,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         interpret=interpret_params() if interpreting else None,
     )(meta, layer_offset, q_rows, *pools)
 
-    out = split_kv.combine(items, *result, out_dtype=q.dtype, interpret=interpret) if num_items else result
+    out = split_kv.combine(items, *result, out_dtype=q.dtype, interpret=interpret) if num_items else result.astype(q.dtype)
     # out: [blocks, KVH, rows, D]
     if block_q == 1:  # decode: block t is token t, its first `group` rows its heads (padding tokens got zeros)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)

@@ -73,7 +73,7 @@ def _kernel(row_ref, start_ref, end_ref, page_table_ref, pos_ref, q_ref, k_ref, 
         pages = page_table_ref[row, pl.ds(step * pages_per_step, pages_per_step)]  # [pages_per_step]
         k = k_ref[pages].reshape(kv_per_step, head_dim)  # [kv_per_step, head_dim]
         v = v_ref[pages].reshape(kv_per_step, head_dim)
-        if quantized:  # int8 -> q's dtype is exact; the scales are applied to s and p below
+        if k.dtype != q.dtype:  # int8 or fp8 -> q's dtype is exact; int8's scales are applied to s and p below
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         # float32 operands: true float32 products (Triton's default is TF32), as the XLA reference and a
         # float32 model's other matmuls (model_runner.matmul_precision) have them
@@ -132,7 +132,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
                     num_warps: int = 4, num_stages: int = 2):
     """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim].
 
-    k_cache, v_cache: pools of q's dtype or int8 QuantizedKV pools (both alike).
+    k_cache, v_cache: pools of q's dtype or of fp8 (e4m3), or int8 QuantizedKV pools (both alike).
     Outputs of padding tokens (beyond query_start[B]) are zeros.
     """
     quantized = isinstance(k_cache, QuantizedKV)

@@ -159,7 +159,20 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
 # ([..., kv_heads, page_size]), so one KV head's scales of a page are one contiguous run: a TMA copy
 # (the Mosaic GPU kernel) needs >= 16 contiguous bytes, and the Triton kernel reads them in one vector.
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+# kv_cache_dtype="fp8": each pool is a plain float8_e4m3fn array of the unquantized pool's shape, with
+# scale 1 (vLLM's fp8 cache without calibrated scales): a floating-point format keeps its relative
+# precision (3 mantissa bits) over its whole range, so K and V need no per-token scale as long as
+# they stay within +-448, where write_kv saturates them. It halves a bf16 cache's bytes exactly and
+# keeps every page size open to the Mosaic GPU kernel (no scale copies).
+FP8_KV_DTYPE = jnp.float8_e4m3fn
+FP8_KV_MAX = float(jnp.finfo(FP8_KV_DTYPE).max)
+
+
+def to_fp8_kv(x: jax.Array) -> jax.Array:
+    """x as fp8 K/V values, saturated at the format's +-448 (a plain cast would give NaN there)."""
+    return jnp.clip(x.astype(jnp.float32), -FP8_KV_MAX, FP8_KV_MAX).astype(FP8_KV_DTYPE)
 
 
 class QuantizedKV(NamedTuple):
@@ -212,19 +225,22 @@ def kv_pool_bytes(shape, kv_cache_dtype: str, model_dtype) -> int:
         elements *= int(n)
     if kv_cache_dtype == "int8":
         return elements + (elements // int(shape[-1])) * 4
+    if kv_cache_dtype == "fp8":
+        return elements
     return elements * jnp.dtype(model_dtype).itemsize
 
 
 def make_kv_pool(shape, kv_cache_dtype: str, model_dtype, shardings=None):
-    """A zeroed page pool: an array of the model dtype ("auto") or a QuantizedKV ("int8").
+    """A zeroed page pool: an array of the model dtype ("auto") or of fp8 ("fp8"), or a QuantizedKV ("int8").
 
     shardings: None, or a NamedSharding for the unquantized pool (scales_sharding derives the scales').
     """
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype in ("auto", "fp8"):
+        dtype = FP8_KV_DTYPE if kv_cache_dtype == "fp8" else model_dtype
         if shardings is None:
-            return jnp.zeros(shape, model_dtype)
-        return jax.jit(lambda: jnp.zeros(shape, model_dtype), out_shardings=shardings)()
+            return jnp.zeros(shape, dtype)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=shardings)()
     shape = tuple(shape)
     zeros = lambda: QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(kv_scales_shape(shape), jnp.float32))
     if shardings is None:

@@ -229,8 +229,9 @@ def test_engine_counts_int8_pages(model_dir, monkeypatch):
 # ---- validation -----------------------------------------------------------------------------
 
 def test_config_rejects_unknown_kv_cache_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is invalid"):
-        EngineConfig(kv_cache_dtype="fp8").validate()
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is invalid"):
+        EngineConfig(kv_cache_dtype="fp16").validate()
+    EngineConfig(kv_cache_dtype="fp8").validate()
     EngineConfig(kv_cache_dtype="int8").validate()
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_kv_pool((1, 2, 16, 1, 64), "float8", jnp.float32)

@@ -26,7 +26,8 @@ class EngineConfig:
     # (bytes_limit: 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise). When given,
     # the KV pool takes that share less what the weights use, and kv_cache_memory_fraction is unused.
     gpu_memory_utilization: float | None = None
-    # "auto": K/V pages in the model's dtype; "int8": int8 values + a float32 scale per token and
+    # "auto": K/V pages in the model's dtype; "fp8": float8_e4m3fn values with scale 1 (half a bf16
+    # cache's bytes; Llama/MoE families, not MLA); "int8": int8 values + a float32 scale per token and
     # KV head (about half the bytes, so about twice the pages). Llama/MoE families; not MLA. On GPU
     # int8 pages of 32 or 64 tokens run the Mosaic GPU attention, pages of 8 or 16 the Triton one
     # (H200, B=64 decode at 4k context: 324 / 313 vs 343 us; docs/BENCHMARKS.md).
@@ -74,8 +75,8 @@ class EngineConfig:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.quantization not in (None, "int8", "w8a8"):
             bad("quantization", "must be None, 'int8' or 'w8a8'")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            bad("kv_cache_dtype", "must be 'auto' (the model's dtype) or 'int8'")
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            bad("kv_cache_dtype", "must be 'auto' (the model's dtype), 'fp8' (e4m3) or 'int8'")
         from jlight.pallas_kernels.dispatch import MOE_IMPLS
 
         if self.moe_impl not in MOE_IMPLS:
