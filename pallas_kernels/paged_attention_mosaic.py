@@ -90,17 +90,12 @@ def supports(q, k_cache) -> bool:
 
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_items, item_base, table_base, table_width,
-            group, page_size, pages_per_step, num_stages, scale, sliding_window, convert, scaled, interpreting):
+            group, page_size, pages_per_step, num_stages, scale, sliding_window, convert, scaled, interpreting,
+            slot_types, partial_types):
     if scaled:  # int8 pools: their scales ([pages, kv_heads, page_size]) follow the values
         ks_ref, vs_ref, *refs = refs
-        *refs, ks_smem, vs_smem = refs  # scale slots
-    if convert:  # int8 / fp8 pools: the K and V tiles in q's dtype, where the wgmmas read them
-        *refs, kd_smem, vd_smem = refs
+    *out_refs, q_smem, q_bar, k_bar, v_bar = refs
     work = num_items > 0  # flash-decoding: program = (work item, KV head), partial states out
-    num_scratch = 8 if work else 6
-    out_refs, scratch = refs[:-num_scratch], refs[-num_scratch:]
-    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scratch[:6]
-    o_smem, stat_smem = scratch[6:] or (None, None)
     head = lax.axis_index("head")
     if work:
         item = lax.axis_index("item")
@@ -129,113 +124,122 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
     io_rows = q_ref.shape[2]
     plgpu.copy_gmem_to_smem(q_ref.at[block, head], q_smem.at[pl.ds(0, io_rows)], q_bar)
 
-    def issue(step, slot):  # TMA the step's pages of this KV head into the slot
-        for i in range(pages_per_step):
-            page = page_offset + meta_ref[table_base + row * table_width + step * pages_per_step + i]
-            dst = pl.ds(i * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, dst], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, dst], v_bar.at[slot])
-            if scaled:
-                plgpu.copy_gmem_to_smem(ks_ref.at[page, head], ks_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(vs_ref.at[page, head], vs_smem.at[slot, dst], v_bar.at[slot])
-
-    for s in range(num_stages):
-        @pl.when(first_step + s < last_step)
-        def _():
-            issue(first_step + s, s)
-
-    plgpu.barrier_wait(q_bar)
-    # Register layouts: the wgmma accumulator's, and its rows'. The interpreter has no layouts.
-    if interpreting:
-        iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)
-        tile, row_vec = lambda x: x, lambda x: x
-    else:
-        iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-        tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
-        row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
-    shape = (_ROWS, kv_per_step)
-    r, c = iota(shape, 0), iota(shape, 1)
-
-    def converted(values_smem, tile_smem):
-        """An int8 or fp8 slot in the products' dtype (exact) in tile_smem, where the wgmmas read it."""
-        tile_smem[...] = values_smem[...].astype(tile_smem.dtype)
-        plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
-        return tile_smem
-
-    def column_scales(scales_smem):
-        """A slot's per-token scales broadcast over the rows of a [rows, positions] tile."""
-        scales = scales_smem[...] if interpreting else plgpu.load(scales_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
-        return lax.broadcast_in_dim(scales, shape, [1])
-    row_pos = first_pos + lax.div(r, jnp.int32(group))
-    row_ok = r < num_tokens * group  # rows past the block belong to other blocks
-
-    def body(step, carry):
-        acc, m, l = carry
-        slot = lax.rem(step - first_step, num_stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        k_tile = converted(k_smem.at[slot], kd_smem) if convert else k_smem.at[slot]
-
-        def v_converted():  # V's tile in q's dtype, converted while the Q K^T wgmma runs
-            plgpu.barrier_wait(v_bar.at[slot])
-            return converted(v_smem.at[slot], vd_smem)
-
-        if interpreting:
-            s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
-            v_tile = v_converted() if convert else None
-        else:
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-                if convert:
-                    v_converted()
-                return acc_ref[...]  # reading the accumulator waits for the wgmma
-            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-            v_tile = vd_smem if convert else None
+    def stream(k_smem, v_smem, *more):
+        """The K/V loop, in a scope of its own: the slots' shared memory is free again after it."""
+        if convert:  # int8 / fp8 pools: the K and V tiles in the products' dtype, where the wgmmas read them
+            kd_smem, vd_smem, *more = more
         if scaled:
-            s = s * column_scales(ks_smem.at[slot])
-        kv_pos = step * kv_per_step + c
-        mask = row_ok & (kv_pos <= row_pos)
-        if sliding_window is not None:
-            mask = mask & (kv_pos > row_pos - sliding_window)
-        # Scores in log2 units: exp2 is the hardware's exponential.
-        s = jnp.where(mask, s * (scale * _LOG2E), _MASKED)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
-        alpha = jnp.exp2(m - m_new)
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if scaled:  # (p * s_v) . V_int8 = p . (s_v * V_int8); l keeps the unscaled p
-            p16 = (p * column_scales(vs_smem.at[slot])).astype(q_smem.dtype)
-        else:
-            p16 = p.astype(q_smem.dtype)
-        if not convert:
-            plgpu.barrier_wait(v_bar.at[slot])
-            v_tile = v_smem.at[slot]
+            ks_smem, vs_smem = more  # scale slots
+
+        def issue(step, slot):  # TMA the step's pages of this KV head into the slot
+            for i in range(pages_per_step):
+                page = page_offset + meta_ref[table_base + row * table_width + step * pages_per_step + i]
+                dst = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, dst], v_bar.at[slot])
+                if scaled:
+                    plgpu.copy_gmem_to_smem(ks_ref.at[page, head], ks_smem.at[slot, dst], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(vs_ref.at[page, head], vs_smem.at[slot, dst], v_bar.at[slot])
+
+        for s in range(num_stages):
+            @pl.when(first_step + s < last_step)
+            def _():
+                issue(first_step + s, s)
+
+        plgpu.barrier_wait(q_bar)
+        # Register layouts: the wgmma accumulator's, and its rows'. The interpreter has no layouts.
         if interpreting:
-            acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+            iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)
+            tile, row_vec = lambda x: x, lambda x: x
         else:
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_tile)
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+            tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
+            row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
+        shape = (_ROWS, kv_per_step)
+        r, c = iota(shape, 0), iota(shape, 1)
 
-        if interpreting:
-            # The interpreter's dots read the slot through the generic proxy, and the TMA that
-            # refills it writes through the async proxy: the memory model orders the two only
-            # across a proxy fence (jax 0.11.2's race detector checks this). On the GPU both are
-            # async-proxy accesses (wgmma reads, TMA writes), ordered by the wgmma waits above.
-            plgpu.commit_smem()
+        def converted(values_smem, tile_smem):
+            """An int8 or fp8 slot in the products' dtype (exact) in tile_smem, where the wgmmas read it."""
+            tile_smem[...] = values_smem[...].astype(tile_smem.dtype)
+            plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
+            return tile_smem
 
-        @pl.when(step + num_stages < last_step)  # the slot is free again: fetch a later step into it
-        def _():
-            issue(step + num_stages, slot)
-        return acc, m_new, l
+        def column_scales(scales_smem):
+            """A slot's per-token scales broadcast over the rows of a [rows, positions] tile."""
+            scales = scales_smem[...] if interpreting else plgpu.load(scales_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(scales, shape, [1])
+        row_pos = first_pos + lax.div(r, jnp.int32(group))
+        row_ok = r < num_tokens * group  # rows past the block belong to other blocks
 
-    head_dim = q_smem.shape[-1]
-    init = (
-        tile(jnp.zeros((_ROWS, head_dim), jnp.float32)),
-        row_vec(jnp.full((_ROWS,), _MASKED, jnp.float32)),
-        row_vec(jnp.zeros((_ROWS,), jnp.float32)),
-    )
-    acc, m, l = lax.fori_loop(first_step, last_step, body, init)
+        def body(step, carry):
+            acc, m, l = carry
+            slot = lax.rem(step - first_step, num_stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            k_tile = converted(k_smem.at[slot], kd_smem) if convert else k_smem.at[slot]
+
+            def v_converted():  # V's tile in q's dtype, converted while the Q K^T wgmma runs
+                plgpu.barrier_wait(v_bar.at[slot])
+                return converted(v_smem.at[slot], vd_smem)
+
+            if interpreting:
+                s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+                v_tile = v_converted() if convert else None
+            else:
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                    if convert:
+                        v_converted()
+                    return acc_ref[...]  # reading the accumulator waits for the wgmma
+                s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                v_tile = vd_smem if convert else None
+            if scaled:
+                s = s * column_scales(ks_smem.at[slot])
+            kv_pos = step * kv_per_step + c
+            mask = row_ok & (kv_pos <= row_pos)
+            if sliding_window is not None:
+                mask = mask & (kv_pos > row_pos - sliding_window)
+            # Scores in log2 units: exp2 is the hardware's exponential.
+            s = jnp.where(mask, s * (scale * _LOG2E), _MASKED)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
+            alpha = jnp.exp2(m - m_new)
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if scaled:  # (p * s_v) . V_int8 = p . (s_v * V_int8); l keeps the unscaled p
+                p16 = (p * column_scales(vs_smem.at[slot])).astype(q_smem.dtype)
+            else:
+                p16 = p.astype(q_smem.dtype)
+            if not convert:
+                plgpu.barrier_wait(v_bar.at[slot])
+                v_tile = v_smem.at[slot]
+            if interpreting:
+                acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+
+            if interpreting:
+                # The interpreter's dots read the slot through the generic proxy, and the TMA that
+                # refills it writes through the async proxy: the memory model orders the two only
+                # across a proxy fence (jax 0.11.2's race detector checks this). On the GPU both are
+                # async-proxy accesses (wgmma reads, TMA writes), ordered by the wgmma waits above.
+                plgpu.commit_smem()
+
+            @pl.when(step + num_stages < last_step)  # the slot is free again: fetch a later step into it
+            def _():
+                issue(step + num_stages, slot)
+            return acc, m_new, l
+
+        head_dim = q_smem.shape[-1]
+        init = (
+            tile(jnp.zeros((_ROWS, head_dim), jnp.float32)),
+            row_vec(jnp.full((_ROWS,), _MASKED, jnp.float32)),
+            row_vec(jnp.zeros((_ROWS,), jnp.float32)),
+        )
+        return lax.fori_loop(first_step, last_step, body, init)
+
+    acc, m, l = pl.run_scoped(stream, *slot_types)
 
     # Only the block's rows go out (an unused block writes zeros: acc = 0, l = 0).
     rows = pl.ds(0, io_rows)
@@ -244,16 +248,20 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
         q_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(q_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem.at[rows], o_ref.at[block, head])
-    else:  # the item's unnormalised state goes to the combine (m in log2 units)
+        plgpu.wait_smem_to_gmem(0)
+    else:  # the item's unnormalised state goes to the combine (m in log2 units), through the slots' memory
         o_ref, l_ref, m_ref = out_refs
-        o_smem[...] = acc
-        stat_smem[0] = l
-        stat_smem[1] = m
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[item, head])
-        plgpu.copy_smem_to_gmem(stat_smem.at[0, rows], l_ref.at[item, head])
-        plgpu.copy_smem_to_gmem(stat_smem.at[1, rows], m_ref.at[item, head])
-    plgpu.wait_smem_to_gmem(0)
+
+        def write_partials(o_smem, stat_smem):
+            o_smem[...] = acc
+            stat_smem[0] = l
+            stat_smem[1] = m
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[item, head])
+            plgpu.copy_smem_to_gmem(stat_smem.at[0, rows], l_ref.at[item, head])
+            plgpu.copy_smem_to_gmem(stat_smem.at[1, rows], m_ref.at[item, head])
+            plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(write_partials, *partial_types)
 
 
 # Decode steps run as work items (flash-decoding) while their (block, KV head) programs number fewer
@@ -342,26 +350,26 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     copies_per_slot = pages_per_step * (2 if scaled else 1)  # int8: each page's values and scales
     scratch = [
         swizzled_smem((_ROWS, head_dim), dtype),  # the query tile, then the output tile
-        swizzled_smem(kv_tile, slot_dtype),  # K slots
-        swizzled_smem(kv_tile, slot_dtype),  # V slots
         plgpu.Barrier(),  # query copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's K pages copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's V pages copied
     ]
-    if num_items:
-        scratch += [swizzled_smem((_ROWS, head_dim), jnp.float32),  # an item's partial output
-                    plgpu.SMEM((2, _ROWS), jnp.float32)]  # its l and m
+    # Shared memory of the K/V loop's scope, then of the epilogue's (the same bytes, one after the other):
+    # two programs of 80 KB (bf16, 2 stages of 64 positions) fit on an SM with an item's partial output too.
+    slot_types = [swizzled_smem(kv_tile, slot_dtype), swizzled_smem(kv_tile, slot_dtype)]  # K, V slots
     if convert:
-        scratch += [swizzled_smem(kv_tile[1:], dtype), swizzled_smem(kv_tile[1:], dtype)]  # K, V tiles in the products' dtype
+        slot_types += [swizzled_smem(kv_tile[1:], dtype), swizzled_smem(kv_tile[1:], dtype)]  # K, V tiles in the products' dtype
     if scaled:
-        scratch += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32)]  # K, V scale slots
+        slot_types += [plgpu.SMEM(kv_tile[:2], jnp.float32), plgpu.SMEM(kv_tile[:2], jnp.float32)]  # K, V scale slots
+    partial_types = [swizzled_smem((_ROWS, head_dim), jnp.float32),  # an item's partial output
+                     plgpu.SMEM((2, _ROWS), jnp.float32)]  # its l and m
     item_base = 3 * num_blocks + num_tokens + 1
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, num_items=num_items, item_base=item_base,
         table_base=item_base + 3 * num_items, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, convert=convert, scaled=scaled,
-        interpreting=interpreting)
+        interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types))
     result = plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -1,0 +1,108 @@
+"""Decode attention alone, at the engine's step shapes, across batch and context (Llama-3-8B heads:
+32 query heads, 8 KV heads, head_dim 128, pages of 16 tokens): the Mosaic GPU kernel with its work
+items (flash-decoding) against the same kernel with one program per (row, KV head), the Triton
+kernel, and the K/V bytes over the copy rate.
+
+  python benchmarks/attention_decode.py --out DIR        # GPU
+  python benchmarks/attention_decode.py --quick          # CPU smoke run (interpret mode, tiny sizes)
+
+A batch-b step is what the engine runs: max(8, b) tokens and rows (the smallest bucket pads batch 1
+to 8), the padding rows empty. Device time per call from CUPTI (kernels.time_call: every kernel of
+the call, the combine included), `reps` input sets per call so nothing stays in L2.
+"""
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from kernel_batches import random_batch  # noqa: E402
+from kernels import time_call  # noqa: E402
+
+from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
+from jlight.pallas_kernels.quantization import quantize_kv_pool, to_fp8_kv  # noqa: E402
+
+SHAPES = ((1, 8192), (1, 32768), (1, 131072), (16, 4096), (16, 16384), (64, 4096), (256, 1024))
+
+
+def copy_rate(reps, trials, n=1 << 30):
+    xs = [jnp.full((n,), i, jnp.bfloat16) for i in range(reps)]
+    fn = jax.jit(lambda xs: [jnp.copy(x) for x in xs])
+    return 2 * 2 * n / time_call(fn, (xs,), reps, trials)
+
+
+def bench(batch, ctx, variants, reps, trials, page_size=16, heads=(32, 8, 128), quick=False):
+    num_heads, num_kv_heads, head_dim = heads
+    rng = np.random.default_rng(batch * 7 + ctx)
+    tokens = max(8, batch)
+    md = random_batch(rng, [1] * batch + [0] * (tokens - batch), [ctx] * batch + [0] * (tokens - batch),
+                      page_size=page_size, num_pages=batch * (-(-ctx // page_size)) + 1, num_tokens=tokens)
+    num_pages = batch * (-(-ctx // page_size)) + 1
+    shape = (1, num_pages, page_size, num_kv_heads, head_dim)
+    kk, kv = jax.random.split(jax.random.PRNGKey(batch + ctx))
+    pools = {"bf16": (jax.random.normal(kk, shape, jnp.bfloat16), jax.random.normal(kv, shape, jnp.bfloat16))}
+    pools["fp8"] = tuple(jax.jit(to_fp8_kv)(p) for p in pools["bf16"])
+    qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
+    scale, layer = head_dim ** -0.5, jnp.int32(0)
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim
+    rows, want = [], None
+    for name, (pool, attn) in variants.items():
+        k, v = pools[pool]
+        fn = jax.jit(lambda qs, k, v, md, attn=attn: [attn(q, k, v, layer, md, scale=scale) for q in qs])
+        try:
+            t = time_call(fn, (qs, k, v, md), reps, trials)
+            got = np.asarray(jax.jit(lambda q, k, v, md, attn=attn: attn(q, k, v, layer, md, scale=scale))(qs[0], k, v, md),
+                             np.float32)[:batch]
+            want = got if want is None else want
+            nbytes = kv_bytes * (1 if pool == "fp8" else 2)
+            rows.append(dict(batch=batch, context=ctx, impl=name, us=round(t * 1e6, 2), kv_bytes=nbytes,
+                             tb_s=round(nbytes / t / 1e12, 3), max_abs_diff_vs_first=float(np.max(np.abs(got - want)))))
+        except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+            rows.append(dict(batch=batch, context=ctx, impl=name, error=repr(e)[:400]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variant names")
+    a = ap.parse_args(argv)
+    mosaic, triton = paged_attention_mosaic.paged_attention, paged_attention_pallas.paged_attention
+    variants = {
+        "mosaic work items": ("bf16", mosaic),
+        "mosaic one program per row": ("bf16", lambda *x, **k: mosaic(*x, num_items=0, **k)),
+        "mosaic work items 3 stages": ("bf16", lambda *x, **k: mosaic(*x, num_stages=3, **k)),
+        "triton": ("bf16", triton),
+        "mosaic fp8 work items": ("fp8", mosaic),
+        "mosaic fp8 work items 4 stages": ("fp8", lambda *x, **k: mosaic(*x, num_stages=4, **k)),
+        "mosaic fp8 one program per row": ("fp8", lambda *x, **k: mosaic(*x, num_items=0, **k)),
+    }
+    if a.variants:
+        variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
+    if a.quick:
+        variants["xla reference"] = ("bf16", attention_reference.paged_attention)
+        shapes, heads, a.reps, a.trials = ((1, 200), (3, 100)), (8, 2, 64), 1, 1
+    else:
+        shapes, heads = SHAPES, (32, 8, 128)
+    rate = copy_rate(a.reps, a.trials, n=(1 << 16) if a.quick else (1 << 30))
+    print(json.dumps(dict(copy_rate_tb_s=round(rate / 1e12, 3))), flush=True)
+    rows = []
+    for batch, ctx in shapes:
+        rows += bench(batch, ctx, variants, a.reps, a.trials, heads=heads, quick=a.quick)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "attention_decode.json"), "w") as f:
+            json.dump(dict(copy_rate_tb_s=rate / 1e12, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
