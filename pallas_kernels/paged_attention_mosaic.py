@@ -55,7 +55,6 @@ from jlight.pallas_kernels import pallas_mode, split_kv
 from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
 from jlight.pallas_kernels.quantization import QuantizedKV
-from jlight.pallas_kernels.tiling import NUM_SMS
 
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
@@ -264,12 +263,6 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
         pl.run_scoped(write_partials, *partial_types)
 
 
-# Decode steps run as work items (flash-decoding) while their (block, KV head) programs number fewer
-# than this many waves of PROGRAMS_PER_SM programs on every SM; larger decode batches fill the GPU
-# as they are and skip the combine.
-_WORK_ITEMS_BELOW_WAVES = 2
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_items", "num_stages",
                                              "kv_per_step", "min_steps_per_item"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
@@ -302,8 +295,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     kv_per_step = pages_per_step * page_size
     num_steps = -(-max_pages // pages_per_step)
     if num_items is None:
-        few = num_blocks * num_kv_heads < _WORK_ITEMS_BELOW_WAVES * split_kv.PROGRAMS_PER_SM * NUM_SMS
-        num_items = split_kv.num_work_items(num_blocks, num_kv_heads) if block_q == 1 and few else 0
+        few = block_q == 1 and split_kv.use_work_items(num_blocks, num_kv_heads)
+        num_items = split_kv.num_work_items(num_blocks, num_kv_heads) if few else 0
     elif num_items and num_items < num_blocks:
         raise ValueError(f"num_items={num_items} must be 0 or at least the step's {num_blocks} query blocks")
 
