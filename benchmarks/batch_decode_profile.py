@@ -75,18 +75,19 @@ def roofline(cfg, params, batch: int, context: int, copy_bw: float) -> dict:
                 memory_ms=(w_bytes + kv_bytes) / copy_bw * 1e3, compute_ms=flops / BF16_MATMUL_FLOPS * 1e3)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", default="llama3-8b")
     ap.add_argument("--batches", default="64,256", help="comma-separated numbers of decoding sequences")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of each sequence")
     ap.add_argument("--temperature", type=float, default=0.6, help="0: greedy (the sampler skips its random draw)")
     ap.add_argument("--top-p", type=float, default=1.0, help="< 1: every step sorts its logits (the sampler's filters)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk that fills the batch")
     ap.add_argument("--engine-steps", type=int, default=20, help="full engine steps timed after the device-side figures")
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: CUPTI's kernel list of one step")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=a.context + 4096)
     gpu = jax.default_backend() == "gpu"
@@ -96,7 +97,7 @@ def main():
     for batch in (int(b) for b in a.batches.split(",")):
         max_len = a.context + a.engine_steps + 64
         engine = LLMEngine(EngineConfig(
-            model=None, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), max_model_len=max_len,
+            model=None, max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch), max_model_len=max_len,
             num_pages=batch * (-(-max_len // 16)) + 2, warmup=False, attention_impl=a.attention_impl), loaded=loaded)
         calls = _spy_on_steps(engine.runner)  # (inputs, host seconds of the launch) of every step
         t0 = time.perf_counter()

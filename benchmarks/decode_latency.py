@@ -188,7 +188,7 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     return [dict(total_ms=total)] + rows[:top] + [dict(sequence=sequence)]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", default="llama3-8b", help="random bf16 weights of this shape (benchmarks/model_configs.py)")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
@@ -199,7 +199,7 @@ def main():
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

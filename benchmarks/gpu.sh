@@ -16,7 +16,8 @@
 #               the peer's 1000 in / 1000 out x 1000 requests, one engine (vllm_bench.py's measurements)
 #   steps       offline_throughput.py --step-trace: every step of the nano workload against its own roofline
 #   decode      decode_latency.py --tokens 96 --kernel-breakdown, one process per variant in $VARIANTS
-#               (default "bf16-b8 int8-auto-b8"): batch-1 ms/token, back-to-back step, CUPTI kernel list
+#               (default "bf16-b8 int8-auto-b8"; with --variants in ARGS, those in one process): batch-1
+#               ms/token, the step back to back, CUPTI's kernel list
 #   context     context_sweep.py: TTFT and batch-1 / batch-16 decode vs context (vllm_growth.py's measurements)
 #   batch       batch_decode_profile.py --batches 64,256 --context 1024 --kernel-breakdown
 #   serving     `jlight serve` on a random checkpoint (make_random_checkpoint.py), then `jlight bench serve`
@@ -38,7 +39,7 @@
 # 8 files, so when there are more, everything but gpu.log is packed into results.tgz.
 # Environment: MODEL, VARIANTS, SUITE_TIMEOUT (seconds per suite, else each suite's own default),
 # JLIGHT_GIT_COMMIT (the commit the results name where the tree travelled without .git), NO_INSTALL=1 (jlight is
-# importable already: skip `pip install -e .`).
+# importable already: skip `pip install -e .`), DRY_RUN=1 (print each suite's command, run none).
 # Carried wheels: a .whl folder in the tree is installed first (install_carried_wheels.py, into /tmp/site).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,7 @@ run() {  # NAME DEFAULT_TIMEOUT COMMAND...: the command's output to $OUT/NAME.tx
   local name=$1 limit=${SUITE_TIMEOUT:-$2}; shift 2
   local start=$(date +%s)
   say "$name: $* (timeout $limit s)"
+  [ -n "${DRY_RUN:-}" ] && return 0
   timeout -k 10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
   say "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)'), $(( $(date +%s) - start )) s"
@@ -92,6 +94,11 @@ suite_steps() {
 
 suite_decode() {
   local v rc=0
+  if [[ " $* " == *" --variants "* ]]; then  # the variants named in ARGS, in one process
+    run decode 400 python3 benchmarks/decode_latency.py --model-config "$MODEL" --tokens 96 --kernel-breakdown \
+      --out "$OUT/decode" "$@"
+    return
+  fi
   for v in ${VARIANTS:-bf16-b8 int8-auto-b8}; do  # one process each: an engine built after another dispatches slower
     run "decode_$v" 200 python3 benchmarks/decode_latency.py --model-config "$MODEL" --variants "$v" --tokens 96 \
       --kernel-breakdown --out "$OUT/decode/$v" "$@" || rc=$?
@@ -159,6 +166,7 @@ suite_peer() {
 # START_TIMEOUT, BENCH_TIMEOUT; ARGS go to `jlight bench serve`. The defaults are the 2026-11-29 H200 run's:
 # 200 prompts a rate, 512-1023 tokens in, 128-255 out (ignore_eos), rates 2, 8, 32 and inf.
 suite_serving() {
+  [ -n "${DRY_RUN:-}" ] && { run serving 330 jlight serve + jlight bench serve "$@"; return; }
   local shape=${SHAPE:-llama3-8b} port=${PORT:-8123} dir="$OUT/serving"
   local ckpt=${CKPT:-/tmp/jlight_random_${shape}}
   local serve_opts=${SERVE_OPTS:---dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --kv-cache-memory-fraction 0.8}
@@ -225,7 +233,7 @@ for word in "$@"; do
   fi
   prev=$word
 done
-setup
+[ -z "${DRY_RUN:-}" ] && setup
 status=0
 for i in "${!names[@]}"; do
   eval "suite_${names[$i]} ${args[$i]}" || status=1
