@@ -19,9 +19,15 @@ jlight run that builds its requests with these measures the same work as the vLL
                              = (t(66 tokens) - t(2 tokens)) / 64, greedy; (n, b) with b * n > 300,000 skipped.
   GROWTH_ENGINE              the growth run's engine settings (32k context, 64 sequences, prefix caching off:
                              each batch runs twice, and a cached prompt would skip its prefill).
+  GROWTH_LENGTHS (1024 ... 32000), growth_cases() (the (length, batch) pairs in the peer's order),
+  growth_ttft_ms(generate, n), GROWTH_WARMUP (the peer's untimed first request).
 Every request ignores EOS (vLLM's ignore_eos=True); jlight's random models have no tokenizer to detokenize with.
+A request is Request(prompt_token_ids, max_tokens, temperature); engine_generate(engine, requests) -> (wall seconds,
+output tokens) runs a list of them as the peer times one `llm.generate` call, and is the `generate` the timing
+helpers above take (`lambda requests: engine_generate(engine, requests)`).
 
-Rates of the device (host clock around block_until_ready, median of `reps` calls after a compiling call):
+Rates of the device (median_seconds(fn, *args): host clock around block_until_ready, median of `reps` calls
+after a compiling call):
   copy_bytes_per_s()   a plain device-to-device copy of a 2 GiB buffer (jnp.copy under jit: XLA copies the
                        parameter into a fresh output buffer), counting the bytes read plus the bytes written.
   matmul_flops_per_s() an n x n x n bf16 matmul, 2 n^3 FLOPs per call.
