@@ -134,7 +134,8 @@ suite_moe() {
 suite_mesh() {
   local gpus defaults=()
   gpus=$(nvidia-smi -L 2> /dev/null | wc -l)
-  [ $# -eq 0 ] && defaults=(--model-config llama3-70b --num-layers 40 --meshes tp=1 "tp=${gpus:-1}")
+  [ $# -eq 0 ] && defaults=(--model-config llama3-70b --num-layers 40 --meshes tp=1)
+  [ $# -eq 0 ] && [ "${gpus:-1}" -gt 1 ] && defaults+=("tp=$gpus")
   run mesh 540 python3 benchmarks/mesh_sweep.py --out "$OUT/mesh" --plot 0 --layer-loop unroll --trials 5 --batch 64 \
     --context 512 --prompt-len 2048 "${defaults[@]}" "$@"
 }
