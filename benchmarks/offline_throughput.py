@@ -93,7 +93,7 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=4096, help="the peer's 4096")
     ap.add_argument("--num-pages", type=int, default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto (the model's dtype), int8, fp8 ...")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--mesh", default=None, help='one engine replica over a mesh, e.g. "tp=2" (no dp)')
