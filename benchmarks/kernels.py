@@ -197,11 +197,10 @@ def bench_decode_attention(rng, quick, reps, trials, batch=64, page_size=16):
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
-    # The Mosaic GPU kernel (paged_attention_mosaic.py): its default, then its knobs.
-    # 2026-12-01: 2 stages of 64 positions (80 KB of shared memory, two programs per SM) took 257 us,
-    # 3 stages (one program per SM) 326-336 us, one 128-position stage 313 us, split-K 2 357 us.
+    # The Mosaic GPU kernel (paged_attention_mosaic.py): its default, then its knobs (num_items=0: one
+    # program per block and KV head, no split of the context, no combine).
     mosaic_configs = [dict()] + ([] if not sweep else [
-        dict(num_stages=3), dict(kv_per_step=128, num_stages=1), dict(num_splits=2)])
+        dict(num_stages=3), dict(kv_per_step=128, num_stages=1), dict(num_items=0)])
     for cfg in mosaic_configs:
         variants[f"mosaic {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, l, md, scale=scale, **cfg))
