@@ -17,6 +17,8 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import result_header  # noqa: E402
 
 # head_dim 64 = 256 / 4 (the tests' tiny models use 16); 4 query heads over 2 KV heads.
 MODEL_CONFIG = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -89,8 +91,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         suffix = "" if args.kv_cache_dtype == "auto" else "_" + args.kv_cache_dtype
         with open(os.path.join(args.out, f"attention_engine_check_p{args.page_size}{suffix}.json"), "w") as f:
-            json.dump(dict(prompt_lens=lens, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype, result=result),
-                      f, indent=1)
+            json.dump(dict(result_header(), prompt_lens=lens, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+                           result=result), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 decoding, through the full engine; the step's device wall time against its roofline, and CUPTI's
 kernel list.
 
-Why: on issue #3's workload (256 requests, 100-1024 tokens in and out) the engine's decode steps
-average ~21 ms on the H200 (docs/BENCHMARKS.md, 2026-12-02), about twice what reading the weights and
-the K/V pages at the copy rate would take. This script finds which kernels hold the difference.
+Use: a decode step's cost at one batch and context, broken down by kernel (context_sweep.py and the peer's
+vllm_growth.py give the same steps' wall time across contexts). After the device figures, --engine-steps
+full engine steps with the batch unchanged give tok/s and the host time inside runner.launch (a launch
+about as long as the step means the host waited for the device inside the jitted call).
 
   python benchmarks/batch_decode_profile.py --model-config llama3-8b --batches 64,256 --context 1024 --out DIR
   python benchmarks/batch_decode_profile.py --model-config tiny --batches 4 --context 40   # CPU smoke run
@@ -14,8 +15,6 @@ Roofline of a decode step: max(bytes / copy rate, FLOPs / 645 TFLOP/s), where by
 2 x weights x B + the attention's 4 x B x C x heads x head_dim x layers.
 """
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -26,10 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_latency import _spy_on_steps, back_to_back_ms, kernel_breakdown  # noqa: E402
-from model_configs import random_loaded_model  # noqa: E402
-from offline_throughput import copy_bandwidth_bytes_per_s, weight_bytes  # noqa: E402
+from harness import copy_bytes_per_s, random_loaded_model, result_header, weight_bytes, write_result  # noqa: E402
 
-from jlight.engine import model_runner, sampler  # noqa: E402
+from jlight.engine import model_runner  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
@@ -69,12 +67,6 @@ def engine_steps(engine: LLMEngine, calls: list, steps: int) -> dict:
     return dict(tok_s=tokens / sum(step_s), step_ms_median_max=ms(step_s), launch_ms_median_max=ms(launch_s))
 
 
-def argmax_sampler(logits, s, history=None, guide_mask=None):
-    """--sampler argmax: the sampler without its lax.conds (greedy tokens, no logprobs); timing only."""
-    zeros = jnp.zeros((logits.shape[0], sampler.NUM_TOP_LOGPROBS))
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape[0]), zeros.astype(jnp.int32), zeros
-
-
 def roofline(cfg, params, batch: int, context: int, copy_bw: float) -> dict:
     kv_bytes = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
     w_bytes = weight_bytes(params)
@@ -83,37 +75,29 @@ def roofline(cfg, params, batch: int, context: int, copy_bw: float) -> dict:
                 memory_ms=(w_bytes + kv_bytes) / copy_bw * 1e3, compute_ms=flops / BF16_MATMUL_FLOPS * 1e3)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", default="llama3-8b")
     ap.add_argument("--batches", default="64,256", help="comma-separated numbers of decoding sequences")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of each sequence")
     ap.add_argument("--temperature", type=float, default=0.6, help="0: greedy (the sampler skips its random draw)")
     ap.add_argument("--top-p", type=float, default=1.0, help="< 1: every step sorts its logits (the sampler's filters)")
-    ap.add_argument("--cub-sort", action="store_true", help="let XLA sort with CUB, as the engine did before "
-                    "2026-12-02 (model_runner.STEP_COMPILER_OPTIONS emptied)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk that fills the batch")
     ap.add_argument("--engine-steps", type=int, default=20, help="full engine steps timed after the device-side figures")
     ap.add_argument("--attention-impl", default="auto")
-    ap.add_argument("--sampler", default="engine", choices=["engine", "argmax"],
-                    help="argmax: replace the engine's sampler by a plain argmax (timing only: what its lax.conds cost)")
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: CUPTI's kernel list of one step")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
-    if a.cub_sort:
-        model_runner.STEP_COMPILER_OPTIONS = {}
-    if a.sampler == "argmax":  # before any engine traces its step
-        sampler.sample = argmax_sampler
     loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=a.context + 4096)
     gpu = jax.default_backend() == "gpu"
-    copy_bw = copy_bandwidth_bytes_per_s() if gpu else None
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""),
+    copy_bw = copy_bytes_per_s() if gpu else None
+    result = dict(result_header(), xla_flags=os.environ.get("XLA_FLAGS", ""),
                   step_compiler_options=model_runner.STEP_COMPILER_OPTIONS, copy_bw_tb_s=copy_bw and copy_bw / 1e12, rows={})
     for batch in (int(b) for b in a.batches.split(",")):
         max_len = a.context + a.engine_steps + 64
         engine = LLMEngine(EngineConfig(
-            model=None, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), max_model_len=max_len,
+            model=None, max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch), max_model_len=max_len,
             num_pages=batch * (-(-max_len // 16)) + 2, warmup=False, attention_impl=a.attention_impl), loaded=loaded)
         calls = _spy_on_steps(engine.runner)  # (inputs, host seconds of the launch) of every step
         t0 = time.perf_counter()
@@ -137,10 +121,7 @@ def main():
         print(line, flush=True)
         result["rows"][str(batch)] = row
         del engine
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "batch_decode_profile.json"), "w") as f:
-                json.dump(result, f, indent=1)
+        write_result(a.out, "batch_decode_profile", result)
 
 
 if __name__ == "__main__":

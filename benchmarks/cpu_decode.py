@@ -9,15 +9,18 @@ Batch 1, greedy, a 64-token prompt; decode tokens/s excludes the prefill:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
+import sys
 import platform
 import time
 
 import numpy as np
 
 from jlight.engine.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import result_header  # noqa: E402
 
 
 def timed_generate(fn, n_new: int, repeats: int = 3) -> float:
@@ -79,7 +82,7 @@ def main():
                          decode_tok_s=transformers_rate(dtype, gguf, prompt, a.new_tokens)))
         for r in rows[-2:]:
             print(f"{r['engine']:60s} {r['dtype']:9s} {r['decode_tok_s']:8.1f} decode tok/s", flush=True)
-    result = dict(date=datetime.date.today().isoformat(), host=platform.node(), cpu=platform.processor() or platform.machine(),
+    result = dict(result_header(), cpu=platform.processor() or platform.machine(),
                   cores=os.cpu_count(), new_tokens=a.new_tokens, prompt_tokens=len(prompt), rows=rows)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

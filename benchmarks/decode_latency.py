@@ -4,20 +4,19 @@ several engine variants, in one process so the random weights are made once.
   python benchmarks/decode_latency.py --model-config llama3-8b --kernel-breakdown --out DIR
   python benchmarks/decode_latency.py --model-config tiny --variants bf16-b8,int8-pallas-b1  # CPU smoke run
 
-A variant names the weights (bf16 / int8), the matmul path (XLA's fused dequantize-dot or the
-Pallas W8A16 kernels with their options) and the smallest compiled step
-(EngineConfig.min_token_bucket): "b1" compiles a 1-token step for batch-1 decode, "b8" pads it
-to 8 tokens (the engine's default), which takes the Pallas kernel off its GEMV path (<= 4 rows);
-"-sep" keeps q/k/v and gate/up as separate matmuls (EngineConfig.fuse_projections=False).
-Each variant also reports the host's dispatch time per step, a breakdown of it (the transfer of
-the step's inputs as ~30 arrays or as two packed buffers, and the jitted call alone) and, with
---kernel-breakdown on a GPU, the device time per kernel of one step. The roofline is the weight
-bytes a step must read over the copy bandwidth measured in the same run.
+A variant (VARIANTS) is a set of EngineConfig fields: the weights (bf16 / int8 / w8a8), the matmul
+path (matmul_impl), the attention kernel and the smallest compiled step (min_token_bucket: "b1"
+compiles a 1-token step for batch-1 decode, "b8" pads it to 8 tokens, the engine's default).
+ms/token: one request, a --prompt-len prompt, greedy, --tokens tokens; the host clock between
+tokens over the last three quarters (the peer's method, (t(256) - t(1)) / 255, is
+offline_throughput.py's bs1). Each variant also reports the host's dispatch time per step, a
+breakdown of it (the transfer of the step's inputs as ~30 arrays or as two packed buffers, the
+jitted call alone, and the step run 50 times back to back: the device's wall time per step) and,
+with --kernel-breakdown on a GPU, the device time per kernel of one step (CUPTI). The roofline is
+the weight bytes a step must read over the copy rate measured in the same run (harness.py).
 """
 import argparse
-import datetime
 import gc
-import json
 import os
 import statistics
 import sys
@@ -28,59 +27,53 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-import fusion_ablation  # noqa: E402
-from model_configs import random_loaded_model  # noqa: E402
-from offline_throughput import copy_bandwidth_bytes_per_s, decode_latency, weight_bytes  # noqa: E402
+from harness import copy_bytes_per_s, random_loaded_model, result_header, weight_bytes, write_result  # noqa: E402
 
 from jlight.engine import model_runner, step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from jlight.pallas_kernels import dispatch, matmul_pallas  # noqa: E402
 from jlight.pallas_kernels.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
 
 KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT)
 
-# name -> (EngineConfig fields, matmul_pallas.W8A16_OPTIONS). "-sep": q/k/v and gate/up as separate
-# matmuls (fuse_projections=False), the engine's default before 2026-11-29's fourth session.
+# name -> EngineConfig fields. "b8" / "b1": the smallest compiled step (min_token_bucket); "-sep": q/k/v and
+# gate/up as separate matmuls (fuse_projections=False); "xla": matmul_impl="reference" (XLA's dequantize-dot on
+# [in, out] int8 weights); "auto": the default dispatch (on GPU, K-major int8 weights for XLA, the K-major GEMV
+# for one-row steps); "pallas": the Pallas W8A16 kernels; "-triton": the Triton paged attention instead of Mosaic GPU.
 _INT8_XLA = dict(quantization="int8", matmul_impl="reference")
+_INT8_AUTO = dict(quantization="int8", matmul_impl="auto")
 _INT8_PALLAS = dict(quantization="int8", matmul_impl="pallas")
 VARIANTS = {
-    "bf16-b8": (dict(min_token_bucket=8), {}),
-    "bf16-b8-sep": (dict(min_token_bucket=8, fuse_projections=False), {}),
-    "bf16-b1": (dict(min_token_bucket=1), {}),
-    "int8-xla-b8": (dict(_INT8_XLA, min_token_bucket=8), {}),
-    "int8-xla-b8-sep": (dict(_INT8_XLA, min_token_bucket=8, fuse_projections=False), {}),
-    "int8-xla-b1": (dict(_INT8_XLA, min_token_bucket=1), {}),
-    # matmul_impl "auto" (the default): on GPU the int8 weights are stored [out, in] for XLA's
-    # dequantize-dot; "-inout" turns dispatch.KMAJOR_W8A16_FOR_XLA off ([in, out], as before 2026-11-29's
-    # fifth session, when "int8-auto-b8" had it off and "int8-auto-b8-kmajor" on).
-    "int8-auto-b8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
-    "int8-auto-b8-inout": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), {}),
-    # The K-major weights through the Pallas W8A16 kernel (matmul_pallas.w8a16_kmajor_matmul) instead of XLA.
-    "int8-auto-b8-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8), dict(kmajor_max_rows=16)),
-    "int8-auto-b1": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), {}),  # one-row steps: the K-major GEMV
-    # The K-major weights through the Mosaic GPU W8A16 kernel (pallas_kernels/w8a16_mosaic.py), with tile options.
-    "int8-auto-b8-mosaic": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                            dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(int8_activations=False))),
-    "int8-auto-b8-mosaic-i8": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                               dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64)),
-    "int8-auto-b8-mosaic-i8c2": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                                 dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(ctas_per_sm=2))),
-    # ... launched with programmatic dependent launch: its weight copies start while the kernel before runs.
-    "int8-auto-b8-mosaic-i8-pdl": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8),
-                                   dict(kmajor_mosaic_min_rows=8, kmajor_mosaic_max_rows=64, mosaic=dict(pdl=True))),
-    "int8-auto-b1-pkm": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=1), dict(kmajor_max_rows=16)),
-    # Paged attention on the Triton kernel instead of the Mosaic GPU one (the default since 2026-12-01).
-    "bf16-b8-triton": (dict(min_token_bucket=8, attention_impl="triton"), {}),
-    "int8-auto-b8-triton": (dict(quantization="int8", matmul_impl="auto", min_token_bucket=8, attention_impl="triton"), {}),
-    "int8-pallas-b1": (dict(_INT8_PALLAS, min_token_bucket=1), {}),  # the GEMV path (int8 converted by exponent bits)
-    "int8-pallas-b1-sep": (dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False), {}),
-    "int8-pallas-b1-cvt": (dict(_INT8_PALLAS, min_token_bucket=1), dict(magic_convert=False)),
-    "int8-pallas-b8": (dict(_INT8_PALLAS, min_token_bucket=8), {}),  # the tensor-core path
-    "int8-pallas-b8-gemv8": (dict(_INT8_PALLAS, min_token_bucket=8), dict(gemv_max_rows=8)),
+    "bf16-b8": dict(min_token_bucket=8),
+    "bf16-b8-sep": dict(min_token_bucket=8, fuse_projections=False),
+    "bf16-b1": dict(min_token_bucket=1),
+    "bf16-b8-triton": dict(min_token_bucket=8, attention_impl="triton"),
+    "int8-auto-b8": dict(_INT8_AUTO, min_token_bucket=8),
+    "int8-auto-b1": dict(_INT8_AUTO, min_token_bucket=1),
+    "int8-auto-b8-triton": dict(_INT8_AUTO, min_token_bucket=8, attention_impl="triton"),
+    "int8-xla-b8": dict(_INT8_XLA, min_token_bucket=8),
+    "int8-xla-b8-sep": dict(_INT8_XLA, min_token_bucket=8, fuse_projections=False),
+    "int8-xla-b1": dict(_INT8_XLA, min_token_bucket=1),
+    "int8-pallas-b1": dict(_INT8_PALLAS, min_token_bucket=1),
+    "int8-pallas-b1-sep": dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False),
+    "int8-pallas-b8": dict(_INT8_PALLAS, min_token_bucket=8),
+    "w8a8-auto-b8": dict(quantization="w8a8", matmul_impl="auto", min_token_bucket=8),
 }
-DEFAULT_VARIANTS = "bf16-b8,bf16-b1,int8-xla-b8,int8-pallas-b1,int8-pallas-b8"
+DEFAULT_VARIANTS = "bf16-b8,int8-auto-b8"
+
+
+def decode_latency(engine: LLMEngine, prompt_len: int, n_tokens: int) -> float:
+    """Seconds per token of one request decoding alone (steady state: the first quarter of the tokens skipped)."""
+    prompt = np.random.default_rng(1).integers(0, engine.model_config.vocab_size, prompt_len).tolist()
+    engine.add_request("latency", None, SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True),
+                       prompt_token_ids=prompt)
+    stamps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            stamps.extend([time.perf_counter()] * len(out.outputs[0].token_ids_delta))
+    steady = stamps[len(stamps) // 4:]
+    return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
 def _spy_on_steps(runner) -> list:
@@ -195,9 +188,9 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     return [dict(total_ms=total)] + rows[:top] + [dict(sequence=sequence)]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-config", default="llama3-8b", help="random weights of this shape (benchmarks/model_configs.py)")
+    ap.add_argument("--model-config", default="llama3-8b", help="random bf16 weights of this shape (benchmarks/model_configs.py)")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--tokens", type=int, default=96, help="decode tokens per variant (the first quarter is skipped)")
     ap.add_argument("--prompt-len", type=int, default=1, help="1: the prompt step has the decode step's shape, one compile per variant")
@@ -205,17 +198,8 @@ def main():
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
-    ap.add_argument("--ablate", default="", help="timing only, outputs wrong: comma-separated ops to leave out "
-                    f"of every layer (benchmarks/fusion_ablation.py: {', '.join(fusion_ablation.ABLATIONS)}), to measure "
-                    "what fusing them into the matmuls could save at most")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
-    a = ap.parse_args()
-    ablate = {n for n in a.ablate.split(",") if n}
-    if ablate - set(fusion_ablation.ABLATIONS):
-        ap.error(f"unknown --ablate {sorted(ablate - set(fusion_ablation.ABLATIONS))}; choose from "
-                 f"{', '.join(fusion_ablation.ABLATIONS)}")
-    if ablate:  # before any engine traces its step
-        fusion_ablation.install(ablate)
+    a = ap.parse_args(argv)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -223,23 +207,17 @@ def main():
 
     loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=4096)
     gpu = jax.default_backend() == "gpu"
-    bw = copy_bandwidth_bytes_per_s() if gpu else None
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, command=" ".join(sys.argv),
-                  ablated=sorted(ablate), variants={})
+    bw = copy_bytes_per_s() if gpu else None
+    result = dict(result_header(), model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, variants={})
     step_tokens = [int(n) for n in a.step_tokens.split(",") if n]
     max_len = max([a.prompt_len + a.tokens + 16] + [n + 16 for n in step_tokens])
     max_batched = max([16] + step_tokens)  # a prefill of N tokens runs as one step
     pages = -(-max_len // 16) + 2
-    kmajor_default = dispatch.KMAJOR_W8A16_FOR_XLA
     for name in names:
-        engine_fields, opts = VARIANTS[name]
-        matmul_pallas.W8A16_OPTIONS = dict(opts)  # read when the step is traced (static arguments)
-        dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default and not name.endswith("-inout")  # read when the engine prepares its weights
         try:
             engine = LLMEngine(EngineConfig(
                 model=None, max_num_seqs=4, max_num_batched_tokens=max_batched, max_model_len=max_len, num_pages=pages,
-                layer_loop=a.layer_loop, warmup=False, **engine_fields), loaded=loaded)
+                layer_loop=a.layer_loop, warmup=False, **VARIANTS[name]), loaded=loaded)
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
             dispatch_ms = 1e3 * statistics.median(t for _, t in step_args[len(step_args) // 2:])
@@ -268,7 +246,7 @@ def main():
                 row["prefill_step_ms"] = {n: prefill_step_ms(engine, step_args, n) for n in step_tokens}
                 print("  prefill step, back to back: " + ", ".join(
                     f"{n} tokens {ms:.2f} ms" for n, ms in row["prefill_step_ms"].items()), flush=True)
-            line = f"{name:28s} {row['ms']:7.2f} ms/token" + (f" (ablated: {','.join(sorted(ablate))})" if ablate else "")
+            line = f"{name:28s} {row['ms']:7.2f} ms/token"
             if bw:
                 row["roofline_ms"] = row["weight_bytes"] / bw * 1e3
                 line += f"  roofline {row['roofline_ms']:.2f} ms ({row['weight_bytes'] / 1e9:.2f} GB) -> {row['ms'] / row['roofline_ms']:.2f}x"
@@ -277,15 +255,10 @@ def main():
             row = dict(error=f"{type(e).__name__}: {e}"[:400])
             line = f"{name:28s} FAILED {row['error']}"
         finally:
-            matmul_pallas.W8A16_OPTIONS = {}
-            dispatch.KMAJOR_W8A16_FOR_XLA = kmajor_default
             gc.collect()
         print(line, flush=True)
         result["variants"][name] = row
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "decode_latency.json"), "w") as f:
-                json.dump(result, f, indent=1)
+        write_result(a.out, "decode_latency", result)
     base = result["variants"].get("bf16-b8", {}).get("ms")
     if base:
         for name, row in result["variants"].items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fetch the wheels `jlight serve` needs on the GPU machine (Python 3.12, x86-64, no network there;
+# Fetch the wheels `jlight serve` and structured outputs need on the GPU machine (Python 3.12, x86-64, no network there;
 # its image lacks fastapi, starlette, pydantic, uvicorn ...) into .whl/ of this checkout, which
-# .git/info/exclude must ignore. Carry `.whl` in the device call; benchmarks/h200_serving_run.sh
+# .git/info/exclude must ignore. Carry `.whl` in the device call; `bash benchmarks/gpu.sh serving`
 # installs them with benchmarks/install_carried_wheels.py. These are the versions of the H200 run of
 # 2026-11-29 (docs/BENCHMARKS.md, Serving); fallback/ holds newer copies of packages the image
 # already has, installed only if the image's are too old.
@@ -17,5 +17,6 @@ fetch() {  # DIR NAME==VERSION ...
 }
 fetch .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 uvicorn==0.54.0 \
   typing-inspection==0.4.2 annotated-types==0.7.0 opentelemetry-api==1.45.2
+fetch .whl llguidance==1.9.1  # structured outputs (`gpu.sh structured`); the sixteenth session's carried version
 fetch .whl/fallback typing-extensions==4.16.0 annotated-doc==0.0.7 anyio==4.16.0
 ls .whl .whl/fallback

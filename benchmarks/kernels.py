@@ -3,6 +3,7 @@ paged_attention, and the roofline.
 
   python benchmarks/kernels.py --out DIR          # GPU: correctness checks, then timings
   python benchmarks/kernels.py --quick --out DIR  # CPU smoke run (interpret mode, tiny sizes)
+  python benchmarks/kernels.py --skip-checks --sections large_pool --out DIR   # attention on engine-sized pools
 
 Timing: each measured executable runs the kernel on `reps` different input sets (unrolled
 in one jit, so no host dispatch between launches and the working set exceeds L2), timed
@@ -11,7 +12,6 @@ Roofline ceilings are the measured H200 numbers given in the brief (copy 3.70 TB
 bf16 645 TFLOP/s, int8 762 TOP/s); the copy bandwidth is also re-measured in the run.
 """
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -26,7 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from kernel_batches import random_batch  # noqa: E402
+from kernel_batches import random_batch, reference_attention  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
@@ -194,11 +197,10 @@ def bench_decode_attention(rng, quick, reps, trials, batch=64, page_size=16):
     for cfg in configs:
         variants[f"pallas {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, l, md, scale=scale, **cfg))
-    # The Mosaic GPU kernel (paged_attention_mosaic.py): its default, then its knobs.
-    # 2026-12-01: 2 stages of 64 positions (80 KB of shared memory, two programs per SM) took 257 us,
-    # 3 stages (one program per SM) 326-336 us, one 128-position stage 313 us, split-K 2 357 us.
+    # The Mosaic GPU kernel (paged_attention_mosaic.py): its default, then its knobs (num_items=0: one
+    # program per block and KV head, no split of the context, no combine).
     mosaic_configs = [dict()] + ([] if not sweep else [
-        dict(num_stages=3), dict(kv_per_step=128, num_stages=1), dict(num_splits=2)])
+        dict(num_stages=3), dict(kv_per_step=128, num_stages=1), dict(num_items=0)])
     for cfg in mosaic_configs:
         variants[f"mosaic {cfg or 'default'}"] = (
             lambda q, k, v, l, md, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, l, md, scale=scale, **cfg))
@@ -472,6 +474,45 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
     return rows
 
 
+def bench_large_pool(rng, quick, reps, trials, pool=(32, 17922, 256, 1024), impls=("mosaic", "triton")):
+    """Decode attention on an engine-sized pool (page offsets past 2^31 elements at the default size): each
+    kernel against the XLA reference at the first, middle and last layer, and its time (host clock, 10 calls
+    back to back). The kernel checks above use pools sized to the test."""
+    layers, pages, batch, context = (2, 40, 3, 50) if quick else pool
+    page_size, kv_heads, heads, head_dim = (16, 2, 8, 64) if quick else (16, 8, 32, 128)
+    shape = (layers, pages, page_size, kv_heads, head_dim)  # [layers, pages, page_size, kv_heads, head_dim]
+    make = jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16))
+    k_cache, v_cache = make(jax.random.PRNGKey(1)), make(jax.random.PRNGKey(2))
+    md = jax.tree.map(jnp.asarray, random_batch(rng, [1] * batch, [context] * batch, page_size=page_size, num_pages=pages))
+    q = jax.random.normal(jax.random.PRNGKey(3), (batch, heads, head_dim), jnp.bfloat16)  # [batch, heads, head_dim]
+    scale, kv_bytes = head_dim ** -0.5, batch * context * 2 * kv_heads * head_dim * 2
+    rows = []
+    for layer in sorted({0, layers // 2, layers - 1}):
+        want = np.asarray(reference_attention(q, k_cache, v_cache, layer, md, scale=scale), np.float32)
+        for name in impls:
+            fn = jax.jit(ATTENTION_KERNELS[name], static_argnames=("scale",))
+            row = dict(kernel=f"decode attention, pool {layers}x{pages} pages, B={batch} ctx={context} layer {layer}", impl=name)
+            try:
+                got = np.asarray(fn(q, k_cache, v_cache, layer, md, scale=scale), np.float32)
+                t = back_to_back_seconds(lambda: fn(q, k_cache, v_cache, layer, md, scale=scale), 1 if quick else 10)
+                row.update(rel_err=rel_err(got, want), seconds=t, bytes=kv_bytes, bw=kv_bytes / t)
+            except Exception as e:  # noqa: BLE001 - one failed kernel must not lose the other
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+            print_table(rows[-1:])
+    return rows
+
+
+def back_to_back_seconds(call, n):
+    """Seconds per call of n calls queued back to back, one wait at the end (after a first call)."""
+    jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = call()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / n
+
+
 def print_table(rows):
     for r in rows:
         if "error" in r:
@@ -487,7 +528,7 @@ def print_table(rows):
             print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['rate'] / 1e12:6.1f} T/s  {100 * r['rate'] / ceiling:5.1f}% of {ceiling / 1e12:.0f}{err}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for kernels.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
@@ -496,23 +537,22 @@ def main():
     parser.add_argument("--skip-matmul-checks", action="store_true")
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--sections", default="decode,prefill,gemv,gemm", help="comma-separated subset of decode,prefill,gemv,gemm")
+    parser.add_argument("--sections", default="decode,prefill,gemv,gemm",
+                        help="comma-separated subset of decode,prefill,gemv,gemm,large_pool")
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--page-sizes", default="16", help="attention checks and decode timings: KV page sizes, e.g. 16,32")
-    parser.add_argument("--mosaic-page-sizes", default=None,
-                        help="let the Mosaic GPU kernel take these page sizes (paged_attention_mosaic.PAGE_SIZES), to check them")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
     parser.add_argument("--gemv-rows", default="1,8", help="gemv section: row counts (the [in, out] kernel has named variants for 1 and 8)")
     parser.add_argument("--gemv-filter", default=None, help="gemv section: only variants matching this regular expression")
     parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
     parser.add_argument("--gemm-rows", default="4096", help="gemm section: row counts, e.g. 4096,512,64,8")
-    args = parser.parse_args()
+    parser.add_argument("--pool", type=int, nargs=4, default=[32, 17922, 256, 1024], metavar=("LAYERS", "PAGES", "BATCH", "CONTEXT"),
+                        help="large_pool section: pool of LAYERS x PAGES pages of 16 tokens (the defaults: the engine's "
+                             "Llama-3-8B pool on an H200, 37.6 GB of K and V), BATCH sequences of CONTEXT tokens")
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(int(time.time()))
     page_sizes = tuple(int(p) for p in args.page_sizes.split(","))
-    if args.mosaic_page_sizes:
-        paged_attention_mosaic.PAGE_SIZES = tuple(int(p) for p in args.mosaic_page_sizes.split(","))
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, command=" ".join(sys.argv))
+    result = harness.result_header()
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so a run cut short still leaves its numbers
@@ -535,14 +575,15 @@ def main():
         return [row for p in page_sizes for b in args.decode_batches.split(",")
                 for row in bench_decode_attention(rng, quick, reps, trials, int(b), p)]
 
-    sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm)
+    large_pool = functools.partial(bench_large_pool, pool=args.pool, impls=tuple(filter(None, args.check_impls.split(","))))
+    sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm, large_pool=large_pool)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)
         timings += section
         result["timings"] = timings
         save()
-    print("\n=== summary", result["date"], result["device"], "jax", result["jax"])
+    print("\n=== summary", result["date"], result["device"], "jax", result["jax"], result["git_commit"])
     print_table(timings)
 
 

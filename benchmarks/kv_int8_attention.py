@@ -17,7 +17,6 @@ Timing as in benchmarks/kernels.py: `reps` input sets per jitted call (no host d
 launches), device time from CUPTI on a GPU (host clock elsewhere), median of `trials` calls.
 """
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from kernel_batches import random_batch, random_int8_pool  # noqa: E402
 
+from harness import result_header  # noqa: E402
 from kernels import attention_cases, rel_err, time_call  # noqa: E402  (benchmarks/kernels.py: CUPTI device timing)
 
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
@@ -136,8 +136,7 @@ def main():
     a = ap.parse_args()
     impls, page_sizes = a.impls.split(","), [int(p) for p in a.page_sizes.split(",")]
     rng = np.random.default_rng(0)
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), backend=jax.default_backend(),
-                  device=str(jax.devices()[0].device_kind), jax=jax.__version__, args=vars(a))
+    result = dict(result_header(), args=vars(a))
     checks = run_checks(rng, a.quick, impls, page_sizes)
     bad = [c for c in checks if not c["all_written"] or c["rel_err_vs_int8_reference"] > (3e-2 if c["dtype"] == "bfloat16" else 1e-3)]
     result["checks"], result["checks_failed"] = checks, len(bad)

@@ -21,11 +21,10 @@ Prints a table and writes DIR/load_time.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
+import sys
 import tempfile
 import time
 
@@ -187,12 +186,11 @@ def main(argv=None) -> int:
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = {
-        "benchmark": "load_time", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": platform.node(), "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__, "shape": shape, "command": "python benchmarks/load_time.py " + " ".join(argv or __import__("sys").argv[1:]),
-        "rows": rows,
-    }
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import result_header
+
+    result = {**result_header(argv), "benchmark": "load_time", "device": str(jax.devices()[0].device_kind),
+              "shape": shape, "rows": rows}
     print(f"\n{'model':34s} {'src GB':>7s} {'src load s':>10s} {'convert s':>9s} {'orbax GB':>8s} {'orbax load s':>12s} {'speed-up':>8s} cold")
     for r in rows:
         print(f"{r['model']:34s} {r['source_bytes'] / 1e9:7.2f} {r['source_load_s']:10.2f} {r['convert_s']:9.2f} "

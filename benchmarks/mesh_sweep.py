@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
 import itertools
@@ -56,6 +55,7 @@ from jlight.pallas_kernels.dispatch import get_kernels
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec
 from jlight.sharding.plan import DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS, ShardingPlan
 from jlight.sharding.rules import logical_to_spec
+from harness import result_header
 from model_configs import CONFIG_NAMES, MOE_CONFIGS, make_config
 
 PAGE_SIZE = 16
@@ -350,8 +350,7 @@ def main():
     print(title, flush=True)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"{a.name}.json")
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "jax": jax.__version__,
-              "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+    record = {**result_header(), "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
               "model_config": a.model_config, "family": config.family, "num_layers": config.num_layers,
               "num_dense_layers": num_dense, "num_params_b": round(num_params / 1e9, 3), "layer_loop": a.layer_loop,
               "args": vars(a), "complete": False, "results": []}

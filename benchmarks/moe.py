@@ -30,7 +30,6 @@ layers of 3 + 58.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import inspect
 import json
@@ -47,6 +46,7 @@ from jlight.models.moe import expert_ffn, grouped_expert_ffn
 from jlight.pallas_kernels import grouped_matmul_pallas
 from jlight.pallas_kernels.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
+from harness import result_header
 from model_configs import make_config
 
 PAGE_SIZE = 16
@@ -442,8 +442,7 @@ def main():
     sections = set(args.sections.split(","))
     prefill_len, context = (64, 32) if args.quick else (2048, 512)
     dtype = jnp.float32 if args.quick else jnp.bfloat16
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), backend=jax.default_backend(),
-                device=str(jax.devices()[0].device_kind), jax=jax.__version__, quick=args.quick, dtype=str(jnp.dtype(dtype)),
+    meta = dict(result_header(), device=str(jax.devices()[0].device_kind), quick=args.quick, dtype=str(jnp.dtype(dtype)),
                 iters=iters, bf16_tflops_ceiling=BF16_TFLOPS,
                 note=("random weights; Mixtral-8x7B shapes with 8 of 32 layers; DeepSeek-V3 shapes with 1 dense + 2 MoE "
                       "of 3 + 58 layers; every layer unrolled (unstack_layers); decode at context 512; steps include "

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -224,12 +223,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = compare(measure(segments, configs, model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
                            log=lambda s: print(s, file=sys.stderr)))
-    import jax
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import result_header
 
-    meta = dict(date=datetime.date.today().isoformat(), host=platform.node(), machine=platform.machine(),
-                backend=jax.default_backend(), devices=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                command="python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-                tokens=sum(map(len, segments)), segments=len(segments), total_seconds=round(time.perf_counter() - t0, 1))
+    meta = dict(result_header(argv), machine=platform.machine(), tokens=sum(map(len, segments)), segments=len(segments),
+                total_seconds=round(time.perf_counter() - t0, 1))
     print(json.dumps(meta))
     print(markdown(rows))
     if args.json:

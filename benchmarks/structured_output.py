@@ -12,10 +12,9 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
+import sys
 import time
 
 import numpy as np
@@ -84,8 +83,6 @@ def main():
     ap.add_argument("--mask-rows", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    import jax
-
     import jlight
     from jlight import SamplingParams
 
@@ -94,8 +91,10 @@ def main():
                for i in range(a.num_requests)]
     answer = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=a.max_tokens,
                                                        structured_outputs={"json": SCHEMA}), use_tqdm=False)[0].outputs[0]
-    result = dict(date=datetime.date.today().isoformat(), backend=jax.default_backend(), host=platform.node(),
-                  cpus=os.cpu_count(), model=llm.engine.model_name, vocab=llm.engine.model_config.vocab_size, args=vars(a))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import result_header
+
+    result = dict(result_header(), cpus=os.cpu_count(), model=llm.engine.model_name, vocab=llm.engine.model_config.vocab_size, args=vars(a))
     result["mask"] = [mask_microseconds_per_row(llm, r, answer.token_ids) for r in a.mask_rows]
     for m in result["mask"]:
         print(f"mask fill, {m['rows']} rows: median {m['median_us_per_row']:.0f} us a row, p90 {m['p90_us_per_row']:.0f}, "

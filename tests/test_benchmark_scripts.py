@@ -1,115 +1,136 @@
-"""The benchmark scripts that device runs depend on, smoke-run on CPU (tiny shapes), so that a
-broken script is found here and not after a machine has been started for it."""
+"""The benchmark toolbox smoke-run on CPU with tiny shapes, so that a broken script is found here and not
+after a GPU machine has been started for it: the harness (the peer's requests, the device rates, the result
+header), the scripts the GPU runner calls (in this process, to import JAX once) and gpu.sh's suite parsing."""
 import json
 import os
+import random
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
 
 
-def test_decode_latency_runs_every_variant_from_one_loaded_model(tmp_path):
-    # unrolled layers: an engine built from the script's shared LoadedModel must leave it usable
-    # for the next variant (it once set loaded.params = None and every later variant failed).
-    variants = "bf16-b8,bf16-b8-sep,int8-xla-b1,int8-pallas-b1"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_latency.py"), "--model-config", "tiny",
-                    "--variants", variants, "--tokens", "8", "--layer-loop", "unroll", "--step-tokens", "16",
-                    "--out", str(tmp_path)],
-                   check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "decode_latency.json").read_text())
-    assert list(result["variants"]) == variants.split(",")
-    for name, row in result["variants"].items():
-        assert "error" not in row, (name, row)
-        assert row["ms"] > 0 and row["dispatch_ms"] > 0
-        assert all(row[k] > 0 for k in ("transfer_unpacked_ms", "transfer_packed_ms", "call_on_device_inputs_ms",
-                                        "back_to_back_ms"))
-        assert row["prefill_step_ms"]["16"] > 0
-    assert result["variants"]["int8-pallas-b1"]["buckets"][0] == 1
-    assert result["variants"]["bf16-b8"]["buckets"][0] == 8
-    # the same random model decodes the same greedy tokens with fused and separate projections
-    assert len(result["variants"]["bf16-b8"]["greedy_tokens"]) == 16
-    assert result["variants"]["bf16-b8"]["greedy_tokens"] == result["variants"]["bf16-b8-sep"]["greedy_tokens"]
-    # fused projections (the default) read the same weights as separate ones (-sep)
-    assert result["variants"]["bf16-b8"]["weight_bytes"] == result["variants"]["bf16-b8-sep"]["weight_bytes"]
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import harness
+
+    return harness
 
 
-def test_w8a16_mosaic_benchmark_checks_and_times_each_variant(tmp_path):
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "w8a16_mosaic.py"), "--quick", "--shapes", "256x128",
-                    "--variants", "i8 tk256 s4,default", "--xla-layouts", "--out", str(tmp_path)],
-                   check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    rows = json.loads((tmp_path / "w8a16_mosaic.json").read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["xla bf16", "xla int8 dequantize-dot", "xla int8 [in, out]",
-                                         "mosaic i8 tk256 s4", "mosaic default"]
-    for row in rows:
-        assert "error" not in row, row
-        assert row["us"] > 0
-    assert all(row["rel_err"] < 4e-3 for row in rows[1:])
+def test_harness_builds_the_peers_requests_call_for_call(bench):
+    # ../shared/peer/vllm_bench.py's calls, in its order, on the global generator: the harness must give
+    # the same prompts and lengths (so jlight and vLLM run the same work).
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    nano = bench.nano_workload()
+    assert [r.prompt_token_ids for r in nano] == prompts and [r.max_tokens for r in nano] == max_tokens
+    assert {r.temperature for r in nano} == {0.6}
+    random.seed(1)
+    assert bench.bs1_prompt() == [random.randint(0, 10000) for _ in range(128)]
+    random.seed(2)
+    fixed = bench.fixed_workload(30, 7, 5)
+    assert [r.prompt_token_ids for r in fixed] == [[random.randint(0, 10000) for _ in range(30)] for _ in range(5)]
+    assert {r.max_tokens for r in fixed} == {7}
+    # vllm_growth.py: its prompts, and its cases (batch x length above 300,000 tokens skipped)
+    assert bench.growth_ttft_prompt(5) == [5, 12, 19, 26, 33]
+    assert bench.growth_decode_prompts(3, 2) == [[3, 14, 25], [4, 15, 26]]
+    assert bench.growth_cases() == [(1024, 1), (1024, 16), (2048, 1), (2048, 16), (4096, 1), (4096, 16), (8192, 1),
+                                    (8192, 16), (16384, 1), (16384, 16), (32000, 1)]
+    assert bench.GROWTH_ENGINE["enable_prefix_caching"] is False
 
 
-def test_fusion_ablation_leaves_out_only_what_it_names():
-    # decode_latency.py --ablate times steps of this forward: with nothing left out it must be llama.forward's
-    # computation (so an ablated row differs from its baseline only by the ops it names), and each name must
-    # actually change the computation (else the row would time nothing left out).
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+def test_harness_times_generate_calls_the_peers_way(bench):
+    calls = []
+
+    def generate(requests):  # a fake engine: 1 s plus 10 ms a token after the first
+        calls.append([(len(r.prompt_token_ids), r.max_tokens) for r in requests])
+        n = requests[0].max_tokens
+        return 1.0 + 0.01 * (n - 1), n * len(requests)
+
+    assert bench.bs1_ms_per_token(generate, [1] * 128) == pytest.approx(10.0)
+    assert calls == [[(128, 1)], [(128, 256)]] * 3
+    calls.clear()
+    assert bench.growth_decode_ms_per_step(generate, 4, 3) == pytest.approx(10.0)  # (t(66) - t(2)) / 64
+    assert calls == [[(4, 2)] * 3, [(4, 66)] * 3]
+
+
+def test_copy_rate_times_a_plain_copy_and_results_carry_their_header(bench, tmp_path):
+    import jax
     import jax.numpy as jnp
-    import fusion_ablation
-    from model_configs import random_loaded_model
-    from jlight.engine.engine_config import EngineConfig
-    from jlight.engine.llm_engine import LLMEngine
-    from jlight.engine.sampling_params import SamplingParams
 
-    loaded = random_loaded_model("tiny", jnp.float32)
-
-    def prompt_logprobs(ablate):
-        restore = fusion_ablation.install(ablate) if ablate is not None else (lambda: None)
-        try:
-            engine = LLMEngine(EngineConfig(model=None, max_num_seqs=2, max_model_len=64, num_pages=16, warmup=False),
-                               loaded=loaded)
-            engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
-                               prompt_token_ids=[3, 14, 15, 92, 65, 35])
-            outputs = []
-            while engine.has_unfinished_requests():
-                outputs.extend(engine.step())
-            return [next(iter(d.values())) for d in outputs[-1].prompt_logprobs[1:]]  # {token: logprob} each
-        finally:
-            restore()
-
-    reference = prompt_logprobs(None)
-    assert prompt_logprobs(set()) == reference
-    for name in fusion_ablation.ABLATIONS:
-        ablated = prompt_logprobs({name})
-        if name == "fold_norm":  # the same function while the norm weights are ones (the random model's)
-            assert max(abs(a - b) for a, b in zip(ablated, reference)) < 1e-4
-        else:
-            assert max(abs(a - b) for a, b in zip(ablated, reference)) > 1e-3, name
+    hlo = jax.jit(jnp.copy).lower(jnp.zeros((256,), jnp.float32)).compile().as_text()
+    assert " copy(" in hlo and " add(" not in hlo and " multiply(" not in hlo
+    assert bench.copy_bytes_per_s(1 << 20, reps=2) > 0 and bench.matmul_flops_per_s(64, reps=2) > 0
+    path = bench.write_result(str(tmp_path), "r", {"figure": 1.5, "device": "mine"})
+    result = json.loads(open(path).read())
+    assert result["figure"] == 1.5 and result["device"] == "mine"  # the result's own keys win
+    assert {"date", "backend", "jax", "command", "git_commit"} <= set(result)
+    assert bench.write_result(None, "r", {}) is None
 
 
-def test_batch_decode_profile_fills_the_batch_and_times_its_decode_step(tmp_path):
-    # the script's decode step must be one token per sequence, every sequence decoding; --sampler argmax
-    # and --cub-sort are the two diagnostics its device runs compare against the engine as it is.
-    for extra in ([], ["--sampler", "argmax", "--cub-sort", "--top-p", "0.9"]):
-        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_decode_profile.py"), "--model-config", "tiny",
-                        "--batches", "3", "--context", "20", "--engine-steps", "4", "--out", str(tmp_path), *extra],
-                       check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        result = json.loads((tmp_path / "batch_decode_profile.json").read_text())
-        row = result["rows"]["3"]
-        assert row["step_ms"] > 0 and row["engine"]["tok_s"] > 0
-        assert result["step_compiler_options"] == ({} if extra else {"xla_gpu_enable_cub_radix_sort": False})
+def test_offline_throughput_runs_the_peers_workloads_in_one_engine(bench, tmp_path):
+    import offline_throughput
+
+    result = offline_throughput.main([
+        "--model-config", "tiny", "--num-requests", "6", "--input-len", "10", "40", "--output-len", "3", "9",
+        "--fixed", "20", "5", "3", "--bs1-tokens", "6", "--max-num-seqs", "8", "--max-model-len", "192",
+        "--max-num-batched-tokens", "64", "--min-token-bucket", "64", "--step-trace", "--out", str(tmp_path)])
+    nano = bench.nano_workload(6, (10, 40), (3, 9))
+    assert result["nano"]["output_tokens"] == sum(r.max_tokens for r in nano)  # ignore_eos: every token generated
+    assert result["nano"]["input_tokens"] == sum(len(r.prompt_token_ids) for r in nano)
+    assert result["fixed"]["output_tokens"] == 15 and result["fixed"]["input_tokens"] == 60
+    assert result["bs1"]["ms_per_token"] > 0 and result["init_s"] > 0 and result["buckets"] == [64]
+    assert sum(g["steps"] for g in result["step_trace"]) == result["nano"]["steps"]  # every step of the run traced
+    saved = json.loads((tmp_path / "offline_throughput.json").read_text())
+    assert saved["fixed"] == result["fixed"] and "git_commit" in saved
 
 
-def test_attention_large_pool_check_compares_with_the_reference():
-    # the Triton kernel in interpret mode on CPU: bf16 rounding apart from the reference, every layer checked
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention_large_pool_check.py"), "--pages", "40",
-                          "--layers", "2", "--batch", "3", "--context", "50", "--impls", "triton"],
-                         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
-    errors = [float(line.split("rel err ")[1].split()[0]) for line in out.splitlines() if line.startswith("layer")]
-    assert len(errors) == 2 and all(0 < e < 1e-2 for e in errors), out
+def test_decode_latency_variants_share_one_random_model(bench, tmp_path):
+    # An engine built from the script's shared LoadedModel must leave it usable for the next variant, and fused
+    # projections (the default) must decode the same greedy tokens from the same weights as separate ones.
+    import decode_latency
+
+    decode_latency.main(["--model-config", "tiny", "--variants", "bf16-b8,bf16-b8-sep", "--tokens", "6",
+                         "--step-tokens", "8", "--out", str(tmp_path)])  # 8: the bucket decode compiled
+    result = json.loads((tmp_path / "decode_latency.json").read_text())
+    rows = result["variants"]
+    assert list(rows) == ["bf16-b8", "bf16-b8-sep"] and "git_commit" in result
+    for name, row in rows.items():
+        assert "error" not in row, (name, row)
+        assert row["ms"] > 0 and row["back_to_back_ms"] > 0 and row["prefill_step_ms"]["8"] > 0
+        assert row["buckets"][0] == 8
+    assert len(rows["bf16-b8"]["greedy_tokens"]) == 16
+    assert rows["bf16-b8"]["greedy_tokens"] == rows["bf16-b8-sep"]["greedy_tokens"]
+    assert rows["bf16-b8"]["weight_bytes"] == rows["bf16-b8-sep"]["weight_bytes"]
+
+
+def test_batch_decode_profile_times_a_full_decode_batch(bench, tmp_path):
+    import batch_decode_profile
+
+    batch_decode_profile.main(["--model-config", "tiny", "--batches", "3", "--context", "20", "--engine-steps", "2", "--max-num-batched-tokens", "8",
+                               "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "batch_decode_profile.json").read_text())["rows"]["3"]
+    assert row["step_ms"] > 0 and row["engine"]["tok_s"] > 0
+
+
+def test_kernels_large_pool_section_checks_each_layer_against_the_reference(bench, tmp_path):
+    import kernels
+
+    kernels.main(["--quick", "--skip-checks", "--sections", "large_pool", "--check-impls", "triton", "--trials", "1",
+                  "--out", str(tmp_path)])
+    rows = [r for r in json.loads((tmp_path / "kernels.json").read_text())["timings"] if "pool" in r["kernel"]]
+    assert len(rows) == 2 and all(0 < r["rel_err"] < 1e-2 for r in rows), rows  # bf16 rounding; a wrong page is O(1)
 
 
 def test_step_trace_gives_each_step_the_wait_of_the_call_after_it(monkeypatch):
     # The engine runs one step ahead, so call k's wait is step k-1's device time; a step must get the
     # duration of the call after the one that scheduled it, and land in the group its plan says.
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(BENCH)
     from types import SimpleNamespace
 
     import step_trace
@@ -140,3 +161,24 @@ def test_step_trace_gives_each_step_the_wait_of_the_call_after_it(monkeypatch):
     assert [(g["group"], g["steps"]) for g in groups] == [("with prefill", 1), ("decode 1-1 seqs", 1), ("decode 2-8 seqs", 1)]
     assert abs(groups[2]["roofline_s"] - (1000 + 620) / 1e6) < 1e-12
     assert abs(groups[2]["efficiency"] - 1.62e-3 / 0.002) < 1e-9
+
+
+def test_gpu_sh_gives_each_suite_its_own_arguments(tmp_path):
+    def _gpu_sh(*args):  # DRY_RUN: each suite prints its command and runs nothing
+        return subprocess.run(["bash", os.path.join(BENCH, "gpu.sh"), *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, DRY_RUN="1", OUT=str(tmp_path)))
+
+    out = _gpu_sh("decode", "--variants", "int8-auto-b8", "context", "--lengths", "1024", "kernels", "--skip-checks",
+                  "--", "throughput", "--sections", "decode")
+    assert out.returncode == 0, out.stderr
+    commands = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if "(timeout" in line]
+    assert len(commands) == 4, out.stdout
+    assert commands[0].startswith("python3 benchmarks/decode_latency.py") and commands[0].endswith(
+        "--variants int8-auto-b8 (timeout 400 s)")
+    assert commands[1].startswith("python3 benchmarks/context_sweep.py") and "--lengths 1024 (" in commands[1]
+    assert commands[2].startswith("python3 benchmarks/kernels.py") and commands[2].endswith("--skip-checks (timeout 480 s)")
+    # a suite name right after an option is that option's value, not a suite
+    assert commands[3].startswith("python3 benchmarks/offline_throughput.py") and "--sections decode (" in commands[3]
+    assert _gpu_sh("no-such-suite").returncode == 2
+    usage = _gpu_sh()
+    assert usage.returncode == 2 and "SUITE" in usage.stdout

@@ -1,0 +1,249 @@
+#!/usr/bin/env bash
+# One runner for the GPU machine (Python 3.12, JAX 0.11.2; no fastapi, grain or gguf in its image):
+#
+#   bash benchmarks/gpu.sh SUITE [ARGS...] [SUITE [ARGS...]] ...
+#
+# e.g.  bash benchmarks/gpu.sh decode throughput
+#       bash benchmarks/gpu.sh decode --variants int8-auto-b8 context --lengths 1024,8192
+#       bash benchmarks/gpu.sh peer vllm_growth.py          (the vLLM peer, from a carried .peerN folder)
+#
+# Words after a suite name go to that suite's script, after its defaults (argparse: the last value wins).
+# A suite name starts the next suite when it follows a word that is not an option (-x, --x); after an
+# option that takes no value, write `--` first (`kernels --skip-checks -- decode`).
+#
+# Suites, named after what they measure (the script and its defaults; MODEL=llama3-8b, random bf16 weights):
+#   throughput  offline_throughput.py: the peer's nano-vllm workload, batch-1 decode (the peer's method) and
+#               the peer's 1000 in / 1000 out x 1000 requests, one engine (vllm_bench.py's measurements)
+#   steps       offline_throughput.py --step-trace: every step of the nano workload against its own roofline
+#   decode      decode_latency.py --tokens 96 --kernel-breakdown, one process per variant in $VARIANTS
+#               (default "bf16-b8 int8-auto-b8"; with --variants in ARGS, those in one process): batch-1
+#               ms/token, the step back to back, CUPTI's kernel list
+#   context     context_sweep.py: TTFT and batch-1 / batch-16 decode vs context (vllm_growth.py's measurements)
+#   batch       batch_decode_profile.py --batches 64,256 --context 1024 --kernel-breakdown
+#   serving     `jlight serve` on a random checkpoint (make_random_checkpoint.py), then `jlight bench serve`
+#               (needs .whl carried: bash benchmarks/fetch_server_wheels.sh); knobs below
+#   kernels     kernels.py --trials 20: attention and int8 matmul kernels checked and timed against XLA
+#   kv_int8     kv_int8_attention.py --impls triton,mosaic --page-sizes 16,32: the int8 KV pages
+#   attention   attention_engine_check.py: each attention kernel in the engine against the XLA reference
+#   moe         moe.py: Mixtral- and DeepSeek-V3-shaped layers, per expert implementation
+#   mesh        mesh_sweep.py (a machine of 2+ GPUs): default --model-config llama3-70b --num-layers 40
+#               --meshes tp=1 tp=<GPUs>
+#   load        load_time.py --no-smollm2: safetensors against an orbax checkpoint of the same weights
+#   structured  structured_output.py on a tiny random Llama (needs llguidance in .whl)
+#   tests       pytest on the GPU: tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py
+#               (ARGS replace the file list)
+#   peer        bash .peerN/device.sh ARGS (../shared/peer/README.md: one .peerN folder carried per call)
+#
+# Results: $OUT (the device tool's output folder; ./bench_out when unset): SUITE.txt (the script's output)
+# and SUITE/ (its JSON) for each suite, gpu.log (this runner's log). The device tool brings back at most
+# 8 files, so when there are more, everything but gpu.log is packed into results.tgz.
+# Environment: MODEL, VARIANTS, SUITE_TIMEOUT (seconds per suite, else each suite's own default),
+# JLIGHT_GIT_COMMIT (the commit the results name where the tree travelled without .git), NO_INSTALL=1 (jlight is
+# importable already: skip `pip install -e .`), DRY_RUN=1 (print each suite's command, run none).
+# Carried wheels: a .whl folder in the tree is installed first (install_carried_wheels.py, into /tmp/site).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/bench_out}
+mkdir -p "$OUT"
+LOG=$OUT/gpu.log
+MODEL=${MODEL:-llama3-8b}
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }
+
+SUITES=" throughput steps decode context batch serving kernels kv_int8 attention moe mesh load structured tests peer "
+is_suite() { [[ "$SUITES" == *" $1 "* ]]; }
+
+run() {  # NAME DEFAULT_TIMEOUT COMMAND...: the command's output to $OUT/NAME.txt, its end here
+  local name=$1 limit=${SUITE_TIMEOUT:-$2}; shift 2
+  local start=$(date +%s)
+  say "$name: $* (timeout $limit s)"
+  [ -n "${DRY_RUN:-}" ] && return 0
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  say "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)'), $(( $(date +%s) - start )) s"
+  grep -vE "^compiling|[Ww]arning|^\s*$" "$OUT/$name.txt" | tail -15 | cut -c1-240
+  return $rc
+}
+
+setup() {
+  if [ -z "${NO_INSTALL:-}" ]; then
+    say "installing jlight from this tree"
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$LOG" 2>&1 || { tail -5 "$LOG"; exit 1; }
+  fi
+  if [ -d .whl ]; then
+    rm -rf /tmp/site
+    python3 benchmarks/install_carried_wheels.py .whl /tmp/site 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import sys, jax; print('python', sys.version.split()[0], '| jax', jax.__version__, jax.devices())"
+  } 2>&1 | tee -a "$LOG"
+}
+
+suite_throughput() {
+  run throughput 480 python3 benchmarks/offline_throughput.py --model-config "$MODEL" --dtype bfloat16 \
+    --fixed 1000 1000 1000 --out "$OUT/throughput" "$@"
+}
+
+suite_steps() {
+  run steps 300 python3 benchmarks/offline_throughput.py --model-config "$MODEL" --dtype bfloat16 --bs1-tokens 0 \
+    --step-trace --out "$OUT/steps" "$@"
+}
+
+suite_decode() {
+  local v rc=0
+  if [[ " $* " == *" --variants "* ]]; then  # the variants named in ARGS, in one process
+    run decode 400 python3 benchmarks/decode_latency.py --model-config "$MODEL" --tokens 96 --kernel-breakdown \
+      --out "$OUT/decode" "$@"
+    return
+  fi
+  for v in ${VARIANTS:-bf16-b8 int8-auto-b8}; do  # one process each: an engine built after another dispatches slower
+    run "decode_$v" 200 python3 benchmarks/decode_latency.py --model-config "$MODEL" --variants "$v" --tokens 96 \
+      --kernel-breakdown --out "$OUT/decode/$v" "$@" || rc=$?
+  done
+  return $rc
+}
+
+suite_context() {
+  run context 540 python3 benchmarks/context_sweep.py --out "$OUT/context" "$@"
+}
+
+suite_batch() {
+  run batch 300 python3 benchmarks/batch_decode_profile.py --model-config "$MODEL" --batches 64,256 --context 1024 \
+    --kernel-breakdown --out "$OUT/batch" "$@"
+}
+
+suite_kernels() {
+  run kernels 480 python3 benchmarks/kernels.py --trials 20 --out "$OUT/kernels" "$@"
+}
+
+suite_kv_int8() {
+  run kv_int8 300 python3 benchmarks/kv_int8_attention.py --impls triton,mosaic --page-sizes 16,32 --out "$OUT/kv_int8" "$@"
+}
+
+suite_attention() {
+  run attention 300 python3 benchmarks/attention_engine_check.py --out "$OUT/attention" "$@"
+}
+
+suite_moe() {
+  run moe 480 python3 benchmarks/moe.py --out "$OUT/moe" "$@"
+}
+
+suite_mesh() {
+  local gpus defaults=()
+  gpus=$(nvidia-smi -L 2> /dev/null | wc -l)
+  [ $# -eq 0 ] && defaults=(--model-config llama3-70b --num-layers 40 --meshes tp=1)
+  [ $# -eq 0 ] && [ "${gpus:-1}" -gt 1 ] && defaults+=("tp=$gpus")
+  run mesh 540 python3 benchmarks/mesh_sweep.py --out "$OUT/mesh" --plot 0 --layer-loop unroll --trials 5 --batch 64 \
+    --context 512 --prompt-len 2048 "${defaults[@]}" "$@"
+}
+
+suite_load() {
+  run load 300 python3 benchmarks/load_time.py --out "$OUT/load" --work-dir /tmp/loadtime --no-smollm2 "$@"
+}
+
+suite_structured() {
+  local tiny
+  tiny=$(python3 -c "import sys; sys.path.insert(0, 'tests'); from tiny_models import make_tiny_model; print(make_tiny_model('/tmp/tiny', 'LlamaForCausalLM'))" 2>> "$LOG" | tail -1)
+  run structured 200 python3 benchmarks/structured_output.py --model "$tiny" --num-requests 32 --max-tokens 48 \
+    --mask-rows 1 32 --out "$OUT/structured" "$@"
+}
+
+suite_tests() {
+  local files=(tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py)
+  [ $# -gt 0 ] && files=("$@")
+  run tests 400 python3 -m pytest -q -p no:cacheprovider "${files[@]}"
+}
+
+suite_peer() {
+  local dirs=(.peer[0-9]*)
+  [ -f "${dirs[0]}/device.sh" ] || { say "peer: no .peerN folder here (carry one; ../shared/peer/README.md)"; return 1; }
+  run peer 540 bash "${dirs[0]}/device.sh" "$@"
+}
+
+# Serving: SHAPE, RATES, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN (+-RANGE_RATIO), WARMUP, SERVE_OPTS, PORT, CKPT,
+# START_TIMEOUT, BENCH_TIMEOUT; ARGS go to `jlight bench serve`. The defaults are the 2026-11-29 H200 run's:
+# 200 prompts a rate, 512-1023 tokens in, 128-255 out (ignore_eos), rates 2, 8, 32 and inf.
+suite_serving() {
+  [ -n "${DRY_RUN:-}" ] && { run serving 330 jlight serve + jlight bench serve "$@"; return; }
+  local shape=${SHAPE:-llama3-8b} port=${PORT:-8123} dir="$OUT/serving"
+  local ckpt=${CKPT:-/tmp/jlight_random_${shape}}
+  local serve_opts=${SERVE_OPTS:---dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --kv-cache-memory-fraction 0.8}
+  mkdir -p "$dir"
+  say "serving: writing the $shape checkpoint to $ckpt"
+  rm -rf "$ckpt"
+  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --out "$ckpt" >> "$LOG" 2>&1 || { say "serving: checkpoint failed"; return 1; }
+  local vocab
+  vocab=$(python3 -c "import json; print(json.load(open('$ckpt/config.json'))['vocab_size'])")
+  say "serving: jlight serve $ckpt --port $port $serve_opts"
+  # shellcheck disable=SC2086
+  python3 -m jlight.cli serve "$ckpt" --host 127.0.0.1 --port "$port" --served-model-name "random-$shape" $serve_opts \
+    > "$dir/server.log" 2>&1 &
+  local server=$!
+  python3 - "$port" "${START_TIMEOUT:-300}" "$server" << 'EOF'
+import os, sys, time, urllib.request
+port, timeout, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+deadline = time.time() + timeout
+while time.time() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("server process exited before /health answered")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(1)
+sys.exit(f"/health did not answer within {timeout:.0f} s")
+EOF
+  local rc=$?
+  if [ $rc = 0 ]; then
+    say "serving: server ready"
+    SUITE_TIMEOUT=${BENCH_TIMEOUT:-${SUITE_TIMEOUT:-330}} run serving 330 python3 -m jlight.cli bench serve \
+      --base-url "http://127.0.0.1:$port" --num-prompts "${NUM_PROMPTS:-200}" --input-len "${INPUT_LEN:-768}" \
+      --output-len "${OUTPUT_LEN:-192}" --range-ratio "${RANGE_RATIO:-0.3333}" --vocab-size "$vocab" \
+      --request-rates "${RATES:-2,8,32,inf}" --warmup-requests "${WARMUP:-4}" --out "$dir/serving" "$@"
+    rc=$?
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics', timeout=10).read().decode())" \
+      > "$dir/metrics.txt" 2>&1
+  else
+    say "serving: the server did not come up"; tail -30 "$dir/server.log"
+  fi
+  kill -TERM "$server" 2> /dev/null
+  for _ in $(seq 60); do kill -0 "$server" 2> /dev/null || break; sleep 1; done
+  kill -0 "$server" 2> /dev/null && kill -KILL "$server"
+  wait "$server" 2> /dev/null
+  return $rc
+}
+
+# Split the words into suites and their arguments, then run them in order.
+[ $# -eq 0 ] && { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
+names=() args=() prev=""
+for word in "$@"; do
+  if [ "$word" = "--" ]; then prev=""; continue; fi
+  if is_suite "$word" && { [ ${#names[@]} -eq 0 ] || [[ "$prev" != -* ]]; }; then
+    names+=("$word"); args+=("")
+  elif [ ${#names[@]} -eq 0 ]; then
+    echo "gpu.sh: unknown suite '$word'; suites:$SUITES" >&2; exit 2
+  else
+    args[${#args[@]} - 1]+=" $(printf '%q' "$word")"
+  fi
+  prev=$word
+done
+[ -z "${DRY_RUN:-}" ] && setup
+status=0
+for i in "${!names[@]}"; do
+  eval "suite_${names[$i]} ${args[$i]}" || status=1
+done
+files=$(find "$OUT" -type f ! -name gpu.log | wc -l)
+if [ "$files" -gt 7 ]; then  # the device tool brings back at most 8 files
+  (cd "$OUT" && find . -type f ! -name gpu.log ! -name results.tgz -print0 | tar czf /tmp/results.tgz --null -T - \
+    && find . -mindepth 1 ! -name gpu.log -delete && mv /tmp/results.tgz .)
+  say "packed $files files into $OUT/results.tgz"
+fi
+say "done: ${names[*]} (exit $status)"
+exit $status

@@ -1,0 +1,272 @@
+"""The pieces every benchmark script shares: random-weight models by named shape, the vLLM peer's
+request generators, the device's copy and matmul rates, engine runs timed the peer's way, and one
+JSON result writer.
+
+Models (benchmarks/model_configs.py holds the shapes):
+  make_config(name, ...) -> ModelConfig; random_loaded_model(name, dtype, ...) -> LoadedModel (random
+  weights, no tokenizer); random_engine(name, dtype=..., **EngineConfig fields) -> LLMEngine;
+  write_random_checkpoint(dir, shape) -> bytes written (a servable HF directory, make_random_checkpoint.py).
+
+The peer's requests, copied call for call from ../shared/peer/vllm_bench.py and vllm_growth.py (a
+jlight run that builds its requests with these measures the same work as the vLLM run):
+  nano_workload()            nano-vllm's bench.py: random.seed(0), 256 prompts of randint(100, 1024) ids
+                             randint(0, 10000), then max_tokens randint(100, 1024) each, temperature 0.6.
+  fixed_workload(i, o, n)    random.seed(2), n prompts of i ids randint(0, 10000), o output tokens, temperature 0.6.
+  bs1_prompt()               random.seed(1), 128 ids randint(0, 10000); bs1_ms_per_token() times it greedy:
+                             (t(256 tokens) - t(1 token)) / 255, median of 3.
+  growth_ttft_prompt(n)      [(7 * i + n) % 10000 for i in range(n)]: TTFT = wall time of 1 greedy token.
+  growth_decode_prompts(n, b) row j = [(11 * i + n + j) % 10000 for i in range(n)]; growth_decode_ms_per_step()
+                             = (t(66 tokens) - t(2 tokens)) / 64, greedy; (n, b) with b * n > 300,000 skipped.
+  GROWTH_ENGINE              the growth run's engine settings (32k context, 64 sequences, prefix caching off:
+                             each batch runs twice, and a cached prompt would skip its prefill).
+  GROWTH_LENGTHS (1024 ... 32000), growth_cases() (the (length, batch) pairs in the peer's order),
+  growth_ttft_ms(generate, n), GROWTH_WARMUP (the peer's untimed first request).
+Every request ignores EOS (vLLM's ignore_eos=True); jlight's random models have no tokenizer to detokenize with.
+A request is Request(prompt_token_ids, max_tokens, temperature); engine_generate(engine, requests) -> (wall seconds,
+output tokens) runs a list of them as the peer times one `llm.generate` call, and is the `generate` the timing
+helpers above take (`lambda requests: engine_generate(engine, requests)`).
+
+Rates of the device (median_seconds(fn, *args): host clock around block_until_ready, median of `reps` calls
+after a compiling call):
+  copy_bytes_per_s()   a plain device-to-device copy of a 2 GiB buffer (jnp.copy under jit: XLA copies the
+                       parameter into a fresh output buffer), counting the bytes read plus the bytes written.
+  matmul_flops_per_s() an n x n x n bf16 matmul, 2 n^3 FLOPs per call.
+  weight_bytes(params) the bytes a decode step reads: every weight but the embedding table.
+
+Results: result_header() -> dict(date, device, backend, jax, python, host, command, git_commit);
+write_result(out_dir, name, result) writes OUT_DIR/NAME.json with that header first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import model_configs  # noqa: E402
+from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config  # noqa: E402,F401
+
+# ------------------------------------------------------------------ models
+
+
+def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192):
+    """model_configs.random_loaded_model (a LoadedModel of random weights, no tokenizer), with JAX's persistent
+    compilation cache switched on first, in the directory an engine would use (EngineConfig.compilation_cache_dir),
+    so the jitted random init compiles once per machine and shape, as the engine's steps do."""
+    from jlight.engine.engine_config import EngineConfig
+
+    cache_dir = EngineConfig().compilation_cache_dir
+    if cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return model_configs.random_loaded_model(name, dtype, seed=seed, max_position_embeddings=max_position_embeddings)
+
+
+def random_engine(name: str, dtype: str = "bfloat16", *, max_model_len: int = 4096, seed: int = 0, **engine_fields):
+    """An LLMEngine over random weights of a named shape (no tokenizer: requests give prompt_token_ids).
+    engine_fields go to EngineConfig as they are (max_num_seqs, quantization, attention_impl, mesh ...)."""
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.llm_engine import LLMEngine
+
+    loaded = random_loaded_model(name, jnp.dtype(dtype), seed=seed, max_position_embeddings=max_model_len)
+    return LLMEngine(EngineConfig(model=None, max_model_len=max_model_len, **engine_fields), loaded=loaded)
+
+
+def write_random_checkpoint(directory: str, shape: str = "small", **kwargs) -> int:
+    """A servable random Llama checkpoint (`jlight serve DIR`): make_random_checkpoint.write_checkpoint."""
+    import make_random_checkpoint
+
+    return make_random_checkpoint.write_checkpoint(directory, dict(make_random_checkpoint.SHAPES[shape]), **kwargs)
+
+
+# ------------------------------------------------------------------ the peer's requests
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+
+
+NANO_TEMPERATURE = 0.6
+
+
+def nano_workload(num_requests: int = 256, input_len: tuple[int, int] = (100, 1024),
+                  output_len: tuple[int, int] = (100, 1024), seed: int = 0) -> list[Request]:
+    """vllm_bench.py's `nano` requests (its defaults are these arguments' defaults): every prompt first,
+    then every max_tokens, from one random.Random(seed), in the peer's order of calls."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
+    max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
+    return [Request(p, m, NANO_TEMPERATURE) for p, m in zip(prompts, max_tokens)]
+
+
+def fixed_workload(input_len: int, output_len: int, num_requests: int, seed: int = 2) -> list[Request]:
+    """vllm_bench.py's `--fixed IN OUT N` requests (the peer's README reports 1000 1000 1000)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(input_len)] for _ in range(num_requests)]
+    return [Request(p, output_len, NANO_TEMPERATURE) for p in prompts]
+
+
+def bs1_prompt(length: int = 128, seed: int = 1) -> list[int]:
+    """vllm_bench.py's `bs1` prompt."""
+    rng = random.Random(seed)
+    return [rng.randint(0, 10000) for _ in range(length)]
+
+
+def bs1_ms_per_token(generate, prompt: list[int], tokens: int = 256, repeats: int = 3) -> float:
+    """vllm_bench.py's batch-1 decode: (t(`tokens` greedy tokens) - t(1 token)) / (tokens - 1) in ms,
+    the median of `repeats`. generate(requests) -> (wall seconds, output tokens), e.g. engine_generate's partial."""
+    runs = []
+    for _ in range(repeats):
+        t1, _ = generate([Request(prompt, 1)])
+        tn, _ = generate([Request(prompt, tokens)])
+        runs.append((tn - t1) / (tokens - 1) * 1e3)
+    return statistics.median(runs)
+
+
+GROWTH_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32000)
+GROWTH_BATCHES = {1: "decode_b1", 16: "decode_b16"}
+GROWTH_MAX_BATCH_TOKENS = 300000  # a (length, batch) with batch x length above this is skipped
+GROWTH_DECODE_TOKENS = (2, 66)  # ms per step = (t(66) - t(2)) / 64
+GROWTH_ENGINE = dict(max_model_len=32768, max_num_seqs=64, enable_prefix_caching=False)
+GROWTH_WARMUP = Request([5] * 64, 4)  # vllm_growth.py's first call, untimed
+
+
+def growth_ttft_prompt(n: int) -> list[int]:
+    """vllm_growth.py's TTFT prompt of n tokens."""
+    return [(7 * i + n) % 10000 for i in range(n)]
+
+
+def growth_decode_prompts(n: int, batch: int) -> list[list[int]]:
+    """vllm_growth.py's decode batch: `batch` prompts of n tokens, row j = [(11 * i + n + j) % 10000]."""
+    return [[(11 * i + n + j) % 10000 for i in range(n)] for j in range(batch)]
+
+
+def growth_cases(lengths=GROWTH_LENGTHS, batches=tuple(GROWTH_BATCHES)) -> list[tuple[int, int]]:
+    """The (length, batch) decode cases vllm_growth.py runs, in its order (lengths outer)."""
+    return [(n, b) for n in lengths for b in batches if b * n <= GROWTH_MAX_BATCH_TOKENS]
+
+
+def growth_ttft_ms(generate, n: int) -> float:
+    """Wall time of one greedy token after the n-token growth prompt (prefill + the first step), ms."""
+    seconds, _ = generate([Request(growth_ttft_prompt(n), 1)])
+    return seconds * 1e3
+
+
+def growth_decode_ms_per_step(generate, n: int, batch: int) -> float:
+    """vllm_growth.py's decode cost at context n: (t(66 tokens) - t(2 tokens)) / 64 for the batch, ms."""
+    short, long = GROWTH_DECODE_TOKENS
+    prompts = growth_decode_prompts(n, batch)
+    ta, _ = generate([Request(p, short) for p in prompts])
+    tb, _ = generate([Request(p, long) for p in prompts])
+    return (tb - ta) / (long - short) * 1e3
+
+
+# ------------------------------------------------------------------ engine runs
+
+_request_ids = iter(range(1 << 62))
+
+
+def engine_generate(engine, requests: list[Request]) -> tuple[float, int]:
+    """Add every request, step the engine until all have finished: (wall seconds from the first add to
+    the last output, output tokens), as the peer times one `llm.generate` call. A model whose vocabulary
+    is smaller than the peer's ids (up to 10,000: the tiny CPU shapes) gets each id modulo its vocabulary."""
+    from jlight.engine.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    prompts = [r.prompt_token_ids if vocab > 10000 else [t % vocab for t in r.prompt_token_ids] for r in requests]
+    t0 = time.perf_counter()
+    for r, prompt in zip(requests, prompts):
+        engine.add_request(f"bench-{next(_request_ids)}", None,
+                           SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=True),
+                           prompt_token_ids=prompt)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += len(out.outputs[0].token_ids_delta)
+    return time.perf_counter() - t0, tokens
+
+
+# ------------------------------------------------------------------ rates of the device
+
+
+def median_seconds(fn, *args, reps: int = 10) -> float:
+    """Median wall time of fn(*args) (waited for), after one call that compiles."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bytes_per_s(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy rate of a plain copy: 2 x nbytes (read + written) / its median time."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)  # [nbytes / 4]
+    return 2 * x.nbytes / median_seconds(jax.jit(jnp.copy), x, reps=reps)
+
+
+def matmul_flops_per_s(n: int = 8192, reps: int = 10) -> float:
+    """bf16 matmul rate: 2 n^3 / the median time of an n x n x n product."""
+    a = jnp.ones((n, n), jnp.bfloat16)  # [n, n]
+    return 2.0 * n ** 3 / median_seconds(jax.jit(lambda a: a @ a), a, reps=reps)
+
+
+def weight_bytes(params) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (a step gathers only its rows)."""
+    return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params)
+               if jax.tree_util.keystr(path) != "['embed']")
+
+
+# ------------------------------------------------------------------ results
+
+
+def git_commit() -> str:
+    """The checkout's commit (with "+dirty" when tracked files differ from it); $JLIGHT_GIT_COMMIT where the
+    tree came without its .git (the GPU machine gets a copy of the working tree); "unknown" otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("JLIGHT_GIT_COMMIT", "unknown")
+
+
+def result_header(argv: list[str] | None = None) -> dict:
+    """What every result file starts with: when, on what, by which command, from which commit."""
+    device = jax.devices()[0]
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=f"{jax.device_count()} x {device.device_kind}", backend=jax.default_backend(),
+                jax=jax.__version__, python=platform.python_version(), host=platform.node(),
+                command=shlex.join([os.path.relpath(sys.argv[0]) if sys.argv else "python"] + list(
+                    sys.argv[1:] if argv is None else argv)),
+                git_commit=git_commit())
+
+
+def write_result(out_dir: str | None, name: str, result: dict) -> str | None:
+    """OUT_DIR/NAME.json: result_header() then `result` (its own keys win). None when out_dir is None."""
+    if out_dir is None:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({**result_header(), **result}, f, indent=1, default=str)
+    return path
