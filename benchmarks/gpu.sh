@@ -25,12 +25,15 @@
 #   kernels     kernels.py --trials 20: attention and int8 matmul kernels checked and timed against XLA
 #   kv_int8     kv_int8_attention.py --impls triton,mosaic --page-sizes 16,32: the int8 KV pages
 #   attention   attention_engine_check.py: each attention kernel in the engine against the XLA reference
+#   decode_attention  attention_decode.py: decode attention alone across batch and context (work items or not,
+#               Triton, fp8 pages)
 #   moe         moe.py: Mixtral- and DeepSeek-V3-shaped layers, per expert implementation
 #   mesh        mesh_sweep.py (a machine of 2+ GPUs): default --model-config llama3-70b --num-layers 40
 #               --meshes tp=1 tp=<GPUs>
 #   load        load_time.py --no-smollm2: safetensors against an orbax checkpoint of the same weights
 #   structured  structured_output.py on a tiny random Llama (needs llguidance in .whl)
 #   tests       pytest on the GPU: tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py
+#               tests/test_split_kv.py tests/test_kv_cache_fp8.py
 #               (ARGS replace the file list)
 #   peer        bash .peerN/device.sh ARGS (../shared/peer/README.md: one .peerN folder carried per call)
 #
@@ -51,7 +54,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }
 
-SUITES=" throughput steps decode context batch serving kernels kv_int8 attention moe mesh load structured tests peer "
+SUITES=" throughput steps decode context batch serving kernels kv_int8 attention decode_attention moe mesh load structured tests peer "
 is_suite() { [[ "$SUITES" == *" $1 "* ]]; }
 
 run() {  # NAME DEFAULT_TIMEOUT COMMAND...: the command's output to $OUT/NAME.txt, its end here
@@ -123,6 +126,10 @@ suite_kv_int8() {
   run kv_int8 300 python3 benchmarks/kv_int8_attention.py --impls triton,mosaic --page-sizes 16,32 --out "$OUT/kv_int8" "$@"
 }
 
+suite_decode_attention() {
+  run decode_attention 330 python3 benchmarks/attention_decode.py --out "$OUT/decode_attention" "$@"
+}
+
 suite_attention() {
   run attention 300 python3 benchmarks/attention_engine_check.py --out "$OUT/attention" "$@"
 }
@@ -152,7 +159,7 @@ suite_structured() {
 }
 
 suite_tests() {
-  local files=(tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py)
+  local files=(tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py tests/test_split_kv.py tests/test_kv_cache_fp8.py)
   [ $# -gt 0 ] && files=("$@")
   run tests 400 python3 -m pytest -q -p no:cacheprovider "${files[@]}"
 }
