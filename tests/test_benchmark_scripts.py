@@ -182,3 +182,26 @@ def test_gpu_sh_gives_each_suite_its_own_arguments(tmp_path):
     assert _gpu_sh("no-such-suite").returncode == 2
     usage = _gpu_sh()
     assert usage.returncode == 2 and "SUITE" in usage.stdout
+
+
+def test_context_sweep_measures_the_growth_cases_in_one_engine(bench, tmp_path):
+    import context_sweep
+
+    context_sweep.main(["--model-config", "tiny", "--dtype", "float32", "--max-model-len", "256", "--lengths", "40,300",
+                        "--no-warmup", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "context_bf16_256.json").read_text())
+    assert list(result["ttft"]) == ["40"]  # 300 tokens and 66 new ones do not fit 256 positions
+    for key in ("ttft", "decode_b1", "decode_b16", "line_b1", "line_b16"):
+        assert result[key]["40"] > 0, key
+    assert result["kv_bytes_per_token"] == 2 * 2 * 16 * 4 * 2  # K and V, 2 KV heads x 16 dims, float32, 2 layers
+    assert result["command"] and result["date"]
+
+
+def test_attention_decode_times_the_kernel_variants(bench, tmp_path):
+    import attention_decode
+
+    attention_decode.main(["--quick", "--variants", "mosaic work items", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "attention_decode.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"mosaic work items", "xla reference"}
+    assert all("error" not in r and r["us"] > 0 for r in rows)
+    assert all(r["max_abs_diff_vs_first"] < 2e-2 for r in rows)  # the reference agrees with the kernel
