@@ -5,7 +5,7 @@ Heavy modules load lazily, so `import jlight` is cheap.
 """
 from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.engine.sampling_params import SamplingParams
-from jlight.errors import JlightError, ModelLoadError, PromptTooLongError, UnsupportedModelError
+from jlight.core.errors import JlightError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import os
 from datetime import datetime
 from typing import Iterable, Sequence
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 REPLACEMENT_CHAR = "\ufffd"
 

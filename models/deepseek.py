@@ -16,16 +16,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.models import llama
 from jlight.models.layers import activation, rms_norm, run_layers, split_layers
-from jlight.models.moe import deepseek_v2_topk, deepseek_v3_topk
+from jlight.models.moe import deepseek_v2_topk, deepseek_v3_topk, expert_ffn
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.models.rope_yarn import softmax_scale_multiplier, yarn_inv_frequencies
 from jlight.pallas_kernels import mla_reference
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.quantization import QuantizedWeight, dequantize
-from jlight.sharding import ops as parallel_ops
+from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.quantization import QuantizedWeight, dequantize
+from jlight.core import parallel_ops
 
 compute_logits = llama.compute_logits
 
@@ -187,7 +187,7 @@ def moe_mlp(c, s, lp, x, kernels):
     else:
         ids, weights = deepseek_v2_topk(logits, s["top_k"], method=s["topk_method"], num_groups=s["num_groups"],
                                         topk_group=s["topk_group"], normalize=s["normalize"], scaling=s["scaling"])
-    out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
+    out = ops.expert_ffn(expert_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
                          activation(c.hidden_act), kernels.matmul, kernels.moe_impl)
     if s["num_shared"]:
         out = out + _dense_mlp(c, lp, x, kernels.matmul, prefix="shared_")

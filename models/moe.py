@@ -13,17 +13,18 @@ Two jobs, both pure functions:
       "auto"       "pallas" on GPU; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
     No token is ever dropped by any of them.
 
-Model code reaches the expert FFN through `sharding.ops.current().expert_ffn` with the impl from
-`Kernels.moe_impl` (pallas_kernels/dispatch.py); the single-device default calls `expert_ffn`, the
-expert-parallel version (sharding/tensor_parallel.py) calls it on each device's experts.
+Model code reaches the expert FFN through `parallel_ops.current().expert_ffn(expert_ffn, ...)`
+(jlight/core/parallel_ops.py) with the impl from `Kernels.moe_impl` (pallas_kernels/dispatch.py); the
+single-device default calls `expert_ffn`, the expert-parallel version (sharding/tensor_parallel.py)
+calls it on each device's experts.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jlight.core.quantization import QuantizedWeight, dequantize
 from jlight.pallas_kernels.dispatch import MOE_IMPLS
-from jlight.pallas_kernels.quantization import QuantizedWeight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +229,6 @@ def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str =
 
 
 def _dense(w, dtype):
-    from jlight.pallas_kernels.quantization import dequantize
-
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
 
 

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
+from jlight.core.quantization import QuantizedWeight, W8A8Weight
 from jlight.pallas_kernels import attention_reference, matmul_reference
 
 IMPLS = ("auto", "reference", "pallas")
@@ -108,8 +109,6 @@ def kmajor_weight_types(matmul_impl: str) -> tuple:
     its matmuls (never under a mesh: the sharding rules name the [in, out] layout): W8A8 weights
     for the Pallas kernel on the Pallas path; weight-only int8 when XLA runs it on GPU and
     KMAJOR_W8A16_FOR_XLA is on."""
-    from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
-
     kinds = (W8A8Weight,) if _use_pallas(matmul_impl) else ()
     if matmul_impl == "auto" and on_gpu() and KMAJOR_W8A16_FOR_XLA:
         kinds += (QuantizedWeight,)

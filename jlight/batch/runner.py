@@ -111,7 +111,7 @@ class ShardRunner:
             elif isinstance(prompt, list):
                 prompt, token_ids = None, prompt
             self.engine.add_request(str(request.index), prompt, request.sampling_params, prompt_token_ids=token_ids)
-        except ValueError as e:  # includes jlight.errors (too-long prompt, bad token ids, ...)
+        except ValueError as e:  # includes jlight.core.errors (too-long prompt, bad token ids, ...)
             return BatchError(request.index, request.line, request.id, f"line {request.line}: {e}")
         return None
 

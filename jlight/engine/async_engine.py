@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
-from jlight.errors import EngineOverloadedError
+from jlight.core.errors import EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ import jax
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import EngineStats, LLMEngine
 from jlight.engine.outputs import RequestOutput
+from jlight.loading import load_model
+from jlight.sharding.mesh import parse_mesh_spec
 
 
 def replica_mesh_spec(spec: str) -> tuple[int, str | None]:
     """'dp=2,tp=4' -> (2, 'tp=4'); 'dp=2' -> (2, None): what each replica runs."""
-    from jlight.sharding.mesh import parse_mesh_spec
-
     sizes = parse_mesh_spec(spec)
     rest = ",".join(f"{axis}={size}" for axis, size in sizes.items() if axis != "dp" and size > 1)
     return sizes["dp"], rest or None
@@ -36,8 +36,6 @@ def make_engine(config: EngineConfig):
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig):
-        from jlight.loading import load_model
-
         config.validate()
         dp, replica_spec = replica_mesh_spec(config.mesh)
         devices = jax.devices()

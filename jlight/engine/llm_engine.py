@@ -9,24 +9,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 import uuid
 
 import jax
 import numpy as np
 
+from jlight.core.errors import PromptTooLongError
+from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import output_processor
 from jlight.engine.block_manager import BlockManager, page_hash
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
-from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.sampler import NUM_BANNED
+from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.engine.structured_output import GrammarCompiler
 from jlight.engine.weights import prepare_params
-from jlight.errors import PromptTooLongError
+from jlight.loading import load_model
+from jlight.models import get_model_family
+from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
+from jlight.sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +87,13 @@ class LLMEngine:
     def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True) -> None:
         self.config = cfg = config
         _enable_compilation_cache(cfg.compilation_cache_dir)
-        from jlight.models import get_model_family
-        from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
-
         # Weights this engine loads itself are its own to free while unstacking them (below); weights
         # handed in (data-parallel replicas share one load) must stay intact for the others.
         owns_weights = loaded is None
         mesh = None
         if cfg.mesh:
-            from jlight.sharding.mesh import make_mesh
-
             mesh = make_mesh(cfg.mesh, devices)
         if loaded is None:
-            from jlight.loading import load_model
-
             loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)  # orbax checkpoints restore into the mesh
         self.loaded = loaded
         self.model_config = loaded.config
@@ -142,8 +141,6 @@ class LLMEngine:
 
     def _warmup(self) -> float:
         """Compile every shape bucket now (with a progress bar), so serving never compiles."""
-        import sys
-
         from tqdm import tqdm
 
         buckets = self.runner.buckets
@@ -164,8 +161,6 @@ class LLMEngine:
     # ---- set-up helpers ---------------------------------------------------------------------
     def kv_bytes_per_page(self, kv_dtype) -> int:
         """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""
-        from jlight.pallas_kernels.quantization import kv_pool_bytes
-
         k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, self.config.page_size)
         return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
 

@@ -15,8 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jlight.config import ModelConfig
-from jlight.errors import ModelLoadError, UnsupportedModelError
+from jlight.core.config import ModelConfig
+from jlight.core.errors import ModelLoadError, UnsupportedModelError
 
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

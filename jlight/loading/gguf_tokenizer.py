@@ -10,7 +10,7 @@ Supported:
 """
 from __future__ import annotations
 
-from jlight.errors import UnsupportedModelError
+from jlight.core.errors import UnsupportedModelError
 from jlight.loading.gguf_loader import field_value
 from jlight.tokenizer import Tokenizer
 

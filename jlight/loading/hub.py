@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_URL = "https://huggingface.co"

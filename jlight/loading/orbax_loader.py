@@ -19,8 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from jlight.errors import ModelLoadError
-from jlight.pallas_kernels import quantization
+from jlight.core import quantization
+from jlight.core.config import ModelConfig
+from jlight.core.errors import ModelLoadError
+from jlight.models import get_model_family
+from jlight.sharding import rules
 
 MANIFEST_NAME = "jlight_checkpoint.json"
 PARAMS_DIR = "params"
@@ -107,9 +110,6 @@ def read_manifest(directory: str) -> dict:
 def mesh_shardings(config, skeleton: dict, mesh):
     """NamedShardings on `mesh` for every leaf, from the family's logical axes and the sharding
     rules (jlight/sharding/rules.py). A QuantizedWeight's scales get their own spec there."""
-    from jlight.models import get_model_family
-    from jlight.sharding import rules
-
     family = get_model_family(config)
     specs = rules.param_specs(family.param_axes(config), abstract_params(skeleton))
     return rules.named_shardings(mesh, specs)
@@ -167,8 +167,6 @@ def restore_params(directory: str, shardings=None, *, manifest: dict | None = No
 def load_orbax_model(directory: str, *, mesh=None):
     """(ModelConfig, params) of a converted model directory, restored onto `mesh`'s shardings
     (None: the first local device)."""
-    from jlight.config import ModelConfig
-
     manifest = read_manifest(directory)
     config = ModelConfig.from_json_file(os.path.join(directory, "config.json"))
     shardings = mesh_shardings(config, manifest["skeleton"], mesh) if mesh is not None else None

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
