@@ -3,9 +3,9 @@
 `jlight.generate(...)` for one call, `jlight.LLM(model)` to keep a model loaded.
 Heavy modules load lazily, so `import jlight` is cheap.
 """
+from jlight.core.errors import JlightError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.engine.sampling_params import SamplingParams
-from jlight.core.errors import JlightError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jlight.engine.engine_config import EngineConfig
 from jlight.engine.data_parallel import make_engine
+from jlight.engine.engine_config import EngineConfig
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
 

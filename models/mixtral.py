@@ -14,15 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jlight.core import parallel_ops
+from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.config import ModelConfig
 from jlight.core.errors import UnsupportedModelError
 from jlight.models import llama
-# fuse_projections: as in llama.py (q/k/v and the shared expert's gate/up).
-from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, run_layers  # noqa: F401
 from jlight.models.moe import expert_ffn, softmax_topk
 from jlight.models.rope import inv_frequencies
-from jlight.core.batch_metadata import BatchMetadata
-from jlight.core import parallel_ops
+# fuse_projections: as in llama.py (q/k/v and the shared expert's gate/up).
+from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, run_layers  # noqa: F401
 
 kv_cache_shapes = llama.kv_cache_shapes
 compute_logits = llama.compute_logits

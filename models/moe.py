@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jlight.core.quantization import QuantizedWeight, dequantize
-from jlight.pallas_kernels.dispatch import MOE_IMPLS
+from jlight.core.moe_impls import MOE_IMPLS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
   matmul(x, w, out_dtype=None) -> y
+  write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
+  latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
 "ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the backend and the
@@ -16,7 +18,8 @@ from typing import Callable, NamedTuple
 import jax
 
 from jlight.core.quantization import QuantizedWeight, W8A8Weight
-from jlight.pallas_kernels import attention_reference, matmul_reference
+from jlight.core.moe_impls import MOE_IMPLS
+from jlight.pallas_kernels import attention_reference, matmul_reference, mla_reference
 
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
@@ -24,14 +27,14 @@ IMPLS = ("auto", "reference", "pallas")
 ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 
 
-MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
-
-
 class Kernels(NamedTuple):
     write_kv: Callable
     paged_attention: Callable
     matmul: Callable
     moe_impl: str = "auto"
+    # MLA (DeepSeek) over its latent cache; only the XLA reference exists.
+    write_latent: Callable = mla_reference.write_latent
+    latent_attention: Callable = mla_reference.paged_latent_attention
 
 
 def _check(name, impl, allowed=IMPLS):

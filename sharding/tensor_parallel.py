@@ -21,9 +21,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jlight.core.parallel_ops import ParallelOps
 from jlight.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jlight.sharding.int8_all_reduce import int8_all_reduce
-from jlight.core.parallel_ops import ParallelOps
 
 
 @dataclasses.dataclass(frozen=True)

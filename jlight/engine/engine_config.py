@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jlight.pallas_kernels.dispatch import MOE_IMPLS
+from jlight.core.moe_impls import MOE_IMPLS
 
 
 @dataclasses.dataclass

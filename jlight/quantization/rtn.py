@@ -1,6 +1,6 @@
 """Round-to-nearest int8: the linear weights of a params tree as QuantizedWeight or W8A8Weight
 (jlight/core/quantization.py), per output column, symmetric."""
-from jlight.core.quantization import LINEAR_WEIGHTS, QUANT_MODES, QUANTIZABLE, QuantizedWeight, W8A8Weight, quantize_int8
+from jlight.core.quantization import LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, QuantizedWeight, W8A8Weight, quantize_int8
 
 
 def quantize_params(params: dict, mode: str, keep=()) -> dict:
