@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name in ("LLM", "generate"):
+        # The engine loads on first use, so `import jlight` stays cheap.
         from jlight import api
 
         return getattr(api, name)

@@ -112,6 +112,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
+            # tqdm loads only when a progress bar is shown.
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")

@@ -107,6 +107,7 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
     if callable(impl):
         y = impl(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     elif impl == "pallas":
+        # A model importing a kernel: docs/ARCHITECTURE.md's one exception, loaded only for moe_impl "pallas".
         from jlight.pallas_kernels.grouped_matmul_pallas import grouped_matmul
 
         # int8 values go in as they are (converted in registers); float weights in rows' dtype.
@@ -185,6 +186,7 @@ def _num_experts(w):
 
 
 def _pallas_fits(w_gate, w_down) -> bool:
+    # A model importing a kernel: docs/ARCHITECTURE.md's one exception, loaded only for moe_impl "pallas".
     from jlight.pallas_kernels.grouped_matmul_pallas import fits
 
     embed, mlp = _values(w_gate).shape[1:]

@@ -62,6 +62,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     matmul = matmul_reference.matmul
     backend = attention_impl if attention_impl in ("mosaic", "triton") else "triton" if sharded else PALLAS_ATTENTION
     if attention_impl in ("mosaic", "triton") or _use_pallas(attention_impl):
+        # GPU kernel modules load only when chosen.
         from jlight.pallas_kernels import paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
@@ -75,6 +76,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     # same weights, 900 us on [in, out] ones, fifth session), so "auto" uses it there.
     # matmul_impl="pallas" selects every Pallas matmul.
     if _use_pallas(matmul_impl):
+        # GPU kernel modules load only when chosen.
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
@@ -93,6 +95,7 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     """The Mosaic GPU kernel where it takes the inputs (paged_attention_mosaic.supports: 16-bit floats,
     head_dim 64/128, pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64), else the
     Triton kernel (float32, int8 pools with smaller pages, other sizes)."""
+    # GPU kernel modules load only when chosen.
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
     if paged_attention_mosaic.supports(q, k_cache):

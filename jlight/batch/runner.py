@@ -122,6 +122,7 @@ class ShardRunner:
     def _progress_bar(self):
         if not self.show_progress:
             return None
+        # tqdm loads only when a progress bar is shown.
         from tqdm import tqdm
 
         return tqdm(total=self.shard_size, initial=len(self.log.done_indices), unit="req", desc="batch", dynamic_ncols=True)

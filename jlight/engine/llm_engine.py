@@ -141,6 +141,7 @@ class LLMEngine:
 
     def _warmup(self) -> float:
         """Compile every shape bucket now (with a progress bar), so serving never compiles."""
+        # tqdm loads only when a progress bar is shown.
         from tqdm import tqdm
 
         buckets = self.runner.buckets

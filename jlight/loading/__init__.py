@@ -117,6 +117,7 @@ def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:
 
 
 def _progress(it, total: int, label: str):
+    # tqdm loads only when a progress bar is shown.
     from tqdm.auto import tqdm
 
     return tqdm(it, total=total, desc=f"loading {label}", unit="tensor", leave=False)

@@ -48,6 +48,7 @@ _GLOBAL_NAMES = {
 
 def open_gguf(path: str):
     """Open a GGUF file, turning a malformed one into a ModelLoadError that names it."""
+    # gguf loads only for GGUF checkpoints.
     import gguf
 
     try:
@@ -146,6 +147,7 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array in HF layout), one tensor at a time."""
+    # gguf loads only for GGUF checkpoints.
     from gguf.quants import dequantize
 
     for t in reader.tensors:

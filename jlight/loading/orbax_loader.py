@@ -54,6 +54,7 @@ def save_params(directory: str, params, *, manifest_extra: dict | None = None) -
     The manifest is written last, so a directory without it (a crashed convert) is never
     mistaken for a complete checkpoint.
     """
+    # orbax, slow to import, loads only for converted checkpoints.
     import orbax.checkpoint as ocp
 
     os.makedirs(directory, exist_ok=True)
@@ -141,6 +142,7 @@ def restore_params(directory: str, shardings=None, *, manifest: dict | None = No
     `shardings`: None (every leaf on the first local device), one Sharding for all leaves,
     or a tree of Shardings matching the params (see mesh_shardings).
     """
+    # orbax, slow to import, loads only for converted checkpoints.
     import orbax.checkpoint as ocp
 
     manifest = manifest or read_manifest(directory)
