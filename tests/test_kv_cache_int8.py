@@ -238,7 +238,7 @@ def test_config_rejects_unknown_kv_cache_dtype():
 
 
 def test_cli_exposes_kv_cache_dtype():
-    from jlight.cli import add_engine_arguments, engine_options
+    from jlight.engine_args import add_engine_arguments, engine_options
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
