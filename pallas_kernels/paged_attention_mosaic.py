@@ -15,11 +15,12 @@ P from registers). Two stages of 64 positions keep a program at 80 KB of shared 
 run on each SM. Inputs and outputs are token-major ([blocks, KVH, rows, D]): a decode step needs
 no gather or transpose around the kernel.
 
-Decode steps whose (block, KV head) programs would not fill the GPU twice over run as work items
-(flash-decoding, split_kv.py): each block's K/V steps are cut into equal chunks computed on the
-device from the real context lengths, a program takes one (item, KV head) and writes its
-unnormalised softmax state, and split_kv.combine merges each block's items. Batch-1 decode of a
-model with 8 KV heads thus runs on about 264 programs at any context length, not 8.
+Decode steps with few blocks (split_kv.use_work_items) run as work items (flash-decoding,
+split_kv.py): each block's K/V steps are cut into equal chunks computed on the device from the real
+context lengths, a program takes one (item, KV head) and writes its unnormalised softmax state (through
+the slots' shared memory, so two programs still fit an SM), and split_kv.combine merges each block's
+items. Batch-1 decode of a model with 8 KV heads thus runs one wave of about 256 programs at any
+context length, not 8.
 
 The kernel's integer inputs (blocks, positions, work items, the page table) do not depend on the
 layer, so the layers of a step share one computation of them; the layer reaches the kernel as

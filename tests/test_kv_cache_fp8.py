@@ -89,6 +89,31 @@ def test_fp8_lowers_for_cuda():
     assert "mosaic_gpu" in text
 
 
+# ---- the engine end to end ------------------------------------------------------------------------
+
+def test_engine_fp8_cache_pallas_equals_reference_and_counts_pages(tiny_model):
+    """A tiny random Llama (float32) with an fp8 cache: the Pallas attention (the Triton kernel, interpret mode)
+    inside the engine gives the reference's greedy tokens; the pool is fp8 and holds twice bf16's pages."""
+    import jlight
+    from jlight import SamplingParams
+
+    model = tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in (1, 8, 9, 40)]  # single token, page boundaries
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out = {}
+    for impl in ("reference", "pallas"):
+        llm = jlight.LLM(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64,
+                         kv_cache_dtype="fp8", attention_impl=impl, min_token_bucket=32)
+        assert llm.engine.runner.k_cache.dtype == FP8_KV_DTYPE
+        out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.block_manager.num_used_pages == 0
+    assert out["pallas"] == out["reference"]
+    per_page = {kv: jlight.LLM(model, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, num_pages=8, warmup=False,
+                               kv_cache_dtype=kv).engine.kv_bytes_per_page(jnp.bfloat16) for kv in ("auto", "fp8")}
+    assert per_page["auto"] == 2 * per_page["fp8"]
+
+
 # ---- quality on the real model -----------------------------------------------------------------
 # SmolLM2-135M-Instruct teacher-forced over the first 2048 tokens of benchmarks/data/quant_quality_text.txt
 # (benchmarks/quant_quality.py, the engine's own path), the bf16 model with an fp8 cache against the same
