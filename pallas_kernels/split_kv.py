@@ -21,8 +21,8 @@ Invariants of the work list (`work_items`), all computed on the device from the 
 The cost rule sizes the grid from static shapes only (`num_work_items`): one wave of programs,
 PROGRAMS_PER_SM on every SM, even when one block holds all the work (batch 1); more items than
 one wave would leave a second, partial wave (measured on the H200: batch-1 decode at 32k context
-took 73 us with 41 items of 8 KV heads, 1.2 waves). Steps with more than half as many blocks as
-that fill the GPU without items (`use_work_items`).
+took 73 us with 41 items of 8 KV heads, 1.2 waves). Steps whose blocks alone make more than a wave
+run without items (`use_work_items`).
 """
 import functools
 from typing import NamedTuple
@@ -53,9 +53,9 @@ def num_work_items(num_blocks: int, num_kv_heads: int) -> int:
 
 
 def use_work_items(num_blocks: int, num_kv_heads: int) -> bool:
-    """Whether a decode step's blocks are too few to fill one wave without splitting their contexts:
-    at most half the wave's items, so that each block can have two or more."""
-    return 2 * num_blocks <= num_work_items(num_blocks, num_kv_heads)
+    """Whether a decode step's (block, KV head) programs fit in one wave: then its blocks, of which the
+    smallest bucket's are mostly padding (batch 1 runs 8 blocks), get their contexts split."""
+    return num_blocks * num_kv_heads <= PROGRAMS_PER_SM * NUM_SMS
 
 
 def work_items(step_begin, step_end, num_items: int, *, min_steps: int = 2, max_items_per_block: int | None = None) -> WorkItems:

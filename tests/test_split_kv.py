@@ -62,6 +62,13 @@ def test_batch1_long_context_spreads_over_the_grid():
     assert list(sizes) == [2, 1]
 
 
+def test_the_rule_splits_small_decode_steps_of_any_head_count():
+    for kv_heads in (1, 2, 8, 32):  # MQA to MHA: batch-1 decode (8 blocks) always gets a wave of programs
+        assert split_kv.use_work_items(8, kv_heads)
+        assert split_kv.num_work_items(8, kv_heads) * kv_heads >= 256
+    assert not split_kv.use_work_items(64, 8) and not split_kv.use_work_items(16, 32)  # these fill the GPU as they are
+
+
 def test_no_spare_items_means_one_item_a_block():
     _, sizes = _check_items([0, 0, 0], [5, 90, 7], 3, min_steps=1)
     assert list(sizes) == [5, 90, 7]
