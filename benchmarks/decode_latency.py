@@ -33,7 +33,7 @@ from jlight.engine import model_runner, step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from jlight.pallas_kernels.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
+from jlight.core.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
 
 KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT)
 

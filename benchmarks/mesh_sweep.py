@@ -47,10 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.models import get_model_family
 from jlight.models.layers import split_layer_axes
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.core.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec
 from jlight.sharding.plan import DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS, ShardingPlan

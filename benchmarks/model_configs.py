@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 
 NAMED_CONFIGS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,

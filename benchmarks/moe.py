@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.models import get_model_family
 from jlight.models.moe import expert_ffn, grouped_expert_ffn
 from jlight.pallas_kernels import grouped_matmul_pallas
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.core.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
 from harness import result_header
 from model_configs import make_config

@@ -21,7 +21,7 @@ and hand the engine those params with quantization=None (the engine has no optio
 the matmuls that run are the same ones.
 
 The "GPTQ" rows keep that int8 format (int8 values, one float32 scale per output channel, the
-same scales as round-to-nearest) but choose the int8 values with GPTQ (pallas_kernels/gptq.py's
+same scales as round-to-nearest) but choose the int8 values with GPTQ (jlight/quantization/gptq.py's
 defaults: act-order, layer by layer with the earlier weights already quantized, 1% dampening),
 calibrated on benchmarks/data/calibration_text.txt (2168 tokens written for calibration, none of
 them from the evaluation text) in segments of CALIBRATION_SEGMENT_LEN tokens. The engine gets the
@@ -117,7 +117,7 @@ def measure(segments: list[list[int]], configs=CONFIGS, *, model=None, max_num_b
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
     from jlight.loading import load_model
-    from jlight.pallas_kernels.quantization import quantize_params
+    from jlight.quantization.rtn import quantize_params
 
     max_len = max(len(s) for s in segments) + 8
     loaded_by_dtype, gptq_cache, smooth_cache, runs = {}, {}, {}, []
@@ -153,8 +153,8 @@ def calibration_segments(tokenizer, path: str = CALIBRATION_PATH, segment_len: i
 
 
 def smoothed_params(loaded, alpha: float = 0.5, cache=None) -> dict:
-    """loaded.params after SmoothQuant (pallas_kernels/smoothquant.py) on the calibration text."""
-    from jlight.pallas_kernels.smoothquant import smooth_params
+    """loaded.params after SmoothQuant (jlight/quantization/smoothquant.py) on the calibration text."""
+    from jlight.quantization.smoothquant import smooth_params
 
     cache = {} if cache is None else cache
     if alpha not in cache:
@@ -166,7 +166,7 @@ def gptq_params(loaded, keep=(), cache=None, log=print) -> dict:
     """loaded.params with GPTQ int8 weights (keep: names left unquantized), calibrated on the
     calibration text. Layers come before the lm_head in GPTQ's order, so keep=("lm_head",) is
     the full result with the lm_head put back: one GPTQ run serves both rows (cache)."""
-    from jlight.pallas_kernels.gptq import gptq_quantize_params
+    from jlight.quantization.gptq import gptq_quantize_params
 
     keep = tuple(keep)
     cache = {} if cache is None else cache

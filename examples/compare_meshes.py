@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.models import llama
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.core.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec
 from jlight.sharding.plan import ShardingPlan

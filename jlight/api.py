@@ -7,8 +7,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jlight.engine.engine_config import EngineConfig
 from jlight.engine.data_parallel import make_engine
+from jlight.engine.engine_config import EngineConfig
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
 
@@ -112,6 +112,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
+            # tqdm loads only when a progress bar is shown.
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")

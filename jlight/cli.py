@@ -10,62 +10,18 @@ import importlib
 import sys
 import time
 
+from jlight.api import LLM
+from jlight.core.errors import JlightError
+from jlight.engine.sampling_params import SamplingParams
+from jlight.engine_args import add_engine_arguments, engine_options
+from jlight.sharding.distributed import initialize
+
 # Subcommands that live in other rooms: name -> (module with add_arguments/run, help).
 _EXTERNAL = {
     "serve": ("jlight.serve.cli", "run the OpenAI-compatible HTTP server"),
     "batch": ("jlight.batch.cli", "run a model over a JSONL file of requests (resumable)"),
     "convert": ("jlight.convert", "write a model as an orbax checkpoint that loads into any mesh"),
 }
-
-
-def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """Options every engine-backed command shares."""
-    if model_positional:
-        p.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    else:
-        p.add_argument("--model", "-m", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
-                   help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
-                        "(faster prefill; docs/BENCHMARKS.md has the figures and quality)")
-    p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="shorthand for --mesh tp=N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
-                   help="of the device memory left after the weights, for KV pages (default 0.8)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="vLLM's knob instead: the engine's whole share of the device memory JAX manages "
-                        "(weights included); the KV pool gets the rest of that share")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "int8"],
-                   help="auto: the model's dtype; fp8: e4m3 K/V (2x the pages of bf16); int8: int8 K/V with a scale per "
-                        "token and head (about 2x the pages)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
-    p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
-    p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
-                   help="how MoE experts run (auto: the Pallas grouped matmul on GPU; gathered or ragged_dot elsewhere)")
-
-
-def engine_options(args: argparse.Namespace, **defaults) -> dict:
-    """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
-    opts = dict(defaults)
-    for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
-        value = getattr(args, name, None)
-        if value is not None:
-            opts[name] = value
-    tp = getattr(args, "tensor_parallel_size", None)
-    if tp is not None:
-        if opts.get("mesh"):
-            raise ValueError("give either --mesh or --tensor-parallel-size, not both")
-        opts["mesh"] = f"tp={tp}"
-    if getattr(args, "no_prefix_caching", False):
-        opts["enable_prefix_caching"] = False
-    return opts
 
 
 def _distributed_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,8 +33,6 @@ def _distributed_arguments(p: argparse.ArgumentParser) -> None:
 
 def _start_distributed(args) -> None:
     if args.coordinator_address or args.num_processes or args.process_id is not None:
-        from jlight.sharding.distributed import initialize
-
         # Every process runs the same command; their engines step in lockstep over one mesh.
         initialize(args.coordinator_address, args.num_processes, args.process_id)
 
@@ -92,16 +46,12 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args):
-    from jlight.engine.sampling_params import SamplingParams
-
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed).validate()
 
 
 def _load(args, warmup: bool = True):
     """warmup=False: compile no step bucket at start-up (`generate` compiles only its request's, below)."""
-    from jlight.api import LLM
-
     # One interactive request at a time: a small batch keeps start-up compilation short.
     return LLM(args.model, **engine_options(args, max_num_seqs=4, max_num_batched_tokens=256, warmup=warmup))
 
@@ -228,8 +178,6 @@ def _add_external(sub, name: str, module: str, help_text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jlight.errors import JlightError
-
     try:
         if getattr(args, "import_error", None):
             raise JlightError(args.import_error)

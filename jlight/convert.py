@@ -13,9 +13,12 @@ import os
 import shutil
 import time
 
-
-from jlight.config import ModelConfig
+from jlight import loading
+from jlight.core.config import ModelConfig
 from jlight.loading import orbax_loader
+from jlight.quantization.gptq import gptq_quantize_params
+from jlight.quantization.rtn import quantize_params
+from jlight.quantization.smoothquant import smooth_params
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = ("int8", "w8a8")  # weight-only int8, or int8 weights and activations
@@ -52,16 +55,11 @@ def model_config_to_hf_dict(config: ModelConfig) -> dict:
 
 
 def quantize(params: dict, mode: str | None) -> dict:
-    """Quantize with the kernels' own quantize_params, so jlight's matmuls accept the result."""
+    """Round-to-nearest (quantization/rtn.py), the types jlight's matmuls take."""
     if mode is None:
         return params
     if mode not in QUANTIZATIONS:
         raise ValueError(f"--quantization {mode!r} is not supported; choose one of {', '.join(QUANTIZATIONS)} or leave it out")
-    from jlight.pallas_kernels import quantization
-
-    quantize_params = getattr(quantization, "quantize_params", None)
-    if quantize_params is None:
-        raise ValueError(f"--quantization {mode} is not available in this build (pallas_kernels.quantization.quantize_params is missing); convert without --quantization")
     return quantize_params(params, mode)
 
 
@@ -103,10 +101,10 @@ CALIBRATION_SEGMENT_LEN = 512
 
 def calibrated_quantize(loaded, calibration_path: str, mode: str) -> dict:
     """--calibration: quantize with the text in `calibration_path`, lm_head left in the model dtype.
-      int8: GPTQ (pallas_kernels/gptq.py) picks the int8 values; the format and scales are those of
+      int8: GPTQ (jlight/quantization/gptq.py) picks the int8 values; the format and scales are those of
         round-to-nearest. On SmolLM2-135M-Instruct this was the one int8 setup that met issue #5's
         quality bar (97.21% top-1 agreement with bf16, +0.20% perplexity; round-to-nearest: 95.55%).
-      w8a8: SmoothQuant (pallas_kernels/smoothquant.py, alpha 0.5) moves activation outliers into
+      w8a8: SmoothQuant (jlight/quantization/smoothquant.py, alpha 0.5) moves activation outliers into
         the weights, then round-to-nearest. SmolLM2: 94.10% / +0.89% (round-to-nearest: 87.69% / +3.14%).
     Both are for the plain Llama family (a clear error otherwise)."""
     if loaded.tokenizer is None:
@@ -119,12 +117,7 @@ def calibrated_quantize(loaded, calibration_path: str, mode: str) -> dict:
         raise ValueError(f"--calibration {calibration_path}: the text has fewer than 2 tokens; give a few thousand tokens of text")
     try:
         if mode == "int8":
-            from jlight.pallas_kernels.gptq import gptq_quantize_params
-
             return gptq_quantize_params(loaded.params, loaded.config, segments, keep=("lm_head",))
-        from jlight.pallas_kernels.quantization import quantize_params
-        from jlight.pallas_kernels.smoothquant import smooth_params
-
         return quantize_params(smooth_params(loaded.params, loaded.config, segments), mode, keep=("lm_head",))
     except NotImplementedError as e:
         raise ValueError(f"--calibration: {e}; convert without --calibration (round-to-nearest)") from e
@@ -149,8 +142,6 @@ def convert(model: str | None, output_dir: str, *, dtype: str = "bfloat16", quan
         raise ValueError(f"-o {output_dir} is a file; give a directory to write the checkpoint into")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not orbax_loader.is_orbax_model_dir(output_dir):
         raise ValueError(f"-o {output_dir} exists and is not a jlight checkpoint; pick an empty or new directory")
-    from jlight import loading
-
     start = time.perf_counter()
     loaded = loading.load_model(model, dtype=dtype)
     params = calibrated_quantize(loaded, calibration, quantization) if calibration else quantize(loaded.params, quantization)

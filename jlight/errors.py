@@ -1,25 +1,5 @@
-"""Errors a user can cause. Each message names the input at fault and how to fix it.
+"""The errors a user can cause, under their public name (`jlight.errors.*`); defined in
+jlight/core/errors.py, where every room may import them."""
+from jlight.core.errors import EngineOverloadedError, JlightError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 
-The CLI prints these as one line and the server turns them into a 4xx; anything else
-is a bug in jlight.
-"""
-
-
-class JlightError(ValueError):
-    """Base class for errors caused by user input (a subclass of ValueError)."""
-
-
-class ModelLoadError(JlightError):
-    """The model path, hub id or checkpoint file cannot be used."""
-
-
-class UnsupportedModelError(JlightError):
-    """The checkpoint's architecture or quantization type is not supported."""
-
-
-class PromptTooLongError(JlightError):
-    """A prompt (plus the tokens asked for) does not fit in the model's context."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later."""
+__all__ = ["EngineOverloadedError", "JlightError", "ModelLoadError", "PromptTooLongError", "UnsupportedModelError"]

@@ -12,7 +12,7 @@ import os
 from datetime import datetime
 from typing import Iterable, Sequence
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -61,6 +61,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str, generation_config: dict | None = None) -> "Tokenizer":
         """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja) from a HF directory."""
+        # tokenizers loads only when a tokenizer is built.
         from tokenizers import Tokenizer as Backend
 
         path = os.path.join(model_dir, "tokenizer.json")
@@ -129,6 +130,7 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt (completions) instead of chat messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        # jinja2 loads only for chat templates.
         import jinja2
 
         variables = {**self.special_tokens_map, **kwargs}
@@ -185,6 +187,7 @@ _TEMPLATE_CACHE: dict[str, object] = {}
 
 def _compile_template(source: str):
     if source not in _TEMPLATE_CACHE:
+        # jinja2 loads only for chat templates.
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -210,6 +213,7 @@ def _compile_template(source: str):
 
 
 def _make_generation_tag():
+    # jinja2 loads only for chat templates.
     import jinja2.ext
     from jinja2 import nodes
 

@@ -5,7 +5,7 @@ forward and compute_logits (see models/llama.py for the contract).
 """
 import importlib
 
-from jlight.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jlight.core.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 
 def get_model_family(config: ModelConfig):

@@ -3,7 +3,8 @@
 MLA: keys and values of all heads come from one normalised latent c (kv_lora_rank values per
 token) plus one RoPE key shared by the heads (qk_rope_head_dim values). The cache stores only
 [c, k_rope]; the K up-projection is absorbed into the query and the V up-projection into the
-output (pallas_kernels/mla_reference.py), so nothing per-head is ever cached or expanded.
+output (`kernels.write_latent` and `kernels.latent_attention`, pallas_kernels/mla_reference.py), so
+nothing per-head is ever cached or expanded.
 
 MLP: the first `first_k_dense_replace` layers are dense (their own "dense_layers" stack, run
 first); the rest are MoE layers with `n_shared_experts` always-on experts plus routed
@@ -16,16 +17,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jlight.config import ModelConfig
+from jlight.core import parallel_ops
+from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.config import ModelConfig
+from jlight.core.quantization import QuantizedWeight, dequantize
 from jlight.models import llama
 from jlight.models.layers import activation, rms_norm, run_layers, split_layers
-from jlight.models.moe import deepseek_v2_topk, deepseek_v3_topk
+from jlight.models.moe import deepseek_v2_topk, deepseek_v3_topk, expert_ffn
 from jlight.models.rope import apply_rope, inv_frequencies
 from jlight.models.rope_yarn import softmax_scale_multiplier, yarn_inv_frequencies
-from jlight.pallas_kernels import mla_reference
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.quantization import QuantizedWeight, dequantize
-from jlight.sharding import ops as parallel_ops
 
 compute_logits = llama.compute_logits
 
@@ -161,10 +161,10 @@ def mla_attention(c, s, lp, x, cache, layer_idx, md: BatchMetadata, kernels, rop
     inv_freq, rope_factor = rope
     q_rope = apply_rope(q_rope, md.positions, inv_freq, rope_factor)
     k_rope = apply_rope(k_rope, md.positions, inv_freq, rope_factor)
-    cache = mla_reference.write_latent(cache, layer_idx, jnp.concatenate([latent, k_rope[:, 0]], axis=-1), md.slot_mapping)
+    cache = kernels.write_latent(cache, layer_idx, jnp.concatenate([latent, k_rope[:, 0]], axis=-1), md.slot_mapping)
     w_kv_b = _as_array(lp["wkv_b"], q.dtype).reshape(C, -1, nope + s["v_dim"])  # [C, local heads, nope + v]
     q_latent = jnp.einsum("thd,chd->thc", q_nope, w_kv_b[..., :nope])  # K up-projection absorbed: [T, heads, C]
-    out_latent = mla_reference.paged_latent_attention(q_latent, q_rope, cache, layer_idx, md, scale=scale)
+    out_latent = kernels.latent_attention(q_latent, q_rope, cache, layer_idx, md, scale=scale)
     out = jnp.einsum("thc,chd->thd", out_latent, w_kv_b[..., nope:])  # V up-projection: [T, heads, v]
     return ops.row_linear(out.reshape(num_tokens, -1), lp["wo"], mm), cache
 
@@ -187,7 +187,7 @@ def moe_mlp(c, s, lp, x, kernels):
     else:
         ids, weights = deepseek_v2_topk(logits, s["top_k"], method=s["topk_method"], num_groups=s["num_groups"],
                                         topk_group=s["topk_group"], normalize=s["normalize"], scaling=s["scaling"])
-    out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
+    out = ops.expert_ffn(expert_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
                          activation(c.hidden_act), kernels.matmul, kernels.moe_impl)
     if s["num_shared"]:
         out = out + _dense_mlp(c, lp, x, kernels.matmul, prefix="shared_")

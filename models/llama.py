@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.config import ModelConfig
+from jlight.core import parallel_ops
+from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.config import ModelConfig
+from jlight.models.rope import apply_rope, inv_frequencies
 # fuse_projections is part of this family's interface: the engine fuses q/k/v and gate/up with it
 # for single-device runs (EngineConfig.fuse_projections).
 from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, run_layers, split_layers  # noqa: F401
-from jlight.models.rope import apply_rope, inv_frequencies
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.sharding import ops as parallel_ops
 
 
 def param_axes(config: ModelConfig) -> dict:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jlight.config import ModelConfig
-from jlight.errors import UnsupportedModelError
+from jlight.core import parallel_ops
+from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.config import ModelConfig
+from jlight.core.errors import UnsupportedModelError
 from jlight.models import llama
+from jlight.models.moe import expert_ffn, softmax_topk
+from jlight.models.rope import inv_frequencies
 # fuse_projections: as in llama.py (q/k/v and the shared expert's gate/up).
 from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, run_layers  # noqa: F401
-from jlight.models.moe import softmax_topk
-from jlight.models.rope import inv_frequencies
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.sharding import ops as parallel_ops
 
 kv_cache_shapes = llama.kv_cache_shapes
 compute_logits = llama.compute_logits
@@ -97,7 +97,7 @@ def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
     # Router in float32: near-ties between experts must break the same way as in the reference.
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32))  # [T, num_experts]
     ids, weights = softmax_topk(logits, s["top_k"], s["normalize"])
-    out = ops.expert_ffn(x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"], act, kernels.matmul,
+    out = ops.expert_ffn(expert_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"], act, kernels.matmul,
                          kernels.moe_impl)
     if s["shared_size"]:
         mm = kernels.matmul

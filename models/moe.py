@@ -13,17 +13,18 @@ Two jobs, both pure functions:
       "auto"       "pallas" on GPU; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
     No token is ever dropped by any of them.
 
-Model code reaches the expert FFN through `sharding.ops.current().expert_ffn` with the impl from
-`Kernels.moe_impl` (pallas_kernels/dispatch.py); the single-device default calls `expert_ffn`, the
-expert-parallel version (sharding/tensor_parallel.py) calls it on each device's experts.
+Model code reaches the expert FFN through `parallel_ops.current().expert_ffn(expert_ffn, ...)`
+(jlight/core/parallel_ops.py) with the impl from `Kernels.moe_impl` (pallas_kernels/dispatch.py); the
+single-device default calls `expert_ffn`, the expert-parallel version (sharding/tensor_parallel.py)
+calls it on each device's experts.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jlight.pallas_kernels.dispatch import MOE_IMPLS
-from jlight.pallas_kernels.quantization import QuantizedWeight
+from jlight.core.quantization import QuantizedWeight, dequantize
+from jlight.core.moe_impls import MOE_IMPLS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +107,7 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
     if callable(impl):
         y = impl(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     elif impl == "pallas":
+        # A model importing a kernel: docs/ARCHITECTURE.md's one exception, loaded only for moe_impl "pallas".
         from jlight.pallas_kernels.grouped_matmul_pallas import grouped_matmul
 
         # int8 values go in as they are (converted in registers); float weights in rows' dtype.
@@ -184,6 +186,7 @@ def _num_experts(w):
 
 
 def _pallas_fits(w_gate, w_down) -> bool:
+    # A model importing a kernel: docs/ARCHITECTURE.md's one exception, loaded only for moe_impl "pallas".
     from jlight.pallas_kernels.grouped_matmul_pallas import fits
 
     embed, mlp = _values(w_gate).shape[1:]
@@ -228,8 +231,6 @@ def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str =
 
 
 def _dense(w, dtype):
-    from jlight.pallas_kernels.quantization import dequantize
-
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
 
 

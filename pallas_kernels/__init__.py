@@ -1,8 +1,5 @@
 """Attention and matmul kernels: each Pallas kernel beside its pure-XLA reference.
 
-Model code calls only `jlight.pallas_kernels.dispatch`; it never knows which
+Model code calls only the kernels `jlight.pallas_kernels.dispatch` hands it; it never knows which
 implementation runs.
 """
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-
-__all__ = ["BatchMetadata"]

@@ -14,8 +14,8 @@ on a 2-core CPU, against 25-37 ms now, and eight 1024-token prompts ran 2.9x fas
 import jax
 import jax.numpy as jnp
 
-from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
-from jlight.pallas_kernels.quantization import FP8_KV_DTYPE, QuantizedKV, quantize_kv, to_fp8_kv
+from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
+from jlight.core.quantization import FP8_KV_DTYPE, QuantizedKV, quantize_kv, to_fp8_kv
 
 _MASKED = -1e30
 _KV_PER_STEP = 128  # K/V positions a loop step reads (whole pages): fewer, larger products than one page

@@ -6,6 +6,8 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
   matmul(x, w, out_dtype=None) -> y
+  write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
+  latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
 "ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the backend and the
@@ -15,7 +17,9 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from jlight.pallas_kernels import attention_reference, matmul_reference
+from jlight.core.quantization import QuantizedWeight, W8A8Weight
+from jlight.core.moe_impls import MOE_IMPLS
+from jlight.pallas_kernels import attention_reference, matmul_reference, mla_reference
 
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
@@ -23,14 +27,14 @@ IMPLS = ("auto", "reference", "pallas")
 ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 
 
-MOE_IMPLS = ("auto", "pallas", "ragged_dot", "gathered", "dense")  # models/moe.py implements them
-
-
 class Kernels(NamedTuple):
     write_kv: Callable
     paged_attention: Callable
     matmul: Callable
     moe_impl: str = "auto"
+    # MLA (DeepSeek) over its latent cache; only the XLA reference exists.
+    write_latent: Callable = mla_reference.write_latent
+    latent_attention: Callable = mla_reference.paged_latent_attention
 
 
 def _check(name, impl, allowed=IMPLS):
@@ -58,6 +62,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     matmul = matmul_reference.matmul
     backend = attention_impl if attention_impl in ("mosaic", "triton") else "triton" if sharded else PALLAS_ATTENTION
     if attention_impl in ("mosaic", "triton") or _use_pallas(attention_impl):
+        # GPU kernel modules load only when chosen.
         from jlight.pallas_kernels import paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
@@ -71,6 +76,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     # same weights, 900 us on [in, out] ones, fifth session), so "auto" uses it there.
     # matmul_impl="pallas" selects every Pallas matmul.
     if _use_pallas(matmul_impl):
+        # GPU kernel modules load only when chosen.
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
@@ -89,6 +95,7 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     """The Mosaic GPU kernel where it takes the inputs (paged_attention_mosaic.supports: 16-bit floats,
     head_dim 64/128, pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64), else the
     Triton kernel (float32, int8 pools with smaller pages, other sizes)."""
+    # GPU kernel modules load only when chosen.
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
     if paged_attention_mosaic.supports(q, k_cache):
@@ -108,8 +115,6 @@ def kmajor_weight_types(matmul_impl: str) -> tuple:
     its matmuls (never under a mesh: the sharding rules name the [in, out] layout): W8A8 weights
     for the Pallas kernel on the Pallas path; weight-only int8 when XLA runs it on GPU and
     KMAJOR_W8A16_FOR_XLA is on."""
-    from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
-
     kinds = (W8A8Weight,) if _use_pallas(matmul_impl) else ()
     if matmul_impl == "auto" and on_gpu() and KMAJOR_W8A16_FOR_XLA:
         kinds += (QuantizedWeight,)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import matmul_reference, pallas_mode, w8a16_mosaic
-from jlight.pallas_kernels.quantization import (
+from jlight.core.quantization import (
     QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, int8_to_f32, quantize_activations)
 from jlight.pallas_kernels.tiling import NUM_SMS, largest_pow2_divisor, next_pow2
 

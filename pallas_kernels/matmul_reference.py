@@ -1,7 +1,7 @@
 """Pure-XLA matmuls over plain or int8-quantized weights (the reference and CPU path)."""
 import jax.numpy as jnp
 
-from jlight.pallas_kernels.quantization import QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, quantize_activations
+from jlight.core.quantization import QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, quantize_activations
 
 
 def matmul(x, w, out_dtype=None):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jlight.pallas_kernels.attention_reference import _MASKED, online_softmax_step
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.core.batch_metadata import BatchMetadata
 
 
 def write_latent(cache, layer, latent, slot_mapping):

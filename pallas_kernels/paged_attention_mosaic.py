@@ -53,9 +53,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode, split_kv
-from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks, token_blocks
+from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
-from jlight.pallas_kernels.quantization import QuantizedKV
+from jlight.core.quantization import QuantizedKV
 
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile

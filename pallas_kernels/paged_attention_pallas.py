@@ -26,8 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jlight.pallas_kernels import attention_reference, pallas_mode
-from jlight.pallas_kernels.batch_metadata import BatchMetadata, query_blocks
-from jlight.pallas_kernels.quantization import QuantizedKV
+from jlight.core.batch_metadata import BatchMetadata, query_blocks
+from jlight.core.quantization import QuantizedKV
 from jlight.pallas_kernels.tiling import NUM_SMS, next_pow2
 
 _MASKED = -1e30

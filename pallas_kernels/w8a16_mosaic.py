@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
-from jlight.pallas_kernels.quantization import QuantizedWeightT
+from jlight.core.quantization import QuantizedWeightT
 from jlight.pallas_kernels.tiling import NUM_SMS
 
 _ROWS = 64  # output channels per unit: the wgmma's M

@@ -21,8 +21,8 @@ from jlight.serve.handlers import GenerationHandlers
 from jlight.serve.metrics import ServerMetrics
 from jlight.serve.middleware import GuardMiddleware
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from jlight.serve.response_models import ErrorResponse, ModelCard, ModelList, error_body
 from jlight.serve.request_runner import Admission, RequestRunner
+from jlight.serve.response_models import ErrorResponse, ModelCard, ModelList, error_body
 from jlight.serve.validation import chat_prompt, check_model_name
 
 logger = logging.getLogger(__name__)

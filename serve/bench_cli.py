@@ -222,8 +222,10 @@ def summarize(results: list[RequestResult], duration: float, rate: float, max_co
 def plot(summaries: list[dict], path: str) -> bool:
     """Latency percentiles vs request rate; False when matplotlib is not installed."""
     try:
+        # matplotlib (optional) loads only for plots.
         import matplotlib
         matplotlib.use("Agg")
+        # matplotlib (optional) loads only for plots.
         import matplotlib.pyplot as plt
     except ImportError:
         return False

@@ -12,7 +12,10 @@ import os
 import signal
 import sys
 
-from jlight.cli import add_engine_arguments, engine_options
+from jlight.api import LLM
+from jlight.engine.async_engine import AsyncLLM
+from jlight.engine_args import add_engine_arguments, engine_options
+from jlight.loading.default_model import DEFAULT_MODEL_NAME
 from jlight.serve.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S
 from jlight.serve.tool_parsers import TOOL_CALL_PARSERS
 
@@ -75,16 +78,14 @@ def served_model_names(args: argparse.Namespace) -> list[str] | None:
     if args.served_model_name:
         return args.served_model_name
     if args.model is None:
-        from jlight.loading.default_model import DEFAULT_MODEL_NAME
         return [DEFAULT_MODEL_NAME]
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn  # lazy: `import jlight` must not pull in the web stack
+    # The web stack (uvicorn, fastapi under serve.app) loads only when the server runs, not for every `jlight` command.
+    import uvicorn
 
-    from jlight.api import LLM
-    from jlight.engine.async_engine import AsyncLLM
     from jlight.serve.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from jlight.serve.echo import Echo, prompt_texts
 from jlight.serve.errors import RequestError
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
-from jlight.serve.response_models import error_body
 from jlight.serve.request_runner import EngineJob, RequestRunner
+from jlight.serve.response_models import error_body
 from jlight.serve.responses import DONE, ResponseBuilder, sse
 from jlight.serve.validation import (chat_prompt, check_logit_bias_keys, check_model_name, completion_prompts,
                                      resolve_max_tokens, structured_outputs_param, validate_sampling_params)

@@ -14,9 +14,9 @@ import dataclasses
 import time
 from typing import AsyncIterator
 
+from jlight.core.errors import EngineOverloadedError
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
-from jlight.errors import EngineOverloadedError
 from jlight.serve.errors import RequestError
 from jlight.serve.metrics import ServerMetrics
 from jlight.serve.validation import engine_error

@@ -11,10 +11,10 @@ import time
 from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.serve import tool_parsers
 from jlight.serve.echo import Echo, prompt_offsets, prompt_pairs
+from jlight.serve.tool_calls import ForcedToolCall, choice_fields, parsed_choice_fields, tool_call
 from jlight.serve.response_models import (ChatChoice, ChatCompletionResponse, ChatDeltaChoice, ChatLogprobs,
                                           ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                                           CompletionLogprobs, CompletionResponse, TopLogprob, usage_of)
-from jlight.serve.tool_calls import ForcedToolCall, choice_fields, parsed_choice_fields, tool_call
 
 DONE = "data: [DONE]\n\n"
 

@@ -23,9 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jlight.config import ModelConfig
-from jlight.pallas_kernels.quantization import QuantizedKV, scales_sharding
-from jlight.sharding import ops as parallel_ops
+from jlight.core import parallel_ops
+from jlight.core.config import ModelConfig
+from jlight.core.quantization import QuantizedKV, scales_sharding
 from jlight.sharding.mesh import describe, mesh_sizes
 from jlight.sharding.rules import KV_CACHE_AXES, logical_to_spec, param_specs
 from jlight.sharding.tensor_parallel import TensorParallelOps

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jlight.pallas_kernels.quantization import QuantizedWeight
+from jlight.core.quantization import QuantizedWeight
 
 # logical axis -> mesh axis (None = replicated). Every name a model's param_axes may use.
 LOGICAL_TO_MESH = {

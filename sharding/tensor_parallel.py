@@ -21,9 +21,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jlight.core.parallel_ops import ParallelOps
 from jlight.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jlight.sharding.int8_all_reduce import int8_all_reduce
-from jlight.sharding.ops import ParallelOps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class TensorParallelOps(ParallelOps):
         logits = jax.lax.all_gather(local, self.axis_name, axis=1, tiled=True)  # [N, vocab_padded]
         return logits[:, : self.vocab_size]
 
-    def expert_ffn(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
+    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
         """Expert parallelism. w_*: [num_experts/ep, ...] this device's experts, their mlp dim
         split on tp; x: [T, embed] ([T/tp, embed] under sequence parallelism); topk: [T, k].
 
@@ -85,10 +85,8 @@ class TensorParallelOps(ParallelOps):
         grouped matmul does no work for them, so ep splits expert FLOPs as well as memory there
         (ragged_dot pads them like every row). The partial sums are then added over ep and tp.
         Every device still gathers and sorts all T*k rows: an all-to-all dispatch that sends
-        only routed rows is not implemented.
+        only routed rows is not implemented. `local_ffn` computes one device's experts (models/moe.expert_ffn).
         """
-        from jlight.models.moe import expert_ffn  # the MoE computation lives with the models
-
         if self.sequence_parallel:  # experts' mlp slices need every token
             x = jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)  # [T, embed]
             topk_ids = jax.lax.all_gather(topk_ids, self.axis_name, axis=0, tiled=True)  # [T, k]
@@ -97,7 +95,7 @@ class TensorParallelOps(ParallelOps):
         local_experts = values.shape[0]
         local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
         mine = (local_ids >= 0) & (local_ids < local_experts)
-        y = expert_ffn(
+        y = local_ffn(
             x, jnp.where(mine, local_ids, local_experts), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act, impl
         )  # [T, embed], a partial sum over this device's experts and mlp slice
         if self.ep > 1:

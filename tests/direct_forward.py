@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.models import get_model_family
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.core.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
 
 PAGE_SIZE = 16

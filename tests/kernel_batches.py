@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 
 from jlight.pallas_kernels import attention_reference
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.quantization import dequantize_kv_pool, quantize_kv_pool
+from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.quantization import dequantize_kv_pool, quantize_kv_pool
 
 # The XLA reference attention compiled as one program, as the engine runs it (inside its jitted step).
 # Called outside jit, JAX dispatches it operation by operation and compiles each of its ~30 operations

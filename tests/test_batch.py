@@ -225,7 +225,7 @@ def test_job_arguments_are_checked(tmp_path):
 
 
 def test_batch_takes_every_engine_option_of_generate_and_serve(tmp_path, monkeypatch):
-    """`jlight batch` shares generate/serve's engine options (jlight.cli.add_engine_arguments), with
+    """`jlight batch` shares generate/serve's engine options (jlight.engine_args.add_engine_arguments), with
     its own default sizes when none are given."""
     import jlight
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.convert import model_config_to_hf_dict, write_converted
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 from jlight.loading import orbax_loader
-from jlight.pallas_kernels.quantization import QuantizedWeight, quantize_int8
+from jlight.core.quantization import QuantizedWeight, quantize_int8
 
 PROMPT = [3, 17, 250, 9, 9, 41, 128, 7, 64, 1, 200, 33, 5, 90, 11, 2, 77, 19]
 
@@ -50,7 +50,7 @@ def load_hf_params(model_dir: str, dtype=jnp.float32):
 def prefill_logits(params, config: ModelConfig, tokens: list[int], page_size: int = 8) -> np.ndarray:
     """float32 logits [len(tokens), vocab] of one sequence prefilled in one step."""
     from jlight.models import get_model_family
-    from jlight.pallas_kernels.batch_metadata import BatchMetadata
+    from jlight.core.batch_metadata import BatchMetadata
     from jlight.pallas_kernels.dispatch import get_kernels
 
     family = get_model_family(config)
@@ -282,7 +282,7 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     the lm_head left unquantized; the checkpoint loads, and its float model (before rounding) is the
     original's function, so its W8A8 logits stay close to the float ones."""
     import jlight.api
-    from jlight.pallas_kernels.quantization import W8A8Weight, dequantize
+    from jlight.core.quantization import W8A8Weight, dequantize
 
     model_dir, _, out, manifest = _calibrated_convert(tiny_model, tmp_path, "w8a8")
     assert manifest["quantization"] == "w8a8" and manifest["calibration"].startswith("SmoothQuant")

@@ -14,7 +14,8 @@ import jlight
 from jlight import SamplingParams
 from jlight.models import get_model_family
 from jlight.models.layers import FusedWeight
-from jlight.pallas_kernels.quantization import QuantizedWeight, quantize_params
+from jlight.core.quantization import QuantizedWeight
+from jlight.quantization.rtn import quantize_params
 
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
 

@@ -1,11 +1,12 @@
-"""GPTQ into the int8 per-output-channel format (pallas_kernels/gptq.py), on small random problems."""
+"""GPTQ into the int8 per-output-channel format (jlight/quantization/gptq.py), on small random problems."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlight.pallas_kernels.gptq import gptq_quantize, gptq_quantize_params, rtn_values
-from jlight.pallas_kernels.quantization import QuantizedWeight, quantize_int8, quantize_params
+from jlight.quantization.gptq import gptq_quantize, gptq_quantize_params, rtn_values
+from jlight.core.quantization import QuantizedWeight, quantize_int8
+from jlight.quantization.rtn import quantize_params
 
 
 def _problem(seed=0, n=512, d_in=48, d_out=24):
@@ -53,7 +54,7 @@ def test_dead_inputs_round_to_nearest():
 
 
 def test_gptq_quantize_params_keeps_the_int8_layout():
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.models.llama import init_params
 
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -76,10 +77,10 @@ def test_gptq_quantize_params_keeps_the_int8_layout():
 def test_calibration_forward_matches_the_model():
     """GPTQ's host-side calibration forward computes the model's own function: its logits equal
     the engine reference path's (models/llama.py over a paged cache) on the same tokens."""
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.models.llama import init_params
     from jlight.models.layers import rms_norm
-    from jlight.pallas_kernels import gptq
+    from jlight.quantization import gptq
     from test_convert import prefill_logits
 
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,

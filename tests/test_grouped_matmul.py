@@ -108,7 +108,7 @@ def test_expert_ffn_pallas_matches_dense():
     """models/moe.expert_ffn with impl="pallas" (sorted rows through the kernel) against every
     expert on every token, float and int8 expert weights."""
     from jlight.models.moe import expert_ffn
-    from jlight.pallas_kernels.quantization import quantize_int8
+    from jlight.core.quantization import quantize_int8
 
     rng = np.random.default_rng(11)
     num_tokens, embed, mlp, num_experts, k = 21, 32, 48, 6, 2
@@ -126,9 +126,9 @@ def test_expert_ffn_pallas_matches_dense():
 def test_mixtral_forward_with_each_expert_impl():
     """A tiny random Mixtral-shaped model: the step's hidden states are the same whichever way
     the experts run (Kernels.moe_impl reaches the MoE layer), unrolled and scanned."""
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.models import mixtral
-    from jlight.pallas_kernels.batch_metadata import BatchMetadata
+    from jlight.core.batch_metadata import BatchMetadata
     from jlight.pallas_kernels.dispatch import get_kernels
 
     config = ModelConfig.from_hf_dict(dict(

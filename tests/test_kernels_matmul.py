@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import pytest
 
 from jlight.pallas_kernels import matmul_pallas, matmul_reference
-from jlight.pallas_kernels.quantization import (
-    LINEAR_WEIGHTS, QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, dequantize, int8_to_f32, quantize_int8, quantize_params,
+from jlight.core.quantization import (
+    LINEAR_WEIGHTS, QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, dequantize, int8_to_f32, quantize_int8,
     transpose_to_kmajor)
+from jlight.quantization.rtn import quantize_params
 
 
 def _weights(rng, k, n):

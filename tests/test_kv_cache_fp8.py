@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas
-from jlight.pallas_kernels.quantization import FP8_KV_DTYPE, kv_pool_bytes, make_kv_pool, to_fp8_kv
+from jlight.core.quantization import FP8_KV_DTYPE, kv_pool_bytes, make_kv_pool, to_fp8_kv
 from kernel_batches import check_attention_output, random_batch, reference_attention
 
 NUM_KV_HEADS = 2

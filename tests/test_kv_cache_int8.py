@@ -16,7 +16,7 @@ import jlight
 from jlight import SamplingParams
 from jlight.engine.engine_config import EngineConfig
 from jlight.pallas_kernels import attention_reference, paged_attention_pallas
-from jlight.pallas_kernels.quantization import (
+from jlight.core.quantization import (
     QuantizedKV, dequantize_kv, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv)
 from kernel_batches import check_attention_output, dequantize_pool, random_batch, random_int8_pool, reference_attention
 
@@ -238,7 +238,7 @@ def test_config_rejects_unknown_kv_cache_dtype():
 
 
 def test_cli_exposes_kv_cache_dtype():
-    from jlight.cli import add_engine_arguments, engine_options
+    from jlight.engine_args import add_engine_arguments, engine_options
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from jlight import cli
+from jlight import engine_args
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import pages_for_memory
 
@@ -32,5 +32,5 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(value):
 
 def test_the_cli_passes_gpu_memory_utilization():
     parser = argparse.ArgumentParser()
-    cli.add_engine_arguments(parser)
-    assert cli.engine_options(parser.parse_args(["--gpu-memory-utilization", "0.9"]))["gpu_memory_utilization"] == 0.9
+    engine_args.add_engine_arguments(parser)
+    assert engine_args.engine_options(parser.parse_args(["--gpu-memory-utilization", "0.9"]))["gpu_memory_utilization"] == 0.9

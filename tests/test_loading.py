@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlight.errors import ModelLoadError, UnsupportedModelError
+from jlight.core.errors import ModelLoadError, UnsupportedModelError
 from jlight.loading import load_model
 from jlight.loading.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
 

@@ -15,7 +15,7 @@ from direct_forward import hf_greedy
 from test_moe_common import check_against_transformers, check_unrolled_matches_scanned
 
 from jlight.models.moe import dense_expert_ffn, grouped_expert_ffn
-from jlight.pallas_kernels.quantization import quantize_int8
+from jlight.core.quantization import quantize_int8
 
 ARCHS = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
@@ -125,7 +125,7 @@ def test_gathered_path_chunks_large_gathers(monkeypatch):
 
 
 def test_too_many_experts_per_token_is_a_value_error():
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.models import mixtral
 
     cfg = ModelConfig.from_hf_dict(dict(
@@ -157,7 +157,7 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
     """Expert parallelism marks pairs routed to other devices' experts with id == num_experts and
     weight 0: every implementation must give exactly what it gives without those pairs."""
     from jlight.models.moe import expert_ffn
-    from jlight.pallas_kernels.quantization import quantize_int8
+    from jlight.core.quantization import quantize_int8
 
     rng = np.random.default_rng(31)
     num_tokens, embed, k, num_experts = 9, 16, 2, 6

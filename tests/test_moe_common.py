@@ -72,7 +72,7 @@ def load_jlight(path: str, dtype=jnp.float32):
     """(ModelConfig, params) read from a HF directory through jlight's own loading code."""
     from safetensors import safe_open
 
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.loading.assemble import assemble_params
 
     config = ModelConfig.from_json_file(os.path.join(path, "config.json"))

@@ -14,7 +14,7 @@ import pytest
 
 from kernel_batches import check_attention_output, random_batch, random_int8_pool, reference_attention
 from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_attention_pallas
-from jlight.pallas_kernels.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
+from jlight.core.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
 
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2

@@ -16,7 +16,7 @@ engine the params): the usual practice of leaving the output projection in 16 bi
 with it (int8: 96.48% here with the per-token reference) does not reach the 97% bar either.
 
 The "GPTQ" configurations keep the same int8 format and scales but choose the int8 values with
-GPTQ (pallas_kernels/gptq.py), calibrated on benchmarks/data/calibration_text.txt, not on the
+GPTQ (jlight/quantization/gptq.py), calibrated on benchmarks/data/calibration_text.txt, not on the
 evaluated text. With the lm_head in bf16 it meets the bar here (97.26%; 97.21% on another host), by
 about 5 of the 2046 positions. Other calibration settings moved the agreement by about +-0.5 points
 (docs/BENCHMARKS.md), so this pass is narrow. GPTQ with the lm_head int8 as well sits on the bar:
@@ -25,7 +25,7 @@ pass nor a strict xfail would hold across hosts, so its bar check is a non-stric
 of 96.5% (round-to-nearest: 95.4%) is what it must keep.
 
 "w8a8, SmoothQuant, lm_head bf16" is what `jlight convert --quantization w8a8 --calibration` makes
-(pallas_kernels/smoothquant.py, calibrated on the same calibration text): it brings w8a8's perplexity
+(jlight/quantization/smoothquant.py, calibrated on the same calibration text): it brings w8a8's perplexity
 within the bar (+0.87%, round-to-nearest +3.31%) but its agreement stays short (93.60%).
 """
 import importlib.util

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from jlight.engine.outputs import CompletionOutput, RequestOutput
-from jlight.errors import EngineOverloadedError
+from jlight.core.errors import EngineOverloadedError
 from jlight.serve.metrics import parse_metrics
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 

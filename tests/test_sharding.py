@@ -43,7 +43,7 @@ RUNS = [
 # ---------------------------------------------------------------- worker (subprocess) ---
 
 def _tiny_config():
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
 
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=128,
@@ -57,7 +57,7 @@ def _tiny_moe():
     import jax
     import jax.numpy as jnp
 
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.models import mixtral
 
     config = ModelConfig(
@@ -77,7 +77,7 @@ def _batch(prompt_lens, pad_to, first_page):
     """BatchMetadata for a prefill of fresh sequences, pages allocated consecutively."""
     import jax.numpy as jnp
 
-    from jlight.pallas_kernels.batch_metadata import BatchMetadata
+    from jlight.core.batch_metadata import BatchMetadata
 
     max_pages = NUM_PAGES // 2
     positions, slots, seqs = [], [], []

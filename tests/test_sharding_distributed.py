@@ -25,9 +25,9 @@ def _tiny_setup():
     import jax
     import jax.numpy as jnp
 
-    from jlight.config import ModelConfig
+    from jlight.core.config import ModelConfig
     from jlight.models import llama
-    from jlight.pallas_kernels.batch_metadata import BatchMetadata
+    from jlight.core.batch_metadata import BatchMetadata
     from jlight.pallas_kernels.dispatch import get_kernels
 
     config = ModelConfig(

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.models import llama
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec, spec_from_tensor_parallel_size
 from jlight.sharding.plan import ShardingPlan

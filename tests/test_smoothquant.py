@@ -1,13 +1,13 @@
-"""SmoothQuant (pallas_kernels/smoothquant.py): the smoothed model computes the same function, and
+"""SmoothQuant (jlight/quantization/smoothquant.py): the smoothed model computes the same function, and
 it moves activation outliers into the weights so that per-token int8 activations lose less."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.models.llama import init_params
-from jlight.pallas_kernels import smoothquant
-from jlight.pallas_kernels.quantization import quantize_params
+from jlight.quantization import smoothquant
+from jlight.quantization.rtn import quantize_params
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)

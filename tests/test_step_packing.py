@@ -8,7 +8,7 @@ from jlight import SamplingParams
 from jlight.engine import sampler, step_packing
 from jlight.engine.model_runner import StepInputs, _pad_to_bucket
 from jlight.engine.scheduler import SchedulePlan
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
+from jlight.core.batch_metadata import BatchMetadata
 
 
 def awkward_step_inputs(T, B, max_pages=5, seed=0):

@@ -73,7 +73,7 @@ def test_from_dir(tiny_tokenizer):
 
 
 def test_from_dir_without_tokenizer_json(tmp_path):
-    from jlight.errors import ModelLoadError
+    from jlight.core.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         Tokenizer.from_dir(str(tmp_path))

@@ -18,7 +18,7 @@ from jlight.pallas_kernels import (
     matmul_pallas,
     paged_attention_pallas,
 )
-from jlight.pallas_kernels.quantization import QuantizedKV, QuantizedWeight, QuantizedWeightT, W8A8Weight, kv_scales_shape
+from jlight.core.quantization import QuantizedKV, QuantizedWeight, QuantizedWeightT, W8A8Weight, kv_scales_shape
 from kernel_batches import random_batch
 from triton_lowering import triton_module_texts, verified_triton_modules
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jlight.pallas_kernels import matmul_pallas, matmul_reference, w8a16_mosaic
-from jlight.pallas_kernels.quantization import QuantizedWeightT
+from jlight.core.quantization import QuantizedWeightT
 
 
 def _inputs(seed, m, k, n, dtype=jnp.bfloat16):

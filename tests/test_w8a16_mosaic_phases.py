@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jlight.pallas_kernels import matmul_reference
-from jlight.pallas_kernels.quantization import QuantizedWeightT
+from jlight.core.quantization import QuantizedWeightT
 from jlight.pallas_kernels.w8a16_mosaic import w8a16_mosaic_matmul
 from jlight.pallas_kernels.w8a16_mosaic_phases import w8a16_mosaic_phases
 

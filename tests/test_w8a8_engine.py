@@ -11,7 +11,7 @@ import jlight
 from jlight import SamplingParams
 from jlight.models.layers import FusedWeight
 from jlight.pallas_kernels import matmul_pallas
-from jlight.pallas_kernels.quantization import W8A8WeightT
+from jlight.core.quantization import W8A8WeightT
 
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
 
@@ -48,7 +48,7 @@ def test_int8_weights_kmajor_for_xla_on_gpu(tiny_model, monkeypatch):
     (QuantizedWeightT) for XLA's dequantize-dot: same greedy tokens as the [in, out] weights. The GPU
     is simulated by dispatch.on_gpu (attention stays on the reference, the weights on the CPU)."""
     from jlight.pallas_kernels import dispatch
-    from jlight.pallas_kernels.quantization import QuantizedWeightT
+    from jlight.core.quantization import QuantizedWeightT
 
     path = tiny_model("LlamaForCausalLM")
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -11,11 +11,15 @@ import argparse
 import os
 import sys
 
+import jax
+
+import jlight
 from jlight.batch import merge
 from jlight.batch.part_log import PartLog
 from jlight.batch.runner import ShardRunner
 from jlight.batch.source import JsonlSource, make_loader, shard_interval, shard_options
-from jlight.cli import add_engine_arguments, engine_options
+from jlight.engine.sampling_params import SamplingParams
+from jlight.engine_args import add_engine_arguments, engine_options
 
 # Engine sizes of a batch job unless given: enough rows and tokens per step to keep a GPU busy.
 BATCH_ENGINE_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=512)
@@ -66,8 +70,6 @@ def _check_args(args) -> None:
 
 
 def _start_distributed(args) -> tuple[int, int]:
-    import jax
-
     if args.num_processes > 1:
         jax.distributed.initialize(coordinator_address=args.coordinator_address,
                                    num_processes=args.num_processes, process_id=args.process_id)
@@ -78,8 +80,6 @@ def run(args: argparse.Namespace, llm=None) -> int:
     """Run (or resume) the job `args` describes; `llm` reuses an already loaded jlight.LLM."""
     _check_args(args)
     defaults = sampling_defaults(args)
-    from jlight.engine.sampling_params import SamplingParams
-
     try:
         SamplingParams(**defaults).validate()
     except (TypeError, ValueError) as e:
@@ -113,8 +113,6 @@ def run(args: argparse.Namespace, llm=None) -> int:
 
 
 def _make_llm(args):
-    import jlight
-
     return jlight.LLM(args.model, **engine_options(args, **BATCH_ENGINE_DEFAULTS))
 
 

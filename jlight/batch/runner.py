@@ -111,7 +111,7 @@ class ShardRunner:
             elif isinstance(prompt, list):
                 prompt, token_ids = None, prompt
             self.engine.add_request(str(request.index), prompt, request.sampling_params, prompt_token_ids=token_ids)
-        except ValueError as e:  # includes jlight.errors (too-long prompt, bad token ids, ...)
+        except ValueError as e:  # includes jlight.core.errors (too-long prompt, bad token ids, ...)
             return BatchError(request.index, request.line, request.id, f"line {request.line}: {e}")
         return None
 
@@ -122,6 +122,7 @@ class ShardRunner:
     def _progress_bar(self):
         if not self.show_progress:
             return None
+        # tqdm loads only when a progress bar is shown.
         from tqdm import tqdm
 
         return tqdm(total=self.shard_size, initial=len(self.log.done_indices), unit="req", desc="batch", dynamic_ncols=True)

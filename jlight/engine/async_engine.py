@@ -16,9 +16,9 @@ import threading
 import uuid
 from typing import AsyncIterator
 
+from jlight.core.errors import EngineOverloadedError
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
-from jlight.errors import EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import dataclasses
 
 import jax
 
+from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import EngineStats, LLMEngine
 from jlight.engine.outputs import RequestOutput
+from jlight.sharding.mesh import parse_mesh_spec
 
 
 def replica_mesh_spec(spec: str) -> tuple[int, str | None]:
     """'dp=2,tp=4' -> (2, 'tp=4'); 'dp=2' -> (2, None): what each replica runs."""
-    from jlight.sharding.mesh import parse_mesh_spec
-
     sizes = parse_mesh_spec(spec)
     rest = ",".join(f"{axis}={size}" for axis, size in sizes.items() if axis != "dp" and size > 1)
     return sizes["dp"], rest or None
@@ -36,15 +36,13 @@ def make_engine(config: EngineConfig):
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig):
-        from jlight.loading import load_model
-
         config.validate()
         dp, replica_spec = replica_mesh_spec(config.mesh)
         devices = jax.devices()
         if len(devices) % dp:
             raise ValueError(f"mesh={config.mesh!r}: dp={dp} does not divide the {len(devices)} devices")
         per = len(devices) // dp
-        loaded = load_model(config.model, dtype=config.dtype)  # once; each replica copies it to its devices
+        loaded = loading.load_model(config.model, dtype=config.dtype)  # once; each replica copies it to its devices
         replica_config = dataclasses.replace(config, mesh=replica_spec)
         self.replicas = [LLMEngine(replica_config, loaded=loaded, devices=devices[r * per:(r + 1) * per])
                          for r in range(dp)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jlight.core.moe_impls import MOE_IMPLS
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -77,8 +79,6 @@ class EngineConfig:
             bad("quantization", "must be None, 'int8' or 'w8a8'")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype), 'fp8' (e4m3) or 'int8'")
-        from jlight.pallas_kernels.dispatch import MOE_IMPLS
-
         if self.moe_impl not in MOE_IMPLS:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.quantization import make_kv_pool
 from jlight.engine import sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
-from jlight.pallas_kernels.batch_metadata import BatchMetadata
-from jlight.pallas_kernels.quantization import make_kv_pool
 
 logger = logging.getLogger(__name__)
 
@@ -276,8 +276,6 @@ class ModelRunner:
 
     def warmup(self, progress=None, buckets=None) -> float:
         """Compile every bucket (or those given) now so serving never compiles. Returns seconds spent."""
-        from jlight.engine.scheduler import SchedulePlan
-
         t0 = time.perf_counter()
         empty = SchedulePlan([], [])
         order = self.buckets if buckets is None else sorted(set(buckets))

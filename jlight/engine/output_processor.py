@@ -11,6 +11,7 @@ import logging
 import numpy as np
 
 from jlight.engine.outputs import CompletionOutput, RequestOutput
+from jlight.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,6 @@ class _NoText:
 def make_detokenizer(tokenizer, params):
     if tokenizer is None:
         return _NoText()
-    from jlight.tokenizer import IncrementalDetokenizer
-
     return IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
 
 

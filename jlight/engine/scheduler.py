@@ -13,7 +13,7 @@ import collections
 import dataclasses
 
 from jlight.engine.block_manager import BlockManager
-from jlight.engine.sequence import Sequence, SeqStatus
+from jlight.engine.sequence import SeqStatus, Sequence
 
 
 @dataclasses.dataclass

@@ -74,6 +74,7 @@ class StructuredOutputParams:
 
     def grammar_text(self) -> str:
         """The llguidance grammar (its JSON form) for these constraints."""
+        # llguidance loads only for requests with structured outputs.
         from llguidance import grammar_from
 
         kind = self.kind()
@@ -88,6 +89,7 @@ class StructuredOutputParams:
 
 def _import_llguidance():
     try:
+        # llguidance loads only for requests with structured outputs.
         import llguidance
         import llguidance.numpy  # noqa: F401
     except ImportError:
@@ -161,6 +163,7 @@ class GrammarCompiler:
 
     def fill_masks(self, matchers: list[tuple[object, int]], bitmask: np.ndarray) -> None:
         """Write each (matcher, row)'s allowed tokens into bitmask[row] (bit t of word t // 32)."""
+        # llguidance loads only for requests with structured outputs.
         from llguidance.numpy import fill_next_token_bitmask_par
 
         self._tok()

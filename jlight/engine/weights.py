@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import jax
 
+from jlight.core.quantization import QUANTIZABLE, QuantizedWeight, W8A8Weight, transpose_to_kmajor
 from jlight.engine.engine_config import EngineConfig
+from jlight.models.layers import FUSED_PROJECTIONS, split_layer_axes
+from jlight.pallas_kernels.dispatch import kmajor_weight_types
+from jlight.quantization.rtn import quantize_params
+from jlight.sharding.plan import ShardingPlan
 
 
 def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weights: bool = False):
     """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan);
     a plan's config is the model config the engine runs (e.g. KV heads replicated up to tp).
     owns_weights: the weights are this engine's own load, so their parts may be freed as they go."""
-    from jlight.pallas_kernels.dispatch import kmajor_weight_types
-
     params = loaded.params
     if cfg.quantization:
-        from jlight.pallas_kernels.quantization import quantize_params
-
         stored = _stored_quantization(params)
         if stored is None:
             params = quantize_params(params, cfg.quantization)
@@ -25,8 +26,6 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
                              f"{stored!r}; drop the option (or pass {stored!r}), or convert the original weights again")
     plan = None
     if mesh is not None:
-        from jlight.sharding.plan import ShardingPlan
-
         plan = ShardingPlan(mesh, loaded.config, family.param_axes(loaded.config))
         if plan.dp > 1:
             raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
@@ -39,9 +38,7 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
         # shardings when split, and a plan over the per-layer tree runs them under the mesh.
         params = family.unstack_layers(params, donate=owns_weights)
         jax.block_until_ready(params)
-        if plan is not None:  # ShardingPlan was imported with the mesh above
-            from jlight.models.layers import split_layer_axes
-
+        if plan is not None:
             plan = ShardingPlan(mesh, plan.source_config, split_layer_axes(plan.param_axes, params))
     if plan is None and cfg.fuse_projections and hasattr(family, "fuse_projections"):
         # Per-layer weights are this engine's own copies (split_layers made them), so their parts
@@ -49,9 +46,6 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
         params = dict(params, layers=family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
     kmajor = kmajor_weight_types(cfg.matmul_impl)
     if plan is None and kmajor:
-        from jlight.models.layers import FUSED_PROJECTIONS
-        from jlight.pallas_kernels.quantization import QUANTIZABLE, transpose_to_kmajor
-
         # The linear weights K-major where their matmul reads them faster so. The [in, out] copies
         # are freed as they go when they are this engine's own (quantized here, or loaded by it).
         params = transpose_to_kmajor(params, kmajor, names=QUANTIZABLE + tuple(FUSED_PROJECTIONS),
@@ -63,8 +57,6 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
 
 def _stored_quantization(params) -> str | None:
     """The quantization mode of already-quantized weights ("int8" or "w8a8"), or None for float ones."""
-    from jlight.pallas_kernels.quantization import QuantizedWeight, W8A8Weight
-
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     first = next((w for w in leaves if isinstance(w, QuantizedWeight)), None)
     if first is None:

@@ -21,9 +21,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jlight.config import ModelConfig
-from jlight.errors import ModelLoadError
+from jlight.core.config import ModelConfig
+from jlight.core.errors import ModelLoadError
+from jlight.loading import orbax_loader, safetensors_loader as st
 from jlight.loading.assemble import assemble_params
+from jlight.loading.default_model import default_gguf_path
+from jlight.loading.gguf_loader import gguf_tensors, load_gguf_model
+from jlight.loading.gguf_tokenizer import gguf_tokenizer
+from jlight.loading.hub import download_from_hub, looks_like_hub_id
+from jlight.loading.safetensors_loader import read_generation_config
+from jlight.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -50,33 +57,24 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
     on device (default jax.device_put); the sharding code passes one that shards it."""
     if model is None:
-        from jlight.loading.default_model import default_gguf_path
-
         return load_gguf(default_gguf_path(), dtype, place)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
     if model.endswith(".gguf"):
         return load_gguf(model, dtype, place)
-    from jlight.loading import orbax_loader
-
     if orbax_loader.is_orbax_model_dir(model):
         return load_converted_dir(model, mesh=mesh, dtype=dtype)
     if os.path.isdir(model):
         return load_hf_dir(model, dtype, place)
     if os.path.exists(model):
         raise ModelLoadError(f"{model} is neither a .gguf file nor a HF model directory (with config.json)")
-    from jlight.loading.hub import download_from_hub, looks_like_hub_id
-
     if looks_like_hub_id(model) and not model.startswith((".", "/", "~")):
         return load_hf_dir(download_from_hub(model), dtype, place, name=model)
     raise ModelLoadError(f"model path {model} does not exist; pass a .gguf file, a HF model directory or a hub id like org/name")
 
 
 def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = None) -> LoadedModel:
-    from jlight.loading import safetensors_loader as st
-    from jlight.tokenizer import Tokenizer
-
     config_path = os.path.join(model_dir, "config.json")
     config = ModelConfig.from_json_file(config_path)  # raises ModelLoadError/UnsupportedModelError
     with open(config_path) as f:
@@ -94,10 +92,6 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
 def load_converted_dir(model_dir: str, mesh=None, dtype="auto") -> LoadedModel:
     """A directory written by `jlight convert` (orbax params; dtype fixed at conversion, so `dtype`
     must be "auto" or that dtype). With a mesh, each array is restored straight into its sharding."""
-    from jlight.loading import orbax_loader
-    from jlight.loading.safetensors_loader import read_generation_config
-    from jlight.tokenizer import Tokenizer
-
     stored = orbax_loader.read_manifest(model_dir).get("dtype")
     if dtype != "auto" and stored in DTYPES and resolve_dtype(dtype, stored) != DTYPES[stored]:
         # It used to be ignored silently: the model ran in the stored dtype, not the one asked for.
@@ -112,9 +106,6 @@ def load_converted_dir(model_dir: str, mesh=None, dtype="auto") -> LoadedModel:
 
 
 def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:
-    from jlight.loading.gguf_loader import gguf_tensors, load_gguf_model
-    from jlight.loading.gguf_tokenizer import gguf_tokenizer
-
     reader, config, arch = load_gguf_model(path)
     gguf_default = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     jdtype = resolve_dtype(dtype, gguf_default)
@@ -126,6 +117,7 @@ def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:
 
 
 def _progress(it, total: int, label: str):
+    # tqdm loads only when a progress bar is shown.
     from tqdm.auto import tqdm
 
     return tqdm(it, total=total, desc=f"loading {label}", unit="tensor", leave=False)

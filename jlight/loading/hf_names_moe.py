@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from jlight.config import ModelConfig
+from jlight.core.config import ModelConfig
 from jlight.loading.hf_names import map_hf_name
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.request
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_URL = "https://huggingface.co"
@@ -20,8 +21,6 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
-    import urllib.request
-
     try:
         urllib.request.urlopen(os.environ.get("HF_ENDPOINT", HUB_URL), timeout=timeout_s).close()
         return True
@@ -36,6 +35,7 @@ def download_from_hub(repo_id: str) -> str:
         "or pass a local .gguf file"
     )
     try:
+        # huggingface_hub (optional) loads only for hub downloads.
         from huggingface_hub import snapshot_download
     except ImportError:
         raise ModelLoadError(f"{repo_id!r} is not a local path and huggingface_hub is not installed; {how}") from None

@@ -19,8 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from jlight.errors import ModelLoadError
-from jlight.pallas_kernels import quantization
+from jlight.core import quantization
+from jlight.core.config import ModelConfig
+from jlight.core.errors import ModelLoadError
+from jlight.models import get_model_family
+from jlight.sharding import rules
 
 MANIFEST_NAME = "jlight_checkpoint.json"
 PARAMS_DIR = "params"
@@ -51,6 +54,7 @@ def save_params(directory: str, params, *, manifest_extra: dict | None = None) -
     The manifest is written last, so a directory without it (a crashed convert) is never
     mistaken for a complete checkpoint.
     """
+    # orbax, slow to import, loads only for converted checkpoints.
     import orbax.checkpoint as ocp
 
     os.makedirs(directory, exist_ok=True)
@@ -107,9 +111,6 @@ def read_manifest(directory: str) -> dict:
 def mesh_shardings(config, skeleton: dict, mesh):
     """NamedShardings on `mesh` for every leaf, from the family's logical axes and the sharding
     rules (jlight/sharding/rules.py). A QuantizedWeight's scales get their own spec there."""
-    from jlight.models import get_model_family
-    from jlight.sharding import rules
-
     family = get_model_family(config)
     specs = rules.param_specs(family.param_axes(config), abstract_params(skeleton))
     return rules.named_shardings(mesh, specs)
@@ -141,6 +142,7 @@ def restore_params(directory: str, shardings=None, *, manifest: dict | None = No
     `shardings`: None (every leaf on the first local device), one Sharding for all leaves,
     or a tree of Shardings matching the params (see mesh_shardings).
     """
+    # orbax, slow to import, loads only for converted checkpoints.
     import orbax.checkpoint as ocp
 
     manifest = manifest or read_manifest(directory)
@@ -167,8 +169,6 @@ def restore_params(directory: str, shardings=None, *, manifest: dict | None = No
 def load_orbax_model(directory: str, *, mesh=None):
     """(ModelConfig, params) of a converted model directory, restored onto `mesh`'s shardings
     (None: the first local device)."""
-    from jlight.config import ModelConfig
-
     manifest = read_manifest(directory)
     config = ModelConfig.from_json_file(os.path.join(directory, "config.json"))
     shardings = mesh_shardings(config, manifest["skeleton"], mesh) if mesh is not None else None

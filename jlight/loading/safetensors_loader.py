@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jlight.errors import ModelLoadError
+from jlight.core.errors import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,6 +56,7 @@ def _header(path: str) -> tuple[dict, int]:
 
 def _bf16_reader(path: str):
     """Returns read(name) -> bfloat16 array viewing the file's bytes (no float32 copy)."""
+    # ml_dtypes loads only for the dtypes numpy lacks.
     import ml_dtypes
 
     header, data_start = _header(path)
@@ -78,6 +79,7 @@ def stream_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
 
     A truncated or corrupt file raises ModelLoadError naming it.
     """
+    # safetensors loads only for HF checkpoints.
     from safetensors import SafetensorError, safe_open
 
     for path in files:

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from jlight.errors import ModelLoadError, UnsupportedModelError
+from jlight.core.errors import ModelLoadError, UnsupportedModelError
 
 # HF `architectures` names -> the model family file in jlight.models that runs them.
 SUPPORTED_ARCHITECTURES = {

@@ -36,18 +36,17 @@ class ParallelOps:
         """x: [N, embed]; w: [embed, vocab] -> full [N, vocab] float32 logits."""
         return matmul(x, w, out_dtype=jnp.float32)
 
-    def expert_ffn(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
+    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
         """Routed experts. x: [T, embed]; topk_ids/topk_weights: [T, k]; w_gate, w_up:
         [num_experts, embed, mlp]; w_down: [num_experts, mlp, embed] -> [T, embed].
 
-        Single device: models/moe.expert_ffn with `impl` (Kernels.moe_impl: "auto", "pallas",
+        `local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl)` computes the experts
+        of one device (models/moe.expert_ffn, passed in by the model: the computation lives with the
+        models). Single device: local_ffn with `impl` (Kernels.moe_impl: "auto", "pallas",
         "ragged_dot", "gathered", "dense"). `matmul` (the dense kernel) is unused here; it is in
         the signature for expert-parallel versions.
         """
-        # Imported here, not at the top: the computation lives with the MoE models.
-        from jlight.models.moe import expert_ffn
-
-        return expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl)
+        return local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl)
 
 
 _active: contextvars.ContextVar[ParallelOps] = contextvars.ContextVar("jlight_parallel_ops", default=ParallelOps())

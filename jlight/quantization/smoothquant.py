@@ -12,7 +12,7 @@ added at run time and the checkpoint format does not change:
     q heads of one KV head share V, so they share s);
   w_down's input (act(gate) * up) -> w_up's output columns;
   the lm_head's input -> final_norm.
-Offline, like GPTQ (pallas_kernels/gptq.py, whose calibration forward this reuses): plain
+Offline, like GPTQ (jlight/quantization/gptq.py, whose calibration forward this reuses): plain
 Llama family only.
 
     smoothed = smooth_params(params, config, segments, alpha=0.5)   # then quantize_params(smoothed, "w8a8")
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.models.layers import rms_norm
-from jlight.pallas_kernels import gptq
+from jlight.quantization import gptq
 
 
 def activation_amax(params: dict, config, segments) -> dict:

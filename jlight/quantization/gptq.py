@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlight.core.quantization import LINEAR_WEIGHTS, QUANTIZABLE, QuantizedWeight, quantize_int8
 from jlight.models.layers import activation, rms_norm
 from jlight.models.rope import apply_rope, inv_frequencies
-from jlight.pallas_kernels.quantization import LINEAR_WEIGHTS, QUANTIZABLE, QuantizedWeight, quantize_int8
 
 
 def rtn_scales(w) -> np.ndarray:

@@ -1,0 +1,55 @@
+"""The engine options every engine-backed command shares (`jlight generate`, `chat`, `serve`, `batch`):
+argparse flags, and the EngineConfig keyword arguments they give."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Options every engine-backed command shares."""
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    else:
+        p.add_argument("--model", "-m", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
+                   help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
+                        "(faster prefill; docs/BENCHMARKS.md has the figures and quality)")
+    p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="shorthand for --mesh tp=N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="of the device memory left after the weights, for KV pages (default 0.8)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's knob instead: the engine's whole share of the device memory JAX manages "
+                        "(weights included); the KV pool gets the rest of that share")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "int8"],
+                   help="auto: the model's dtype; fp8: e4m3 K/V (2x the pages of bf16); int8: int8 K/V with a scale per "
+                        "token and head (about 2x the pages)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
+    p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
+    p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
+                   help="how MoE experts run (auto: the Pallas grouped matmul on GPU; gathered or ragged_dot elsewhere)")
+
+
+def engine_options(args: argparse.Namespace, **defaults) -> dict:
+    """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
+    opts = dict(defaults)
+    for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
+        value = getattr(args, name, None)
+        if value is not None:
+            opts[name] = value
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:
+        if opts.get("mesh"):
+            raise ValueError("give either --mesh or --tensor-parallel-size, not both")
+        opts["mesh"] = f"tp={tp}"
+    if getattr(args, "no_prefix_caching", False):
+        opts["enable_prefix_caching"] = False
+    return opts
