@@ -108,8 +108,9 @@ def test_gathered_experts_path_matches_dense_for_few_tokens():
                                np.asarray(dense_expert_ffn(x, ids, weights, *q, jax.nn.silu)), rtol=1e-4, atol=1e-4)
 
 
-def test_gathered_path_chunks_large_gathers(monkeypatch):
-    """Gathers past _MAX_GATHER_ELEMENTS (int32 indexing on the GPU) run in row chunks; same answers."""
+def test_gathered_path_chunks_large_gathers():
+    """Gathers past max_gather_elements (MAX_GATHER_ELEMENTS: int32 indexing on the GPU) run in row
+    chunks; same answers."""
     from jlight.models import moe
 
     kx, kw, kr = jax.random.split(jax.random.PRNGKey(2), 3)
@@ -117,8 +118,8 @@ def test_gathered_path_chunks_large_gathers(monkeypatch):
     x = jax.random.normal(kx, (5, 16))
     weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(kr, (5, 6))), 2)
     whole = np.asarray(moe.gathered_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
-    monkeypatch.setattr(moe, "_MAX_GATHER_ELEMENTS", 3 * w_gate.shape[1] * w_gate.shape[2])  # 3 rows per chunk
-    chunked = np.asarray(moe.gathered_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
+    chunked = np.asarray(moe.gathered_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu,
+                                                 max_gather_elements=3 * w_gate.shape[1] * w_gate.shape[2]))  # 3 rows a chunk
     np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
     dense = np.asarray(dense_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
     np.testing.assert_allclose(chunked, dense, rtol=1e-5, atol=1e-5)
