@@ -14,8 +14,6 @@ from jlight.pallas_kernels import matmul_pallas
 from jlight.pallas_kernels.quantization import W8A8WeightT
 
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77]
-# A 64-token prefill chunk: the step that reaches the kernel (matmul_pallas.W8A8_PALLAS_MIN_ROWS rows)
-LONG_PROMPT = PROMPT + [(7 * i + 11) % 500 for i in range(64 - len(PROMPT))] + [9, 4]
 
 
 @pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
@@ -30,7 +28,7 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop
     for impl in ("pallas", "reference"):
         llm = jlight.LLM(path, dtype="float32", quantization="w8a8", matmul_impl=impl, layer_loop=layer_loop, max_num_seqs=2,
                          max_num_batched_tokens=64, num_pages=16, compilation_cache_dir=None,
-                         warmup=False)  # compiles only the two steps it runs (64 and 8 tokens)
+                         min_token_bucket=64)  # one compiled step, of the kernel's 64 rows (W8A8_PALLAS_MIN_ROWS)
         params = llm.engine.runner.params
         kmajor = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, W8A8WeightT))
                   if isinstance(leaf, W8A8WeightT)]
@@ -40,7 +38,7 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop
             assert isinstance(first["wqkv"], FusedWeight) and isinstance(first["wqkv"].weight, W8A8WeightT)
             assert isinstance(params["lm_head"], W8A8WeightT)
             assert params["lm_head"].values_t.dtype == jnp.int8
-        outputs[impl] = llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        outputs[impl] = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
         if impl == "pallas":
             assert 64 in kernel_rows, "the Pallas W8A8 kernel was never called"
     assert outputs["pallas"] == outputs["reference"]
@@ -61,7 +59,8 @@ def test_int8_weights_kmajor_for_xla_on_gpu(tiny_model, monkeypatch):
         monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
         llm = jlight.LLM(path, dtype="float32", quantization="int8", matmul_impl="auto" if kmajor else "reference",
                          attention_impl="reference",
-                         layer_loop="unroll", max_num_seqs=2, max_num_batched_tokens=16, num_pages=16, compilation_cache_dir=None)
+                         layer_loop="unroll", max_num_seqs=2, max_num_batched_tokens=16, num_pages=16, compilation_cache_dir=None,
+                         min_token_bucket=16)  # one compiled step
         monkeypatch.undo()
         params = llm.engine.runner.params
         first = params["layers"][0]
