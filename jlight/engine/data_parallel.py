@@ -13,10 +13,10 @@ import dataclasses
 
 import jax
 
+from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import EngineStats, LLMEngine
 from jlight.engine.outputs import RequestOutput
-from jlight.loading import load_model
 from jlight.sharding.mesh import parse_mesh_spec
 
 
@@ -42,7 +42,7 @@ class DataParallelEngine:
         if len(devices) % dp:
             raise ValueError(f"mesh={config.mesh!r}: dp={dp} does not divide the {len(devices)} devices")
         per = len(devices) // dp
-        loaded = load_model(config.model, dtype=config.dtype)  # once; each replica copies it to its devices
+        loaded = loading.load_model(config.model, dtype=config.dtype)  # once; each replica copies it to its devices
         replica_config = dataclasses.replace(config, mesh=replica_spec)
         self.replicas = [LLMEngine(replica_config, loaded=loaded, devices=devices[r * per:(r + 1) * per])
                          for r in range(dp)]

@@ -16,6 +16,7 @@ import uuid
 import jax
 import numpy as np
 
+from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import output_processor
@@ -29,9 +30,8 @@ from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.engine.structured_output import GrammarCompiler
 from jlight.engine.weights import prepare_params
-from jlight.loading import load_model
 from jlight.models import get_model_family
-from jlight.pallas_kernels.dispatch import get_kernels, on_gpu
+from jlight.pallas_kernels import dispatch
 from jlight.sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,13 @@ class LLMEngine:
         if cfg.mesh:
             mesh = make_mesh(cfg.mesh, devices)
         if loaded is None:
-            loaded = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)  # orbax checkpoints restore into the mesh
+            loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)  # orbax checkpoints restore into the mesh
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(loaded, "name", None) or str(cfg.model or "SmolLM2-135M-Instruct")
         self.family = get_model_family(self.model_config)
-        params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, on_gpu(), owns_weights)
+        params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights)
         if sharding_plan is not None:
             self.model_config = sharding_plan.config  # e.g. KV heads replicated up to tp
         mc = self.model_config
@@ -108,7 +108,7 @@ class LLMEngine:
         if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:  # said, not silently capped
             logger.warning("max_model_len=%d is beyond the model's %d positions; using %d", cfg.max_model_len,
                            mc.max_position_embeddings, self.max_model_len)
-        max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if on_gpu() else 512)
+        max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if dispatch.on_gpu() else 512)
         kv_dtype = params["final_norm"].dtype  # the model's compute dtype
         if cfg.kv_cache_dtype != "auto" and mc.family == "deepseek":
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
@@ -120,7 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len)
         self.runner = ModelRunner(
             self.family, mc, params,
-            get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None),
+            dispatch.get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
