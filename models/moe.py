@@ -126,30 +126,34 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
 # Largest gathered weight tensor ([rows, in, out]) one einsum may index: on the H200 the gathered
 # path's logits went wrong (max |dlogit| 3.17 against dense) at 64 tokens, where that tensor holds
 # 7.5e9 elements, past int32 indexing; at 1 token they matched. So larger gathers run in chunks.
-_MAX_GATHER_ELEMENTS = 2 ** 31 - 1
+MAX_GATHER_ELEMENTS = 2 ** 31 - 1
 
 
-def _gathered_matmul(rows, w, ids):
-    """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts."""
+def _gathered_matmul(rows, w, ids, max_elements: int):
+    """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts,
+    in chunks of rows whose gathered weights hold at most max_elements."""
     values = _values(w)
     per_row = values.shape[1] * values.shape[2]
-    chunk = max(1, _MAX_GATHER_ELEMENTS // per_row)
+    chunk = max(1, max_elements // per_row)
     if rows.shape[0] > chunk:
-        return jnp.concatenate([_gathered_matmul(rows[i:i + chunk], w, ids[i:i + chunk])
+        return jnp.concatenate([_gathered_matmul(rows[i:i + chunk], w, ids[i:i + chunk], max_elements)
                                 for i in range(0, rows.shape[0], chunk)])
     y = jnp.einsum("ri,rio->ro", rows, values[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
     return y * w.scales[ids].astype(jnp.float32) if isinstance(w, QuantizedWeight) else y
 
 
-def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
+def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act,
+                        max_gather_elements: int = MAX_GATHER_ELEMENTS):
     """Few (token, expert) pairs (decode): gather just the chosen experts' weights, so a step reads
-    T*k experts instead of all of them (XLA's ragged_dot pads every group to a dense contraction)."""
+    T*k experts instead of all of them (XLA's ragged_dot pads every group to a dense contraction).
+    max_gather_elements: the most weight elements one gather holds (MAX_GATHER_ELEMENTS)."""
     num_tokens, k = topk_ids.shape
     # The "no local expert" id (see expert_ffn) has weight 0: any expert's weights will do for it.
     flat_ids = jnp.minimum(topk_ids.reshape(-1), _num_experts(w_gate) - 1)  # [T*k]
     rows = jnp.repeat(x, k, axis=0)  # [T*k, E], row t*k + j is token t
-    hidden = (act(_gathered_matmul(rows, w_gate, flat_ids)) * _gathered_matmul(rows, w_up, flat_ids)).astype(x.dtype)
-    out_rows = _gathered_matmul(hidden, w_down, flat_ids) * topk_weights.reshape(-1, 1).astype(jnp.float32)
+    mm = lambda r, w: _gathered_matmul(r, w, flat_ids, max_gather_elements)
+    hidden = (act(mm(rows, w_gate)) * mm(rows, w_up)).astype(x.dtype)
+    out_rows = mm(hidden, w_down) * topk_weights.reshape(-1, 1).astype(jnp.float32)
     return out_rows.reshape(num_tokens, k, -1).sum(axis=1).astype(x.dtype)
 
 

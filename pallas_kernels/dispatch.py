@@ -103,19 +103,14 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     return paged_attention_pallas.paged_attention(q, k_cache, v_cache, layer, md, **kw)
 
 
-# Weight-only int8 stored K-major for XLA's dequantize-dot ("auto" on GPU): on the H200 the engine's
-# 8-row decode step of the Llama-3-8B shape took 2.97 ms/token against 3.78 with [in, out] weights
-# (bf16: 4.60; docs/BENCHMARKS.md), e.g. the fused gate/up matmul 32.5 vs 47.7 us. A switch, read
-# when the engine prepares its weights, so that benchmarks/decode_latency.py can compare both.
-KMAJOR_W8A16_FOR_XLA = True
-
-
 def kmajor_weight_types(matmul_impl: str) -> tuple:
     """The quantized weight types the engine stores K-major (quantization.transpose_to_kmajor) for
     its matmuls (never under a mesh: the sharding rules name the [in, out] layout): W8A8 weights
-    for the Pallas kernel on the Pallas path; weight-only int8 when XLA runs it on GPU and
-    KMAJOR_W8A16_FOR_XLA is on."""
+    for the Pallas kernel on the Pallas path; weight-only int8 when "auto" runs it on GPU, for XLA's
+    dequantize-dot and the one-row Pallas GEMV. On the H200 the engine's 8-row decode step of the
+    Llama-3-8B shape took 2.97 ms/token with K-major weights against 3.78 with [in, out] ones (bf16:
+    4.60; docs/BENCHMARKS.md), e.g. the fused gate/up matmul 32.5 vs 47.7 us."""
     kinds = (W8A8Weight,) if _use_pallas(matmul_impl) else ()
-    if matmul_impl == "auto" and on_gpu() and KMAJOR_W8A16_FOR_XLA:
+    if matmul_impl == "auto" and on_gpu():
         kinds += (QuantizedWeight,)
     return kinds

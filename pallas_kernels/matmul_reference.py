@@ -12,12 +12,10 @@ def matmul(x, w, out_dtype=None):
     """
     out_dtype = out_dtype or x.dtype
     if isinstance(w, (W8A8Weight, W8A8WeightT)):
-        # Per-token 8-bit activations (the weights' type: int8 or fp8 e4m3) times the 8-bit weights,
-        # int32 sums (exact) or float32 sums (fp8), both scales after.
+        # Per-token int8 activations times the int8 weights, int32 sums (exact), both scales after.
         values = w.values if isinstance(w, W8A8Weight) else jnp.swapaxes(w.values_t, -1, -2)
-        xq, x_scales = quantize_activations(x, values.dtype)
-        sums = jnp.int32 if values.dtype == jnp.int8 else jnp.float32
-        y = jnp.dot(xq, values, preferred_element_type=sums).astype(jnp.float32)
+        xq, x_scales = quantize_activations(x)
+        y = jnp.dot(xq, values, preferred_element_type=jnp.int32).astype(jnp.float32)
         return (y * x_scales * w.scales.astype(jnp.float32)).astype(out_dtype)
     if isinstance(w, (QuantizedWeight, QuantizedWeightT)):
         # Dequantize in the compute dtype; XLA fuses the scale multiply into the dot's epilogue.

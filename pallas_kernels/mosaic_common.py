@@ -1,4 +1,4 @@
-"""Pieces the Mosaic GPU kernels share (paged_attention_mosaic.py, w8a16_mosaic.py)."""
+"""Pieces of the Mosaic GPU kernels (paged_attention_mosaic.py) that are not attention-specific."""
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 

@@ -13,14 +13,13 @@ was found, and is withdrawn.
 
 Still on Pallas' Triton backend (deprecated in JAX 0.11, shipped and working in 0.10 and 0.11),
 each for a stated reason:
-- the W8A16 GEMV path (1-4 rows, matmul_pallas.py): a CUDA-core dot product. Mosaic GPU lowers
-  matrix products only as wgmma on 64-row tiles (it has no lowering for a register-level dot), so
-  a GEMV there is the transposed wgmma. jlight has one (w8a16_mosaic.py, 8-64 rows, since the ninth
-  session): alone it beats XLA's dequantize-dot, but not in the engine, so it is off by default.
-- the K-major W8A16 kernel (w8a16_kmajor_matmul; its GEMV path is the one-row default on GPU since
-  2026-12-01): a multiply-and-reduce along contiguous rows, which Mosaic GPU could express (TMA tiles,
-  elementwise ops and row reductions in registers); not ported. The Triton version already reads the
-  issue's 4096x14336 layer at 82% of copy in one launch.
+- the W8A16 GEMV paths (matmul_pallas.py: 1-4 rows on [in, out] weights, and the K-major GEMV that
+  is the one-row default on GPU): a CUDA-core multiply-and-reduce. Mosaic GPU lowers matrix products
+  only as wgmma on 64-row tiles (it has no lowering for a register-level dot); a K-major GEMV could be
+  written there (TMA tiles, elementwise ops and row reductions in registers) but is not ported. The
+  Triton version already reads a 4096x14336 layer at 82% of copy in one launch. A Mosaic GPU W8A16
+  kernel for 8-64 rows (the transposed wgmma) beat XLA's dequantize-dot alone but lost in the
+  engine, and was deleted (docs/BENCHMARKS.md keeps its figures).
 - paged attention in float32 (paged_attention_pallas.py): wgmma takes float32 only as tf32; not
   ported. Over int8 KV pools the Mosaic GPU kernel takes pages of 32 and 64 tokens (since
   2026-12-01's eighth session: 6-9% faster than Triton at decode, ~20% at prefill); pages of 8 and

@@ -77,10 +77,7 @@ SLOW_FILES_FIRST = (
     "test_grouped_matmul.py",  # ~55
     "test_fused_projections.py",  # ~51
     "test_mla.py",  # ~38
-    "test_fused_layer_probes.py",  # ~32
     "test_reference_llama.py",  # ~27
-    "test_w8a16_mosaic.py",  # ~27
-    "test_w8a16_mosaic_phases.py",  # ~23
     "test_sharding_distributed.py",  # ~23
     "test_gptq.py",  # ~22
     "test_smoothquant.py",  # ~21

@@ -12,7 +12,7 @@ from jlight.engine.async_engine import AsyncLLM
 @pytest.fixture(scope="module")
 def async_llm(tiny_model):
     llm = jlight.LLM(tiny_model("LlamaForCausalLM"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
-                     page_size=8, num_pages=128)
+                     page_size=8, num_pages=128, min_token_bucket=32)  # one compiled step
     a = AsyncLLM(llm)
     yield a
     a.shutdown()

@@ -215,7 +215,7 @@ def test_jlight_convert_dir_loads_like_any_model(tiny_model, tmp_path):
     out = str(tmp_path / "converted")
     convert(model_dir, out, dtype="float32", quantization=quantization)
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
-    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)  # as test_batch: shared compile cache
+    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, min_token_bucket=64)  # one compiled step
     params = jlight.SamplingParams(max_tokens=8, temperature=0.0)
     prompts = ["the quick brown fox", "Paris is the capital of", "1 2 3"]
     converted = jlight.api.LLM(out, **kwargs)
@@ -261,12 +261,14 @@ def test_gptq_calibrated_convert_keeps_the_int8_format(tiny_model, tmp_path):
         changed += int(np.sum(np.asarray(q.values) != np.asarray(rtn.values)))
     assert changed > 0  # GPTQ chose other values than round-to-nearest somewhere
 
-    llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                         min_token_bucket=64)  # one compiled step
     greedy = jlight.SamplingParams(max_tokens=6, temperature=0.0)
     got = llm.generate(["the quick brown fox"], greedy, use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
     # Asking for the mode the checkpoint already has runs it as stored; another mode is refused by name.
-    again = jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    again = jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                           min_token_bucket=64)  # one compiled step
     assert again.generate(["the quick brown fox"], greedy, use_tqdm=False)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="quantization='w8a8': the checkpoint's weights are already quantized as 'int8'"):
         jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
@@ -293,12 +295,14 @@ def test_smoothquant_calibrated_w8a8_convert(tiny_model, tmp_path):
     float_params = dict(params, layers={k: dequantize(v) if isinstance(v, W8A8Weight) else v for k, v in params["layers"].items()})
     want = prefill_logits(original, config, PROMPT)
     np.testing.assert_allclose(prefill_logits(float_params, config, PROMPT), want, atol=0.05 * np.abs(want).max())
-    llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    llm = jlight.api.LLM(out, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                         min_token_bucket=64)  # one compiled step
     greedy = jlight.SamplingParams(max_tokens=6, temperature=0.0)
     got = llm.generate(["the quick brown fox"], greedy, use_tqdm=False)
     assert len(got[0].outputs[0].token_ids) == 6
     # Asking for the mode the checkpoint already has runs it as stored; another mode is refused by name.
-    again = jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    again = jlight.api.LLM(out, quantization="w8a8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                           min_token_bucket=64)  # one compiled step
     assert again.generate(["the quick brown fox"], greedy, use_tqdm=False)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="quantization='int8': the checkpoint's weights are already quantized as 'w8a8'"):
         jlight.api.LLM(out, quantization="int8", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)

@@ -94,7 +94,8 @@ def test_engine_fuses_by_default_and_can_be_told_not_to(models):
     outputs = {}
     for fuse in (True, False):
         llm = jlight.LLM(path, dtype="float32", layer_loop="unroll", fuse_projections=fuse, max_num_seqs=4,
-                         max_num_batched_tokens=32, num_pages=32, compilation_cache_dir=None)
+                         max_num_batched_tokens=32, num_pages=32, compilation_cache_dir=None,
+                         min_token_bucket=32)  # one compiled step
         first_layer = llm.engine.runner.params["layers"][0]
         assert ("wqkv" in first_layer) == fuse and ("wq" in first_layer) != fuse
         outputs[fuse] = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids

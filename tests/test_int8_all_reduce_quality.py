@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.research  # a measurement: `python -m pytest -m research tests` (README)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_PATH = os.path.join(ROOT, "benchmarks", "data", "quant_quality_text.txt")
 

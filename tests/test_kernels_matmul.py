@@ -19,6 +19,7 @@ def _weights(rng, k, n):
     (1, 576, 192, jnp.float32),  # CUDA-core GEMV path
     (3, 256, 320, jnp.bfloat16),  # GEMV path, several rows
     (20, 128, 64, jnp.float32),  # tensor-core tile path, rows padded to the tile
+    (8, 256, 128, jnp.bfloat16),  # tensor-core tile path in bf16
 ])
 def test_w8a16_matches_dequantized_reference(m, k, n, dtype):
     rng = np.random.default_rng(m)
@@ -30,55 +31,9 @@ def test_w8a16_matches_dequantized_reference(m, k, n, dtype):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_w8a16_gemv_reduce_variants_agree(m):
-    """The 2-D accumulator (default) and reduce-every-step GEMV compute the same sums."""
-    rng = np.random.default_rng(20 + m)
-    w = quantize_int8(_weights(rng, 384, 96))
-    x = jnp.asarray(rng.standard_normal((m, 384)), jnp.float32)
-    late = matmul_pallas.w8a16_matmul(x, w, gemv=True)
-    early = matmul_pallas.w8a16_matmul(x, w, gemv=True, reduce_each_step=True)
-    magic = matmul_pallas.w8a16_matmul(x, w, gemv=True, magic_convert=False)  # the convert instruction (default: exponent bits)
-    want = np.asarray(x @ dequantize(w))
-    np.testing.assert_allclose(np.asarray(magic), want, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(late), want, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(early), want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("cfg", [dict(magic_convert=True), dict(magic_convert=False)])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_w8a16_tensor_core_conversions_agree(cfg, dtype):
-    """The tensor-core path's two int8 conversions (exponent bits, the convert instruction) agree."""
-    rng = np.random.default_rng(30)
-    w = quantize_int8(_weights(rng, 256, 128))
-    x = jnp.asarray(rng.standard_normal((8, 256)), dtype)
-    default = np.asarray(matmul_pallas.w8a16_matmul(x, w, gemv=False, out_dtype=jnp.float32))
-    got = np.asarray(matmul_pallas.w8a16_matmul(x, w, gemv=False, out_dtype=jnp.float32, **cfg))
-    np.testing.assert_allclose(got, default, atol=1e-4, rtol=1e-4)
-    want = np.asarray(x.astype(jnp.float32) @ dequantize(w))
-    np.testing.assert_allclose(got, want, atol=2e-2 if dtype == jnp.bfloat16 else 1e-4, rtol=1e-2)
-
-
-def test_matmul_takes_the_w8a16_options(monkeypatch):
-    """matmul() (the engine's path) passes W8A16_OPTIONS; gemv_max_rows picks the path."""
-    rng = np.random.default_rng(31)
-    w = quantize_int8(_weights(rng, 128, 64))
-    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
-    calls = []
-    real = matmul_pallas.w8a16_matmul
-    monkeypatch.setattr(matmul_pallas, "w8a16_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(matmul_pallas, "W8A16_OPTIONS", dict(gemv_max_rows=8, magic_convert=True))
-    got = matmul_pallas.matmul(x, w)
-    assert calls[-1]["gemv"] is True and calls[-1]["magic_convert"] is True
-    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(w)), atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(matmul_pallas, "W8A16_OPTIONS", {})
-    matmul_pallas.matmul(x, w)
-    assert calls[-1]["gemv"] is False  # 8 rows > _GEMV_MAX_ROWS
-
-
-def test_int8_to_f32_magic_conversion_is_exact():
+def test_int8_to_f32_by_exponent_bits_is_exact():
     v = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
-    np.testing.assert_array_equal(np.asarray(int8_to_f32(v, magic=True)), np.arange(-128, 128, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(int8_to_f32(v)), np.arange(-128, 128, dtype=np.float32))
 
 
 def test_w8a16_split_k_equals_one_pass():
@@ -92,17 +47,21 @@ def test_w8a16_split_k_equals_one_pass():
 
 @pytest.mark.parametrize("m", [1, 40])
 def test_w8a8_matches_reference_exactly_in_int32(m):
-    """Same int8 activations and weights: the int32 sums are exact, so only the final
-    float scaling can differ."""
+    """Same int8 activations and K-major weights (W8A8WeightT, the layout Hopper's 8-bit wgmma wants):
+    the int32 sums are exact, so only the final float scaling can differ from XLA's on either layout."""
     rng = np.random.default_rng(10 + m)
     w = W8A8Weight(*quantize_int8(_weights(rng, 256, 128)))
+    (w_t,) = transpose_to_kmajor([w])
+    assert type(w_t) is W8A8WeightT and w_t.values_t.shape == (128, 256)
     x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
-    got = np.asarray(matmul_pallas.w8a8_matmul(x, w))
-    want = np.asarray(matmul_reference.matmul(x, w))
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))  # four output tiles
+    np.testing.assert_allclose(got, np.asarray(matmul_reference.matmul(x, w)), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, np.asarray(matmul_reference.matmul(x, w_t)), atol=1e-5, rtol=1e-5)
     # and both stay close to the float product (int8 activation + weight error)
     exact = np.asarray(x @ dequantize(w))
     assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 2e-2
+    with pytest.raises(TypeError, match="K-major"):
+        matmul_pallas.w8a8_matmul(x, w)
 
 
 def test_matmul_keeps_leading_dims_and_plain_weights():
@@ -174,36 +133,22 @@ def test_quantize_params_rejects_bad_input():
         quantize_params(params, "int8", keep=("embed",))
 
 
-@pytest.mark.parametrize("m", [1, 40])
-def test_w8a8_kmajor_weights_give_the_same_sums(m):
-    """W^T stored [out, in] (W8A8WeightT, the layout Hopper's 8-bit wgmma wants) gives exactly the
-    [in, out] kernel's result, and XLA's on either layout."""
-    rng = np.random.default_rng(50 + m)
-    w = W8A8Weight(*quantize_int8(_weights(rng, 256, 128)))
-    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
-    (w_t,) = transpose_to_kmajor([w])
-    assert type(w_t) is W8A8WeightT and w_t.values_t.shape == (128, 256)
-    got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))
-    np.testing.assert_array_equal(got, np.asarray(matmul_pallas.w8a8_matmul(x, w, block_n=32)))
-    np.testing.assert_allclose(np.asarray(matmul_reference.matmul(x, w_t)), got, rtol=1e-6, atol=1e-6)
-
-
 def test_matmul_routes_kmajor_w8a8_by_rows(monkeypatch):
-    """Both GPU matmul choices send K-major W8A8 weights to the kernel from W8A8_PALLAS_MIN_ROWS rows
-    (leading dims flattened), to XLA below; everything else goes where it went before."""
+    """Both GPU matmul choices send K-major W8A8 weights to the kernel from W8A8_PALLAS_MIN_ROWS (64)
+    rows (leading dims flattened), to XLA below; everything else goes where it went before."""
     rng = np.random.default_rng(55)
     (w_t,) = transpose_to_kmajor([W8A8Weight(*quantize_int8(_weights(rng, 64, 32)))])
     calls = []
     real = matmul_pallas.w8a8_matmul
     monkeypatch.setattr(matmul_pallas, "w8a8_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    monkeypatch.setattr(matmul_pallas, "W8A8_PALLAS_MIN_ROWS", 6)
+    assert matmul_pallas.W8A8_PALLAS_MIN_ROWS == 64
     for fn in (matmul_pallas.matmul, matmul_pallas.matmul_gpu_default):
         calls.clear()
-        small = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
-        big = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+        small = jnp.asarray(rng.standard_normal((63, 64)), jnp.float32)
+        big = jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.float32)
         np.testing.assert_allclose(np.asarray(fn(small, w_t)), np.asarray(matmul_reference.matmul(small, w_t)), rtol=1e-6)
         got = fn(big, w_t)
-        assert got.shape == (2, 3, 32) and calls == [(6, 64)]
+        assert got.shape == (2, 32, 32) and calls == [(64, 64)]
         np.testing.assert_allclose(np.asarray(got), np.asarray(matmul_reference.matmul(big, w_t)), rtol=1e-6, atol=1e-6)
     q = quantize_int8(_weights(rng, 64, 32))  # W8A16 stays XLA's under "auto"
     np.testing.assert_array_equal(np.asarray(matmul_pallas.matmul_gpu_default(small, q)), np.asarray(matmul_reference.matmul(small, q)))
@@ -246,31 +191,15 @@ def test_w8a16_gemv_row_block_without_padding(m):
         np.testing.assert_allclose(got, np.asarray(x @ dequantize(w)), atol=1e-4, rtol=1e-4)
 
 
-def test_fp8_weights_run_the_same_kernel_with_float_sums():
-    """fp8 (e4m3) K-major weights: per-token e4m3 activations, float32 sums; close to the float product."""
-    rng = np.random.default_rng(57)
-    w = _weights(rng, 128, 64)
-    scales = jnp.max(jnp.abs(w), axis=0) / 448.0
-    w_t = W8A8WeightT((w / scales).T.astype(jnp.float8_e4m3fn), scales)
-    x = jnp.asarray(rng.standard_normal((20, 128)), jnp.float32)
-    got = np.asarray(matmul_pallas.w8a8_matmul(x, w_t, block_n=32))
-    exact = np.asarray(x @ w)
-    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 6e-2
-
-
 @pytest.mark.parametrize("m,k,n,cfg", [
-    (1, 256, 128, {}),  # batch-1 decode at the 1-token bucket
-    (3, 512, 192, dict(num_splits=2)),  # odd rows, split-K sums in XLA
-    (8, 256, 96, dict(block_n=32)),  # the engine's 8-token decode bucket
-    (16, 128, 64, dict(block_k=64, num_splits=1)),  # a full 16-row tile
-    (1, 512, 64, dict(gemv=True, block_n=16, block_k=128, num_splits=1)),  # the CUDA-core path
-    (2, 512, 96, dict(gemv=True, block_n=32, num_splits=2)),  # two rows, split-K
-    (1, 1024, 32, dict(gemv=True, block_n=16, block_k=512, reduce_each_step=True)),
-    (1, 8192, 64, dict(gemv=True)),  # default tiles, narrow and long: split-K
-    (1, 256, 8192, dict(gemv=True)),  # default tiles, wide: one pass
+    (1, 256, 128, {}),  # batch-1 decode at the 1-token bucket, default tiles
+    (1, 512, 64, dict(block_n=16, block_k=128, num_splits=1)),
+    (2, 512, 96, dict(block_n=32, num_splits=2)),  # two rows, split-K sums in XLA
+    (1, 8192, 64, {}),  # default tiles, narrow and long: split-K
+    (1, 256, 8192, {}),  # default tiles, wide: one pass
 ])
 def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
-    """The K-major W8A16 kernel reads rows past M as zeros and writes only the M rows asked for."""
+    """The K-major W8A16 GEMV computes every row asked for (one or two) and refuses more."""
     rng = np.random.default_rng(70 + m)
     w = quantize_int8(_weights(rng, k, n))
     (w_t,) = transpose_to_kmajor([w], kinds=(QuantizedWeight,))
@@ -280,33 +209,24 @@ def test_w8a16_kmajor_matches_dequantized_reference(m, k, n, cfg):
     want = np.asarray(x.astype(jnp.float32) @ dequantize(w))
     assert np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=2e-2)
-    with pytest.raises(ValueError, match="at most 2 rows" if cfg.get("gemv") else "at most 16 rows"):
-        matmul_pallas.w8a16_kmajor_matmul(jnp.zeros((3 if cfg.get("gemv") else 17, k), jnp.bfloat16), w_t, **cfg)
+    with pytest.raises(ValueError, match="at most 2 rows"):
+        matmul_pallas.w8a16_kmajor_matmul(jnp.zeros((3, k), jnp.bfloat16), w_t, **cfg)
 
 
 def test_matmul_routes_kmajor_w8a16_by_rows(monkeypatch):
     """matmul_impl="auto" on GPU sends K-major weight-only int8 to the Pallas GEMV for one-row 16-bit
-    steps, to its tensor-core path up to KMAJOR_PALLAS_MAX_ROWS rows (off by default), and to XLA's
-    dequantize-dot otherwise (more rows, float32, or both switches off)."""
+    steps, and to XLA's dequantize-dot otherwise (more rows, or float32)."""
     rng = np.random.default_rng(57)
     w = quantize_int8(_weights(rng, 64, 32))
     (w_t,) = transpose_to_kmajor([w], kinds=(QuantizedWeight,))
     calls = []
     real = matmul_pallas.w8a16_kmajor_matmul
-    monkeypatch.setattr(matmul_pallas, "w8a16_kmajor_matmul",
-                        lambda *a, **k: calls.append((a[0].shape, k["gemv"])) or real(*a, **k))
+    monkeypatch.setattr(matmul_pallas, "w8a16_kmajor_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     one = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)
     eight = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
     got = matmul_pallas.matmul_gpu_default(one, w_t)
-    matmul_pallas.matmul_gpu_default(eight, w_t)  # default: 8 rows stay XLA's
+    got_eight = matmul_pallas.matmul_gpu_default(eight, w_t)  # 8 rows stay XLA's
     matmul_pallas.matmul_gpu_default(one.astype(jnp.float32), w_t)
-    assert calls == [((1, 64), True)] and got.shape == (1, 1, 32)
+    assert calls == [(1, 64)] and got.shape == (1, 1, 32) and got_eight.shape == (2, 4, 32)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(matmul_reference.matmul(one, w, jnp.float32)),
-                               atol=3e-2, rtol=2e-2)
-    monkeypatch.setattr(matmul_pallas, "KMAJOR_PALLAS_MAX_ROWS", 16)
-    monkeypatch.setattr(matmul_pallas, "KMAJOR_GEMV_MAX_ROWS", 0)
-    got = matmul_pallas.matmul_gpu_default(eight, w_t)
-    matmul_pallas.matmul_gpu_default(jnp.asarray(rng.standard_normal((17, 64)), jnp.bfloat16), w_t)
-    assert calls[1:] == [((8, 64), False)] and got.shape == (2, 4, 32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(matmul_reference.matmul(eight, w, jnp.float32)),
                                atol=3e-2, rtol=2e-2)

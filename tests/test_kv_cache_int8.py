@@ -169,7 +169,7 @@ def test_engine_int8_kv_cache_tracks_float32_cache(model_dir):
     forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     results = {}
     for kv in ("auto", "int8"):
-        llm = _llm(model_dir, kv_cache_dtype=kv, attention_impl="reference")
+        llm = _llm(model_dir, kv_cache_dtype=kv, attention_impl="reference", min_token_bucket=64)  # one compiled step
         assert isinstance(llm.engine.runner.k_cache, QuantizedKV) == (kv == "int8")
         g = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         tf = [[next(iter(d)) for d in o.prompt_logprobs[1:]] for o in llm.generate(prompts, forced, use_tqdm=False)]
@@ -193,7 +193,7 @@ def test_engine_int8_pallas_equals_int8_reference(model_dir):
     out = {}
     for impl in ("reference", "pallas"):
         llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64,
-                         kv_cache_dtype="int8", attention_impl=impl)
+                         kv_cache_dtype="int8", attention_impl=impl, min_token_bucket=32)  # one compiled step
         out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert out["pallas"] == out["reference"]
 
@@ -267,7 +267,7 @@ params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 out = {{}}
 for mesh in (None, "tp=2"):
     llm = jlight.LLM(path, dtype="float32", mesh=mesh, max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=256,
-                     kv_cache_dtype="int8")
+                     kv_cache_dtype="int8", min_token_bucket=64)  # one compiled step
     out[str(mesh)] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
     k = llm.engine.runner.k_cache
     out[str(mesh) + " specs"] = [list(getattr(a.sharding, "spec", ())) for a in (k.values, k.scales)]

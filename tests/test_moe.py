@@ -47,7 +47,7 @@ def test_engine_batched_chunked_prefix_cached_greedy_matches_transformers(models
     prefix = [int(t) for t in np.random.default_rng(0).integers(3, 250, 32)]
     prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]]
     llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_pages=32,
-                         enable_prefix_caching=True, compilation_cache_dir=None)
+                         enable_prefix_caching=True, compilation_cache_dir=None, min_token_bucket=16)  # one compiled step
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
     second = llm.generate([prompts[1], prompts[0]], params, use_tqdm=False)
@@ -108,8 +108,9 @@ def test_gathered_experts_path_matches_dense_for_few_tokens():
                                np.asarray(dense_expert_ffn(x, ids, weights, *q, jax.nn.silu)), rtol=1e-4, atol=1e-4)
 
 
-def test_gathered_path_chunks_large_gathers(monkeypatch):
-    """Gathers past _MAX_GATHER_ELEMENTS (int32 indexing on the GPU) run in row chunks; same answers."""
+def test_gathered_path_chunks_large_gathers():
+    """Gathers past max_gather_elements (MAX_GATHER_ELEMENTS: int32 indexing on the GPU) run in row
+    chunks; same answers."""
     from jlight.models import moe
 
     kx, kw, kr = jax.random.split(jax.random.PRNGKey(2), 3)
@@ -117,8 +118,8 @@ def test_gathered_path_chunks_large_gathers(monkeypatch):
     x = jax.random.normal(kx, (5, 16))
     weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(kr, (5, 6))), 2)
     whole = np.asarray(moe.gathered_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
-    monkeypatch.setattr(moe, "_MAX_GATHER_ELEMENTS", 3 * w_gate.shape[1] * w_gate.shape[2])  # 3 rows per chunk
-    chunked = np.asarray(moe.gathered_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
+    chunked = np.asarray(moe.gathered_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu,
+                                                 max_gather_elements=3 * w_gate.shape[1] * w_gate.shape[2]))  # 3 rows a chunk
     np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
     dense = np.asarray(dense_expert_ffn(x, ids, weights, w_gate, w_up, w_down, jax.nn.silu))
     np.testing.assert_allclose(chunked, dense, rtol=1e-5, atol=1e-5)
@@ -145,7 +146,7 @@ def test_engine_moe_impl_option_keeps_greedy_tokens(models, moe_impl):
     path, hf_model = models["Qwen3MoeForCausalLM"]
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 250, 12)]
     llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, num_pages=16,
-                         moe_impl=moe_impl, compilation_cache_dir=None)
+                         moe_impl=moe_impl, compilation_cache_dir=None, min_token_bucket=16)  # one compiled step
     assert llm.engine.config.moe_impl == moe_impl
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 8)

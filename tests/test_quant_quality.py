@@ -36,6 +36,8 @@ import pytest
 
 from conftest import REPO_ROOT
 
+pytestmark = pytest.mark.research  # a measurement: `python -m pytest -m research tests` (README)
+
 NUM_TOKENS, SEGMENT_LEN = 2048, 1024
 AGREEMENT_MIN, PERPLEXITY_MAX_CHANGE = 0.97, 0.02
 

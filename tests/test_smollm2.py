@@ -22,7 +22,7 @@ OTHER_PROMPTS = [
     "Write a short poem about the sea. It should rhyme and mention the moon, the tide, and a lighthouse keeper "
     "who has lived alone on a rocky island for forty years, listening to the waves every night.",
 ]
-GREEDY_TOKENS = 64
+GREEDY_TOKENS = 32
 TOKENIZER_TEXTS = [
     "Hello, world! How are you today?",
     "naïve café — déjà vu; 日本語のテキスト; 한국어; emoji 😀👍🏽 and ZWJ 👩‍👩‍👧",

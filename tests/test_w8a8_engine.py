@@ -23,11 +23,12 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop
     kernel_rows = []
     real = matmul_pallas.w8a8_matmul
     monkeypatch.setattr(matmul_pallas, "w8a8_matmul", lambda x, *a, **k: kernel_rows.append(x.shape[0]) or real(x, *a, **k))
-    monkeypatch.setattr(matmul_pallas, "W8A8_PALLAS_MIN_ROWS", 1)  # the tiny steps take the kernel too
+    assert matmul_pallas.W8A8_PALLAS_MIN_ROWS == 64
     outputs = {}
     for impl in ("pallas", "reference"):
         llm = jlight.LLM(path, dtype="float32", quantization="w8a8", matmul_impl=impl, layer_loop=layer_loop, max_num_seqs=2,
-                         max_num_batched_tokens=16, num_pages=16, compilation_cache_dir=None)
+                         max_num_batched_tokens=64, num_pages=16, compilation_cache_dir=None,
+                         min_token_bucket=64)  # one compiled step, of the kernel's 64 rows (W8A8_PALLAS_MIN_ROWS)
         params = llm.engine.runner.params
         kmajor = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, W8A8WeightT))
                   if isinstance(leaf, W8A8WeightT)]
@@ -39,14 +40,15 @@ def test_w8a8_kmajor_engine_matches_xla_int8(tiny_model, monkeypatch, layer_loop
             assert params["lm_head"].values_t.dtype == jnp.int8
         outputs[impl] = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
         if impl == "pallas":
-            assert kernel_rows, "the Pallas W8A8 kernel was never called"
+            assert 64 in kernel_rows, "the Pallas W8A8 kernel was never called"
     assert outputs["pallas"] == outputs["reference"]
 
 
 def test_int8_weights_kmajor_for_xla_on_gpu(tiny_model, monkeypatch):
     """On GPU with matmul_impl "auto", weight-only int8 linear weights are stored [out, in]
-    (QuantizedWeightT) for XLA's dequantize-dot: same greedy tokens as the [in, out] weights. The GPU
-    is simulated by dispatch.on_gpu (attention stays on the reference, the weights on the CPU)."""
+    (QuantizedWeightT) for XLA's dequantize-dot: same greedy tokens as matmul_impl "reference" on the
+    [in, out] weights. The GPU is simulated by dispatch.on_gpu (attention stays on the reference, the
+    weights on the CPU)."""
     from jlight.pallas_kernels import dispatch
     from jlight.core.quantization import QuantizedWeightT
 
@@ -55,9 +57,10 @@ def test_int8_weights_kmajor_for_xla_on_gpu(tiny_model, monkeypatch):
     outputs = {}
     for kmajor in (True, False):
         monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-        monkeypatch.setattr(dispatch, "KMAJOR_W8A16_FOR_XLA", kmajor)
-        llm = jlight.LLM(path, dtype="float32", quantization="int8", matmul_impl="auto", attention_impl="reference",
-                         layer_loop="unroll", max_num_seqs=2, max_num_batched_tokens=16, num_pages=16, compilation_cache_dir=None)
+        llm = jlight.LLM(path, dtype="float32", quantization="int8", matmul_impl="auto" if kmajor else "reference",
+                         attention_impl="reference",
+                         layer_loop="unroll", max_num_seqs=2, max_num_batched_tokens=16, num_pages=16, compilation_cache_dir=None,
+                         min_token_bucket=16)  # one compiled step
         monkeypatch.undo()
         params = llm.engine.runner.params
         first = params["layers"][0]

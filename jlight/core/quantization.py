@@ -6,9 +6,7 @@ Two weight types share one layout (values int8 [..., in, out], scales [..., out]
   W8A8Weight: also quantizes the activations per token at run time and multiplies in
     int8 with int32 accumulation. It subclasses QuantizedWeight so code that only moves
     or shards weights (lax.scan slicing, sharding rules) treats both alike; matmuls tell
-    them apart with isinstance(w, W8A8Weight). The matmuls also take e4m3 (fp8) values
-    (float32 sums, e4m3 activations), which benchmarks/kernels.py times; no quantization mode
-    makes them (docs/BENCHMARKS.md: slower than bf16 on the H200 here).
+    them apart with isinstance(w, W8A8Weight).
 """
 from typing import NamedTuple
 
@@ -36,7 +34,7 @@ class W8A8WeightT(NamedTuple):
     The engine makes these from W8A8Weights when its matmuls run on the Pallas path
     (transpose_to_kmajor); checkpoints and sharding rules keep the [in, out] layout. Not a
     QuantizedWeight: code that reads `.values` as [in, out] must not take it for one."""
-    values_t: jax.Array  # [..., out, in] 8-bit
+    values_t: jax.Array  # [..., out, in] int8
     scales: jax.Array  # [..., out] float32
 
 
@@ -84,17 +82,10 @@ def quantize_int8(w: jax.Array) -> QuantizedWeight:
     return QuantizedWeight(values, scales)
 
 
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-def quantize_activations(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
-    """Per-token symmetric int8 (or fp8 e4m3 with dtype=jnp.float8_e4m3fn, scaled to its +-448):
-    x [..., in] -> (values [..., in], scales f32 [..., 1])."""
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token symmetric int8: x [..., in] -> (values int8 [..., in], scales f32 [..., 1])."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    if dtype == jnp.float8_e4m3fn:
-        scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        return (x32 / scales).astype(dtype), scales  # the cast rounds to nearest
     scales = jnp.where(amax > 0, amax / 127.0, 1.0)  # [..., 1]
     values = jnp.clip(jnp.round(x32 / scales), -127, 127).astype(jnp.int8)
     return values, scales
@@ -229,12 +220,10 @@ _INT8_MAGIC_BITS = 0x4B000000 + 128
 _INT8_MAGIC_VALUE = float(2 ** 23 + 128)
 
 
-def int8_to_f32(w, magic: bool):
-    """Exact int8 -> float32. `magic` uses an integer add and a float subtract (full-rate ALU
-    ops) instead of the int-to-float conversion instruction, which Hopper issues at 16 per
-    clock per SM, an eighth of its FMA rate: in a GEMV that converts every weight byte,
-    the conversion alone needs ~14 us for a 4096x14336 layer (~16 us of HBM reads)."""
-    if not magic:
-        return w.astype(jnp.float32)
+def int8_to_f32(w):
+    """Exact int8 -> float32 by an integer add and a float subtract (full-rate ALU ops) instead of
+    the int-to-float conversion instruction, which Hopper issues at 16 per clock per SM, an eighth
+    of its FMA rate: in a GEMV that converts every weight byte, the conversion alone needs ~14 us
+    for a 4096x14336 layer (~16 us of HBM reads)."""
     bits = w.astype(jnp.int32) + _INT8_MAGIC_BITS
     return jax.lax.bitcast_convert_type(bits, jnp.float32) - _INT8_MAGIC_VALUE
