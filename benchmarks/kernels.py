@@ -141,7 +141,7 @@ def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True, p
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
         w8 = W8A8Weight(*w)
-        for name, fn, weight in (("w8a16", matmul_pallas.w8a16_matmul, w), ("w8a8", matmul_pallas.w8a8_matmul, w8),
+        for name, fn, weight in (("w8a16", matmul_pallas.w8a16_matmul, w),
                                  ("w8a8 K-major", matmul_pallas.w8a8_matmul, transpose_to_kmajor([w8])[0])):
             got = fn(x, weight)
             want = matmul_reference.matmul(x.astype(jnp.float32), weight)
@@ -289,44 +289,31 @@ def _device_bf16_weights(key, k, n, sets):
 GEMV_VARIANTS = {
     # M=1 since the fifth session: no pad of x (row block = 1). A single kernel (split 1, narrow
     # tiles for enough programs) leaves no split-K sum kernel either, so the call is one launch.
-    1: {"pallas default (magic_convert)": {},
+    1: {"pallas default": {},
         "pallas bn128 split1": dict(block_n=128, num_splits=1), "pallas bn64 split1": dict(block_n=64, num_splits=1),
         "pallas bn32 split1": dict(block_n=32, num_splits=1), "pallas bn16 split1": dict(block_n=16, num_splits=1),
         "pallas bn64 split2": dict(block_n=64, num_splits=2), "pallas bn128 split2": dict(block_n=128, num_splits=2),
         "pallas bn32 split1 4 warps": dict(block_n=32, num_splits=1, num_warps=4)},
-    8: {"pallas default (tensor cores)": {}, "pallas magic_convert": dict(magic_convert=True)},
+    8: {"pallas default (tensor cores)": {}},
 }
 
 
-# The K-major W8A16 kernel (w8a16_kmajor_matmul, weights [N, K] as the engine stores them on GPU) at
-# both row counts: a first sweep of tiles (block_n, block_k), warps, stages and split-K.
-KMAJOR_VARIANTS = {
-    "pallas kmajor default": {},
-    "pallas kmajor bn64 bk256 split1": dict(block_n=64, block_k=256, num_splits=1),
-    "pallas kmajor bn32 bk256 split1": dict(block_n=32, block_k=256, num_splits=1),
-    "pallas kmajor bn32 bk512 split1": dict(block_n=32, block_k=512, num_splits=1),
-    "pallas kmajor bn16 bk512 split1": dict(block_n=16, block_k=512, num_splits=1),
-    "pallas kmajor bn128 bk128 split1 8 warps": dict(block_n=128, block_k=128, num_splits=1, num_warps=8),
-    "pallas kmajor bn64 bk512 3 stages": dict(block_n=64, block_k=512, num_stages=3),
-    "pallas kmajor bn64 bk128 6 stages": dict(block_n=64, block_k=128, num_stages=6),
-    "pallas kmajor bn128 bk256 8 warps": dict(block_n=128, block_k=256, num_warps=8),
-}
+# The K-major W8A16 kernel (w8a16_kmajor_matmul, weights [N, K] as the engine stores them on GPU; 1-2 rows).
+KMAJOR_VARIANTS = {}
 
-# The same kernel's CUDA-core path for one row (gemv=True): no 16-row tile, no split-K sum by default.
+# Its tile sweep (a CUDA-core GEMV: no 16-row tile, no split-K sum by default).
 KMAJOR_GEMV_VARIANTS = {
-    "pallas kmajor gemv default": dict(gemv=True),  # matmul_pallas._kmajor_gemv_tiles, from this sweep
-    "pallas kmajor gemv bn16 bk256": dict(gemv=True, block_n=16, block_k=256, num_splits=1),
-    "pallas kmajor gemv bn16 bk512": dict(gemv=True, block_n=16, block_k=512, num_splits=1),
-    "pallas kmajor gemv bn8 bk512": dict(gemv=True, block_n=8, block_k=512, num_splits=1),
-    "pallas kmajor gemv bn32 bk256": dict(gemv=True, block_n=32, block_k=256, num_splits=1),
-    "pallas kmajor gemv bn16 bk512 8 warps": dict(gemv=True, block_n=16, block_k=512, num_splits=1, num_warps=8),
-    "pallas kmajor gemv bn32 bk512 8 warps": dict(gemv=True, block_n=32, block_k=512, num_splits=1, num_warps=8),
-    "pallas kmajor gemv bn64 bk256 8 warps": dict(gemv=True, block_n=64, block_k=256, num_splits=1, num_warps=8),
-    "pallas kmajor gemv bn16 bk256 6 stages": dict(gemv=True, block_n=16, block_k=256, num_splits=1, num_stages=6),
-    "pallas kmajor gemv bn16 bk512 2 stages": dict(gemv=True, block_n=16, block_k=512, num_splits=1, num_stages=2),
-    "pallas kmajor gemv reduce-each-step bn16 bk1024": dict(gemv=True, block_n=16, block_k=1024, num_splits=1, reduce_each_step=True),
-    "pallas kmajor gemv reduce-each-step bn32 bk512": dict(gemv=True, block_n=32, block_k=512, num_splits=1, reduce_each_step=True),
-    "pallas kmajor gemv bn16 bk512 auto splits": dict(gemv=True, block_n=16, block_k=512),
+    "pallas kmajor gemv default": dict(),  # matmul_pallas._kmajor_gemv_tiles, from this sweep
+    "pallas kmajor gemv bn16 bk256": dict(block_n=16, block_k=256, num_splits=1),
+    "pallas kmajor gemv bn16 bk512": dict(block_n=16, block_k=512, num_splits=1),
+    "pallas kmajor gemv bn8 bk512": dict(block_n=8, block_k=512, num_splits=1),
+    "pallas kmajor gemv bn32 bk256": dict(block_n=32, block_k=256, num_splits=1),
+    "pallas kmajor gemv bn16 bk512 8 warps": dict(block_n=16, block_k=512, num_splits=1, num_warps=8),
+    "pallas kmajor gemv bn32 bk512 8 warps": dict(block_n=32, block_k=512, num_splits=1, num_warps=8),
+    "pallas kmajor gemv bn64 bk256 8 warps": dict(block_n=64, block_k=256, num_splits=1, num_warps=8),
+    "pallas kmajor gemv bn16 bk256 6 stages": dict(block_n=16, block_k=256, num_splits=1, num_stages=6),
+    "pallas kmajor gemv bn16 bk512 2 stages": dict(block_n=16, block_k=512, num_splits=1, num_stages=2),
+    "pallas kmajor gemv bn16 bk512 auto splits": dict(block_n=16, block_k=512),
 }
 
 
@@ -444,16 +431,11 @@ def bench_gemm(rng, quick, reps, trials, gemm_rows="4096"):
             "xla int8 weight-only, [in, out] weights": (matmul_reference.matmul, ws, BF16_RATE),
             "xla int8 weight-only, K-major weights": (matmul_reference.matmul, ws_t, BF16_RATE),
         }
-        if m >= 1024 and not quick:  # the best [in, out] config, and the K-major tile sweep of 2026-11-29
-            gemm["pallas w8a8 [in, out] 256x64x64 8 warps 3 stages"] = (
-                pallas(dict(block_m=256, block_k=64, num_stages=3, num_warps=8)), w8, INT8_RATE)
+        if m >= 1024 and not quick:  # the K-major tile sweep of 2026-11-29
             for cfg in (dict(block_n=128, num_warps=8), dict(block_n=256, num_warps=8), dict(block_m=256, num_warps=8),
                         dict(block_k=64, num_stages=4), dict(num_stages=4), dict(block_n=64)):
                 gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)
             gemm["xla fp8 e4m3 dot (per-token x, scaled after)"] = (fp8_dot, w_f8, FP8_RATE)
-            w_f8_t = [W8A8WeightT(jnp.asarray(v.T), sc) for v, sc in w_f8]
-            for cfg in (dict(), dict(block_n=256, num_warps=8)):
-                gemm[f"pallas fp8 e4m3 K-major {cfg or '(default tiles)'}"] = (pallas(cfg), w_f8_t, FP8_RATE)
         elif not quick:  # decode-sized steps: narrower tiles for more programs
             for cfg in (dict(block_n=64), dict(block_n=32), dict(block_n=64, num_stages=4)):
                 gemm[f"pallas w8a8 K-major {cfg}"] = (pallas(cfg), w8_t, INT8_RATE)
