@@ -25,7 +25,7 @@ from kernel_batches import random_batch  # noqa: E402
 from kernels import time_call  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
-from jlight.core.quantization import quantize_kv_pool, to_fp8_kv  # noqa: E402
+from jlight.core.quantization import to_fp8_kv  # noqa: E402
 
 SHAPES = ((1, 8192), (1, 32768), (1, 131072), (16, 4096), (16, 16384), (64, 4096), (256, 1024))
 

@@ -34,7 +34,7 @@ import harness  # noqa: E402
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
 from jlight.core.quantization import (  # noqa: E402
-    QuantizedWeight, W8A8Weight, W8A8WeightT, quantize_int8, quantize_kv_pool, transpose_to_kmajor)
+    QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv_pool, transpose_to_kmajor)
 
 COPY_BW = 3.70e12
 BF16_RATE = 645e12
