@@ -12,11 +12,13 @@ Invariants of the work list (`work_items`), all computed on the device from the 
 - Every step a block needs is covered by exactly one item; a block with no steps (an unused
   block, padding) has no item; items past the last used one are empty (first == last == 0,
   block 0) and nothing reads their output.
-- The chunk (steps per item) is one number for the whole step, the smallest that keeps the
-  item count within `num_items` and each block's within `max_items_per_block`, and at least
-  `min_steps`. So a long context spreads over as many programs as the grid offers, a short
-  one is not cut into items cheaper than their fixed cost, and ragged contexts get items of
-  equal size (no program waits on one long row).
+- The chunk (steps per item) is one number for the whole step: the smallest of the candidates
+  ceil(total steps / k), k = num_items down to num_items - blocks, that keeps the item count
+  within `num_items` and each block's within `max_items_per_block`, and at least `min_steps`.
+  So a long context spreads over as many programs as the grid offers, a short one is not cut
+  into items cheaper than their fixed cost, and the items are of nearly equal size whatever
+  the contexts: 16 rows of 256 steps on 33 items get two items of 128 steps each, not one of
+  241 and one of 15 (a grid whose long items run one program per SM).
 
 The cost rule sizes the grid from static shapes only (`num_work_items`): one wave of programs,
 PROGRAMS_PER_SM on every SM, even when one block holds all the work (batch 1); more items than
@@ -70,10 +72,13 @@ def work_items(step_begin, step_end, num_items: int, *, min_steps: int = 2, max_
     steps = jnp.maximum(step_end - step_begin, 0)  # [NB]
     used = steps > 0
     total = jnp.sum(steps)
-    free = num_items - jnp.sum(used)  # items beyond one per used block: sum(ceil(s / c)) <= total / c + used
-    chunk = jnp.maximum(-(-total // jnp.maximum(free, 1)), min_steps)
-    chunk = jnp.maximum(chunk, -(-jnp.max(steps) // max_per_block))
-    chunk = jnp.where(free > 0, chunk, jnp.maximum(jnp.max(steps), 1))  # no spare items: one item a block
+    # Candidate chunks, smallest first: total / k for k = num_items .. num_items - NB items. The last
+    # always fits: sum(ceil(s / c)) <= total / c + used <= num_items for k = num_items - used.
+    k = jnp.maximum(num_items - jnp.arange(num_blocks + 1, dtype=jnp.int32), 1)  # [NB + 1]
+    floor = jnp.maximum(min_steps, -(-jnp.max(steps) // max_per_block))
+    candidates = jnp.maximum(-(-total // k), floor)  # [NB + 1]
+    counts = jnp.sum(jnp.where(used[None, :], -(-steps[None, :] // candidates[:, None]), 0), axis=1)
+    chunk = jnp.min(jnp.where(counts <= num_items, candidates, jnp.maximum(jnp.max(steps), 1)))
     n = jnp.where(used, -(-steps // chunk), 0).astype(jnp.int32)  # [NB]
     cu = jnp.cumsum(n)  # inclusive
     first_item = (cu - n).astype(jnp.int32)
