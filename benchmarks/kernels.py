@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
-from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
+from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas, paged_prefill_mosaic  # noqa: E402
 from jlight.core.quantization import (  # noqa: E402
     QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv_pool, transpose_to_kmajor)
 
@@ -83,7 +83,8 @@ def rel_err(a, b):
 
 # ---------------------------------------------------------------- correctness
 
-ATTENTION_KERNELS = dict(triton=paged_attention_pallas.paged_attention, mosaic=paged_attention_mosaic.paged_attention)
+ATTENTION_KERNELS = dict(triton=paged_attention_pallas.paged_attention, mosaic=paged_attention_mosaic.paged_attention,
+                         prefill=paged_prefill_mosaic.paged_attention)
 
 
 def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None, impl="triton",
@@ -124,8 +125,10 @@ def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True, p
     rows = []
     for impl, page_size in ((impl, p) for impl in attention_impls for p in page_sizes):
         for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick):
-            if impl == "mosaic" and dtype != jnp.bfloat16:
+            if impl in ("mosaic", "prefill") and dtype != jnp.bfloat16:
                 continue  # wgmma takes 16-bit floats; float32 stays on the Triton kernel
+            if impl == "prefill" and (window is not None or t <= max(len(q_lens), 16)):
+                continue  # the prefill kernel takes prefill-shaped steps without a sliding window
             try:
                 err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl,
                                               page_size=page_size)
@@ -239,32 +242,53 @@ def bench_decode_attention(rng, quick, reps, trials, batch=64, page_size=16):
     return rows
 
 
+def prefill_shapes(quick):
+    """(name, q_lens, context_lens, tokens) of the prefill section: one fresh causal chunk of each size,
+    a 2048-token chunk over 14k tokens of earlier context, and a mixed step (a chunk beside 255 decode
+    rows of 1k context each)."""
+    if quick:
+        return [("chunk T=64", [64], [64], 64)]
+    return [(f"chunk T={n}", [n], [n], n) for n in (2048, 4096, 16384)] + [
+        ("chunk T=2048 over 14336", [2048], [16384], 2048),
+        ("mixed: 1793-token chunk + 255 decode rows at 1k", [1793] + [1] * 255, [1793] + [1024] * 255, 2048)]
+
+
 def bench_prefill_attention(rng, quick, reps, trials):
-    tokens, num_heads, num_kv_heads, head_dim, page_size = (4096, 32, 8, 128, 16) if not quick else (64, 8, 2, 64, 16)
-    num_pages = tokens // page_size + 1
-    md = random_batch(rng, [tokens], [tokens], page_size=page_size, num_pages=num_pages)
-    shape = (1, num_pages, page_size, num_kv_heads, head_dim)
-    key_k, key_v = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))))
-    k = jax.random.normal(key_k, shape, jnp.bfloat16)  # on the device: host draws of 0.5 GB were slow
-    v = jax.random.normal(key_v, shape, jnp.bfloat16)
-    qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
-    flops = 4 * (tokens * (tokens + 1) / 2) * num_heads * head_dim  # causal QK^T and PV
+    """Prefill attention's rate (useful causal FLOPs over device time), Llama-3-8B heads (32 / 8, d = 128):
+    the Triton kernel, the decode kernel's prefill blocks and the warp-specialized prefill kernel."""
+    num_heads, num_kv_heads, head_dim, page_size = (32, 8, 128, 16) if not quick else (8, 2, 64, 16)
     scale = head_dim ** -0.5
     rows = []
-    variants = {"xla reference": lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)}
-    for cfg in ([dict()] if quick else [dict()]):
-        variants[f"pallas {cfg or 'default'}"] = (
-            lambda q, cfg=cfg: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
-    for cfg in ([dict()] if quick else [dict(), dict(num_stages=3), dict(kv_per_step=128)]):
-        variants[f"mosaic {cfg or 'default'}"] = (
-            lambda q, cfg=cfg: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
-    for name, attn in variants.items():
-        try:
-            t = time_call(jax.jit(lambda qs, attn=attn: [attn(q) for q in qs]), (qs,), reps, trials)
-            rows.append(dict(kernel=f"prefill attention T={tokens}", impl=name, seconds=t, flops=flops, rate=flops / t))
-        except Exception as e:
-            traceback.print_exc()
-            rows.append(dict(kernel="prefill attention", impl=name, error=repr(e)[:300]))
+    for case, q_lens, ctx_lens, tokens in prefill_shapes(quick):
+        num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
+        md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=tokens)
+        shape = (1, num_pages, page_size, num_kv_heads, head_dim)
+        key_k, key_v = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))))
+        k = jax.random.normal(key_k, shape, jnp.bfloat16)  # on the device: host draws of 0.5 GB were slow
+        v = jax.random.normal(key_v, shape, jnp.bfloat16)
+        qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
+        # causal QK^T and PV over each row's context: a new token at position p sees p + 1 positions
+        flops = sum(4 * (c * (c + 1) - (c - n) * (c - n + 1)) / 2 * num_heads * head_dim for n, c in zip(q_lens, ctx_lens))
+        variants = {"triton": lambda q: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale),
+                    "mosaic prefill blocks": lambda q: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)}
+        for cfg in ([dict()] if quick else [dict(), dict(kv_per_step=64)]):
+            variants[f"prefill kernel {cfg or 'default'}"] = (
+                lambda q, cfg=cfg: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
+        if tokens <= 4096:
+            variants["xla reference"] = lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)
+        want = None
+        for name, attn in variants.items():
+            try:
+                fn = jax.jit(lambda qs, attn=attn: [attn(q) for q in qs])
+                t = time_call(fn, (qs,), reps, trials)
+                got = np.asarray(fn(qs)[0][:sum(q_lens)], np.float32)
+                want = got if want is None else want
+                rows.append(dict(kernel=f"prefill attention {case}", impl=name, seconds=t, flops=flops, rate=flops / t,
+                                 rel_err_vs_triton=rel_err(got, want)))
+            except Exception as e:
+                traceback.print_exc()
+                rows.append(dict(kernel=f"prefill attention {case}", impl=name, error=repr(e)[:300]))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "flops"}), flush=True)
     return rows
 
 
@@ -515,7 +539,7 @@ def main(argv=None):
     parser.add_argument("--out", default=".", help="folder for kernels.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--check-impls", default="triton,mosaic", help="attention kernels to check (of triton, mosaic)")
+    parser.add_argument("--check-impls", default="triton,mosaic,prefill", help="attention kernels to check (of triton, mosaic, prefill)")
     parser.add_argument("--skip-matmul-checks", action="store_true")
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
@@ -557,7 +581,8 @@ def main(argv=None):
         return [row for p in page_sizes for b in args.decode_batches.split(",")
                 for row in bench_decode_attention(rng, quick, reps, trials, int(b), p)]
 
-    large_pool = functools.partial(bench_large_pool, pool=args.pool, impls=tuple(filter(None, args.check_impls.split(","))))
+    large_pool = functools.partial(bench_large_pool, pool=args.pool,  # decode steps: no prefill kernel
+                                     impls=tuple(i for i in args.check_impls.split(",") if i and i != "prefill"))
     sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm, large_pool=large_pool)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)

@@ -288,9 +288,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     num_rows, max_pages = md.page_table.shape
     group = num_heads // num_kv_heads
-    # One token a block (no query gather, no output gather) for decode buckets and for small steps
-    # such as a batch-1 decode padded to 8 tokens, where a row's extra tokens re-read few pages.
-    block_q = 1 if num_tokens <= max(num_rows, _ONE_TOKEN_BLOCKS_UP_TO) else _ROWS // group
+    block_q = _ROWS // group if uses_prefill_blocks(num_tokens, num_rows) else 1
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
     pages_per_step = max(1, kv_per_step // page_size)
     kv_per_step = pages_per_step * page_size
@@ -313,7 +311,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     # The products' dtype: q's, but float16 over fp8 pools (Mosaic GPU converts e4m3 to float16 in
     # registers, exactly, and to bfloat16 only through float32).
     dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
-    q_rows = _query_rows(q, num_kv_heads, block_q, start, end).astype(dtype)  # [blocks, KVH, io_rows, D]
+    q_rows = query_rows(q, num_kv_heads, block_q, start, end).astype(dtype)  # [blocks, KVH, io_rows, D]
     io_rows = q_rows.shape[2]
     positions = jnp.pad(md.positions, (0, 1))  # the extra entry keeps an unused block's read in range when T = 0
     parts = [row, start, end, positions]
@@ -400,19 +398,27 @@ def _block_steps(positions, start, end, page_size: int, pages_per_step: int, sli
     return step_begin.astype(jnp.int32), step_end.astype(jnp.int32)
 
 
-def _query_rows(q, num_kv_heads: int, block_q: int, start, end):
+def uses_prefill_blocks(num_tokens: int, num_rows: int) -> bool:
+    """Whether a step of num_tokens tokens over num_rows rows runs prefill blocks (several tokens of a
+    row a block) rather than one token a block: decode buckets and small steps, such as a batch-1
+    decode padded to 8 tokens, where a row's extra tokens re-read few pages, run one token a block
+    (no query gather, no output gather)."""
+    return num_tokens > max(num_rows, _ONE_TOKEN_BLOCKS_UP_TO)
+
+
+def query_rows(q, num_kv_heads: int, block_q: int, start, end, rows: int = _ROWS):
     """Every block's query rows per KV head: [blocks, KVH, rows, head_dim].
 
     TMA into the tiled shared-memory tile takes whole 8-row tiles. A decode block (one token)
     holds that token's `group` query heads padded to a multiple of 8 rows: for group 8 this is
-    q itself, reshaped. A prefill block holds 64 // group tokens x group heads, gathered into a
-    64-row tile."""
+    q itself, reshaped. A prefill block holds block_q tokens x group heads, gathered into a
+    tile of `rows` rows (token-major)."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     if block_q == 1:
         return jnp.pad(q4, ((0, 0), (0, 0), (0, -group % 8), (0, 0)))
-    r = jnp.arange(_ROWS)
-    token = start[:, None] + r[None, :] // group  # [blocks, 64]
+    r = jnp.arange(rows)
+    token = start[:, None] + r[None, :] // group  # [blocks, rows]
     token = jnp.where(token < end[:, None], token, 0)  # rows past the block: any in-range row (masked)
     return q4[token[:, None, :], jnp.arange(num_kv_heads)[None, :, None], (r % group)[None, None, :]]

@@ -1,0 +1,293 @@
+"""Prefill attention over paged K/V on Mosaic GPU, warp-specialized (FlashAttention-3's schedule).
+
+Same contract as attention_reference.paged_attention, for steps that the Mosaic GPU attention cuts
+into prefill blocks (more tokens than rows and than 16; `takes`). A program takes one query block
+of up to 128 // group consecutive tokens of one row and one KV head with its `group` query heads:
+128 query rows (token-major: row = token * group + head) in three warpgroups:
+- two compute warpgroups, 64 rows each: S = Q K^T (wgmma), online softmax in registers,
+  O += P V (wgmma, P from registers), the output normalised and written by TMA;
+- a memory warpgroup that streams the block's K and V steps (`kv_per_step` positions, one TMA
+  copy per page and KV head) into `num_stages` shared-memory slots, refilling a slot once both
+  compute warpgroups have released it (the consumed barriers).
+A schedule barrier between the compute warpgroups makes one's softmax run while the other's
+matmuls use the tensor cores (ping-pong).
+
+Causality: a warpgroup computes the steps up to its last row's position; steps wholly at or below
+its first row's position run without a mask. Steps past its last row (its rows end earlier than
+the block's) it does not compute but still waits for and releases, passing the schedule barrier
+twice each as a computing step does, so both warpgroups pass every barrier equally often. A warpgroup without
+rows (a short block's second half, a decode row in a mixed step) computes nothing; an unused block
+does nothing. Rows past a block's tokens are computed on real positions and never read.
+
+Invariants the wrapper establishes: the K/V steps of a block start at position 0 (no sliding
+window: `takes` sends those to paged_attention_mosaic), the page table is padded to whole steps
+(padding points at scratch page 0), the kernel's integer inputs do not depend on the layer, and
+the output holds every real token's rows ([blocks, KVH, 128, D], gathered to [T, H, D]).
+
+Shared memory: Q/O tiles 2 x 64 x D, K and V slots num_stages x kv_per_step x D each: 160 KB for
+bf16, D = 128, two stages of 128 positions; one program per SM.
+
+CPU tests run it in Mosaic GPU's interpret mode, which runs the three warpgroups, the TMA copies
+and every barrier, but not wgmma on a transposed or a register operand: there the products are
+plain dots on the same tiles (`interpreting`), and the CUDA lowering of the wgmma path is checked
+separately (tests/test_mosaic_attention.py).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
+from jlight.core.quantization import QuantizedKV
+from jlight.pallas_kernels import pallas_mode
+from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
+from jlight.pallas_kernels.paged_attention_mosaic import PAGE_SIZES, query_rows, uses_prefill_blocks
+
+_MASKED = -1e30
+_WG_ROWS = 64  # query rows of one compute warpgroup: one wgmma tile
+_ROWS = 2 * _WG_ROWS  # query rows of a program
+_LOG2E = math.log2(math.e)
+
+
+def takes(q, k_cache, md: BatchMetadata, sliding_window) -> bool:
+    """Whether this kernel runs the step: a prefill-shaped step (paged_attention_mosaic's prefill
+    blocks) over 16-bit pools of q's dtype, head_dim 64 or 128, no sliding window."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or isinstance(k_cache, QuantizedKV):
+        return False
+    if not hasattr(k_cache, "dtype") or k_cache.dtype != q.dtype or sliding_window is not None:
+        return False
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[3], k_cache.shape[2]
+    return (uses_prefill_blocks(num_tokens, md.page_table.shape[0]) and head_dim in (64, 128)
+            and page_size in PAGE_SIZES and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS)
+
+
+def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_smem, q_bar, k_bar, v_bar,
+            k_free, v_free, schedule, *, num_blocks, table_base, table_width, group, page_size, pages_per_step,
+            num_stages, scale, interpreting):
+    # Blocks in reverse: unused blocks (the last ones) exit first, then a row's later blocks, which see
+    # the most positions, start before its earlier ones (the longest programs first: a shorter tail).
+    block = num_blocks - 1 - lax.axis_index("block")
+    head, wg = lax.axis_index("head"), lax.axis_index("wg")
+    kv_per_step = pages_per_step * page_size
+    page_offset = layer_ref[0]  # the layer's first page in the [layers * pages] view of the pool
+    # meta (built in the wrapper): row, start, end of every block, the positions, the page table.
+    row, start, end = meta_ref[block], meta_ref[num_blocks + block], meta_ref[2 * num_blocks + block]
+    num_tokens = end - start  # 0 for an unused block
+    first_pos = meta_ref[3 * num_blocks + start]
+    block_rows = num_tokens * group
+
+    def wg_steps(w):
+        """Warpgroup w's rows as (first row, real rows) and its K/V steps: (unmasked, computed)."""
+        r0 = w * _WG_ROWS
+        rows = jnp.clip(block_rows - r0, 0, _WG_ROWS)
+        first_tok, last_tok = lax.div(r0, group), lax.div(r0 + rows - 1, group)
+        computed = jnp.where(rows > 0, lax.div(first_pos + last_tok + kv_per_step, kv_per_step), 0)
+        unmasked = jnp.minimum(lax.div(first_pos + first_tok + 1, kv_per_step), computed)
+        return r0, rows, unmasked, computed
+
+    num_steps = jnp.maximum(wg_steps(0)[3], wg_steps(1)[3])  # the block's steps: its last row's
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(num_tokens > 0)
+    def _():
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(step, slot, pool_ref, slots, bar):  # TMA the step's pages of this KV head into the slot
+                for i in range(pages_per_step):
+                    page = page_offset + meta_ref[table_base + row * table_width + step * pages_per_step + i]
+                    plgpu.copy_gmem_to_smem(pool_ref.at[page, :, head], slots.at[slot, pl.ds(i * page_size, page_size)],
+                                            bar.at[slot])
+
+            def body(step, _):
+                slot = lax.rem(step, num_stages)
+                refill = step >= num_stages
+
+                @pl.when(refill)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                issue(step, slot, k_ref, k_smem, k_bar)
+
+                @pl.when(refill)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                issue(step, slot, v_ref, v_smem, v_bar)
+            lax.fori_loop(0, num_steps, body, None)
+
+            def drain(step, _):  # the last releases: every phase of a barrier that a thread waits on is waited
+                plgpu.barrier_wait(k_free.at[lax.rem(step, num_stages)])
+                plgpu.barrier_wait(v_free.at[lax.rem(step, num_stages)])
+            lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, None)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            r0, rows, unmasked, computed = wg_steps(wg)
+            q_smem = qo_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[block, head, pl.ds(r0, _WG_ROWS)], q_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            if interpreting:  # the interpreter has no register layouts
+                iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)
+                tile, row_vec = lambda x: x, lambda x: x
+            else:
+                iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+                tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
+                row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
+            shape = (_WG_ROWS, kv_per_step)
+
+            @pl.when(computed > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            def release(slot_free, slot):
+                if interpreting:
+                    # The interpreter's dots read the slot through the generic proxy and the TMA that
+                    # refills it writes through the async proxy: ordered only across a proxy fence. On
+                    # the GPU both are async-proxy accesses, ordered by the wgmma waits.
+                    plgpu.commit_smem()
+                plgpu.barrier_arrive(slot_free.at[slot])
+
+            def step_body(step, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(step, num_stages)
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                if interpreting:
+                    s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+                    schedule_barrier()
+                else:
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                        schedule_barrier()
+                        return acc_ref[...]  # reading the accumulator waits for the wgmma
+                    s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                release(k_free, slot)
+                s = s * (scale * _LOG2E)  # log2 units: exp2 is the hardware's exponential
+                if masked:
+                    r, c = iota(shape, 0), iota(shape, 1)
+                    row_pos = first_pos + lax.div(r0 + r, group)
+                    ok = (step * kv_per_step + c <= row_pos) & (r < rows)
+                    s = jnp.where(ok, s, _MASKED)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
+                alpha = jnp.exp2(m - m_new)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(q_smem.dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(schedule)  # the other warpgroup's matmuls are issued: the tensor cores are free
+
+                def wait_next_k():
+                    @pl.when(step + 1 < computed)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(step + 1, num_stages)])
+                if interpreting:
+                    acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+                    wait_next_k()
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_tile)
+                        wait_next_k()  # while the wgmma runs
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                release(v_free, slot)
+                return acc, m_new, l
+
+            def skipped(step, _):  # a step past this warpgroup's rows: its slots waited for and released
+                slot = lax.rem(step, num_stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                schedule_barrier()
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                schedule_barrier()
+
+            head_dim = q_smem.shape[-1]
+            carry = (tile(jnp.zeros((_WG_ROWS, head_dim), jnp.float32)),
+                     row_vec(jnp.full((_WG_ROWS,), _MASKED, jnp.float32)),
+                     row_vec(jnp.zeros((_WG_ROWS,), jnp.float32)))
+            pl.when(wg == 1)(schedule_barrier)  # warpgroup 0 leads
+            carry = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), carry)
+            carry = lax.fori_loop(unmasked, computed, functools.partial(step_body, masked=True), carry)
+            lax.fori_loop(computed, num_steps, skipped, None)
+            pl.when(wg == 0)(schedule_barrier)
+            acc, _, l = carry
+
+            @pl.when(rows > 0)
+            def _():
+                q_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(q_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[block, head, pl.ds(r0, _WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "kv_per_step", "num_stages"))
+def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
+                    interpret: bool | None = None, kv_per_step: int = 128, num_stages: int = 2):
+    """Same contract as attention_reference.paged_attention, for the inputs `takes` accepts."""
+    if not takes(q, k_cache, md, sliding_window):
+        raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} with pools "
+                         f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}, sliding_window="
+                         f"{sliding_window} and {md.page_table.shape[0]} rows; use paged_attention_mosaic")
+    if kv_per_step % 64 or kv_per_step > 256 or kv_per_step % k_cache.shape[2]:
+        raise ValueError(f"kv_per_step={kv_per_step} must be 64, 128, 192 or 256 and a multiple of the page size")
+    interpreting = pallas_mode.resolve(interpret)
+    num_tokens, num_heads, head_dim = q.shape
+    num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_rows, max_pages = md.page_table.shape
+    group = num_heads // num_kv_heads
+    block_q = _ROWS // group  # tokens of a block
+    num_blocks = -(-num_tokens // block_q) + num_rows  # each row may end in a partial block
+    pages_per_step = kv_per_step // page_size
+    num_steps = -(-max_pages // pages_per_step)
+    table = jnp.pad(md.page_table, ((0, 0), (0, num_steps * pages_per_step - max_pages)))
+    layer_offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
+    pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
+    row, start, end = query_blocks(md.query_start, num_blocks, block_q)
+    q_rows = query_rows(q, num_kv_heads, block_q, start, end, rows=_ROWS)  # [blocks, KVH, 128, D]
+    positions = jnp.pad(md.positions, (0, 1))  # keeps an unused block's read in range when T = 0
+    meta = jnp.concatenate([row, start, end, positions, table.reshape(-1)])  # one aligned array (see the decode kernel)
+
+    kv_tile = (num_stages, kv_per_step, head_dim)
+    scratch = [
+        swizzled_smem((2, _WG_ROWS, head_dim), q.dtype),  # each compute warpgroup's query tile, then its output
+        swizzled_smem(kv_tile, q.dtype),  # K slots
+        swizzled_smem(kv_tile, q.dtype),  # V slots
+        plgpu.Barrier(num_barriers=2),  # a warpgroup's query copied
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's K pages copied
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's V pages copied
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a K slot released by both warpgroups
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a V slot released by both warpgroups
+        plgpu.Barrier(num_arrivals=2),  # the schedule barrier
+    ]
+    kernel = functools.partial(
+        _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
+        group=group, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
+        interpreting=interpreting)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, _ROWS, head_dim), q.dtype),
+        scratch_types=scratch,
+        grid=(num_blocks, num_kv_heads),
+        grid_names=("block", "head"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params() if interpreting else None,
+    )(meta, layer_offset, q_rows, *pools)
+
+    # token t is rows (t - start) * group + [0, group) of its block
+    token_block, token_offset = token_blocks(md, num_tokens, num_blocks, block_q)
+    out = out[:, :, :block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
+    out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
+    is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
+    return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))

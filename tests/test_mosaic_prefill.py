@@ -1,0 +1,96 @@
+"""The warp-specialized Mosaic GPU prefill attention (pallas_kernels/paged_prefill_mosaic.py) on the CPU.
+
+As for the decode kernel (tests/test_mosaic_attention.py): Mosaic GPU's interpret mode runs the three
+warpgroups, the TMA copies and every barrier against the XLA reference on fresh random inputs (its
+buffers start as NaN, so a row the kernel forgets to write fails), its race detector checks the
+slot protocol between the memory and the compute warpgroups, and the wgmma path is lowered for CUDA
+at the H200's shapes. The cases cover a block split across both compute warpgroups and one that
+fills only the first, decode rows and empty rows in a mixed step, causal masks that cross K/V steps
+and pages, a chunk over earlier context, GQA groups that do not divide the 128 rows, padding tokens.
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernel_batches import check_attention_output, random_batch, reference_attention
+from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic
+
+S = jax.ShapeDtypeStruct
+
+# (name, group, head_dim, q_lens, context_lens, num_tokens incl. padding, page_size, kv_heads)
+CASES = [
+    # 32-token blocks: a chunk over 260 earlier positions, a decode row, a 20-token prompt; 4 padding tokens
+    ("mixed_gqa4", 4, 64, [40, 1, 20], [300, 65, 20], 64, 16, 1),
+    # 128-token blocks of one head: a block whose rows span both warpgroups and steps of 8 pages of 16
+    ("mha_two_warpgroups", 1, 128, [150, 1], [150, 300], 160, 16, 1),
+    # SmolLM2's 9/3 heads (group 3: 42 tokens, 126 of 128 rows), pages of 32, an empty row, two KV heads
+    ("gqa3_pages32", 3, 64, [50, 0, 7], [50, 0, 130], 64, 32, 2),
+]
+
+
+def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, num_layers=2):
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 4
+    md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
+    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.bfloat16)
+    return q, k, v, md
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case):
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads = case
+    q, k, v, md = _inputs(np.random.default_rng(sum(map(ord, name))), group, head_dim, q_lens, ctx_lens, num_tokens,
+                          page_size, kv_heads)
+    assert paged_prefill_mosaic.takes(q, k, md, None)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, scale=head_dim ** -0.5)
+    got = paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=head_dim ** -0.5)
+    check_attention_output(got, want, md, jnp.bfloat16)
+
+
+def test_no_races_between_the_warpgroups(monkeypatch):
+    """The interpreter's race detector over the K/V slots that the memory warpgroup refills once both
+    compute warpgroups have released them (three steps through two slots)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
+
+    monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
+    q, k, v, md = _inputs(np.random.default_rng(5), 4, 64, [40, 1], [300, 1], 48, 16, 1, num_layers=1)
+    jax.block_until_ready(paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=0.125, interpret=True))
+    assert not interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize("page_size,head_dim,group", [(16, 128, 4), (64, 128, 4), (8, 128, 1), (16, 64, 3)])
+def test_cuda_lowering_at_h200_shapes(page_size, head_dim, group):
+    """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
+    q_lens, ctx_lens, num_tokens = [256, 1], [3000, 700], 264
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
+    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
+                      num_tokens=num_tokens)
+    pool = S((2, num_pages, page_size, 8, head_dim), jnp.bfloat16)
+    fn = lambda q, k, v, md: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088, interpret=False)
+    text = jax.jit(fn).trace(S((num_tokens, 8 * group, head_dim), jnp.bfloat16), pool, pool, md).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_takes_prefill_steps_and_dispatch_routes_them(monkeypatch):
+    rng = np.random.default_rng(2)
+    prefill = _inputs(rng, 4, 64, [40, 1], [300, 1], 48, 16, 2)
+    decode = _inputs(rng, 4, 64, [1, 1], [300, 1], 8, 16, 2)  # one token a block: the decode kernel
+    q, k, _, md = prefill
+    assert paged_prefill_mosaic.takes(q, k, md, None)
+    assert not paged_prefill_mosaic.takes(q, k, md, 64)  # sliding windows: the decode kernel's prefill blocks
+    assert not paged_prefill_mosaic.takes(q, k.astype(jnp.float8_e4m3fn), md, None)  # fp8 pages likewise
+    assert not paged_prefill_mosaic.takes(q.astype(jnp.float32), k.astype(jnp.float32), md, None)
+    assert not paged_prefill_mosaic.takes(*decode[:2], decode[3], None)
+    with pytest.raises(ValueError, match="paged_attention_mosaic"):
+        paged_prefill_mosaic.paged_attention(*decode[:3], jnp.int32(0), decode[3], scale=0.1)
+    calls = []
+    monkeypatch.setattr(paged_prefill_mosaic, "paged_attention", lambda *a, **kw: calls.append("prefill"))
+    monkeypatch.setattr(paged_attention_mosaic, "paged_attention", lambda *a, **kw: calls.append("mosaic"))
+    for q_, k_, v_, md_ in (prefill, decode):
+        dispatch.mosaic_or_triton_attention(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=None)
+    dispatch.mosaic_or_triton_attention(*prefill[:3], jnp.int32(0), prefill[3], scale=0.125, sliding_window=64)
+    assert calls == ["prefill", "mosaic", "mosaic"]
