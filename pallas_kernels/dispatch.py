@@ -94,8 +94,8 @@ PALLAS_ATTENTION = "mosaic"
 def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     """The Mosaic GPU kernels where they take the inputs, else the Triton kernel (float32, int8 pools
     with pages of 8 or 16, other sizes): prefill-shaped steps over 16-bit pools without a sliding
-    window run the warp-specialized prefill kernel (paged_prefill_mosaic.takes; a 4096-token causal
-    chunk on the H200 at ... TFLOP/s against the decode kernel's prefill blocks' ...), every other
+    window run the warp-specialized prefill kernel (paged_prefill_mosaic.takes; on the H200 a 4096-token
+    causal chunk at 486 TFLOP/s against the decode kernel's prefill blocks' 299, docs/BENCHMARKS.md), every other
     step the Mosaic GPU attention (paged_attention_mosaic.supports: 16-bit floats, head_dim 64/128,
     pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64; fp8 pools)."""
     # GPU kernel modules load only when chosen.
