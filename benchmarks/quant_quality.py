@@ -15,6 +15,7 @@ segments of --segment-len tokens; each segment is one request, prefilled in chun
     python benchmarks/quant_quality.py                  # the whole text, the table in Markdown
     python benchmarks/quant_quality.py --max-tokens 1024 --json out.json
     python benchmarks/quant_quality.py --configs "int8 weights (W8A16)" "int8 weights, lm_head bf16"
+    python benchmarks/quant_quality.py --kv-rounding   # each KV cache format's error on the cached K/V
 
 The "lm_head bf16" rows quantize the weights here, with quantize_params(..., keep=("lm_head",)),
 and hand the engine those params with quantization=None (the engine has no option for `keep`);
@@ -198,6 +199,38 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kv_rounding_errors(ids: list[int], model_dir: str, gguf_name: str) -> dict:
+    """How far each KV cache format moves the cached K and V: transformers' float32 SmolLM2 (the same GGUF)
+    over `ids`, its K/V of every layer stored in each of jlight's formats (jlight.core.quantization) and read
+    back; the mean over layers and K/V of ||stored - x|| / ||x||. "fp8, per-head amax scale" divides each
+    (layer, KV head) by amax / 448 first: what a calibrated fp8 scale could at best gain."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jlight.core.quantization import dequantize_kv_pool, quantize_kv_pool, to_fp8_kv
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    formats = {
+        "bfloat16": lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
+        "int8, per token and head (kv_cache_dtype='int8')": lambda x: dequantize_kv_pool(quantize_kv_pool(x)),
+        "fp8 e4m3, scale 1 (kv_cache_dtype='fp8')": lambda x: to_fp8_kv(x).astype(jnp.float32),
+        "fp8 e4m3, per-head amax scale": lambda x: (lambda s: to_fp8_kv(x / s).astype(jnp.float32) * s)(
+            jnp.max(jnp.abs(x), axis=(0, 1, 3), keepdims=True) / 448),
+    }
+    errors = {name: [] for name in formats}
+    for k, v in pairs:
+        for t in (k, v):
+            x = jnp.asarray(t.numpy()[0].transpose(1, 0, 2)[None])  # [1, T, kv_heads, head_dim]: one page of T tokens
+            for name, fmt in formats.items():
+                errors[name].append(float(jnp.linalg.norm(fmt(x) - x) / jnp.linalg.norm(x)))
+    return {name: float(np.mean(e)) for name, e in errors.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF, fetched into $JLIGHT_CACHE)")
@@ -207,7 +240,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--configs", nargs="+", default=None, metavar="NAME",
                    help="run only these configurations (bfloat16, the baseline, always runs): " + "; ".join(n for n, _ in CONFIGS[1:]))
+    p.add_argument("--kv-rounding", action="store_true",
+                   help="instead: each KV cache format's relative error on the text's first --segment-len tokens' K/V")
     args = p.parse_args(argv)
+    if args.kv_rounding:
+        from jlight.loading import default_model, load_model
+
+        path = default_model.default_gguf_path() if args.model is None else args.model
+        ids = segments_of(text_token_ids(load_model(args.model, dtype="float32").tokenizer), args.segment_len)[0]
+        for name, err in kv_rounding_errors(ids, os.path.dirname(path), os.path.basename(path)).items():
+            print(f"{name}: mean relative error of the cached K/V {err:.4f}")
+        return 0
     configs = CONFIGS
     if args.configs:
         unknown = [n for n in args.configs if n not in dict(CONFIGS)]
