@@ -21,7 +21,8 @@ def inputs(**overrides):
         frequency_penalty=np.zeros(B, np.float32), seed=np.arange(B, dtype=np.uint32), token_index=np.zeros(B, np.int32),
         banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32),
         bias_values=np.zeros((B, sampler.NUM_BIAS), np.float32), use_penalties=np.bool_(True), use_filters=np.bool_(True),
-        want_logprobs=np.bool_(False), use_guide=np.bool_(False))
+        want_logprobs=np.bool_(False), use_guide=np.bool_(False), draft_tokens=np.full(B, -1, np.int32),
+        use_drafts=np.bool_(False))
     base.update(overrides)
     return sampler.SamplingInputs(**base)
 
@@ -79,7 +80,7 @@ def test_greedy_bias_and_banned_tokens():
     bias_ids[1, 0], bias_vals[1, 0] = 7, 100.0
     s = inputs(temperature=np.zeros(B, np.float32), banned_ids=banned, bias_ids=bias_ids, bias_values=bias_vals,
                use_penalties=np.bool_(False), use_filters=np.bool_(False))
-    toks, _, _, _ = sample(jnp.asarray(logits), s)
+    toks, _, _, _, _ = sample(jnp.asarray(logits), s)
     toks = np.asarray(toks)
     assert toks[0] == np.argsort(-logits[0])[1]  # the top token is banned: the runner-up wins
     assert toks[1] == 7

@@ -31,8 +31,8 @@ def awkward_step_inputs(T, B, max_pages=5, seed=0):
     md = BatchMetadata(ints(T), ints(T), ints(T), ints(B, max_pages), ints(B), ints(B + 1), ints(B))
     s = sampler.SamplingInputs(floats(B), ints(B), floats(B), floats(B), floats(B), floats(B), floats(B), seed_col, ints(B),
                                ints(B, sampler.NUM_BANNED), ints(B, sampler.NUM_BIAS), floats(B, sampler.NUM_BIAS),
-                               np.bool_(True), np.bool_(False), np.bool_(True), np.bool_(False))
-    return StepInputs(ints(T), ints(T), md, s, ints(B), ints(B), ints(B), ints(T), np.bool_(False))
+                               np.bool_(True), np.bool_(False), np.bool_(True), np.bool_(False), ints(B), np.bool_(True))
+    return StepInputs(ints(T), ints(T), md, s, ints(B), ints(B), ints(B), ints(B), ints(T), np.bool_(False))
 
 
 @pytest.mark.parametrize("tree", [
@@ -87,5 +87,5 @@ def test_warmup_packs_to_the_layouts_serving_uses(tiny_model):
         engine.run_to_completion()
     assert sorted(served) == runner.buckets
     for T in runner.buckets:
-        warm = _pad_to_bucket(real_prepare(SchedulePlan([], []), {})[0], T, min(T, runner.max_num_seqs), runner)
+        warm = _pad_to_bucket(real_prepare(SchedulePlan([], []), {})[0], T, min(T, runner.max_num_seqs), runner.num_samples(T), runner)
         assert served[T] == {step_packing.pack(warm)[2]}, f"bucket {T}"

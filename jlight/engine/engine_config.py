@@ -5,6 +5,7 @@ import dataclasses
 import os
 
 from jlight.core.moe_impls import MOE_IMPLS
+from jlight.engine.speculative import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -52,6 +53,9 @@ class EngineConfig:
     # 1.46x slower at tp=4 (114.2 vs 78.2 ms; Llama-3-70B shape, docs/BENCHMARKS.md), compiling 7x longer.
     collective_matmul: bool = False
     int8_all_reduce: bool = False
+    # Speculative decoding (jlight/engine/speculative.py), vLLM's speculative_config: e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}. None: off.
+    speculative_config: dict | None = None
     seed: int = 0
     warmup: bool = True
     compilation_cache_dir: str | None = dataclasses.field(
@@ -85,4 +89,9 @@ class EngineConfig:
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         return self
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)

@@ -19,7 +19,7 @@ import numpy as np
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
-from jlight.engine import output_processor
+from jlight.engine import output_processor, speculative
 from jlight.engine.block_manager import BlockManager, page_hash
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
@@ -49,6 +49,12 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_steps: int
+    # Speculative decoding (vLLM's counters): rows that verified drafts, drafts proposed, drafts kept,
+    # and drafts kept at each draft position (index 0: the first draft of a row).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple = ()
 
 
 @dataclasses.dataclass
@@ -117,14 +123,16 @@ class LLMEngine:
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len)
+        spec = cfg.speculative
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec)
+        draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
         self.runner = ModelRunner(
             self.family, mc, params,
             dispatch.get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
-            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words)
+            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words, draft_slots=draft_slots)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
         self._free_slots = list(range(cfg.max_num_seqs))
@@ -134,6 +142,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self.spec_counts = dict(drafts=0, draft_tokens=0, accepted=0)
+        self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
         # includes waiting for the device to finish the previous step.
         self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
@@ -273,7 +283,10 @@ class LLMEngine:
             num_pages_total=bm.num_pages - 1, num_pages_used=bm.num_used_pages,
             prefix_cache_query_tokens=bm.prefix_query_tokens, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps)
+            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps,
+            spec_num_drafts=self.spec_counts["drafts"], spec_num_draft_tokens=self.spec_counts["draft_tokens"],
+            spec_num_accepted_tokens=self.spec_counts["accepted"],
+            spec_accepted_per_position=tuple(self.spec_accepted_per_position))
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -326,6 +339,7 @@ class LLMEngine:
     def _process(self, launched) -> list[RequestOutput]:
         plan, out, want_lp, want_plp = launched
         tokens = np.asarray(out.tokens)  # waits for the step; the next one is already queued
+        accepted = np.asarray(out.accepted) if any(r.drafts for r in plan.rows) else None
         lp = top_ids = top_lps = None
         if want_lp:
             lp, top_ids, top_lps = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
@@ -333,29 +347,26 @@ class LLMEngine:
             output_processor.record_prompt_logprobs(plan, out)
         now = time.time()
         touched: dict[str, Request] = {}
-        t = 0
-        for row, r in enumerate(plan.rows):
+        j = 0  # the row's first sampled position
+        for r in plan.rows:
             seq = r.seq
-            t += r.num_tokens
             if not r.samples:
                 self._register_full_pages(seq)
                 continue
+            first, j = j, j + len(r.drafts) + 1
             seq.num_pending_tokens -= 1
             if seq.finished or seq.seq_id not in self._seq_request:
                 continue  # aborted, or finished by an earlier token: this one was a wasted step
-            token = int(tokens[row])
-            # A token the grammar refuses is not kept: grammar_accepts finished the sequence with "error".
-            if seq.matcher is None or output_processor.grammar_accepts(seq, token):
-                seq.output_token_ids.append(token)
-                self.generation_tokens_total += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if want_lp and seq.params.logprobs is not None:
-                    seq.logprobs.append(output_processor.logprob_dict(token, lp[row], top_ids[row], top_lps[row], seq.params.logprobs))
-                    seq.cumulative_logprob += float(lp[row])
-                output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
-                if seq.matcher is not None and seq.finish_reason is None and seq.matcher.is_stopped():
-                    output_processor.finish_grammar(seq)
+            new_tokens = [int(tokens[first])]
+            if r.drafts:
+                new_tokens = speculative.kept_tokens(r.drafts, tokens[first:j], accepted[first:j])
+                self._count_drafts(len(r.drafts), len(new_tokens) - 1)
+                # The K/V past the kept drafts are the rejected drafts': not part of the sequence.
+                seq.num_computed_tokens = r.start + len(new_tokens)
+            for i, token in enumerate(new_tokens):
+                if seq.finish_reason is not None:
+                    break
+                self._append(seq, token, first + i, lp, top_ids, top_lps, want_lp, now)
             self._register_full_pages(seq)
             if seq.finish_reason is not None:
                 self._finish(seq)
@@ -371,6 +382,30 @@ class LLMEngine:
                 for s in req.seqs:
                     self._seq_request.pop(s.seq_id, None)
         return outputs
+
+    def _append(self, seq: Sequence, token: int, position: int, lp, top_ids, top_lps, want_lp: bool, now: float) -> None:
+        """One sampled token (of sampled position `position`) into its sequence: text, logprobs, finish."""
+        # A token the grammar refuses is not kept: grammar_accepts finished the sequence with "error".
+        if seq.matcher is not None and not output_processor.grammar_accepts(seq, token):
+            return
+        seq.output_token_ids.append(token)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if want_lp and seq.params.logprobs is not None:
+            seq.logprobs.append(output_processor.logprob_dict(token, lp[position], top_ids[position], top_lps[position],
+                                                              seq.params.logprobs))
+            seq.cumulative_logprob += float(lp[position])
+        output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
+        if seq.matcher is not None and seq.finish_reason is None and seq.matcher.is_stopped():
+            output_processor.finish_grammar(seq)
+
+    def _count_drafts(self, num_drafts: int, num_kept: int) -> None:
+        self.spec_counts["drafts"] += 1
+        self.spec_counts["draft_tokens"] += num_drafts
+        self.spec_counts["accepted"] += num_kept
+        for i in range(num_kept):
+            self.spec_accepted_per_position[i] += 1
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Publish pages that are now full and whose tokens the host knows (prefix caching)."""

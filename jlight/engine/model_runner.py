@@ -6,6 +6,12 @@ returns only the sampled ids (plus logprobs when asked). Decode tokens sampled b
 previous step never visit the host: the step reads them from the previous step's output
 (`from_prev`), so the host can launch step N+1 before it has seen step N's tokens.
 The step's host inputs travel packed in two buffers (step_packing.py says why).
+
+Rows and sampled positions: a row is one sequence's tokens in the step ([B] arrays: the page
+table, the context lengths); a sampled position is a token whose logits the step samples from
+([S] arrays: the sampling parameters, the draft each position verifies, the sampled tokens).
+A row samples at its last token, or, verifying k drafts (speculative.py), at each of its k + 1
+tokens; S is B plus room for the drafts of the rows the engine speculates for (`draft_slots`).
 """
 from __future__ import annotations
 
@@ -28,20 +34,22 @@ logger = logging.getLogger(__name__)
 class StepInputs(NamedTuple):
     tokens: jax.Array  # [T] int32 (ignored where from_prev >= 0)
     from_prev: jax.Array  # [T] int32 row of the previous step's sample to use as the token, or -1
-    md: BatchMetadata
-    sampling: sampler.SamplingInputs
-    history_slot: jax.Array  # [B] int32 row of the token-history buffer (the dummy row if unused)
-    prompt_len: jax.Array  # [B] int32
-    history_len: jax.Array  # [B] int32 tokens known before this step's sample
+    md: BatchMetadata  # its logits_indices are [S]: the flat token of each sampled position
+    sampling: sampler.SamplingInputs  # [S]
+    history_slot: jax.Array  # [S] int32 row of the token-history buffer (the dummy row if unused)
+    prompt_len: jax.Array  # [S] int32
+    history_len: jax.Array  # [S] int32 tokens known before this position's sample
+    row_sample: jax.Array  # [B] int32 each row's last sampled position (its token for from_prev)
     next_token: jax.Array  # [T] int32 the following prompt token (prompt logprobs), -1 if none
     want_prompt_logprobs: jax.Array  # [] bool
 
 
 class StepOutputs(NamedTuple):
-    tokens: jax.Array  # [B]
-    logprob: jax.Array  # [B]
-    top_ids: jax.Array  # [B, N]
-    top_logprobs: jax.Array  # [B, N]
+    tokens: jax.Array  # [S]
+    logprob: jax.Array  # [S]
+    top_ids: jax.Array  # [S, N]
+    top_logprobs: jax.Array  # [S, N]
+    accepted: jax.Array  # [S] bool, the position kept the draft it verified
     prompt_logprob: jax.Array  # [T]
     prompt_top_ids: jax.Array  # [T, N]
     prompt_top_logprobs: jax.Array  # [T, N]
@@ -80,8 +88,10 @@ def matmul_precision(compute_dtype) -> str | None:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1):
+                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1, draft_slots=0):
+        """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts."""
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
+        self.draft_slots = draft_slots
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -99,7 +109,7 @@ class ModelRunner:
         # rows pass this bucket's all-ones mask, made once here on the device (under a data-parallel
         # replica's default device), so they copy nothing; a step with constrained rows passes its own.
         self.guide_mask_words = guide_mask_words
-        self._no_guide = {min(T, max_num_seqs): jnp.full((min(T, max_num_seqs), guide_mask_words), -1, jnp.int32)
+        self._no_guide = {self.num_samples(T): jnp.full((self.num_samples(T), guide_mask_words), -1, jnp.int32)
                           for T in self.buckets}
         # Under a mesh both kinds of mask are replicated over it (a host array would be another jit cache
         # key than the committed all-ones one: a compile at the first constrained step).
@@ -132,7 +142,7 @@ class ModelRunner:
         tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
         (hidden, logits), k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
         hist = (history[inp.history_slot], inp.prompt_len, inp.history_len)
-        toks, lp, top_ids, top_lps = sampler.sample(logits, inp.sampling, history=hist, guide_mask=guide_mask)
+        toks, lp, top_ids, top_lps, accepted = sampler.sample(logits, inp.sampling, history=hist, guide_mask=guide_mask)
         history = history.at[inp.history_slot, inp.history_len].set(toks)
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
 
@@ -146,10 +156,15 @@ class ModelRunner:
 
         none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32), jnp.zeros((num_tokens, n), jnp.float32))
         p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)
-        sampled_full = jnp.zeros((self.max_num_seqs,), jnp.int32).at[: toks.shape[0]].set(toks)
-        return k_cache, v_cache, history, sampled_full, StepOutputs(toks, lp, top_ids, top_lps, p_lp, p_ids, p_vals)
+        row_tokens = toks[inp.row_sample]  # [B]
+        sampled_full = jnp.zeros((self.max_num_seqs,), jnp.int32).at[: row_tokens.shape[0]].set(row_tokens)
+        return k_cache, v_cache, history, sampled_full, StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals)
 
     # ---- host side ----------------------------------------------------------------------
+    def num_samples(self, T: int) -> int:
+        """Sampled positions of the T-token bucket: one a row (B = min(T, max_num_seqs)) and the draft slots."""
+        return min(T, min(T, self.max_num_seqs) + self.draft_slots)
+
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
             if b >= num_tokens:
@@ -164,11 +179,11 @@ class ModelRunner:
     def prepare(self, plan: SchedulePlan, slots: dict[int, int], fill_masks=None) -> tuple[StepInputs, np.ndarray | None]:
         """Build the step's host arrays. `slots` maps seq_id -> history slot (penalty users only).
 
-        Returns them with the step's allowed-token bitmask when a sampling row has a grammar matcher
-        (`fill_masks([(matcher, row), ...], bitmask)` writes their rows), else None."""
+        Returns them with the step's allowed-token bitmask when a sampled position has a grammar matcher
+        (`fill_masks([(matcher, position), ...], bitmask)` writes their rows), else None."""
         num_tokens = plan.num_tokens
         T = self.bucket_for(max(num_tokens, 1))
-        B = min(T, self.max_num_seqs)
+        B, S = min(T, self.max_num_seqs), self.num_samples(T)
         tokens = np.zeros(T, np.int32)
         from_prev = np.full(T, -1, np.int32)
         positions = np.zeros(T, np.int32)
@@ -178,26 +193,12 @@ class ModelRunner:
         page_table = np.zeros((B, self.max_pages_per_seq), np.int32)
         context_lens = np.zeros(B, np.int32)
         query_start = np.full(B + 1, num_tokens, np.int32)
-        logits_indices = np.zeros(B, np.int32)
-        temperature = np.zeros(B, np.float32)
-        top_k = np.zeros(B, np.int32)
-        top_p = np.ones(B, np.float32)
-        min_p = np.zeros(B, np.float32)
-        rep = np.ones(B, np.float32)
-        presence = np.zeros(B, np.float32)
-        frequency = np.zeros(B, np.float32)
-        seed = np.zeros(B, np.uint32)
-        token_index = np.zeros(B, np.int32)
-        banned = np.full((B, sampler.NUM_BANNED), -1, np.int32)
-        bias_ids = np.full((B, sampler.NUM_BIAS), -1, np.int32)
-        bias_vals = np.zeros((B, sampler.NUM_BIAS), np.float32)
-        history_slot = np.full(B, self.history_dummy_slot, np.int32)
-        prompt_len = np.zeros(B, np.int32)
-        history_len = np.zeros(B, np.int32)
-        use_pen = use_filt = want_lp = want_plp = False
-        guided = []  # (matcher, row) of the rows whose next token is held to a grammar
+        row_sample = np.zeros(B, np.int32)
+        sp = _SampledPositions(S, self.history_dummy_slot)
+        want_plp = False
+        guided = []  # (matcher, position) of the positions whose token is held to a grammar
 
-        t = 0
+        t = j = 0
         ps = self.page_size
         for row, r in enumerate(plan.rows):
             seq, n, start = r.seq, r.num_tokens, r.start
@@ -205,7 +206,11 @@ class ModelRunner:
             end = start + n
             pos = np.arange(start, end, dtype=np.int32)
             positions[t:t + n] = pos
-            if end <= num_known:
+            if r.drafts:  # its last known token, then the drafts it verifies
+                assert start == num_known - 1 and n == 1 + len(r.drafts)
+                tokens[t] = seq.token_slice(start, start + 1)[0]
+                tokens[t + 1:t + n] = r.drafts
+            elif end <= num_known:
                 tokens[t:t + n] = seq.token_slice(start, end)
             else:  # the last token was sampled by the previous step and is still on device
                 assert end == num_known + 1 and seq.last_row is not None and n == 1
@@ -216,52 +221,34 @@ class ModelRunner:
             page_table[row, : len(pages)] = pages
             context_lens[row] = end
             query_start[row] = t
-            logits_indices[row] = t + n - 1
             p = seq.params
             if p.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
                 want_plp = True
                 nxt = seq.prompt_token_ids[start + 1:min(end + 1, len(seq.prompt_token_ids))]
                 next_token[t:t + len(nxt)] = nxt
             if r.samples:
-                temperature[row] = p.temperature
-                top_k[row] = min(p.top_k, self.config.vocab_size) if p.top_k > 0 else 0
-                top_p[row] = p.top_p
-                min_p[row] = p.min_p
-                rep[row], presence[row], frequency[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-                use_filt |= (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and p.temperature > 0
-                seed[row] = seq.seed & 0xFFFFFFFF
-                token_index[row] = seq.num_output_tokens
-                if seq.num_output_tokens < p.min_tokens:
-                    ban = list(seq.eos_ids_for_min_tokens)[: sampler.NUM_BANNED]
-                    banned[row, : len(ban)] = ban
-                if p.logit_bias:
-                    items = list(p.logit_bias.items())[: sampler.NUM_BIAS]
-                    bias_ids[row, : len(items)] = [int(k) for k, _ in items]
-                    bias_vals[row, : len(items)] = [float(v) for _, v in items]
-                want_lp |= p.logprobs is not None
+                first = t + n - 1 - len(r.drafts)  # the row's first sampled token
+                for i in range(len(r.drafts) + 1):
+                    sp.fill(j + i, first + i, seq, self.config.vocab_size, slots, draft=r.drafts[i] if i < len(r.drafts) else -1,
+                            index_offset=i)
                 if seq.matcher is not None:
-                    guided.append((seq.matcher, row))
-                if seq.seq_id in slots:
-                    use_pen = True
-                    history_slot[row] = slots[seq.seq_id]
-                    prompt_len[row] = len(seq.prompt_token_ids)
-                    history_len[row] = seq.num_tokens
+                    guided.append((seq.matcher, j))
+                j += len(r.drafts) + 1
+                row_sample[row] = j - 1
             t += n
         query_start[len(plan.rows):] = t
-        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, logits_indices)
-        s = sampler.SamplingInputs(temperature, top_k, top_p, min_p, rep, presence, frequency, seed, token_index,
-                                   banned, bias_ids, bias_vals, np.bool_(use_pen), np.bool_(use_filt), np.bool_(want_lp),
-                                   np.bool_(bool(guided)))
-        inp = StepInputs(tokens, from_prev, md, s, history_slot, prompt_len, history_len, next_token, np.bool_(want_plp))
+        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, sp.logits_indices)
+        inp = StepInputs(tokens, from_prev, md, sp.sampling_inputs(bool(guided)), sp.history_slot, sp.prompt_len,
+                         sp.history_len, row_sample, next_token, np.bool_(want_plp))
         guide_mask = None
         if guided:
-            guide_mask = np.full((B, self.guide_mask_words), -1, np.int32)  # unconstrained rows: every token
+            guide_mask = np.full((S, self.guide_mask_words), -1, np.int32)  # unconstrained positions: every token
             fill_masks(guided, guide_mask)
         return inp, guide_mask
 
     def unconstrained_mask(self, inp: StepInputs):
         """The device-resident all-ones mask of inp's bucket: what a step without constrained rows takes."""
-        return self._no_guide[inp.md.context_lens.shape[0]]
+        return self._no_guide[inp.md.logits_indices.shape[0]]
 
     def launch(self, inp: StepInputs, guide_mask: np.ndarray | None = None) -> StepOutputs:
         """Dispatch one step (returns at once; outputs are device arrays)."""
@@ -285,7 +272,7 @@ class ModelRunner:
         # key. So the first bucket runs once more, on step outputs (a cache hit when nothing differs).
         for i, T in enumerate(order + order[:1]):
             inp, _ = self.prepare(empty, {})
-            inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self)
+            inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), self)
             out = self.launch(inp)
             jax.block_until_ready(out.tokens)
             if progress is not None and i < len(order):
@@ -295,20 +282,83 @@ class ModelRunner:
         return time.perf_counter() - t0
 
 
-def _pad_to_bucket(inp: StepInputs, T: int, B: int, runner: ModelRunner) -> StepInputs:
-    """An all-padding batch of exactly T tokens and B rows (for warm-up). Its leaves have the shapes
-    and dtypes of `prepare`'s for the bucket, so it packs to the same layout: the same compiled step."""
+class _SampledPositions:
+    """The [S] arrays of a step's sampled positions, filled one position at a time by `prepare`."""
+
+    def __init__(self, S: int, dummy_slot: int):
+        self.logits_indices = np.zeros(S, np.int32)
+        self.temperature = np.zeros(S, np.float32)
+        self.top_k = np.zeros(S, np.int32)
+        self.top_p = np.ones(S, np.float32)
+        self.min_p = np.zeros(S, np.float32)
+        self.rep = np.ones(S, np.float32)
+        self.presence = np.zeros(S, np.float32)
+        self.frequency = np.zeros(S, np.float32)
+        self.seed = np.zeros(S, np.uint32)
+        self.token_index = np.zeros(S, np.int32)
+        self.banned = np.full((S, sampler.NUM_BANNED), -1, np.int32)
+        self.bias_ids = np.full((S, sampler.NUM_BIAS), -1, np.int32)
+        self.bias_vals = np.zeros((S, sampler.NUM_BIAS), np.float32)
+        self.draft = np.full(S, -1, np.int32)
+        self.history_slot = np.full(S, dummy_slot, np.int32)
+        self.prompt_len = np.zeros(S, np.int32)
+        self.history_len = np.zeros(S, np.int32)
+        self.use_pen = self.use_filt = self.want_lp = False
+
+    def fill(self, j: int, token: int, seq, vocab_size: int, slots: dict[int, int], draft: int, index_offset: int):
+        """Position j samples after flat token `token` for seq's output token index_offset ahead of its next."""
+        p = seq.params
+        self.logits_indices[j] = token
+        self.temperature[j] = p.temperature
+        self.top_k[j] = min(p.top_k, vocab_size) if p.top_k > 0 else 0
+        self.top_p[j] = p.top_p
+        self.min_p[j] = p.min_p
+        self.rep[j], self.presence[j], self.frequency[j] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        self.use_filt |= (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) and p.temperature > 0
+        self.seed[j] = seq.seed & 0xFFFFFFFF
+        index = seq.num_output_tokens + index_offset
+        self.token_index[j] = index
+        if index < p.min_tokens:
+            ban = list(seq.eos_ids_for_min_tokens)[: sampler.NUM_BANNED]
+            self.banned[j, : len(ban)] = ban
+        if p.logit_bias:
+            items = list(p.logit_bias.items())[: sampler.NUM_BIAS]
+            self.bias_ids[j, : len(items)] = [int(k) for k, _ in items]
+            self.bias_vals[j, : len(items)] = [float(v) for _, v in items]
+        self.want_lp |= p.logprobs is not None
+        self.draft[j] = draft
+        if seq.seq_id in slots:  # penalties (a sequence with penalties does not speculate: one position)
+            self.use_pen = True
+            self.history_slot[j] = slots[seq.seq_id]
+            self.prompt_len[j] = len(seq.prompt_token_ids)
+            self.history_len[j] = seq.num_tokens
+
+    def sampling_inputs(self, guided: bool) -> sampler.SamplingInputs:
+        return sampler.SamplingInputs(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.rep, self.presence, self.frequency, self.seed,
+            self.token_index, self.banned, self.bias_ids, self.bias_vals, np.bool_(self.use_pen), np.bool_(self.use_filt),
+            np.bool_(self.want_lp), np.bool_(guided), self.draft, np.bool_(bool((self.draft >= 0).any())))
+
+
+def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, runner: ModelRunner) -> StepInputs:
+    """An all-padding batch of exactly T tokens, B rows and S sampled positions (for warm-up). Its leaves
+    have the shapes and dtypes of `prepare`'s for the bucket, so it packs to the same layout: the same
+    compiled step."""
     def tok(a, fill=0):
         return np.full((T,) + a.shape[1:], fill, a.dtype)
 
     def row(a, fill=0):
         return np.full((B,) + a.shape[1:], fill, a.dtype)
 
+    def pos(a, fill=0):
+        return np.full((S,) + a.shape[1:], fill, a.dtype)
+
     md = inp.md
     md = BatchMetadata(tok(md.positions), tok(md.slot_mapping), tok(md.token_seq), row(md.page_table), row(md.context_lens),
-                       np.zeros(B + 1, np.int32), row(md.logits_indices))
+                       np.zeros(B + 1, np.int32), pos(md.logits_indices))
     s = inp.sampling
-    s = sampler.SamplingInputs(*(row(a, 1 if i in (2, 4) else 0) if np.ndim(a) else a for i, a in enumerate(s)))
-    s = s._replace(banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32))
-    return StepInputs(tok(inp.tokens), tok(inp.from_prev, -1), md, s, row(inp.history_slot, runner.history_dummy_slot),
-                      row(inp.prompt_len), row(inp.history_len), tok(inp.next_token, -1), inp.want_prompt_logprobs)
+    s = sampler.SamplingInputs(*(pos(a, 1 if i in (2, 4) else 0) if np.ndim(a) else a for i, a in enumerate(s)))
+    s = s._replace(banned_ids=pos(s.banned_ids, -1), bias_ids=pos(s.bias_ids, -1), draft_tokens=pos(s.draft_tokens, -1))
+    return StepInputs(tok(inp.tokens), tok(inp.from_prev, -1), md, s, pos(inp.history_slot, runner.history_dummy_slot),
+                      pos(inp.prompt_len), pos(inp.history_len), row(inp.row_sample), tok(inp.next_token, -1),
+                      inp.want_prompt_logprobs)

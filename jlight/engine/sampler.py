@@ -7,6 +7,13 @@ not use them pays nothing, and no parameter value ever changes a compiled shape.
 
 Randomness: each row's key is derived from its request seed and the index of the token
 being sampled, so a seeded request gets the same tokens whatever else is in the batch.
+
+Speculative decoding (speculative.py): a row may carry a draft token, the next position's
+proposal. The row accepts it with the probability its target distribution (after every step
+above) gives it, or when it is the argmax for a greedy row; a row that rejects it samples from
+the target distribution without the draft, renormalized (a greedy row: the argmax). For a
+deterministic proposal this is speculative sampling's rule, so the kept tokens follow the
+target distribution exactly.
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ class SamplingInputs(NamedTuple):
     use_filters: jax.Array  # [] bool: any row has top-k / top-p / min-p
     want_logprobs: jax.Array  # [] bool
     use_guide: jax.Array  # [] bool: some row's tokens are held to a grammar (the step's allowed-token bitmask)
+    draft_tokens: jax.Array  # [B] int32, the draft this row verifies (speculative decoding), -1 for none
+    use_drafts: jax.Array  # [] bool: some row verifies a draft
 
 
 def _scatter_rows(logits, ids, values, mode):
@@ -110,8 +119,9 @@ def sample(logits, s: SamplingInputs, history=None, guide_mask=None):
     history_len [B]) for the penalties; guide_mask: None or the [B, W] int32 allowed-token bitmask of
     structured outputs (rows without constraints all ones), applied when s.use_guide.
 
-    Returns (token ids [B], logprob of each sampled token [B], top ids [B, N], top logprobs [B, N]);
-    logprobs are those of the raw model distribution (as vLLM reports by default).
+    Returns (token ids [B], logprob of each sampled token [B], top ids [B, N], top logprobs [B, N],
+    accepted [B] bool: the row kept its draft, which is then its token); logprobs are those of the raw
+    model distribution (as vLLM reports by default).
     """
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = _scatter_rows(logits, s.bias_ids, s.bias_values, "add")
@@ -129,16 +139,33 @@ def sample(logits, s: SamplingInputs, history=None, guide_mask=None):
     scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
     scaled = jax.lax.cond(s.use_filters, lambda l: apply_filters(l, s), lambda l: l, scaled)
 
+    def key(seed, index):
+        return jax.random.fold_in(jax.random.PRNGKey(seed), index)
+
     def gumbel(seed, index):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
-        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+        return jax.random.gumbel(key(seed, index), (logits.shape[-1],), jnp.float32)
 
     def random_sample(x):
         return jnp.argmax(x + jax.vmap(gumbel)(s.seed, s.token_index), axis=-1).astype(jnp.int32)
 
+    draft = s.draft_tokens
+    has_draft = draft >= 0
+    vocab_ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :]
+    # A row that rejects its draft samples without it (the residual distribution of a deterministic proposal).
+    residual = jax.lax.cond(s.use_drafts, lambda x: jnp.where(vocab_ids == draft[:, None], _NEG, x), lambda x: x, scaled)
     # All-greedy batches skip drawing B x V random numbers.
-    sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.zeros(x.shape[0], jnp.int32), random_sample, scaled)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    all_greedy = jnp.all(greedy)
+    sampled = jax.lax.cond(all_greedy, lambda x: jnp.zeros(x.shape[0], jnp.int32), random_sample, residual)
+
+    def accept_random(x):  # u < p(draft), u drawn apart from the sample's Gumbel noise
+        p_draft = jnp.exp(jnp.take_along_axis(x, jnp.maximum(draft, 0)[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1))
+        u = jax.vmap(lambda seed, index: jax.random.uniform(jax.random.fold_in(key(seed, index), 1)))(s.seed, s.token_index)
+        return has_draft & (u < p_draft)
+
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    accepted_random = jax.lax.cond(s.use_drafts & ~all_greedy, accept_random, lambda x: jnp.zeros(x.shape[0], jnp.bool_), scaled)
+    accepted = jnp.where(greedy, has_draft & (greedy_tokens == draft), accepted_random)
+    tokens = jnp.where(accepted, draft, jnp.where(greedy, greedy_tokens, sampled)).astype(jnp.int32)
     token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
     def top(lp):
@@ -147,4 +174,4 @@ def sample(logits, s: SamplingInputs, history=None, guide_mask=None):
 
     empty = (jnp.zeros((logits.shape[0], NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP_LOGPROBS), jnp.float32))
     top_ids, top_lps = jax.lax.cond(s.want_logprobs, top, lambda lp: empty, raw_logprobs)
-    return tokens, token_logprob, top_ids, top_lps
+    return tokens, token_logprob, top_ids, top_lps, accepted

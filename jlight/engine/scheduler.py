@@ -14,14 +14,16 @@ import dataclasses
 
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.sequence import SeqStatus, Sequence
+from jlight.engine.speculative import SpeculativeConfig, propose_ngram
 
 
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step (a speculating row: its last token and the drafts)
     samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+    drafts: list[int] = dataclasses.field(default_factory=list)  # tokens proposed after the last known one
 
 
 @dataclasses.dataclass
@@ -35,8 +37,10 @@ class SchedulePlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 speculative: SpeculativeConfig | None = None):
         self.bm = block_manager
+        self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -86,6 +90,7 @@ class Scheduler:
         #    prompt never holds back the sequences that are already generating.
         decoding = [s for s in self.running if s.prefill_done]
         prefilling = [s for s in self.running if not s.prefill_done]
+        spec = self.speculative if self.speculative and len(self.running) <= self.speculative.disable_by_batch_size else None
         for seq in decoding + prefilling:
             if seq.status is not SeqStatus.RUNNING or budget == 0 or len(rows) >= self.max_num_seqs:
                 continue
@@ -93,8 +98,13 @@ class Scheduler:
                 continue
             if seq.matcher is not None and seq.num_pending_tokens:
                 continue  # its allowed tokens depend on the one the device is still sampling (structured_output.py)
+            speculating = spec is not None and seq.prefill_done and speculates(seq)
+            if speculating and seq.num_pending_tokens:
+                continue  # its drafts follow the token the device is still sampling
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
+            drafts = self._drafts(seq, spec, budget - n) if speculating and n == 1 else []
+            n += len(drafts)
             while not self._ensure_pages(seq, start + n):
                 victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
                 if victim is None:
@@ -105,7 +115,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING or len(seq.pages) * self.bm.page_size < start + n:
                 continue
-            rows.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
+            rows.append(ScheduledSeq(seq, start, n, start + n - len(drafts) == seq.num_tokens, drafts))
             scheduled_ids.add(seq.seq_id)
             budget -= n
 
@@ -143,6 +153,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return SchedulePlan(rows, preempted)
 
+    def _drafts(self, seq: Sequence, spec: SpeculativeConfig, budget: int) -> list[int]:
+        """Drafts for a decoding sequence: as many as the step's budget, the context and max_tokens leave."""
+        room = min(budget, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)  # the row adds up to drafts + 1
+        return propose_ngram(seq.token_array(), spec, room) if room > 0 else []
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and release its pages."""
         if seq in self.running:
@@ -152,3 +169,10 @@ class Scheduler:
         self.bm.release(seq.pages)
         seq.pages, seq.page_keys = [], []
         seq.status = SeqStatus.FINISHED
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether a sequence may verify drafts: not when its sampling needs per-position state that the
+    drafts would change (penalties over the token history, a grammar's matcher)."""
+    p = seq.params
+    return (seq.matcher is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)

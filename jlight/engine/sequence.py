@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import itertools
 
+import numpy as np
+
 from jlight.engine.sampling_params import SamplingParams
 
 
@@ -48,6 +50,8 @@ class Sequence:
         self.text = ""
         self.emitted_text_len = 0
         self.emitted_token_len = 0
+        self._tokens = np.asarray(prompt_token_ids, np.int32)  # all known tokens, grown as outputs come (token_array)
+        self._num_tokens_in_array = len(prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +65,20 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_array(self) -> np.ndarray:
+        """The known tokens (prompt then output) as an int32 array, extended in place as outputs come:
+        the speculative proposer reads it every step without copying the whole history."""
+        n = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if n > self._num_tokens_in_array:
+            if n > len(self._tokens):
+                grown = np.zeros(max(2 * len(self._tokens), n), np.int32)
+                grown[: self._num_tokens_in_array] = self._tokens[: self._num_tokens_in_array]
+                self._tokens = grown
+            new = self.output_token_ids[self._num_tokens_in_array - len(self.prompt_token_ids):]
+            self._tokens[self._num_tokens_in_array:n] = new
+            self._num_tokens_in_array = n
+        return self._tokens[:n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) without concatenating prompt and output (a per-step hot path)."""
