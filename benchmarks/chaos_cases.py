@@ -12,8 +12,9 @@ health_during_huge_request  a 5 MB chat body and a 5 MB prompt (under the body l
 bad_inputs                  a table of bad requests: each gets its 4xx and names its field
 disconnect_storm            streams with a quarter of clients leaving midway: the KV pool is free
                             within 2 s and the outcome counters add up to the requests sent
-slow_readers                clients that never read their streams: the server's memory stays flat,
-                            their KV pages are freed once generated, other streams are not stalled
+slow_readers                clients that never read their streams: the server's memory stays flat
+                            (no more than for readers), their KV pages are freed once generated, other
+                            streams are not stalled
 oversized_body_during_stream  huge bodies (refused) sent while a stream runs: its inter-token gap
                             stays under 100 ms
 step_failure                an engine step that raises (the server must run benchmarks/chaos.py serve,
@@ -104,15 +105,16 @@ async def health_during_huge_request(target: Target, megabytes: float = 5.0, bou
                 error = _error_of(r)
                 check(r.status_code == 400 and error.get("param") == param,
                       f"{path} with {len(raw) / 2**20:.1f} MB: expected a 400 naming {param}, got {r.status_code} {error}")
-                check(took < refuse_s, f"{path} with {len(raw) / 2**20:.1f} MB was refused after {took:.2f} s "
-                                       f"(the budget should refuse it without tokenizing, in < {refuse_s} s)")
                 tries.append({"slowest_poll_s": round(worst, 4), "polls": polls, "refused_in_s": round(took, 3)})
-                if worst < bound_s:
+                if worst < bound_s and took < refuse_s:
                     break
             report[path] = tries
             check(tries[-1]["slowest_poll_s"] < bound_s,
                   f"while {path} prepared {len(raw) / 2**20:.1f} MB, /health or /metrics took "
-                  f"{[t['slowest_poll_s'] for t in tries]} s in {attempts} attempts (promise: < {bound_s} s)")
+                  f"{[t['slowest_poll_s'] for t in tries]} s in {len(tries)} attempts (promise: < {bound_s} s)")
+            check(tries[-1]["refused_in_s"] < refuse_s,
+                  f"{path} with {len(raw) / 2**20:.1f} MB was refused after {[t['refused_in_s'] for t in tries]} s "
+                  f"(the size budget refuses it untokenized, promise: < {refuse_s} s)")
     return report
 
 
@@ -211,16 +213,26 @@ async def _silent_reader(target: Target, request: bytes) -> socket.socket:
     return sock
 
 
-async def slow_readers(target: Target, readers: int = 16, others: int = 8, max_tokens: int | None = None,
-                       growth_mb: float = 24.0, stall_s: float = 1.0, generated_within_s: float = 120.0) -> dict:
-    max_tokens = max_tokens or min(_room(target, 64), 1000)
-    # Chunks of ~0.4 kB (5 alternatives a token) fill the socket buffers within a few hundred tokens.
-    body = chat("Tell me a long story.", max_tokens, ignore_eos=True, logprobs=True, top_logprobs=5)
+async def slow_readers(target: Target, readers: int = 3, samples: int = 8, others: int = 8, max_tokens: int = 500,
+                       slack_mb: float = 16.0, stall_s: float = 1.0, min_stream_mb: float = 4.5,
+                       generated_within_s: float = 120.0) -> dict:
+    """The same requests read by clients that read and by clients that never do: the second costs the
+    server no more memory (it holds one unsent output per stream, not every output since). Each stream
+    carries more than min_stream_mb, past what a loopback socket's kernel buffers take in (~3 MB a
+    connection with Linux's default tcp_wmem), so the server's own sending must wait."""
+    max_tokens = min(max_tokens, _room(target, 64))
+    body = chat("Tell me a long story.", max_tokens, n=samples, temperature=1.0, seed=1, ignore_eos=True,
+                logprobs=True, top_logprobs=20)
     async with target.client() as c:
-        warm = await stream(c, "/v1/chat/completions", body)  # any first-use allocation happens before the baseline
-        warm.check_clean_end("warm-up stream", ("length",))
-        base = await server_rss_mb(target, c)
-        socks = await asyncio.gather(*[_silent_reader(target, _raw_request(target, "/v1/chat/completions", body))
+        read = await asyncio.gather(*[stream(c, "/v1/chat/completions", body) for _ in range(readers)])
+        for i, s in enumerate(read):
+            s.check_clean_end(f"read stream {i}", ("length",), choices=samples)
+        stream_mb = min(s.num_bytes for s in read) / 2**20
+        check(stream_mb > min_stream_mb, f"a stream carries only {stream_mb:.1f} MB: the socket buffers would take it "
+                                         f"all, and nothing would test the server's back-pressure")
+        base = await server_rss_mb(target, c)  # its high-water mark covers these requests read as they come
+        socks = await asyncio.gather(*[_silent_reader(target, _raw_request(target, "/v1/chat/completions",
+                                                                           {**body, "stream": True}))
                                        for _ in range(readers)])
         try:
             normal = await asyncio.gather(*[stream(c, "/v1/completions", completion(f"Count {i}:", 64, ignore_eos=True))
@@ -236,9 +248,10 @@ async def slow_readers(target: Target, readers: int = 16, others: int = 8, max_t
             for sock in socks:
                 sock.close()
         await wait_pool_free(c, 10)
-    check(held - base < growth_mb, f"{readers} readers that never read {max_tokens}-token streams grew the server "
-                                   f"by {held - base:.1f} MB (bound {growth_mb} MB)")
-    return {"readers": readers, "tokens_each": max_tokens, "rss_growth_mb": round(held - base, 1),
+    check(held - base < slack_mb, f"{readers} clients that never read their {stream_mb:.0f} MB streams grew the "
+                                  f"server by {held - base:.1f} MB beyond what the same streams read took "
+                                  f"(bound {slack_mb} MB)")
+    return {"readers": readers, "stream_mb": round(stream_mb, 1), "rss_growth_mb": round(held - base, 1),
             "others_max_gap_s": round(max(gaps), 4), "generated_after_s": round(generated_s, 2)}
 
 
@@ -367,7 +380,11 @@ async def sigterm_mid_stream(target: Target, streams: int = 32, non_streaming: i
         signalled = time.perf_counter()
         os.kill(target.server_pid, signal.SIGTERM)
         for _ in range(100):
-            health = await c.get("/health")
+            try:
+                health = await c.get("/health")
+            except httpx.HTTPError as e:
+                raise ChaosFailure(f"after SIGTERM, /health got no answer ({type(e).__name__}: {e}): the server "
+                                   f"stopped listening instead of draining") from None
             if health.status_code == 503:
                 break
             await asyncio.sleep(0.01)

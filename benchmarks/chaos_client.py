@@ -129,13 +129,18 @@ class Stream:
         inside = [start] + [t for t in self.times if start < t < end] + [end]
         return max(b - a for a, b in zip(inside, inside[1:]))
 
-    def check_clean_end(self, what: str, reasons=("stop", "length")) -> str:
-        """A stream that ended as the protocol says: a finish_reason in `reasons`, then [DONE]."""
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(e) for e in self.events)
+
+    def check_clean_end(self, what: str, reasons=("stop", "length"), choices: int = 1) -> str:
+        """A stream that ended as the protocol says: each choice's finish_reason in `reasons`, then [DONE]."""
         check(self.error is None, f"{what}: the stream was cut ({self.error}) after {len(self.events)} events")
         check(self.status == 200, f"{what}: status {self.status}: {self.events[:1]}")
         check(self.done, f"{what}: no [DONE] at the end (last events: {self.events[-2:]})")
         got = self.finish_reasons()
-        check(len(got) == 1 and got[0] in reasons, f"{what}: finish_reasons {got}, expected one of {reasons}")
+        check(len(got) == choices and set(got) <= set(reasons),
+              f"{what}: finish_reasons {got}, expected {choices} of {reasons}")
         return got[0]
 
 
