@@ -9,8 +9,9 @@ Characters are counted first (a character is at least one byte), bytes only belo
 
 The bound holds where the tokenizer's pre-processing does not shrink text: byte-level BPE (GPT-2,
 Llama 3, Qwen) and SentencePiece (a piece's leading space is counted as one more byte). A
-normalizer that deletes characters (BERT's control-character cleaning) could fit a longer text;
-chat models' tokenizers have none.
+normalizer that deletes characters (BERT's control-character cleaning) could fit a longer text,
+and so could a WordLevel vocabulary's unknown token, which stands for a word of any length (the
+benchmarks' random checkpoints); chat models' tokenizers have neither.
 
 On the raw JSON, before pydantic validates item by item (`*_shape`), counts are checked: a batch
 of more than MAX_PROMPTS_PER_REQUEST prompts, a token-id prompt of max_model_len ids or more, a

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,43 +22,23 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import chaos_cases  # noqa: E402
 from chaos_client import Target  # noqa: E402
+from server_process import free_port, server_process  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 DRAIN_TIMEOUT_S = 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def chaos_server(tiny_model, tmp_path_factory):
     model = tiny_model("LlamaForCausalLM", max_position_embeddings=MAX_MODEL_LEN)
-    port = _free_port()
+    port = free_port()
     log_path = str(tmp_path_factory.mktemp("chaos") / "server.log")
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "serve", model, "--port", str(port),
            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
            "--max-num-batched-tokens", "64", "--shutdown-timeout", str(DRAIN_TIMEOUT_S), "--log-level", "info"]
-    log = open(log_path, "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, f"server exited: {open(log_path).read()[-3000:]}"
-        assert time.time() < deadline, "server did not come up in 300 s"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    target = asyncio.run(Target(url, server_pid=proc.pid, drain_timeout_s=DRAIN_TIMEOUT_S).connect())
-    yield target, proc, log_path
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with server_process(cmd, port, log_path) as (url, proc):
+        target = asyncio.run(Target(url, server_pid=proc.pid, drain_timeout_s=DRAIN_TIMEOUT_S).connect())
+        yield target, proc, log_path
 
 
 def _run(case, target, **kw):

@@ -17,13 +17,13 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from server_process import free_port, server_process
 
 openai = pytest.importorskip("openai")
 
@@ -34,12 +34,6 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llm():
     import jlight.api
@@ -48,26 +42,11 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):  # after llm: the server then finds the XLA compilation cache warm
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "jlight.serve.cli", "--port", str(port), "--api-key", API_KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", "30", "--log-level", "warning"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jlight_serve_{port}.log"), "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, f"server exited: {open(log.name).read()[-3000:]}"
-        assert time.time() < deadline, "server did not come up in 300 s"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    yield url, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with server_process(cmd, port, os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jlight_serve_{port}.log")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
