@@ -35,14 +35,12 @@ import os
 import random
 import re
 import signal
-import socket
 import time
-import urllib.parse
 
 import httpx
 
-from chaos_client import (ChaosFailure, Target, chat, check, completion, metrics, outcome_deltas, pid_alive, server_rss_mb,
-                          stream, wait_pool_free)
+from chaos_client import (ChaosFailure, Target, chat, check, completion, metrics, outcome_deltas, pid_alive,
+                          post_in_thread, raw_request, server_rss_mb, silent_reader, stream, wait_pool_free)
 
 # The prompt whose steps fail on a server started by `benchmarks/chaos.py serve` (token ids valid in any vocabulary).
 POISON_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]
@@ -56,16 +54,6 @@ def huge_text(megabytes: float) -> str:
 def _room(target: Target, prompt_tokens: int = 16) -> int:
     """Tokens a request with a short prompt can generate."""
     return max(1, target.max_model_len - prompt_tokens)
-
-
-async def _post_in_thread(target: Target, path: str, raw: bytes) -> tuple[httpx.Response, float]:
-    """POST raw bytes from a thread (this event loop keeps measuring meanwhile); (response, seconds)."""
-    def post():
-        start = time.perf_counter()
-        r = httpx.post(target.base_url + path, content=raw, timeout=300,
-                       headers={**target.headers, "Content-Type": "application/json"})
-        return r, time.perf_counter() - start
-    return await asyncio.to_thread(post)
 
 
 async def _worst_poll_while(client: httpx.AsyncClient, task: asyncio.Future) -> tuple[float, int]:
@@ -99,7 +87,7 @@ async def health_during_huge_request(target: Target, megabytes: float = 5.0, bou
             raw = json.dumps(body).encode()
             tries = []
             for _ in range(attempts):
-                task = asyncio.ensure_future(_post_in_thread(target, path, raw))
+                task = asyncio.ensure_future(post_in_thread(target, path, raw))
                 worst, polls = await _worst_poll_while(c, task)
                 r, took = task.result()
                 error = _error_of(r)
@@ -193,26 +181,6 @@ async def disconnect_storm(target: Target, streams: int = 48, leave_fraction: fl
     return {"streams": streams, "left": left, "pool_free_after_s": round(freed_s, 3), "outcomes": deltas}
 
 
-def _raw_request(target: Target, path: str, body: dict) -> bytes:
-    data = json.dumps(body).encode()
-    url = urllib.parse.urlsplit(target.base_url)
-    head = [f"POST {path} HTTP/1.1", f"Host: {url.netloc}", "Content-Type: application/json",
-            f"Content-Length: {len(data)}"] + [f"{k}: {v}" for k, v in target.headers.items()]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
-
-
-async def _silent_reader(target: Target, request: bytes) -> socket.socket:
-    """A connection that sends `request` and never reads (a tiny receive buffer, so the server's fills)."""
-    url = urllib.parse.urlsplit(target.base_url)
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await loop.sock_connect(sock, (url.hostname, url.port or 80))
-    await loop.sock_sendall(sock, request)
-    return sock
-
-
 async def slow_readers(target: Target, readers: int = 3, samples: int = 8, others: int = 8, max_tokens: int = 500,
                        slack_mb: float = 16.0, stall_s: float = 1.0, min_stream_mb: float = 4.5,
                        generated_within_s: float = 120.0) -> dict:
@@ -231,7 +199,7 @@ async def slow_readers(target: Target, readers: int = 3, samples: int = 8, other
         check(stream_mb > min_stream_mb, f"a stream carries only {stream_mb:.1f} MB: the socket buffers would take it "
                                          f"all, and nothing would test the server's back-pressure")
         base = await server_rss_mb(target, c)  # its high-water mark covers these requests read as they come
-        socks = await asyncio.gather(*[_silent_reader(target, _raw_request(target, "/v1/chat/completions",
+        socks = await asyncio.gather(*[silent_reader(target, raw_request(target, "/v1/chat/completions",
                                                                            {**body, "stream": True}))
                                        for _ in range(readers)])
         try:
@@ -271,7 +239,7 @@ async def oversized_body_during_stream(target: Target, gap_s: float = 0.1, megab
             await asyncio.wait_for(started.wait(), 60)
             window_start = time.perf_counter()
             for path, raw, status in bigs:
-                r, _ = await _post_in_thread(target, path, raw)
+                r, _ = await post_in_thread(target, path, raw)
                 check(r.status_code == status, f"{path} with {len(raw) / 2**20:.1f} MB: {r.status_code}, expected {status}")
             window_end = time.perf_counter()
             s = await task

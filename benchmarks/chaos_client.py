@@ -3,7 +3,9 @@
 Target(base_url, ...) names the server; `await target.connect()` reads the served model and its
 max_model_len from /v1/models. Stream(...) reads one SSE response and keeps every event with
 its arrival time, how it ended, and any transport error (a stream cut inside a chunk).
-ChaosFailure is the one exception a case raises: a promise the server broke, and how.
+post_in_thread sends a body from a thread (the caller's event loop keeps measuring); silent_reader
+opens a connection that sends a request and never reads. ChaosFailure is the one exception a case
+raises: a promise the server broke, and how.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
 import time
+import urllib.parse
 
 import httpx
 
@@ -189,3 +193,33 @@ def completion(prompt, max_tokens: int, **fields) -> dict:
 
 def chat(text: str, max_tokens: int, **fields) -> dict:
     return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, **fields}
+
+
+async def post_in_thread(target: Target, path: str, raw: bytes) -> tuple[httpx.Response, float]:
+    """POST raw bytes from a thread (this event loop keeps measuring meanwhile); (response, seconds)."""
+    def post():
+        start = time.perf_counter()
+        r = httpx.post(target.base_url + path, content=raw, timeout=300,
+                       headers={**target.headers, "Content-Type": "application/json"})
+        return r, time.perf_counter() - start
+    return await asyncio.to_thread(post)
+
+
+def raw_request(target: Target, path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    url = urllib.parse.urlsplit(target.base_url)
+    head = [f"POST {path} HTTP/1.1", f"Host: {url.netloc}", "Content-Type: application/json",
+            f"Content-Length: {len(data)}"] + [f"{k}: {v}" for k, v in target.headers.items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+async def silent_reader(target: Target, request: bytes) -> socket.socket:
+    """A connection that sends `request` and never reads (a tiny receive buffer, so the server's fills)."""
+    url = urllib.parse.urlsplit(target.base_url)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (url.hostname, url.port or 80))
+    await loop.sock_sendall(sock, request)
+    return sock
