@@ -22,6 +22,8 @@
 #   batch       batch_decode_profile.py --batches 64,256 --context 1024 --kernel-breakdown
 #   serving     `jlight serve` on a random checkpoint (make_random_checkpoint.py), then `jlight bench serve`
 #               (needs .whl carried: bash benchmarks/fetch_server_wheels.sh); knobs below
+#   chaos       chaos.py run --scale 4 against chaos.py serve of the same checkpoint (the server's promises under
+#               abuse: benchmarks/chaos_cases.py; needs .whl carried too); knobs below
 #   kernels     kernels.py --trials 20: attention and int8 matmul kernels checked and timed against XLA
 #   kv_int8     kv_int8_attention.py --impls triton,mosaic --page-sizes 16,32: the int8 KV pages
 #   attention   attention_engine_check.py: each attention kernel in the engine against the XLA reference
@@ -54,7 +56,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }
 
-SUITES=" throughput steps decode context batch serving kernels kv_int8 attention decode_attention moe mesh load structured tests peer "
+SUITES=" throughput steps decode context batch serving chaos kernels kv_int8 attention decode_attention moe mesh load structured tests peer "
 is_suite() { [[ "$SUITES" == *" $1 "* ]]; }
 
 run() {  # NAME DEFAULT_TIMEOUT COMMAND...: the command's output to $OUT/NAME.txt, its end here
@@ -170,25 +172,25 @@ suite_peer() {
   run peer 540 bash "${dirs[0]}/device.sh" "$@"
 }
 
-# Serving: SHAPE, RATES, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN (+-RANGE_RATIO), WARMUP, SERVE_OPTS, PORT, CKPT,
-# START_TIMEOUT, BENCH_TIMEOUT; ARGS go to `jlight bench serve`. The defaults are the 2026-11-29 H200 run's:
-# 200 prompts a rate, 512-1023 tokens in, 128-255 out (ignore_eos), rates 2, 8, 32 and inf.
-suite_serving() {
-  [ -n "${DRY_RUN:-}" ] && { run serving 330 jlight serve + jlight bench serve "$@"; return; }
-  local shape=${SHAPE:-llama3-8b} port=${PORT:-8123} dir="$OUT/serving"
+# A random checkpoint served on 127.0.0.1 (the serving and chaos suites): random_server NAME SERVER_COMMAND...
+# writes the SHAPE checkpoint (make_random_checkpoint.py) to CKPT, runs `SERVER_COMMAND CKPT --host --port
+# --served-model-name SERVE_OPTS` into $OUT/NAME/server.log and waits up to START_TIMEOUT for /health.
+# Sets server (its pid), port and vocab; returns 1 if it never answered.
+random_server() {
+  local name=$1; shift
+  local shape=${SHAPE:-llama3-8b} dir="$OUT/$name"
   local ckpt=${CKPT:-/tmp/jlight_random_${shape}}
   local serve_opts=${SERVE_OPTS:---dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --kv-cache-memory-fraction 0.8}
+  port=${PORT:-8123}
   mkdir -p "$dir"
-  say "serving: writing the $shape checkpoint to $ckpt"
+  say "$name: writing the $shape checkpoint to $ckpt"
   rm -rf "$ckpt"
-  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --out "$ckpt" >> "$LOG" 2>&1 || { say "serving: checkpoint failed"; return 1; }
-  local vocab
+  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --out "$ckpt" >> "$LOG" 2>&1 || { say "$name: checkpoint failed"; return 1; }
   vocab=$(python3 -c "import json; print(json.load(open('$ckpt/config.json'))['vocab_size'])")
-  say "serving: jlight serve $ckpt --port $port $serve_opts"
+  say "$name: $* $ckpt --port $port $serve_opts"
   # shellcheck disable=SC2086
-  python3 -m jlight.cli serve "$ckpt" --host 127.0.0.1 --port "$port" --served-model-name "random-$shape" $serve_opts \
-    > "$dir/server.log" 2>&1 &
-  local server=$!
+  "$@" "$ckpt" --host 127.0.0.1 --port "$port" --served-model-name "random-$shape" $serve_opts > "$dir/server.log" 2>&1 &
+  server=$!
   python3 - "$port" "${START_TIMEOUT:-300}" "$server" << 'EOF'
 import os, sys, time, urllib.request
 port, timeout, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
@@ -208,22 +210,51 @@ while time.time() < deadline:
 sys.exit(f"/health did not answer within {timeout:.0f} s")
 EOF
   local rc=$?
-  if [ $rc = 0 ]; then
-    say "serving: server ready"
-    SUITE_TIMEOUT=${BENCH_TIMEOUT:-${SUITE_TIMEOUT:-330}} run serving 330 python3 -m jlight.cli bench serve \
-      --base-url "http://127.0.0.1:$port" --num-prompts "${NUM_PROMPTS:-200}" --input-len "${INPUT_LEN:-768}" \
-      --output-len "${OUTPUT_LEN:-192}" --range-ratio "${RANGE_RATIO:-0.3333}" --vocab-size "$vocab" \
-      --request-rates "${RATES:-2,8,32,inf}" --warmup-requests "${WARMUP:-4}" --out "$dir/serving" "$@"
-    rc=$?
-    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics', timeout=10).read().decode())" \
-      > "$dir/metrics.txt" 2>&1
-  else
-    say "serving: the server did not come up"; tail -30 "$dir/server.log"
-  fi
+  if [ $rc = 0 ]; then say "$name: server ready"; else say "$name: the server did not come up"; tail -30 "$dir/server.log"; fi
+  return $rc
+}
+
+stop_server() {  # SIGTERM (the server drains), then SIGKILL after 60 s
   kill -TERM "$server" 2> /dev/null
   for _ in $(seq 60); do kill -0 "$server" 2> /dev/null || break; sleep 1; done
   kill -0 "$server" 2> /dev/null && kill -KILL "$server"
   wait "$server" 2> /dev/null
+}
+
+# Serving: SHAPE, RATES, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN (+-RANGE_RATIO), WARMUP, SERVE_OPTS, PORT, CKPT,
+# START_TIMEOUT, BENCH_TIMEOUT; ARGS go to `jlight bench serve`. The defaults are the 2026-11-29 H200 run's:
+# 200 prompts a rate, 512-1023 tokens in, 128-255 out (ignore_eos), rates 2, 8, 32 and inf.
+suite_serving() {
+  [ -n "${DRY_RUN:-}" ] && { run serving 330 jlight serve + jlight bench serve "$@"; return; }
+  local server port vocab rc
+  random_server serving python3 -m jlight.cli serve || { stop_server; return 1; }
+  SUITE_TIMEOUT=${BENCH_TIMEOUT:-${SUITE_TIMEOUT:-330}} run serving 330 python3 -m jlight.cli bench serve \
+    --base-url "http://127.0.0.1:$port" --num-prompts "${NUM_PROMPTS:-200}" --input-len "${INPUT_LEN:-768}" \
+    --output-len "${OUTPUT_LEN:-192}" --range-ratio "${RANGE_RATIO:-0.3333}" --vocab-size "$vocab" \
+    --request-rates "${RATES:-2,8,32,inf}" --warmup-requests "${WARMUP:-4}" --out "$OUT/serving/serving" "$@"
+  rc=$?
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics', timeout=10).read().decode())" \
+    > "$OUT/serving/metrics.txt" 2>&1
+  stop_server
+  return $rc
+}
+
+# Chaos: chaos.py run (scaled by CHAOS_SCALE, default 4) against chaos.py serve of the random checkpoint (`jlight
+# serve` plus the suite's one injected step fault), drain deadline DRAIN_TIMEOUT (default 10 s); SHAPE, SERVE_OPTS,
+# PORT, CKPT, START_TIMEOUT as for serving; ARGS go to `chaos.py run` (e.g. --cases bad_inputs,step_failure).
+# Its last case SIGTERMs the server; the server's log after the drain began must hold no traceback.
+suite_chaos() {
+  local drain=${DRAIN_TIMEOUT:-10}
+  [ -n "${DRY_RUN:-}" ] && { run chaos 600 chaos.py serve + chaos.py run --scale "${CHAOS_SCALE:-4}" "$@"; return; }
+  local server port vocab rc
+  random_server chaos python3 benchmarks/chaos.py serve --shutdown-timeout "$drain" || { stop_server; return 1; }
+  run chaos 600 python3 benchmarks/chaos.py run --base-url "http://127.0.0.1:$port" --server-pid "$server" \
+    --shutdown-timeout "$drain" --scale "${CHAOS_SCALE:-4}" --out "$OUT/chaos/chaos.json" "$@"
+  rc=$?
+  stop_server
+  if sed -n '/draining:/,$p' "$OUT/chaos/server.log" | grep -q Traceback; then
+    say "chaos: a traceback in the server log after the drain began"; rc=1
+  fi
   return $rc
 }
 

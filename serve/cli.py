@@ -1,8 +1,9 @@
 """`jlight serve [MODEL] ...`: load a model and serve it over HTTP (OpenAI-compatible).
 
 jlight/cli.py dispatches here: `add_arguments(parser)` fills the subcommand's parser and
-`run(args)` serves until SIGTERM/SIGINT, then drains in-flight requests (bounded by
---shutdown-timeout) and returns 0.
+`run(args)` serves until SIGTERM/SIGINT, then drains (serve/drain.py: /health and new requests
+get 503 at once, running ones have --shutdown-timeout seconds to finish, then end with
+finish_reason "abort") and returns 0.
 """
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, model_positional=True)  # the same engine options as `jlight generate`
     server = parser.add_argument_group("server")
@@ -44,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 + Retry-After beyond this many requests waiting for their first token")
     server.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help="answer 413 to request bodies larger than this")
-    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    server.add_argument("--shutdown-timeout", type=_non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="the drain's deadline: on SIGTERM or Ctrl-C, /health and new requests get 503 at once and "
+                             "the running requests have this many seconds to finish; then each ends with "
+                             f"finish_reason \"abort\" (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     tools = parser.add_argument_group("tool calls (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -87,23 +97,28 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jlight.serve.app import build_app
+    from jlight.serve.drain import DrainingServer
+    from jlight.serve.host_work import HostWork
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = tool_call_parser(args)  # before the model loads: a bad flag pair fails at once
     llm = LLM(args.model, **engine_options(args))
-    async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
+    host = HostWork()
+    async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests, executor=host.pool)
     app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     max_body_bytes=args.max_body_bytes, served_model_names=served_model_names(args),
-                    tool_call_parser=parser)
+                    tool_call_parser=parser, host=host, shutdown_timeout_s=args.shutdown_timeout)
+    # The drain (DrainingServer) has answered or aborted every request before uvicorn's own shutdown,
+    # which then only closes connections; its timeout bounds what a client that does not read can hold.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
-    # uvicorn drains on SIGTERM, then re-raises the signal so the default action would
+                            timeout_graceful_shutdown=1, access_log=args.log_level == "debug")
+    # uvicorn re-raises the exit signal once the server has stopped, so the default action would
     # kill us with status 143; a no-op handler installed first makes it return instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s as %s on http://%s:%d", llm.model_name, served_model_names(args) or [llm.model_name],
-                args.host, args.port)
-    uvicorn.Server(config).run()
+    logger.info("serving %s as %s on http://%s:%d (%d host workers)", llm.model_name,
+                served_model_names(args) or [llm.model_name], args.host, args.port, host.num_workers)
+    DrainingServer(config, app.state.drain).run()
     return 0
 
 

@@ -1,21 +1,26 @@
 """The two generation endpoints: request -> engine jobs -> JSON or an SSE stream.
 
-Nothing here blocks the event loop on the engine: jobs go to AsyncLLM, whose loop runs
-in its own thread, and outputs come back as awaitables. A request whose client goes away
-is aborted (see RequestRunner), streaming or not.
+Nothing here blocks the event loop: the body is parsed, the prompt templated and tokenized and a
+whole JSON response built in the host pool (serve/host_work.py), each after the size budget
+(serve/budget.py) let it through; jobs go to AsyncLLM, whose loop runs in its own thread, and
+outputs come back as awaitables. A request whose client goes away is aborted (see
+RequestRunner), streaming or not.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
+from jlight.serve.budget import PromptBudget
 from jlight.serve.echo import Echo, prompt_texts
 from jlight.serve.errors import RequestError
+from jlight.serve.host_work import HostWork, parse_body
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from jlight.serve.request_runner import EngineJob, RequestRunner
 from jlight.serve.response_models import error_body
@@ -29,21 +34,15 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 
 
 MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one completions request
-# Tokenizing more text than this takes milliseconds; do it in a worker thread so that the
-# event loop keeps streaming other requests' tokens meanwhile.
-LARGE_TEXT_CHARS = 20_000
 
 
-def _text_size(prompt) -> int:
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(p) for p in prompt if isinstance(p, str))
+def _num_prompts(prompt) -> int:
+    return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
 
 
-async def _off_loop_if_large(size: int, fn, *args):
-    if size > LARGE_TEXT_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+def _json_bytes(builder: ResponseBuilder, finals) -> bytes:
+    return json.dumps(builder.full_response(finals), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 class ClientGone(Exception):
@@ -84,8 +83,10 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 class GenerationHandlers:
-    def __init__(self, async_llm, runner: RequestRunner, served_names: list[str], tool_call_parser: str | None = None):
+    def __init__(self, async_llm, runner: RequestRunner, served_names: list[str], host: HostWork,
+                 budget: PromptBudget, tool_call_parser: str | None = None):
         self.llm, self.runner, self.served_names = async_llm, runner, served_names
+        self.host, self.budget = host, budget
         self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is a 400
         self.tokenizer = async_llm.tokenizer
         self.vocab_size = async_llm.model_config.vocab_size
@@ -105,23 +106,29 @@ class GenerationHandlers:
             jobs.append(EngineJob(f"{request_id}-{i}", ids, params, structured_param))
         return jobs
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    def _completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str] | None]:
+        """(each prompt's token ids, each prompt's echoed text or None); in the host pool."""
+        prompts = completion_prompts(body.prompt, self.tokenizer, self.vocab_size, self.budget)
+        return prompts, prompt_texts(body.prompt, prompts, self.tokenizer) if body.echo else None
+
+    async def completions(self, request: Request) -> Response:
+        body = await self.host.run(parse_body, CompletionRequest, await request.body(), self.budget.completion_shape)
         model = check_model_name(body.model, self.served_names)
         if body.best_of is not None and body.best_of != body.n:
             raise RequestError("best_of other than n is not supported (jlight does not rank samples); "
                                "leave best_of unset", param="best_of")
-        prompts = await _off_loop_if_large(_text_size(body.prompt), completion_prompts,
-                                           body.prompt, self.tokenizer, self.vocab_size)
-        if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
-            raise RequestError(f"{len(prompts)} prompts x n={body.n} asks for more than {MAX_SEQUENCES_PER_REQUEST} "
-                               f"sequences in one request; lower n or split the prompts", param="n")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if _num_prompts(body.prompt) * body.n > MAX_SEQUENCES_PER_REQUEST:
+            raise RequestError(f"{_num_prompts(body.prompt)} prompts x n={body.n} asks for more than "
+                               f"{MAX_SEQUENCES_PER_REQUEST} sequences in one request; lower n or split the prompts",
+                               param="n")
         max_tokens, echo = body.max_tokens, None
         if max_tokens == 0 and not body.echo:
             raise RequestError("max_tokens=0 generates nothing; it is only allowed with echo=true "
                                "(to score the prompt); ask for at least 1 token", param="max_tokens")
+        prompts, texts = await self.host.run(self._completion_prompts, body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.echo:
-            echo = Echo(prompt_texts(body.prompt, prompts, self.tokenizer), generate=max_tokens != 0)
+            echo = Echo(texts, generate=max_tokens != 0)
             # The engine always samples one token; with max_tokens=0 the response leaves it out.
             max_tokens = max_tokens if echo.generate else 1
         jobs = self._jobs(request_id, body, prompts, max_tokens, "prompt", "max_tokens")
@@ -130,7 +137,8 @@ class GenerationHandlers:
                                   echo=echo)
         return await self._respond(request, body, jobs, builder)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(self, request: Request) -> Response:
+        body = await self.host.run(parse_body, ChatCompletionRequest, await request.body(), self.budget.chat_shape)
         model = check_model_name(body.model, self.served_names)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -138,8 +146,8 @@ class GenerationHandlers:
         forced = body.forced_tool_call(auto_tool_choice=self.tool_call_parser is not None)
         tool_parser = self.tool_call_parser if body.parses_tool_calls() else None  # "auto": calls in free text
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
-        ids = await _off_loop_if_large(sum(len(m.text()) for m in body.messages), chat_prompt,
-                                       body.messages, self.tokenizer, body.add_generation_prompt, tools)
+        ids = await self.host.run(chat_prompt, body.messages, self.tokenizer, body.add_generation_prompt, tools,
+                                  self.budget)
         max_tokens, param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
@@ -162,7 +170,7 @@ class GenerationHandlers:
                 await until_disconnect(request, collect())
             except ClientGone:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(builder.full_response(finals))
+            return Response(await self.host.run(_json_bytes, builder, finals), media_type="application/json")
 
         # Wait for the first output before sending headers, so that overload and engine
         # errors still get a status code instead of a broken stream.

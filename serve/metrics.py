@@ -3,15 +3,19 @@ like vLLM's `vllm:`.
 
 Written by hand rather than with prometheus_client, which is not a declared dependency
 of jlight; the format is small. Latency histograms are recorded by the server as
-requests flow; engine gauges and counters are read from EngineStats when scraped.
+requests flow; engine gauges and counters are read from EngineStats when scraped. The
+server process's resident memory is `process_resident_memory_bytes`, the name Prometheus'
+own process collector gives it (unprefixed, so dashboards find it), where /proc has it.
 """
 from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
 
 PREFIX = "jlight:"
+RSS_METRIC = "process_resident_memory_bytes"
 
 # Seconds. Like vLLM's buckets: fine near the typical values, coarse in the tail.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -97,7 +101,20 @@ class ServerMetrics:
                 lines += hist.render()
         if engine_stats is not None:
             lines += _engine_lines(engine_stats)
+        rss = resident_memory_bytes()
+        if rss is not None:
+            lines += [f"# HELP {RSS_METRIC} Resident memory size in bytes.", f"# TYPE {RSS_METRIC} gauge",
+                      f"{RSS_METRIC} {rss}"]
         return "\n".join(lines) + "\n"
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident set (Linux's /proc/self/statm), or None where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _engine_lines(s) -> list[str]:

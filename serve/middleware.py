@@ -1,18 +1,25 @@
-"""The guard in front of every route: API key, body size limit, UTF-8 check.
+"""The guard in front of every route: API key, drain, body size limit, UTF-8 check.
 
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap streaming
 responses and hide client disconnects from them). It reads a request body in full, up to
 the limit, before the route sees it, so an oversized upload is refused without being
 parsed; the body is then replayed to the route, and later `receive()` calls (the route
-listening for a disconnect) go to the client connection again.
+listening for a disconnect) go to the client connection again. While the server drains
+(serve/drain.py) a new POST gets 503 with Retry-After; the POSTs it lets through are
+counted in flight until answered.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 
 from starlette.responses import JSONResponse
 
+from jlight.serve.drain import RETRY_AFTER_S, Drain
 from jlight.serve.response_models import error_body
+
+logger = logging.getLogger(__name__)
 
 UNAUTHENTICATED_PATHS = ("/health",)
 
@@ -23,8 +30,8 @@ def _error(status: int, message: str, type_: str, param: str | None = None, code
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, drain: Drain):
+        self.app, self.max_body_bytes, self.drain = app, max_body_bytes, drain
         self.api_key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -40,7 +47,19 @@ class GuardMiddleware:
                                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        if self.drain.draining:
+            return await _error(503, "the server is shutting down; retry on another replica", "server_unavailable",
+                                code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+        with self.drain.request():
+            try:
+                await self._guarded(scope, receive, send, headers)
+            except asyncio.CancelledError:
+                if not self.drain.draining:
+                    raise
+                # uvicorn cancels what is left once the drain is over: a response its client did not read.
+                logger.warning("%s %s: response cut at shutdown (its client did not read it)", scope["method"], scope["path"])
 
+    async def _guarded(self, scope, receive, send, headers):
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)

@@ -3,8 +3,10 @@
 One HTTP request becomes one engine request per prompt (a completions request may batch
 prompts). `RequestRunner.run` merges their outputs into one stream, records latency
 metrics, holds the admission slot that backpressure counts, and aborts every engine
-request still running when the consumer stops early (client disconnect, task cancel,
-server shutdown), so its KV pages are freed at once.
+request still running when the consumer stops early (client disconnect, task cancel),
+so its KV pages are freed at once. It keeps the open engine requests, which a drain's
+deadline aborts (`abort_open`): their outputs then end with finish_reason "abort".
+An engine failure becomes a 500 naming the engine request.
 """
 from __future__ import annotations
 
@@ -15,14 +17,13 @@ import time
 from typing import AsyncIterator
 
 from jlight.core.errors import EngineOverloadedError
+from jlight.engine.async_engine import RequestFailedError
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
+from jlight.serve.drain import RETRY_AFTER_S, Drain
 from jlight.serve.errors import RequestError
 from jlight.serve.metrics import ServerMetrics
 from jlight.serve.validation import engine_error
-
-RETRY_AFTER_SECONDS = 1
-
 
 @dataclasses.dataclass
 class EngineJob:
@@ -60,7 +61,12 @@ class Admission:
 def overloaded() -> RequestError:
     return RequestError("the server is overloaded: too many requests are waiting; retry later",
                         status=503, type_="server_overloaded", code="overloaded",
-                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def draining() -> RequestError:
+    return RequestError("the server is shutting down; retry on another replica", status=503,
+                        type_="server_unavailable", code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class _Timing:
@@ -87,16 +93,28 @@ def _outcome(out: RequestOutput) -> str:
 
 
 class RequestRunner:
-    def __init__(self, async_llm, metrics: ServerMetrics, admission: Admission):
-        self.async_llm, self.metrics, self.admission = async_llm, metrics, admission
+    def __init__(self, async_llm, metrics: ServerMetrics, admission: Admission, drain: Drain):
+        self.async_llm, self.metrics, self.admission, self.drain = async_llm, metrics, admission, drain
+        self.open: dict[str, EngineJob] = {}  # engine request id -> job, for every job not yet finished
+        drain.abort_open = self.abort_open
+
+    def abort_open(self) -> int:
+        """Abort every open engine request (the drain's deadline); returns how many."""
+        for request_id in self.open:
+            self.async_llm.abort(request_id)
+        return len(self.open)
 
     async def run(self, jobs: list[EngineJob]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (job index, RequestOutput) as outputs arrive, until every job finished.
-        Raises RequestError (503) when overloaded, before anything is yielded."""
+        Raises RequestError (503) when overloaded or past a drain's deadline, before anything is
+        yielded, and (500) when the engine fails a job."""
+        if self.drain.deadline_passed:
+            raise draining()
         arrival = time.perf_counter()
         timings = [_Timing(self.metrics, arrival) for _ in jobs]
         finished = [False] * len(jobs)
         with self.admission.slot(len(jobs)) as release:
+            self.open.update((job.request_id, job) for job in jobs)
             try:
                 async with contextlib.aclosing(self._merged(jobs)) as merged:
                     async for index, out in merged:
@@ -106,8 +124,15 @@ class RequestRunner:
                             timings[index].on_output(now)
                         if out.finished and not finished[index]:
                             finished[index] = True
+                            self.open.pop(jobs[index].request_id, None)
                             self.metrics.record_finished(_outcome(out), now - arrival)
+                        elif self.drain.deadline_passed:
+                            # Handed to the engine after the deadline's aborts reached it: abort it now.
+                            self.async_llm.abort(jobs[index].request_id)
                         yield index, out
+            except RequestFailedError as e:  # the engine failed (a step raised): not the client's doing
+                self._abort_unfinished(jobs, finished, "error")
+                raise RequestError(str(e), status=500, type_="internal_error", code="engine_error") from None
             except EngineOverloadedError:
                 finished[:] = [True] * len(jobs)  # the engine never took them
                 self.metrics.record_finished("overloaded")
@@ -125,6 +150,8 @@ class RequestRunner:
             finally:
                 # A consumer that stopped iterating early without an exception reaching us.
                 self._abort_unfinished(jobs, finished, "client_disconnect")
+                for job in jobs:
+                    self.open.pop(job.request_id, None)
 
     def _abort_unfinished(self, jobs, finished, outcome: str) -> None:
         for job, done in zip(jobs, finished):

@@ -10,6 +10,7 @@ import logging
 import re
 
 from jlight.engine.sampling_params import SamplingParams
+from jlight.serve.budget import PromptBudget
 from jlight.serve.errors import RequestError
 from jlight.serve.protocol import ChatMessage, SamplingFields, structured_outputs_asked
 
@@ -43,8 +44,9 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                            param=param)
 
 
-def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
-    """A completions `prompt` (string, strings, token ids, or lists of them) -> token id lists."""
+def completion_prompts(prompt, tokenizer, vocab_size: int, budget: PromptBudget | None = None) -> list[list[int]]:
+    """A completions `prompt` (string, strings, token ids, or lists of them) -> token id lists; a text
+    that `budget` says cannot fit is refused untokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and isinstance(prompt[0], int):
@@ -55,6 +57,8 @@ def completion_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
             if not item:
                 raise RequestError("prompt must not be empty; send at least one character", param="prompt")
             _check_text(item, "prompt")
+            if budget is not None:
+                budget.check_text(item, "prompt")
             ids = tokenizer.encode(item, add_special_tokens=True)
         else:
             ids = list(item)
@@ -89,9 +93,10 @@ def _arguments_for_template(arguments: str):
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None, budget: PromptBudget | None = None) -> list[int]:
     """Render `messages` (and `tools`, the request's tool dicts, for templates that show them) with the
-    model's chat template and tokenize the result."""
+    model's chat template and tokenize the result; a rendered text `budget` says cannot fit is refused
+    untokenized."""
     plain = []
     for i, m in enumerate(messages):
         text = m.text()
@@ -108,6 +113,8 @@ def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
         logger.info("chat template rejected messages: %s", e)
         raise RequestError(f"messages cannot be rendered with this model's chat template: {e}",
                            param="messages") from None
+    if budget is not None:
+        budget.check_text(rendered, "messages")
     # The template already holds any BOS text; adding special tokens again would double it.
     ids = tokenizer.encode(rendered, add_special_tokens=False)
     if not ids:

@@ -33,6 +33,8 @@ FUNCTION_LEVEL_IMPORTS = {
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.paged_prefill_mosaic"): "GPU kernel, loaded when chosen",
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.matmul_pallas"): "GPU kernel, loaded when chosen",
     ("jlight.serve.cli", "jlight.serve.app"): "the web stack (fastapi) loads only when the server runs",
+    ("jlight.serve.cli", "jlight.serve.drain"): "the web stack (uvicorn) loads only when the server runs",
+    ("jlight.serve.cli", "jlight.serve.host_work"): "the web stack (fastapi) loads only when the server runs",
 }
 
 # Libraries a module may import inside a function, and why they load only when used. The standard

@@ -1,12 +1,13 @@
-"""AsyncLLM: streaming, abort on leaving the stream, bad parameters rejected up front, and a
-failing engine step fails only the requests it held."""
+"""AsyncLLM: streaming, abort on leaving the stream, an abort that ends the stream with its last
+output, a consumer that does not read holding one merged output, bad parameters rejected up
+front, and a failing engine step fails only the requests it held, naming each."""
 import asyncio
 
 import pytest
 
 import jlight
 from jlight import SamplingParams
-from jlight.engine.async_engine import AsyncLLM
+from jlight.engine.async_engine import AsyncLLM, RequestFailedError
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,48 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(async_llm, mon
 
     monkeypatch.setattr(runner, "prepare", failing_once)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with pytest.raises(RuntimeError, match="injected failure"):
+    with pytest.raises(RequestFailedError, match="request doomed failed in the engine .*injected failure") as failed:
         asyncio.run(collect(async_llm, [5, 6, 7], params, "doomed"))
+    assert failed.value.request_id == "doomed"
     assert asyncio.run(collect(async_llm, [5, 6, 7], params, "after")) and calls["n"] > 1
     assert async_llm.engine.block_manager.num_used_pages == 0
+
+
+def test_abort_ends_the_stream_with_an_abort_output(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for out in async_llm.generate([5, 6, 7], params, "stopped"):
+            outs.append(out)
+            if len(outs) == 2:
+                async_llm.abort("stopped")
+        return outs
+
+    outs = asyncio.run(main())
+    last = outs[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert len(last.outputs[0].token_ids) < 200
+    assert sum((o.outputs[0].token_ids_delta for o in outs), []) == last.outputs[0].token_ids
+    assert async_llm.engine.block_manager.num_used_pages == 0
+
+
+def test_a_consumer_that_does_not_read_holds_one_merged_output(async_llm):
+    """The engine runs on while nobody reads; what waits is one output with every delta since."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        stream = async_llm.generate([5, 6, 7], params, "late-reader")
+        first = await stream.__anext__()
+        for _ in range(200):  # the request finishes meanwhile
+            await asyncio.sleep(0.01)
+            if async_llm.stats().num_running == 0:
+                break
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished  # 23 tokens' outputs, merged while unread
+    ids = first.outputs[0].token_ids_delta + rest[0].outputs[0].token_ids_delta
+    assert ids == rest[0].outputs[0].token_ids and len(ids) == 24
+    assert first.outputs[0].text_delta + rest[0].outputs[0].text_delta == rest[0].outputs[0].text

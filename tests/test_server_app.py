@@ -170,6 +170,7 @@ def _serve(llm, **app_options):
 
     from jlight.serve.app import build_app
     app = build_app(llm, api_key=API_KEY, max_waiting_requests=8, max_body_bytes=4096, **app_options)
+    llm.app = app  # tests reach the app's state (its drain) through the stand-in
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -547,6 +548,61 @@ def test_prompt_offsets_skip_an_added_bos_and_count_split_characters_once():
     ids = [1] + list("é!".encode())  # a BOS the text does not hold, then "é" as two byte tokens
     assert prompt_offsets(WithBos(), ids, "é!") == [0, 0, 0, 1]
     assert prompt_offsets(WithBos(), ids, "\x01é!") == [0, 1, 1, 2]  # the BOS's text sent as part of the prompt
+
+SIZE_BUDGET = [
+    # (path, body, param, words): refused before any per-item work (the stand-in's context is 64 tokens,
+    # no token longer than one byte, +1 for a SentencePiece space: 63 * 2 = 126 bytes of text)
+    ("/v1/completions", {"prompt": "a" * 127}, "prompt", "127 characters"),
+    ("/v1/completions", {"prompt": "é" * 64}, "prompt", "128 bytes"),  # 64 characters, but 2 bytes each
+    ("/v1/completions", {"prompt": ["ok", "a" * 200]}, "prompt", "200 characters"),
+    ("/v1/completions", {"prompt": [5] * 64}, "prompt", "64 token ids"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, "prompt", "batch of 65 prompts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b" * 130}]}, "messages", "characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}] * 64}, "messages", "64 messages"),
+    ("/detokenize", {"tokens": [5] * 65}, "tokens", "65 token ids"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", SIZE_BUDGET)
+def test_size_budget_refuses_before_tokenizing(server, monkeypatch, path, body, param, words):
+    url, tokenized = server[0], []
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text, add_special_tokens=True: tokenized.append(text))
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert not tokenized
+    post(url, "/v1/completions", {"prompt": "a" * 120, "max_tokens": 1})
+    assert tokenized == ["a" * 120]  # within the budget: tokenized
+
+
+def test_openapi_shows_the_request_bodies(server):
+    """The POST routes parse their own bodies off the event loop; the schema still shows them."""
+    schema = httpx.get(server[0] + "/openapi.json", headers=HEADERS).json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert "prompt" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "ChatMessage" in schema["components"]["schemas"]  # nested models come along
+
+
+def test_draining_server_answers_503():
+    """While draining, the listener stays open: /health says so, new requests get 503 + Retry-After;
+    /metrics still answers."""
+    for url, llm in _serve(FakeAsyncLLM()):
+        assert httpx.get(url + "/health").status_code == 200
+        drain = llm.app.state.drain
+        drain.begin_threadsafe()
+        deadline = time.time() + 5
+        while not drain.draining and time.time() < deadline:
+            time.sleep(0.01)
+        health = httpx.get(url + "/health")
+        assert (health.status_code, health.text) == (503, "draining")
+        r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "draining"
+        assert httpx.get(url + "/metrics", headers=HEADERS).status_code == 200
+
 
 def test_body_size_limit(server):
     url, _ = server

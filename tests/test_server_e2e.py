@@ -1,7 +1,8 @@
 """`jlight serve` as a real subprocess on 127.0.0.1 with the default SmolLM2 model, driven by
 the official `openai` client and raw HTTP: results equal jlight.LLM's, sampling options work,
 64 concurrent streams with a quarter of the clients leaving midway leave the KV pool empty,
-bad input gets a 4xx naming the field, schemathesis finds no 5xx, and SIGTERM drains.
+bad input gets a 4xx naming the field, schemathesis finds no 5xx, and SIGTERM drains (the server's
+other promises under abuse are test_server_chaos.py's).
 
 One server for the whole module (starting it compiles the model); the SIGTERM test stops
 it, so it runs last.
@@ -16,13 +17,13 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from server_process import free_port, server_process
 
 openai = pytest.importorskip("openai")
 
@@ -33,12 +34,6 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llm():
     import jlight.api
@@ -47,26 +42,11 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):  # after llm: the server then finds the XLA compilation cache warm
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "jlight.serve.cli", "--port", str(port), "--api-key", API_KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", "30", "--log-level", "warning"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jlight_serve_{port}.log"), "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, f"server exited: {open(log.name).read()[-3000:]}"
-        assert time.time() < deadline, "server did not come up in 300 s"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    yield url, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with server_process(cmd, port, os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jlight_serve_{port}.log")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -519,8 +499,12 @@ def test_sigterm_drains_in_flight_requests(server):
                 if len(events) == 1:
                     proc.send_signal(signal.SIGTERM)
                     time.sleep(0.5)
-                    with pytest.raises(httpx.ConnectError):  # no new connections while draining
-                        httpx.get(url + "/health", timeout=2)
+                    # Draining: out of rotation, new requests answered (not refused) with 503 + Retry-After.
+                    health = httpx.get(url + "/health", timeout=2)
+                    assert (health.status_code, health.text) == (503, "draining")
+                    late = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=AUTH,
+                                      timeout=10)
+                    assert late.status_code == 503 and late.headers["Retry-After"] == "1", late.text
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert proc.wait(timeout=60) == 0

@@ -72,6 +72,19 @@ def test_from_dir(tiny_tokenizer):
         tok.encode(["not", "a", "string"])
 
 
+
+def test_long_texts_go_through_the_gil_releasing_calls_unchanged(smol_tokenizer):
+    """encode runs tokenizers' batch call and long decodes theirs (both release the GIL, so the server's
+    worker threads leave its event loop running): the ids and the text are the single calls'."""
+    from jlight.tokenizer import LONG_DECODE_IDS
+    text = "<|im_start|>user\n" + " ".join(STREAM_TEXTS) * 40 + "<|im_end|>"
+    for special in (True, False):
+        assert smol_tokenizer.encode(text, special) == smol_tokenizer.backend.encode(text, add_special_tokens=special).ids
+    ids = smol_tokenizer.encode(text)
+    assert len(ids) > LONG_DECODE_IDS
+    for skip in (True, False):
+        assert smol_tokenizer.decode(ids, skip) == smol_tokenizer.backend.decode(ids, skip_special_tokens=skip)
+
 def test_from_dir_without_tokenizer_json(tmp_path):
     from jlight.core.errors import ModelLoadError
 

@@ -1,14 +1,23 @@
 """AsyncLLM: the engine in a background thread, with an asyncio interface for the server.
 
-HTTP handlers never block the engine: they validate and tokenize in their own thread,
-then hand the request over through a queue; the engine thread applies queued adds and
-aborts between steps and pushes each step's outputs back onto the handlers' event loop.
-Leaving the `generate` iterator early (client disconnect, cancellation) aborts the request
-and frees its pages.
+HTTP handlers never block on the engine: `generate` validates and tokenizes in a worker thread
+(`executor`), then hands the request over through a queue; the engine thread applies queued adds
+and aborts between steps and pushes each step's outputs back onto the handlers' event loop.
+
+Invariants:
+- A stream holds at most one unread output (`_Mailbox`): an output that arrives while the one
+  before is unread is merged into it (deltas joined, the rest the newer one's), so a consumer that
+  reads slowly costs one output's memory and never holds the engine back.
+- Aborting a request ends its stream with the engine's last output for it, finish_reason "abort".
+  Leaving the `generate` iterator early (client disconnect, cancellation) aborts the request and
+  frees its pages.
+- A step that raises fails the requests the engine held, each with a RequestFailedError naming
+  it, and the loop goes on; three failures in a row stop it (`error`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import queue
@@ -17,14 +26,65 @@ import uuid
 from typing import AsyncIterator
 
 from jlight.core.errors import EngineOverloadedError
-from jlight.engine.outputs import RequestOutput
+from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed while it held this request (a step raised, or the loop stopped); the request
+    was aborted. Not the caller's fault: the server answers 500 naming the request."""
+
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id} failed in the engine ({reason}); it was aborted")
+        self.request_id = request_id
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer` with `older`'s deltas in front of its own: what a consumer that missed `older` needs."""
+    old_by_index = {c.index: c for c in older.outputs}
+
+    def merged(c: CompletionOutput) -> CompletionOutput:
+        old = old_by_index.get(c.index)
+        if old is None:
+            return c
+        return dataclasses.replace(c, text_delta=old.text_delta + c.text_delta,
+                                   token_ids_delta=old.token_ids_delta + c.token_ids_delta)
+    return dataclasses.replace(newer, outputs=[merged(c) for c in newer.outputs])
+
+
+class _Mailbox:
+    """One stream's unread output (merged, see merge_outputs) and error, on the stream's event loop.
+    `get` returns the output first: an error that follows it comes next."""
+
+    def __init__(self):
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        else:
+            self._output = item if self._output is None else merge_outputs(self._output, item)
+        self._ready.set()
+
+    async def get(self):
+        await self._ready.wait()
+        if self._output is not None:
+            item, self._output = self._output, None
+        else:
+            item, self._error = self._error, None
+        if self._output is None and self._error is None:
+            self._ready.clear()
+        return item
+
+
 class AsyncLLM:
-    def __init__(self, llm, max_waiting_requests: int = 1024):
+    def __init__(self, llm, max_waiting_requests: int = 1024, executor=None):
+        """executor: a concurrent.futures executor for the host work of `generate` (validation, tokenizing,
+        grammar compilation); None: the event loop's default one."""
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
@@ -32,9 +92,10 @@ class AsyncLLM:
         self.max_model_len = llm.max_model_len
         self.model_name = llm.model_name
         self.max_waiting_requests = max_waiting_requests
+        self.executor = executor
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._lock = threading.Lock()  # guards _streams and _num_queued
         self._num_queued = 0  # adds handed over but not yet applied by the engine thread
         self._stats = self.engine.stats()
@@ -46,37 +107,35 @@ class AsyncLLM:
     # ---- public ------------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or uuid.uuid4().hex
         if self._error is not None:
-            raise RuntimeError(f"the engine stopped after an error: {self._error}")
+            raise RequestFailedError(request_id, f"the engine stopped after an error: {self._error}")
         if self._stopping:
             raise EngineOverloadedError("the server is shutting down; retry on another replica")
-        request_id = request_id or uuid.uuid4().hex
         if isinstance(prompt, str):
             validate = functools.partial(self.engine.validate_request, prompt, sampling_params)
         else:
-            validate = functools.partial(self.engine.validate_request, None, sampling_params, list(prompt))
-        if getattr(sampling_params, "structured_outputs", None) is not None:
-            # Compiling a grammar takes milliseconds (the first one also builds llguidance's view of the
-            # vocabulary, about a second): off the event loop, which serves every other stream.
-            ids, params = await asyncio.to_thread(validate)
-        else:
-            ids, params = validate()
+            validate = functools.partial(self.engine.validate_request, None, sampling_params, prompt)
+        # Off the event loop, which serves every other stream: tokenizing grows with the prompt, and
+        # compiling a grammar takes milliseconds (the first one also builds llguidance's view of the
+        # vocabulary, about a second).
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        ids, params = await loop.run_in_executor(self.executor, validate)
+        mailbox = _Mailbox()
         with self._lock:
             if self._stats.num_waiting + self._num_queued >= self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"{self.max_waiting_requests} requests are already waiting; retry later")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, q)
+            self._streams[request_id] = (loop, mailbox)
             self._num_queued += 1
         self._commands.put(("add", request_id, prompt if isinstance(prompt, str) else None, ids, params))
         self._wake.set()
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await mailbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -90,6 +149,7 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop the request; its stream, if still read, ends with an output whose finish_reason is "abort"."""
         self._commands.put(("abort", request_id))
         self._wake.set()
 
@@ -117,9 +177,9 @@ class AsyncLLM:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
-            loop, q = target
+            loop, mailbox = target
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(mailbox.put, item)
             except RuntimeError:  # the handler's loop is closed: nobody listens any more
                 self._commands.put(("abort", request_id))
 
@@ -133,7 +193,9 @@ class AsyncLLM:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
+                final = self.engine.abort_request(cmd[1])
+                if final is not None:
+                    self._deliver(cmd[1], final)
                 continue
             _, rid, prompt, ids, params = cmd
             with self._lock:
@@ -158,7 +220,7 @@ class AsyncLLM:
                 raise
             logger.exception("engine step failed; aborting the requests it held")
             for rid in self.engine.abort_all():
-                self._deliver(rid, RuntimeError(f"engine step failed ({type(e).__name__}: {e}); request aborted"))
+                self._deliver(rid, RequestFailedError(rid, f"an engine step raised {type(e).__name__}: {e}"))
             return
         for out in outputs:
             self._deliver(out.request_id, out)
@@ -182,4 +244,4 @@ class AsyncLLM:
             with self._lock:
                 ids = list(self._streams)
             for rid in ids:
-                self._deliver(rid, RuntimeError(f"engine error: {e}"))
+                self._deliver(rid, RequestFailedError(rid, f"the engine loop stopped: {type(e).__name__}: {e}"))

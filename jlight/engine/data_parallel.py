@@ -74,10 +74,9 @@ class DataParallelEngine:
         self._replica_of[request_id] = replica
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         replica = self._replica_of.pop(request_id, None)
-        if replica is not None:
-            replica.abort_request(request_id)
+        return replica.abort_request(request_id) if replica is not None else None
 
     def abort_all(self) -> list[str]:
         self._replica_of.clear()

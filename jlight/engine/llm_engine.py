@@ -255,15 +255,20 @@ class LLMEngine:
         self.prompt_tokens_total += len(prompt_token_ids)
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages. Returns its last output (every unfinished sample with
+        finish_reason "abort"), or None for a request the engine does not hold."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         for seq in req.seqs:
             if not seq.finished:
+                if seq.detokenizer is not None:  # as at every finish: text == decode(token_ids)
+                    seq.text += seq.detokenizer.flush()
                 seq.finish_reason = "abort"
                 self._finish(seq)
             self._seq_request.pop(seq.seq_id, None)
+        return output_processor.make_request_output(req)
 
     def abort_all(self) -> list[str]:
         """Abort every request and drop the step in flight (after a failed step). Returns their ids."""

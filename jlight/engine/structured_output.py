@@ -121,8 +121,12 @@ class GrammarCompiler:
                 if not self._eos:
                     raise ValueError("structured outputs need an EOS token id; this model's config and tokenizer name none")
                 # About half a second for SmolLM2's 49k vocabulary; once per engine.
-                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=self._eos)
+                try:
+                    self._ll_tokenizer = llg.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=self._eos)
+                except ValueError as e:  # e.g. a WordLevel vocabulary without a byte-level decoder
+                    raise ValueError(f"structured_outputs are not available with this model's tokenizer: llguidance "
+                                     f"cannot read it ({_one_line(e)})") from None
                 self._executor = llg.LLExecutor()
             return self._ll_tokenizer
 

@@ -1,0 +1,103 @@
+"""The chaos suite (benchmarks/chaos_cases.py) against a real `jlight serve` of a tiny model, on
+127.0.0.1 in a subprocess (`benchmarks/chaos.py serve`: the server plus one injected fault, a step
+that raises when it schedules the poisoned prompt), at CI sizes.
+
+What each case promises is in chaos_cases.py's docstring and docs/ARCHITECTURE.md. Two of them
+reproduce what a new user saw go wrong: a 5 MB chat body stalled /health for seconds
+(test_health_answers_while_a_huge_request_is_prepared, test_an_oversized_body_does_not_stall_a_stream),
+and SIGTERM cut streams mid-chunk (test_sigterm_ends_every_stream_cleanly). One server for the
+module; the SIGTERM test stops it, so it runs last.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import chaos_cases  # noqa: E402
+from chaos_client import Target  # noqa: E402
+from server_process import free_port, server_process  # noqa: E402
+
+MAX_MODEL_LEN = 1024
+DRAIN_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def chaos_server(tiny_model, tmp_path_factory):
+    model = tiny_model("LlamaForCausalLM", max_position_embeddings=MAX_MODEL_LEN)
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("chaos") / "server.log")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "serve", model, "--port", str(port),
+           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
+           "--max-num-batched-tokens", "64", "--shutdown-timeout", str(DRAIN_TIMEOUT_S), "--log-level", "info"]
+    with server_process(cmd, port, log_path) as (url, proc):
+        target = asyncio.run(Target(url, server_pid=proc.pid, drain_timeout_s=DRAIN_TIMEOUT_S).connect())
+        yield target, proc, log_path
+
+
+def _run(case, target, **kw):
+    return asyncio.run(case(target, **kw))
+
+
+def test_health_answers_while_a_huge_request_is_prepared(chaos_server):
+    """Fails on the code before the host pool and the size budget: /health waited ~3 s."""
+    report = _run(chaos_cases.health_during_huge_request, chaos_server[0])
+    assert set(report) == {"/v1/chat/completions", "/v1/completions"}
+
+
+def test_bad_inputs_name_their_field(chaos_server):
+    target = chaos_server[0]
+    assert _run(chaos_cases.bad_inputs, target)["cases"] == len(chaos_cases.bad_input_table(target)) > 20
+
+
+def test_disconnect_storm_frees_the_pool(chaos_server):
+    report = _run(chaos_cases.disconnect_storm, chaos_server[0])
+    assert report["outcomes"].get("client_disconnect", 0) >= 1
+
+
+def test_slow_readers_hold_memory_flat(chaos_server):
+    """Fails on the code before AsyncLLM's one-output mailbox: 3 silent readers cost ~45 MB."""
+    _run(chaos_cases.slow_readers, chaos_server[0])
+
+
+def test_an_oversized_body_does_not_stall_a_stream(chaos_server):
+    """Fails on the code before the host pool and the size budget: the stream's gap was ~4 s."""
+    _run(chaos_cases.oversized_body_during_stream, chaos_server[0])
+
+
+def test_a_failing_step_fails_only_its_requests(chaos_server):
+    report = _run(chaos_cases.step_failure, chaos_server[0])
+    assert report["served_after"] == 8
+
+
+def test_many_requests_leave_memory_flat(chaos_server):
+    report = _run(chaos_cases.many_requests_flat_rss, chaos_server[0])
+    assert report["requests"] == 1000
+
+
+def test_sigterm_ends_every_stream_cleanly(chaos_server):
+    """Runs last: stops the module's server. Fails on the code before serve/drain.py: /health refused
+    connections after SIGTERM, and streams were cut at the deadline."""
+    target, proc, log_path = chaos_server
+    log_start = os.path.getsize(log_path)
+
+    def exited(timeout_s):
+        try:
+            proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    report = _run(chaos_cases.sigterm_mid_stream, target, wait_exit=exited)
+    assert report["endings"].get("abort", 0) >= 1
+    assert proc.returncode == 0
+    with open(log_path) as f:
+        f.seek(log_start)
+        shutdown_log = f.read()
+    assert "drain deadline" in shutdown_log and "Traceback" not in shutdown_log and " ERROR " not in shutdown_log, \
+        shutdown_log[-3000:]
