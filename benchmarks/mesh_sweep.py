@@ -213,9 +213,9 @@ def build(spec: str, config: ModelConfig, dtype, a):
     init_s = time.perf_counter() - t
     kernels = get_kernels(a.attention_impl, a.matmul_impl, a.moe_impl, sharded=True)  # as the engine under a mesh
 
-    def model_fn(p, k, v, tokens, md):
-        hidden, k, v = family.forward(p, plan.config, tokens, k, v, md, kernels)
-        return family.compute_logits(p, plan.config, hidden[md.logits_indices], kernels), k, v
+    def model_fn(p, k, v, tokens, md, ops):
+        hidden, k, v = family.forward(p, plan.config, tokens, k, v, md, kernels, ops)
+        return family.compute_logits(p, plan.config, hidden[md.logits_indices], kernels, ops), k, v
 
     num_pages = 1 + max(a.batch * math.ceil(a.context / PAGE_SIZE), math.ceil(a.prompt_len / PAGE_SIZE))  # 0: scratch
     k_shape, v_shape = family.kv_cache_shapes(plan.config, num_pages, PAGE_SIZE)

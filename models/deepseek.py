@@ -14,10 +14,12 @@ Each stack runs under lax.scan, or unrolled over per-layer weights after `unstac
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jlight.core import parallel_ops
+from jlight.core.parallel_ops import ParallelOps
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.config import ModelConfig
 from jlight.core.quantization import QuantizedWeight, dequantize
@@ -134,9 +136,8 @@ def _as_array(w, dtype):
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
 
 
-def mla_attention(c, s, lp, x, cache, layer_idx, md: BatchMetadata, kernels, rope, scale):
+def mla_attention(c, s, lp, x, cache, layer_idx, md: BatchMetadata, kernels, ops: ParallelOps, rope, scale):
     """x: [T, embed] (normed) -> ([T, embed], cache)."""
-    ops = parallel_ops.current()
     mm = kernels.matmul
     num_tokens = md.positions.shape[0]  # not x.shape[0]: under collective matmul x may be split on tokens
     C, nope = s["kv_lora_rank"], s["nope_dim"]
@@ -169,17 +170,15 @@ def mla_attention(c, s, lp, x, cache, layer_idx, md: BatchMetadata, kernels, rop
     return ops.row_linear(out.reshape(num_tokens, -1), lp["wo"], mm), cache
 
 
-def _dense_mlp(c, lp, x, mm, prefix=""):
-    ops = parallel_ops.current()
+def _dense_mlp(c, lp, x, mm, ops: ParallelOps, prefix=""):
     act = activation(c.hidden_act)
     gate = ops.column_linear(x, lp[prefix + "gate"], mm)
     up = ops.column_linear(x, lp[prefix + "up"], mm)
     return ops.row_linear(act(gate) * up, lp[prefix + "down"], mm)
 
 
-def moe_mlp(c, s, lp, x, kernels):
+def moe_mlp(c, s, lp, x, kernels, ops: ParallelOps):
     """Shared experts plus routed experts. x: [T, embed] -> [T, embed]."""
-    ops = parallel_ops.current()
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32))  # [T, experts], float32 as HF
     if s["v3"]:
         ids, weights = deepseek_v3_topk(logits, lp["router_bias"], s["top_k"], num_groups=s["num_groups"],
@@ -187,19 +186,18 @@ def moe_mlp(c, s, lp, x, kernels):
     else:
         ids, weights = deepseek_v2_topk(logits, s["top_k"], method=s["topk_method"], num_groups=s["num_groups"],
                                         topk_group=s["topk_group"], normalize=s["normalize"], scaling=s["scaling"])
-    out = ops.expert_ffn(expert_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"],
-                         activation(c.hidden_act), kernels.matmul, kernels.moe_impl)
+    local_ffn = functools.partial(expert_ffn, act=activation(c.hidden_act), impl=kernels.moe_impl)
+    out = ops.expert_ffn(local_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"])
     if s["num_shared"]:
-        out = out + _dense_mlp(c, lp, x, kernels.matmul, prefix="shared_")
+        out = out + _dense_mlp(c, lp, x, kernels.matmul, ops, prefix="shared_")
     return out
 
 
-def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
+def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels, ops: ParallelOps):
     """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache).
 
     k_cache is the latent pool of kv_cache_shapes; v_cache is passed through untouched.
     """
-    ops = parallel_ops.current()
     c = config
     s = mla_settings(c)
     rope = _rope(c, s)
@@ -209,10 +207,10 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
         def layer(carry, xs):
             h, cache = carry
             lp, layer_idx = xs
-            attn, cache = mla_attention(c, s, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), cache, layer_idx, md, kernels, rope, scale)
+            attn, cache = mla_attention(c, s, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), cache, layer_idx, md, kernels, ops, rope, scale)
             h = h + attn
             x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-            h = h + (moe_mlp(c, s, lp, x, kernels) if moe else _dense_mlp(c, lp, x, kernels.matmul, prefix="w_"))
+            h = h + (moe_mlp(c, s, lp, x, kernels, ops) if moe else _dense_mlp(c, lp, x, kernels.matmul, ops, prefix="w_"))
             return (h, cache), None
         return layer
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.core import parallel_ops
+from jlight.core.parallel_ops import ParallelOps
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.config import ModelConfig
 from jlight.models.rope import apply_rope, inv_frequencies
@@ -86,12 +86,12 @@ def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int) -> tupl
     return shape, shape
 
 
-def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetadata, kernels, inv_freq, rope_factor):
+def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetadata, kernels, ops: ParallelOps, inv_freq,
+              rope_factor):
     """Attention of one Llama-family layer (the MoE families use it too).
 
     x: [T, embed] (normed) -> ([T, embed], k_cache, v_cache).
     """
-    ops = parallel_ops.current()
     mm = kernels.matmul
     num_tokens = md.positions.shape[0]  # all T tokens: x is [T/tp, embed] under sequence parallelism
     q, k, v = column_projections(ops, x, lp, ("wq", "wk", "wv"), mm)
@@ -110,13 +110,13 @@ def attention(c: ModelConfig, lp, x, k_cache, v_cache, layer_idx, md: BatchMetad
     return ops.row_linear(attn.reshape(num_tokens, -1), lp["wo"], mm), k_cache, v_cache
 
 
-def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
+def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels, ops: ParallelOps):
     """Run the decoder over a flat ragged batch of tokens.
 
     tokens: [T] int32. Returns (hidden [T, embed] after the final norm, k_cache, v_cache).
-    `kernels` supplies write_kv, paged_attention and matmul (see pallas_kernels.dispatch).
+    `kernels` supplies write_kv, paged_attention and matmul (see pallas_kernels.dispatch); `ops` the
+    parallel ops (jlight/core/parallel_ops.py: plain on one device, tensor-parallel under a mesh).
     """
-    ops = parallel_ops.current()
     c = config
     mm = kernels.matmul
     act = activation(c.hidden_act)
@@ -126,7 +126,7 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
         h, k_cache, v_cache = carry
         lp, layer_idx = xs
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        attn, k_cache, v_cache = attention(c, lp, x, k_cache, v_cache, layer_idx, md, kernels, inv_freq, rope_factor)
+        attn, k_cache, v_cache = attention(c, lp, x, k_cache, v_cache, layer_idx, md, kernels, ops, inv_freq, rope_factor)
         h = h + attn
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         gate, up = column_projections(ops, x, lp, ("w_gate", "w_up"), mm)
@@ -153,7 +153,6 @@ def unstack_layers(params: dict, donate: bool = False) -> dict:
     return dict(params, layers=split_layers(params["layers"], donate))
 
 
-def compute_logits(params: dict, config: ModelConfig, hidden, kernels):
+def compute_logits(params: dict, config: ModelConfig, hidden, kernels, ops: ParallelOps):
     """hidden: [N, embed] (already normed) -> float32 logits [N, vocab]."""
-    ops = parallel_ops.current()
     return ops.lm_head(hidden, params["lm_head"], kernels.matmul)

@@ -11,10 +11,12 @@ run under lax.scan, or unrolled over per-layer weights after `unstack_layers` (a
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jlight.core import parallel_ops
+from jlight.core.parallel_ops import ParallelOps
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.config import ModelConfig
 from jlight.core.errors import UnsupportedModelError
@@ -90,15 +92,14 @@ def param_shapes(config: ModelConfig) -> dict:
     return shapes
 
 
-def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
+def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels, ops: ParallelOps):
     """Routed experts (+ the gated shared expert of Qwen2-MoE). x: [T, embed] -> [T, embed]."""
-    ops = parallel_ops.current()
     act = activation(c.hidden_act)
     # Router in float32: near-ties between experts must break the same way as in the reference.
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32))  # [T, num_experts]
     ids, weights = softmax_topk(logits, s["top_k"], s["normalize"])
-    out = ops.expert_ffn(expert_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"], act, kernels.matmul,
-                         kernels.moe_impl)
+    local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl)
+    out = ops.expert_ffn(local_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"])
     if s["shared_size"]:
         mm = kernels.matmul
         gate, up = column_projections(ops, x, lp, ("shared_gate", "shared_up"), mm)
@@ -108,9 +109,8 @@ def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels):
     return out
 
 
-def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels):
+def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: BatchMetadata, kernels, ops: ParallelOps):
     """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache)."""
-    ops = parallel_ops.current()
     c = config
     s = moe_settings(c)
     inv_freq, rope_factor = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -119,9 +119,9 @@ def forward(params: dict, config: ModelConfig, tokens, k_cache, v_cache, md: Bat
         h, k_cache, v_cache = carry
         lp, layer_idx = xs
         attn, k_cache, v_cache = llama.attention(
-            c, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), k_cache, v_cache, layer_idx, md, kernels, inv_freq, rope_factor)
+            c, lp, rms_norm(h, lp["attn_norm"], c.rms_norm_eps), k_cache, v_cache, layer_idx, md, kernels, ops, inv_freq, rope_factor)
         h = h + attn
-        h = h + sparse_mlp(c, s, lp, rms_norm(h, lp["mlp_norm"], c.rms_norm_eps), kernels)
+        h = h + sparse_mlp(c, s, lp, rms_norm(h, lp["mlp_norm"], c.rms_norm_eps), kernels, ops)
         return (h, k_cache, v_cache), None
 
     h = ops.embed(params["embed"], tokens).astype(params["final_norm"].dtype)  # [T, embed]

@@ -13,10 +13,10 @@ Two jobs, both pure functions:
       "auto"       "pallas" on GPU; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
     No token is ever dropped by any of them.
 
-Model code reaches the expert FFN through `parallel_ops.current().expert_ffn(expert_ffn, ...)`
-(jlight/core/parallel_ops.py) with the impl from `Kernels.moe_impl` (pallas_kernels/dispatch.py); the
-single-device default calls `expert_ffn`, the expert-parallel version (sharding/tensor_parallel.py)
-calls it on each device's experts.
+Model code reaches the expert FFN through `ops.expert_ffn(local_ffn, ...)` (the ParallelOps it is
+given, jlight/core/parallel_ops.py), local_ffn being `expert_ffn` with the model's activation and the
+impl from `Kernels.moe_impl` (pallas_kernels/dispatch.py); the single-device ops call it, the
+expert-parallel ones (sharding/tensor_parallel.py) call it on each device's experts.
 """
 from __future__ import annotations
 

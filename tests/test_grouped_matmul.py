@@ -129,6 +129,7 @@ def test_mixtral_forward_with_each_expert_impl():
     from jlight.core.config import ModelConfig
     from jlight.models import mixtral
     from jlight.core.batch_metadata import BatchMetadata
+    from jlight.core.parallel_ops import ParallelOps
     from jlight.pallas_kernels.dispatch import get_kernels
 
     config = ModelConfig.from_hf_dict(dict(
@@ -146,7 +147,7 @@ def test_mixtral_forward_with_each_expert_impl():
 
     def hidden(params, impl):
         kernels = get_kernels("reference", "reference", moe_impl=impl)
-        fn = jax.jit(lambda p: mixtral.forward(p, config, tokens, jnp.zeros(k_shape), jnp.zeros(v_shape), md, kernels)[0])
+        fn = jax.jit(lambda p: mixtral.forward(p, config, tokens, jnp.zeros(k_shape), jnp.zeros(v_shape), md, kernels, ParallelOps())[0])
         return np.asarray(fn(params))
 
     dense = hidden(params, "dense")
