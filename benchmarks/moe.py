@@ -252,7 +252,8 @@ def jitted_expert_ffn(impl):
     """impl: an expert_ffn implementation name, or a grouped matmul callable (ragged_dot's contract)."""
     if callable(impl):
         return jax.jit(lambda *a: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=impl))
-    return jax.jit(lambda *a: expert_ffn(*a, jax.nn.silu, impl))
+    grouped = get_kernels(moe_impl="pallas").grouped_matmul  # what "pallas" (and "auto" on GPU) run
+    return jax.jit(lambda *a: expert_ffn(*a, jax.nn.silu, impl, grouped))
 
 
 def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mgpu=None):

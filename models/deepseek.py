@@ -186,7 +186,8 @@ def moe_mlp(c, s, lp, x, kernels, ops: ParallelOps):
     else:
         ids, weights = deepseek_v2_topk(logits, s["top_k"], method=s["topk_method"], num_groups=s["num_groups"],
                                         topk_group=s["topk_group"], normalize=s["normalize"], scaling=s["scaling"])
-    local_ffn = functools.partial(expert_ffn, act=activation(c.hidden_act), impl=kernels.moe_impl)
+    local_ffn = functools.partial(expert_ffn, act=activation(c.hidden_act), impl=kernels.moe_impl,
+                                  grouped=kernels.grouped_matmul)
     out = ops.expert_ffn(local_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"])
     if s["num_shared"]:
         out = out + _dense_mlp(c, lp, x, kernels.matmul, ops, prefix="shared_")

@@ -98,7 +98,8 @@ def sparse_mlp(c: ModelConfig, s: dict, lp, x, kernels, ops: ParallelOps):
     # Router in float32: near-ties between experts must break the same way as in the reference.
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32))  # [T, num_experts]
     ids, weights = softmax_topk(logits, s["top_k"], s["normalize"])
-    local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl)
+    local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl,
+                                  grouped=kernels.grouped_matmul)
     out = ops.expert_ffn(local_ffn, x, ids, weights, lp["experts_gate"], lp["experts_up"], lp["experts_down"])
     if s["shared_size"]:
         mm = kernels.matmul
