@@ -28,7 +28,7 @@ from jlight.core.parallel_ops import ParallelOps
 from jlight.core.config import ModelConfig
 from jlight.core.quantization import QuantizedKV, scales_sharding
 from jlight.sharding.mesh import describe, mesh_sizes
-from jlight.sharding.rules import KV_CACHE_AXES, logical_to_spec, param_specs
+from jlight.sharding.rules import KV_CACHE_AXES, is_axes, logical_to_spec, param_specs
 from jlight.sharding.tensor_parallel import TensorParallelOps
 
 # Collective matmuls replace one all-reduce by a ring of 2(n-1) half-block hops; below a few
@@ -61,12 +61,12 @@ class ShardingPlan:
                 f"{where}: num_kv_heads={kv} and tp={self.tp} must divide one another "
                 "(KV heads are split across tp, or replicated when there are fewer than tp); choose another tp"
             )
-        all_axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
+        all_axes = jax.tree.leaves(param_axes, is_leaf=is_axes)
         uses_experts = any("experts" in axes for axes in all_axes)
         if self.ep > 1 and not uses_experts:
             raise ValueError(f"{where}: ep={self.ep} but {config.architecture} has no experts; drop ep from the mesh or use tp/dp")
         # Unknown logical axis names fail now, not at the first step.
-        jax.tree.map(logical_to_spec, param_axes, is_leaf=lambda x: isinstance(x, tuple))
+        jax.tree.map(logical_to_spec, param_axes, is_leaf=is_axes)
         self.source_config = config
         # With fewer KV heads than tp, each KV head is copied so every device owns one.
         self.kv_repeat = max(1, self.tp // kv)
@@ -151,7 +151,7 @@ class ShardingPlan:
                                   self._put(scales, logical_to_spec(axes[:-2] + axes[-1:]), name))
             return self._put(self._transform(axes, leaf), logical_to_spec(axes), name)
 
-        return jax.tree_util.tree_map_with_path(prepare, self.param_axes, params, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+        return jax.tree_util.tree_map_with_path(prepare, self.param_axes, params, is_leaf=is_axes)
 
     # ---- KV cache ---------------------------------------------------------------------
 
