@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding
 
 from jlight.core.config import ModelConfig
 from jlight.models import get_model_family
-from jlight.models.layers import split_layer_axes
+from jlight.models.module import Layout
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.pallas_kernels.dispatch import get_kernels
 from jlight.sharding.mesh import make_mesh, parse_mesh_spec
@@ -59,7 +59,6 @@ from harness import result_header
 from model_configs import CONFIG_NAMES, MOE_CONFIGS, make_config
 
 PAGE_SIZE = 16
-LAYER_GROUPS = ("dense_layers", "layers")  # stacked [layers, ...] weight groups (DeepSeek has both)
 STEPS = ("decode_b1", "decode_batch", "ttft")
 
 
@@ -107,19 +106,6 @@ def prefill_batch(prompt: int, max_pages: int) -> BatchMetadata:
         context_lens=jnp.asarray([prompt], jnp.int32), query_start=jnp.asarray([0, prompt], jnp.int32),
         logits_indices=jnp.asarray([prompt - 1], jnp.int32),
     )
-
-
-def layer_layout(shapes: dict, axes: dict, unroll: bool) -> tuple[dict, dict]:
-    """The family's stacked shapes/axes trees, or with unroll one tree per layer (the `layers`
-    axis dropped), the layout of family.unstack_layers that the unrolled forward runs over."""
-    if not unroll:
-        return shapes, axes
-    shapes = dict(shapes)
-    for group in LAYER_GROUPS:
-        if group in shapes:
-            n = next(iter(shapes[group].values()))[0]
-            shapes[group] = [{k: s[1:] for k, s in shapes[group].items()} for _ in range(n)]
-    return shapes, split_layer_axes(axes, shapes)  # the engine's per-layer axes (models/layers.py)
 
 
 def random_weights(shapes: dict, axes: dict, mesh, dtype, seed: int = 0):
@@ -206,16 +192,18 @@ def build(spec: str, config: ModelConfig, dtype, a):
     plan = ShardingPlan(mesh, config, family.param_axes(config))
     # The plan's layout (KV heads replicated up to tp, vocab padded to a multiple of tp), stacked or per layer.
     layout = dataclasses.replace(plan.config, vocab_size=plan.padded_vocab)
-    shapes, axes = layer_layout(family.param_shapes(layout), family.param_axes(layout), a.layer_loop == "unroll")
+    # The stacked trees, or one tree per layer (the `layers` axis dropped) as family.unstack_layers makes them.
+    per_layer = Layout(unrolled=a.layer_loop == "unroll")
+    shapes, axes = family.param_shapes(layout, per_layer), family.param_axes(layout, per_layer)
     plan = ShardingPlan(mesh, config, axes)  # the same plan, over the params tree as laid out
     t = time.perf_counter()
     params = jax.block_until_ready(random_weights(shapes, axes, mesh, dtype))
     init_s = time.perf_counter() - t
     kernels = get_kernels(a.attention_impl, a.matmul_impl, a.moe_impl, sharded=True)  # as the engine under a mesh
 
-    def model_fn(p, k, v, tokens, md):
-        hidden, k, v = family.forward(p, plan.config, tokens, k, v, md, kernels)
-        return family.compute_logits(p, plan.config, hidden[md.logits_indices], kernels), k, v
+    def model_fn(p, k, v, tokens, md, ops):
+        hidden, k, v = family.forward(p, plan.config, tokens, k, v, md, kernels, ops)
+        return family.compute_logits(p, plan.config, hidden[md.logits_indices], kernels, ops), k, v
 
     num_pages = 1 + max(a.batch * math.ceil(a.context / PAGE_SIZE), math.ceil(a.prompt_len / PAGE_SIZE))  # 0: scratch
     k_shape, v_shape = family.kv_cache_shapes(plan.config, num_pages, PAGE_SIZE)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.core.config import ModelConfig
+from jlight.core.parallel_ops import ParallelOps
 from jlight.models import get_model_family
 from jlight.models.moe import expert_ffn, grouped_expert_ffn
 from jlight.pallas_kernels import grouped_matmul_pallas
@@ -208,8 +209,8 @@ def bench_steps(rec: Recorder, name, config, params, iters, prefill_len, context
             kernels = get_kernels("auto", "auto", moe_impl=impl)
 
             def step(params, k_cache, v_cache, tokens, md, kernels=kernels):
-                hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-                return family.compute_logits(params, config, hidden[md.logits_indices], kernels), k_cache, v_cache
+                hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ParallelOps())
+                return family.compute_logits(params, config, hidden[md.logits_indices], kernels, ParallelOps()), k_cache, v_cache
 
             row = dict(model=name, impl=impl, kind=kind, batch=batch, tokens=batch * q_len, context=ctx,
                        layer_loop="unroll" if isinstance(params["layers"], list) else "scan")
@@ -251,7 +252,8 @@ def jitted_expert_ffn(impl):
     """impl: an expert_ffn implementation name, or a grouped matmul callable (ragged_dot's contract)."""
     if callable(impl):
         return jax.jit(lambda *a: grouped_expert_ffn(*a, jax.nn.silu, grouped_matmul=impl))
-    return jax.jit(lambda *a: expert_ffn(*a, jax.nn.silu, impl))
+    grouped = get_kernels(moe_impl="pallas").grouped_matmul  # what "pallas" (and "auto" on GPU) run
+    return jax.jit(lambda *a: expert_ffn(*a, jax.nn.silu, impl, grouped))
 
 
 def bench_expert_ffn(rec: Recorder, name, config, layer, iters, token_counts, mgpu=None):

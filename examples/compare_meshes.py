@@ -40,9 +40,9 @@ for spec in MESHES:
     count = int(np.prod(list(parse_mesh_spec(spec).values())))
     plan = ShardingPlan(make_mesh(spec, jax.devices()[:count]), MODEL_CONFIG, llama.param_axes(MODEL_CONFIG))
 
-    def model_fn(p, k, v, toks, md, cfg=plan.config):
-        hidden, k, v = llama.forward(p, cfg, toks, k, v, md, kernels)
-        return llama.compute_logits(p, cfg, hidden[md.logits_indices], kernels), k, v
+    def model_fn(p, k, v, toks, md, ops, cfg=plan.config):
+        hidden, k, v = llama.forward(p, cfg, toks, k, v, md, kernels, ops)
+        return llama.compute_logits(p, cfg, hidden[md.logits_indices], kernels, ops), k, v
 
     step = jax.jit(plan.wrap(model_fn))
     k_shape, v_shape = llama.kv_cache_shapes(plan.config, 1 + len(pages), PAGE_SIZE)

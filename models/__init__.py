@@ -1,7 +1,9 @@
 """Model families, looked up by the HF `architectures` name in the checkpoint's config.
 
-Each family module provides: param_axes, param_shapes, init_params, kv_cache_shapes,
-forward and compute_logits (see models/llama.py for the contract).
+Each family module holds its model as Flax NNX modules and provides the contract's functions over
+them (models/module.py: FamilyFunctions): param_shapes, param_axes, init_params, forward,
+compute_logits, plus kv_cache_shapes and unstack_layers (and fuse_projections where the engine may
+fuse q/k/v and gate/up).
 """
 import importlib
 

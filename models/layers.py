@@ -1,4 +1,5 @@
-"""Small layers shared by the model families."""
+"""Small layers shared by the model families, and the params-tree transforms the engine applies
+(per-layer split, fused projections)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,34 +42,6 @@ def split_layers(stacked, donate: bool = False) -> list:
             jax.block_until_ready(per_leaf[-1])
             leaf.delete()
     return [jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(num_layers)]
-
-
-def split_layer_axes(axes: dict, params: dict) -> dict:
-    """The logical axes of per-layer weights from those of the stacked ones: each group that
-    `params` holds as a list (split_layers) gets one axes tree per layer, the `layers` axis dropped.
-    A sharding plan over this tree places and runs the unrolled layers under a mesh."""
-    out = dict(axes)
-    for group, value in params.items():
-        if isinstance(value, list) and isinstance(axes.get(group), dict):
-            out[group] = [{name: a[1:] for name, a in axes[group].items()} for _ in value]
-    return out
-
-
-def run_layers(layer, carry, layers, first: int = 0):
-    """Apply `layer(carry, (layer_params, layer_index)) -> (carry, _)` over a stack of layers.
-
-    `layers` is either stacked [n, ...] weights, run under lax.scan (one compiled body), or a list
-    of per-layer trees from `split_layers`, run unrolled: each layer's weights are then their own
-    buffers, which the matmuls read in place, where a scan would slice them out of the stack on
-    every step. Layer indices (for the KV pools) are first, first + 1, ...
-    """
-    if isinstance(layers, (list, tuple)):
-        for i, layer_params in enumerate(layers):
-            carry, _ = layer(carry, (layer_params, jnp.int32(first + i)))
-        return carry
-    n = jax.tree.leaves(layers)[0].shape[0]
-    carry, _ = jax.lax.scan(layer, carry, (layers, jnp.arange(first, first + n, dtype=jnp.int32)))
-    return carry
 
 
 # Column projections that read the same input, fused into one weight so that a step reads them
@@ -140,13 +113,25 @@ def fuse_projections(layers, delete_parts: bool = False):
     return lp
 
 
-def column_projections(ops, x, lp, names: tuple[str, ...], matmul) -> list:
-    """x times each column projection `names` of layer weights lp: one matmul if they were fused
+def column_projections(ops, x, layer, names: tuple[str, ...], matmul) -> list:
+    """x times each column projection `names` of a layer module: one matmul if they were fused
     (fuse_projections), split back into the parts' outputs."""
     fused_name = next(f for f, group in FUSED_PROJECTIONS.items() if group == names)
-    fused = lp.get(fused_name)
-    if fused is None:
-        return [ops.column_linear(x, lp[n], matmul) for n in names]
+    if not hasattr(layer, fused_name):
+        return [ops.column_linear(x, getattr(layer, n).get_value(), matmul) for n in names]
+    fused = getattr(layer, fused_name).get_value()
     y = ops.column_linear(x, fused.weight, matmul)
     bounds = np.cumsum(fused.widths)[:-1].tolist()
     return jnp.split(y, bounds, axis=-1)
+
+
+def unstack_layers(params: dict, donate: bool = False) -> dict:
+    """Split every stacked group of a params tree ("layers", DeepSeek's "dense_layers") into one
+    tree per layer, for the unrolled forward (the GPU default).
+
+    Costs a longer compile (the layer body is compiled once per layer) and buys weights that the
+    matmul kernels read where they lie, instead of a per-step slice copy out of the stack.
+    donate=True frees each stacked weight as it is split (split_layers), so the peak is the weights
+    plus one leaf rather than twice the weights.
+    """
+    return {name: split_layers(group, donate) if isinstance(group, dict) else group for name, group in params.items()}

@@ -3,20 +3,22 @@
 Two jobs, both pure functions:
   * routing: router logits -> (topk_ids [T, k], topk_weights [T, k]) under each model's rule
     (Mixtral/Qwen softmax-top-k, DeepSeek-V2 group-limited greedy, DeepSeek-V3 sigmoid + bias);
-  * the routed expert FFN, `expert_ffn(..., impl)`, one of:
+  * the routed expert FFN, `expert_ffn(..., impl, grouped)`, one of:
       "pallas"     sort the T*k (token, expert) pairs by expert and run the three expert matmuls
-                   as grouped matmuls with the Pallas kernel (pallas_kernels/grouped_matmul_pallas.py):
-                   each row meets only its own expert's weights, experts with no rows cost nothing;
+                   as grouped matmuls with the Pallas kernel (`grouped`: Kernels.grouped_matmul, from
+                   pallas_kernels/dispatch.py): each row meets only its own expert's weights, experts
+                   with no rows cost nothing;
       "ragged_dot" the same with `jax.lax.ragged_dot` (XLA pads every group: dense-sized FLOPs);
       "gathered"   gather the chosen experts' weights per pair (few pairs: decode);
       "dense"      every expert on every token (the baseline, and a cross-check);
-      "auto"       "pallas" on GPU; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
+      "auto"       "pallas" where the kernels carry the Pallas grouped matmul (dispatch gives it on GPU)
+                   and it takes the shapes; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
     No token is ever dropped by any of them.
 
-Model code reaches the expert FFN through `parallel_ops.current().expert_ffn(expert_ffn, ...)`
-(jlight/core/parallel_ops.py) with the impl from `Kernels.moe_impl` (pallas_kernels/dispatch.py); the
-single-device default calls `expert_ffn`, the expert-parallel version (sharding/tensor_parallel.py)
-calls it on each device's experts.
+Model code reaches the expert FFN through `ops.expert_ffn(local_ffn, ...)` (the ParallelOps it is
+given, jlight/core/parallel_ops.py), local_ffn being `expert_ffn` with the model's activation and the
+impl and grouped matmul from `Kernels` (pallas_kernels/dispatch.py); the single-device ops call it, the
+expert-parallel ones (sharding/tensor_parallel.py) call it on each device's experts.
 """
 from __future__ import annotations
 
@@ -92,31 +94,26 @@ def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: i
 # (arrays or int8 QuantizedWeights with scales [X, out]). Returns [T, E] in x's dtype.
 # ---------------------------------------------------------------------------------------------
 
-GROUPED_MATMULS = ("ragged_dot", "pallas")
 EXPERT_IMPLS = MOE_IMPLS  # the engine's moe_impl values (EngineConfig, --moe-impl)
 
 
-def _grouped_matmul(rows, w, group_sizes, row_expert, impl="ragged_dot"):
+def ragged_dot(rows, values, group_sizes, *, preferred_element_type=None):
+    """XLA's grouped matmul (jax.lax.ragged_dot), int8 weights converted to the rows' dtype first."""
+    return jax.lax.ragged_dot(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=preferred_element_type)
+
+
+def _grouped_matmul(rows, w, group_sizes, row_expert, matmul):
     """rows [R, in] sorted by expert; w [X, in, out] -> [R, out] float32 (row r uses w[row_expert[r]]).
 
-    impl: "ragged_dot", "pallas", or any callable with ragged_dot's contract
-    (rows, values, group_sizes, preferred_element_type=...) (benchmarks compare other kernels).
+    matmul: a callable with ragged_dot's contract (rows, values, group_sizes, preferred_element_type=...):
+    `ragged_dot`, the Pallas kernel (Kernels.grouped_matmul.matmul), or one a benchmark compares. Float
+    weights reach it in the rows' dtype, int8 values as they are (the Pallas kernel converts them in
+    registers); the int8 scales are applied here.
     """
     quantized = isinstance(w, QuantizedWeight)
     values = _values(w)
-    if callable(impl):
-        y = impl(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
-    elif impl == "pallas":
-        # A model importing a kernel: docs/ARCHITECTURE.md's one exception, loaded only for moe_impl "pallas".
-        from jlight.pallas_kernels.grouped_matmul_pallas import grouped_matmul
-
-        # int8 values go in as they are (converted in registers); float weights in rows' dtype.
-        y = grouped_matmul(rows, values if quantized else values.astype(rows.dtype), group_sizes,
-                           preferred_element_type=jnp.float32)
-    elif impl == "ragged_dot":
-        y = jax.lax.ragged_dot(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
-    else:
-        raise ValueError(f"grouped matmul impl={impl!r} is not one of {', '.join(GROUPED_MATMULS)}")
+    values = values if quantized else values.astype(rows.dtype)
+    y = matmul(rows, values, group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     if not quantized:
         return y
     num_experts = values.shape[0]  # rows of the "no local expert" id (see expert_ffn) are zeros: any scale will do
@@ -157,9 +154,9 @@ def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act,
     return out_rows.reshape(num_tokens, k, -1).sum(axis=1).astype(x.dtype)
 
 
-def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, grouped_matmul="ragged_dot"):
-    """Each token's k experts, computed as grouped matmuls (`grouped_matmul`: "ragged_dot",
-    "pallas" or a callable, see _grouped_matmul) over the T*k (token, expert) rows sorted by expert."""
+def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, grouped_matmul=ragged_dot):
+    """Each token's k experts, computed as grouped matmuls (`grouped_matmul`: a callable with ragged_dot's
+    contract, see _grouped_matmul) over the T*k (token, expert) rows sorted by expert."""
     num_tokens, k = topk_ids.shape
     num_experts = _num_experts(w_gate)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
@@ -189,18 +186,17 @@ def _num_experts(w):
     return _values(w).shape[0]
 
 
-def _pallas_fits(w_gate, w_down) -> bool:
-    # A model importing a kernel: docs/ARCHITECTURE.md's one exception, loaded only for moe_impl "pallas".
-    from jlight.pallas_kernels.grouped_matmul_pallas import fits
-
+def _grouped_fits(grouped, w_gate) -> bool:
     embed, mlp = _values(w_gate).shape[1:]
-    return fits(embed, mlp) and fits(mlp, embed)
+    return grouped.fits(embed, mlp) and grouped.fits(mlp, embed)
 
 
-def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down) -> str:
+def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None) -> str:
     """The implementation "auto" stands for, for this many (token, expert) pairs and these weights.
 
-    On GPU, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py, 2026-11-29
+    `grouped`: the Pallas grouped matmul (Kernels.grouped_matmul: `matmul` and `fits(k, n)`), or None
+    where dispatch gives none (moe_impl "auto" off the GPU, or another impl forced).
+    Where it is given and takes the shapes, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py, 2026-11-29
     14:02 UTC, random weights, ms) it was the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
     gathered, 6.34 dense; DeepSeek-V3-shaped 5.01 vs 5.23 gathered, 14.40 dense), at batch-64
     decode on DeepSeek (9.24 vs 18.21 dense) and at 2048-token prefill (33.6 vs 82.1 dense
@@ -211,27 +207,32 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down) -> str:
     """
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"moe_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}")
+    if impl == "pallas" and grouped is None:
+        raise ValueError("moe_impl='pallas' needs the Pallas grouped matmul: pass the kernels of "
+                         "pallas_kernels.dispatch.get_kernels(moe_impl='pallas') (Kernels.grouped_matmul)")
     if impl != "auto":
         return impl
-    if jax.default_backend() == "gpu" and _pallas_fits(w_gate, w_down):
+    if grouped is not None and _grouped_fits(grouped, w_gate):
         return "pallas"
     if 3 * num_pairs <= _num_experts(w_gate):
         return "gathered"
     return "ragged_dot"
 
 
-def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str = "auto"):
+def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str = "auto", grouped=None):
     """The routed experts' output [T, E] by `impl` (see the module docstring); all give the same answer.
+    `grouped`: Kernels.grouped_matmul, the Pallas grouped matmul "pallas" runs (and "auto" may).
 
     A pair whose id equals the number of experts in w_* (with weight 0) is computed by no expert
     here: expert parallelism marks so the pairs routed to other devices' experts.
     """
-    impl = resolve_expert_impl(impl, topk_ids.size, w_gate, w_down)
+    impl = resolve_expert_impl(impl, topk_ids.size, w_gate, w_down, grouped)
     if impl == "dense":
         return dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
     if impl == "gathered":
         return gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act)
-    return grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, grouped_matmul=impl)
+    matmul = grouped.matmul if impl == "pallas" else ragged_dot
+    return grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, grouped_matmul=matmul)
 
 
 def _dense(w, dtype):

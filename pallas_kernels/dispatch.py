@@ -10,8 +10,9 @@
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
-"ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the backend and the
-number of (token, expert) pairs.
+"ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the grouped matmul the
+kernels carry and the number of (token, expert) pairs. `grouped_matmul` is the Pallas grouped matmul
+(grouped_matmul_pallas.py, jax.lax.ragged_dot's contract) for "pallas", and for "auto" on GPU.
 """
 from typing import Callable, NamedTuple
 
@@ -27,6 +28,12 @@ IMPLS = ("auto", "reference", "pallas")
 ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 
 
+class GroupedMatmul(NamedTuple):
+    """The Pallas grouped matmul of the MoE experts and the shapes it takes."""
+    matmul: Callable  # (rows [R, K], w [G, K, N] (int8 converted in registers), group_sizes [G], *, preferred_element_type) -> [R, N]
+    fits: Callable  # (k, n) -> bool
+
+
 class Kernels(NamedTuple):
     write_kv: Callable
     paged_attention: Callable
@@ -35,6 +42,7 @@ class Kernels(NamedTuple):
     # MLA (DeepSeek) over its latent cache; only the XLA reference exists.
     write_latent: Callable = mla_reference.write_latent
     latent_attention: Callable = mla_reference.paged_latent_attention
+    grouped_matmul: GroupedMatmul | None = None  # MoE experts' Pallas grouped matmul (moe_impl "pallas", "auto" on GPU)
 
 
 def _check(name, impl, allowed=IMPLS):
@@ -80,7 +88,13 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
-    return Kernels(write_kv, attention, matmul, moe_impl)
+    grouped = None
+    if _use_pallas(moe_impl):
+        # GPU kernel modules load only when chosen.
+        from jlight.pallas_kernels import grouped_matmul_pallas
+
+        grouped = GroupedMatmul(grouped_matmul_pallas.grouped_matmul, grouped_matmul_pallas.fits)
+    return Kernels(write_kv, attention, matmul, moe_impl, grouped_matmul=grouped)
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured

@@ -4,7 +4,7 @@
     config = plan.config                              # use this one (KV heads may be replicated)
     params = plan.prepare_params(params)              # transform + place with NamedShardings
     k_sh, v_sh = plan.kv_cache_shardings(k_shape, v_shape)
-    fn = plan.wrap(model_fn)                          # same signature, runs under shard_map
+    fn = plan.wrap(model_fn)                          # model_fn(..., ops) -> fn(...) under shard_map
 
 `mesh=None` gives a single-device plan whose methods are no-ops, so the runner has one
 code path.
@@ -17,17 +17,18 @@ KV pool, so every input and output of the wrapped function gets a leading [dp] a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jlight.core import parallel_ops
+from jlight.core.parallel_ops import ParallelOps
 from jlight.core.config import ModelConfig
 from jlight.core.quantization import QuantizedKV, scales_sharding
 from jlight.sharding.mesh import describe, mesh_sizes
-from jlight.sharding.rules import KV_CACHE_AXES, logical_to_spec, param_specs
+from jlight.sharding.rules import KV_CACHE_AXES, is_axes, logical_to_spec, param_specs
 from jlight.sharding.tensor_parallel import TensorParallelOps
 
 # Collective matmuls replace one all-reduce by a ring of 2(n-1) half-block hops; below a few
@@ -60,12 +61,12 @@ class ShardingPlan:
                 f"{where}: num_kv_heads={kv} and tp={self.tp} must divide one another "
                 "(KV heads are split across tp, or replicated when there are fewer than tp); choose another tp"
             )
-        all_axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
+        all_axes = jax.tree.leaves(param_axes, is_leaf=is_axes)
         uses_experts = any("experts" in axes for axes in all_axes)
         if self.ep > 1 and not uses_experts:
             raise ValueError(f"{where}: ep={self.ep} but {config.architecture} has no experts; drop ep from the mesh or use tp/dp")
         # Unknown logical axis names fail now, not at the first step.
-        jax.tree.map(logical_to_spec, param_axes, is_leaf=lambda x: isinstance(x, tuple))
+        jax.tree.map(logical_to_spec, param_axes, is_leaf=is_axes)
         self.source_config = config
         # With fewer KV heads than tp, each KV head is copied so every device owns one.
         self.kv_repeat = max(1, self.tp // kv)
@@ -150,7 +151,7 @@ class ShardingPlan:
                                   self._put(scales, logical_to_spec(axes[:-2] + axes[-1:]), name))
             return self._put(self._transform(axes, leaf), logical_to_spec(axes), name)
 
-        return jax.tree_util.tree_map_with_path(prepare, self.param_axes, params, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+        return jax.tree_util.tree_map_with_path(prepare, self.param_axes, params, is_leaf=is_axes)
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -197,15 +198,16 @@ class ShardingPlan:
 
     def wrap(self, model_fn, *, collective_matmul: bool = True, int8_all_reduce: bool = False,
              collective_matmul_min_tokens: int = DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS):
-        """model_fn(params, k_cache, v_cache, tokens[T], md) -> (logits [B, vocab] f32, k_cache, v_cache),
-        run under shard_map over the mesh with the tensor-parallel ops active.
+        """model_fn(params, k_cache, v_cache, tokens[T], md, ops) -> (logits [B, vocab] f32, k_cache, v_cache)
+        as fn(params, k_cache, v_cache, tokens, md): run under shard_map over the mesh, given the
+        tensor-parallel ParallelOps; without a mesh, given plain `ParallelOps()`.
 
         collective_matmul: split the residual stream on tokens and use ring collective
         matmuls when the step has >= collective_matmul_min_tokens tokens divisible by 2*tp.
         int8_all_reduce: the remaining all-reduces (e.g. decode steps) move int8.
         """
         if self.mesh is None:
-            return model_fn
+            return functools.partial(model_fn, ops=ParallelOps())
         dp = self.dp
         batch_spec = P("dp") if dp > 1 else P()
 
@@ -214,8 +216,7 @@ class ShardingPlan:
                 tokens, md, k_cache, v_cache = jax.tree.map(lambda a: a[0], (tokens, md, k_cache, v_cache))
             ops = self.make_ops(tokens.shape[0], collective_matmul=collective_matmul,
                                 int8_all_reduce=int8_all_reduce, min_tokens=collective_matmul_min_tokens)
-            with parallel_ops.use(ops):
-                logits, k_cache, v_cache = model_fn(params, k_cache, v_cache, tokens, md)
+            logits, k_cache, v_cache = model_fn(params, k_cache, v_cache, tokens, md, ops)
             if dp > 1:
                 logits, k_cache, v_cache = jax.tree.map(lambda a: a[None], (logits, k_cache, v_cache))
             return logits, k_cache, v_cache

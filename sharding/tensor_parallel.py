@@ -75,7 +75,7 @@ class TensorParallelOps(ParallelOps):
         logits = jax.lax.all_gather(local, self.axis_name, axis=1, tiled=True)  # [N, vocab_padded]
         return logits[:, : self.vocab_size]
 
-    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
+    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down):
         """Expert parallelism. w_*: [num_experts/ep, ...] this device's experts, their mlp dim
         split on tp; x: [T, embed] ([T/tp, embed] under sequence parallelism); topk: [T, k].
 
@@ -85,7 +85,8 @@ class TensorParallelOps(ParallelOps):
         grouped matmul does no work for them, so ep splits expert FLOPs as well as memory there
         (ragged_dot pads them like every row). The partial sums are then added over ep and tp.
         Every device still gathers and sorts all T*k rows: an all-to-all dispatch that sends
-        only routed rows is not implemented. `local_ffn` computes one device's experts (models/moe.expert_ffn).
+        only routed rows is not implemented. `local_ffn` computes one device's experts (models/moe.expert_ffn
+        with the model's activation and kernels).
         """
         if self.sequence_parallel:  # experts' mlp slices need every token
             x = jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)  # [T, embed]
@@ -96,7 +97,7 @@ class TensorParallelOps(ParallelOps):
         local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
         mine = (local_ids >= 0) & (local_ids < local_experts)
         y = local_ffn(
-            x, jnp.where(mine, local_ids, local_experts), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down, act, impl
+            x, jnp.where(mine, local_ids, local_experts), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down
         )  # [T, embed], a partial sum over this device's experts and mlp slice
         if self.ep > 1:
             y = jax.lax.psum(y, self.ep_axis_name)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jlight.models import get_model_family
 from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.parallel_ops import ParallelOps
 from jlight.pallas_kernels.dispatch import get_kernels
 
 PAGE_SIZE = 16
@@ -39,8 +40,8 @@ def _run(params, config, tokens, positions, slots, context_len, page_table, last
     family = get_model_family(config)
     kernels = get_kernels("reference", "reference")
     md = _metadata(positions, slots, context_len, page_table, last_index)
-    hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-    return family.compute_logits(params, config, hidden, kernels), k_cache, v_cache
+    hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ParallelOps())
+    return family.compute_logits(params, config, hidden, kernels, ParallelOps()), k_cache, v_cache
 
 
 class SingleSequenceRunner:

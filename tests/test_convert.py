@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jlight.core.config import ModelConfig
+from jlight.core.parallel_ops import ParallelOps
 from jlight.convert import model_config_to_hf_dict, write_converted
 from jlight.core.errors import ModelLoadError
 from jlight.loading import orbax_loader
@@ -74,8 +75,8 @@ def prefill_logits(params, config: ModelConfig, tokens: list[int], page_size: in
     @jax.jit
     def run(params, tokens, md):
         k_cache, v_cache = jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)  # [layers, pages, page_size, kv_heads, head_dim]
-        hidden, _, _ = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-        return family.compute_logits(params, config, hidden, kernels)
+        hidden, _, _ = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ParallelOps())
+        return family.compute_logits(params, config, hidden, kernels, ParallelOps())
 
     return np.asarray(run(params, jnp.asarray(tokens, jnp.int32), md))
 

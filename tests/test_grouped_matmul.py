@@ -109,6 +109,7 @@ def test_expert_ffn_pallas_matches_dense():
     expert on every token, float and int8 expert weights."""
     from jlight.models.moe import expert_ffn
     from jlight.core.quantization import quantize_int8
+    from jlight.pallas_kernels.dispatch import get_kernels
 
     rng = np.random.default_rng(11)
     num_tokens, embed, mlp, num_experts, k = 21, 32, 48, 6, 2
@@ -117,7 +118,8 @@ def test_expert_ffn_pallas_matches_dense():
           for s in ((num_experts, embed, mlp), (num_experts, embed, mlp), (num_experts, mlp, embed))]
     logits = jnp.asarray(rng.standard_normal((num_tokens, num_experts)), jnp.float32) + jnp.array([3.0, 0, 0, 0, 0, -50.0])
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits), k)  # expert 0 popular, expert 5 never chosen
-    run = jax.jit(lambda impl, *a: expert_ffn(*a, jax.nn.silu, impl), static_argnums=0)
+    grouped = get_kernels(moe_impl="pallas").grouped_matmul  # the Pallas kernel, as Kernels carry it
+    run = jax.jit(lambda impl, *a: expert_ffn(*a, jax.nn.silu, impl, grouped), static_argnums=0)
     for w in (ws, [quantize_int8(w) for w in ws]):
         dense = np.asarray(run("dense", x, ids, weights, *w))
         np.testing.assert_allclose(np.asarray(run("pallas", x, ids, weights, *w)), dense, rtol=1e-4, atol=1e-4)
@@ -129,6 +131,7 @@ def test_mixtral_forward_with_each_expert_impl():
     from jlight.core.config import ModelConfig
     from jlight.models import mixtral
     from jlight.core.batch_metadata import BatchMetadata
+    from jlight.core.parallel_ops import ParallelOps
     from jlight.pallas_kernels.dispatch import get_kernels
 
     config = ModelConfig.from_hf_dict(dict(
@@ -146,7 +149,7 @@ def test_mixtral_forward_with_each_expert_impl():
 
     def hidden(params, impl):
         kernels = get_kernels("reference", "reference", moe_impl=impl)
-        fn = jax.jit(lambda p: mixtral.forward(p, config, tokens, jnp.zeros(k_shape), jnp.zeros(v_shape), md, kernels)[0])
+        fn = jax.jit(lambda p: mixtral.forward(p, config, tokens, jnp.zeros(k_shape), jnp.zeros(v_shape), md, kernels, ParallelOps())[0])
         return np.asarray(fn(params))
 
     dense = hidden(params, "dense")

@@ -159,6 +159,7 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
     weight 0: every implementation must give exactly what it gives without those pairs."""
     from jlight.models.moe import expert_ffn
     from jlight.core.quantization import quantize_int8
+    from jlight.pallas_kernels.dispatch import get_kernels
 
     rng = np.random.default_rng(31)
     num_tokens, embed, k, num_experts = 9, 16, 2, 6
@@ -170,9 +171,10 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (num_tokens, k)), jnp.float32)
     remote = jnp.asarray(rng.uniform(size=(num_tokens, k)) < 0.5)
     # jitted, as the model runs them (one compile each, not one per operation of an eager call)
-    ffn = jax.jit(expert_ffn, static_argnums=(6, 7))
-    marked = ffn(x, jnp.where(remote, num_experts, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, impl)
+    ffn = jax.jit(expert_ffn, static_argnums=(6, 7, 8))
+    grouped = get_kernels(moe_impl="pallas").grouped_matmul  # the Pallas kernel, as Kernels carry it
+    marked = ffn(x, jnp.where(remote, num_experts, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, impl, grouped)
     # The same local pairs, the remote ones replaced by a real expert with weight 0.
-    zeroed = ffn(x, jnp.where(remote, 0, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, "dense")
+    zeroed = ffn(x, jnp.where(remote, 0, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, "dense", None)
     assert np.all(np.isfinite(np.asarray(marked)))
     np.testing.assert_allclose(np.asarray(marked), np.asarray(zeroed), rtol=1e-4, atol=1e-5)

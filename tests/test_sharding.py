@@ -7,6 +7,7 @@ the vocab-padding path runs for every tp > 1, 2 KV heads so tp=4/8 replicate KV 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -123,9 +124,9 @@ def _model_fn(config, kernels, family=None):
 
     family = family or llama
 
-    def model_fn(params, k_cache, v_cache, tokens, md):
-        hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-        logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels)
+    def model_fn(params, k_cache, v_cache, tokens, md, ops):
+        hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ops)
+        logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels, ops)
         return logits, k_cache, v_cache
 
     return model_fn
@@ -174,6 +175,7 @@ def worker(out_path):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
+    from jlight.core.parallel_ops import ParallelOps
     from jlight.models import llama
     from jlight.pallas_kernels.dispatch import get_kernels
     from jlight.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -193,7 +195,7 @@ def worker(out_path):
     # Reference: the unsharded model, one sub-batch at a time.
     references = {}
     for name, (family, cfg, prm) in models.items():
-        ref_step = jax.jit(_model_fn(cfg, kernels, family))
+        ref_step = jax.jit(functools.partial(_model_fn(cfg, kernels, family), ops=ParallelOps()))
         references[name] = [_generate(ref_step, prm, cfg, [p], lambda xs: xs[0]) for p in prompts]
 
     for label, spec, cm, int8 in RUNS:

@@ -6,6 +6,7 @@ boundary (gloo). The processes are this file run as a script.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -46,9 +47,9 @@ def _tiny_setup():
     kernels = get_kernels("reference", "reference")
 
     def make_model_fn(cfg):
-        def model_fn(p, k, v, toks, md):
-            hidden, k, v = llama.forward(p, cfg, toks, k, v, md, kernels)
-            return llama.compute_logits(p, cfg, hidden[md.logits_indices], kernels), k, v
+        def model_fn(p, k, v, toks, md, ops):
+            hidden, k, v = llama.forward(p, cfg, toks, k, v, md, kernels, ops)
+            return llama.compute_logits(p, cfg, hidden[md.logits_indices], kernels, ops), k, v
 
         return model_fn
 
@@ -113,7 +114,9 @@ def test_two_processes_match_one(tmp_path):
     assert not errors, "\n".join(errors)
 
     config, params, tokens, md, make_model_fn = _tiny_setup()
-    expected = _run(params, config, tokens, md, make_model_fn(config), lambda k, v: (k, v))
+    from jlight.core.parallel_ops import ParallelOps
+
+    expected = _run(params, config, tokens, md, functools.partial(make_model_fn(config), ops=ParallelOps()), lambda k, v: (k, v))
     for i in range(2):
         out = json.loads((tmp_path / f"out{i}.json").read_text())
         assert out["kv_heads"] == 2  # the single KV head was replicated for tp=2

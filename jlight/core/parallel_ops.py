@@ -1,12 +1,10 @@
-"""Parallel building blocks the model calls. With no mesh active they are plain ops.
+"""Parallel building blocks the model calls. `ParallelOps()` is the plain single-device version.
 
-The sharding code swaps in tensor-parallel versions (with explicit collectives inside
-`shard_map`) by setting the active `ParallelOps` while the step function is traced.
+The caller hands a model its ParallelOps as an argument, as it hands it its kernels: the engine's
+step passes `ParallelOps()` without a mesh, and the sharding plan (sharding/plan.py) passes the
+tensor-parallel version (sharding/tensor_parallel.py, explicit collectives inside `shard_map`).
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
 
 import jax.numpy as jnp
 
@@ -36,30 +34,12 @@ class ParallelOps:
         """x: [N, embed]; w: [embed, vocab] -> full [N, vocab] float32 logits."""
         return matmul(x, w, out_dtype=jnp.float32)
 
-    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down, act, matmul, impl="auto"):
+    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down):
         """Routed experts. x: [T, embed]; topk_ids/topk_weights: [T, k]; w_gate, w_up:
         [num_experts, embed, mlp]; w_down: [num_experts, mlp, embed] -> [T, embed].
 
-        `local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl)` computes the experts
-        of one device (models/moe.expert_ffn, passed in by the model: the computation lives with the
-        models). Single device: local_ffn with `impl` (Kernels.moe_impl: "auto", "pallas",
-        "ragged_dot", "gathered", "dense"). `matmul` (the dense kernel) is unused here; it is in
-        the signature for expert-parallel versions.
+        `local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down)` computes the experts of one
+        device (models/moe.expert_ffn with the model's activation and kernels, passed in by the
+        model: the computation lives with the models). Single device: local_ffn itself.
         """
-        return local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl)
-
-
-_active: contextvars.ContextVar[ParallelOps] = contextvars.ContextVar("jlight_parallel_ops", default=ParallelOps())
-
-
-def current() -> ParallelOps:
-    return _active.get()
-
-
-@contextlib.contextmanager
-def use(ops: ParallelOps):
-    token = _active.set(ops)
-    try:
-        yield ops
-    finally:
-        _active.reset(token)
+        return local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down)

@@ -15,6 +15,7 @@ tokens; S is B plus room for the drafts of the rows the engine speculates for (`
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import NamedTuple
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlight.core.batch_metadata import BatchMetadata
+from jlight.core.parallel_ops import ParallelOps
 from jlight.core.quantization import make_kv_pool
 from jlight.engine import sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
@@ -118,14 +120,16 @@ class ModelRunner:
             self._mask_sharding = jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec())
             self._no_guide = {B: jax.device_put(m, self._mask_sharding) for B, m in self._no_guide.items()}
 
-        def model_fn(params, k_cache, v_cache, tokens, md):
-            hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels)
-            logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels)  # [B, V] float32
+        def model_fn(params, k_cache, v_cache, tokens, md, ops):
+            hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ops)
+            logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels, ops)  # [B, V] float32
             return (hidden, logits), k_cache, v_cache
 
+        # The parallel ops reach the model as an argument: the plan's tensor-parallel ones under a mesh.
         if sharding_plan is not None:
-            model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
-        self._model_fn = model_fn
+            self._model_fn = sharding_plan.wrap(model_fn, collective_matmul=collective_matmul, int8_all_reduce=int8_all_reduce)
+        else:
+            self._model_fn = functools.partial(model_fn, ops=ParallelOps())
         self._precision = matmul_precision(kv_dtype)
         self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
                              compiler_options=STEP_COMPILER_OPTIONS)
@@ -147,8 +151,8 @@ class ModelRunner:
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
 
         def prompt_logprobs(h):
-            # Outside shard_map: a sharded LM head may carry vocab padding, cut here.
-            logits_all = self.family.compute_logits(params, self.config, h, self.kernels)[:, : self.config.vocab_size]
+            # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
+            logits_all = self.family.compute_logits(params, self.config, h, self.kernels, ParallelOps())[:, : self.config.vocab_size]
             lp_all = jax.nn.log_softmax(logits_all, axis=-1)
             target = jnp.take_along_axis(lp_all, jnp.maximum(inp.next_token, 0)[:, None], axis=-1)[:, 0]
             vals, ids = jax.lax.top_k(lp_all, n)

@@ -6,7 +6,8 @@ import jax
 
 from jlight.core.quantization import QUANTIZABLE, QuantizedWeight, W8A8Weight, transpose_to_kmajor
 from jlight.engine.engine_config import EngineConfig
-from jlight.models.layers import FUSED_PROJECTIONS, split_layer_axes
+from jlight.models.layers import FUSED_PROJECTIONS
+from jlight.models.module import Layout
 from jlight.pallas_kernels.dispatch import kmajor_weight_types
 from jlight.quantization.rtn import quantize_params
 from jlight.sharding.plan import ShardingPlan
@@ -39,7 +40,7 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
         params = family.unstack_layers(params, donate=owns_weights)
         jax.block_until_ready(params)
         if plan is not None:
-            plan = ShardingPlan(mesh, plan.source_config, split_layer_axes(plan.param_axes, params))
+            plan = ShardingPlan(mesh, plan.source_config, family.param_axes(plan.source_config, Layout(unrolled=True)))
     if plan is None and cfg.fuse_projections and hasattr(family, "fuse_projections"):
         # Per-layer weights are this engine's own copies (split_layers made them), so their parts
         # are freed as they are fused; a caller's stacked weights are left intact.
