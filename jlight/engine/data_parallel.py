@@ -100,5 +100,4 @@ class DataParallelEngine:
             self.step()
 
     def stats(self) -> EngineStats:
-        per = [dataclasses.asdict(r.stats()) for r in self.replicas]
-        return EngineStats(**{k: (max if k == "num_steps" else sum)(p[k] for p in per) for k in per[0]})
+        return EngineStats.combine([r.stats() for r in self.replicas])

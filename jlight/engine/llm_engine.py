@@ -56,6 +56,18 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple = ()
 
+    @classmethod
+    def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
+        """The stats of replicas run side by side: counts add (per draft position too), steps are the longest."""
+        def merge(name, values):
+            if name == "num_steps":
+                return max(values)
+            if name == "spec_accepted_per_position":
+                width = max(len(v) for v in values)
+                return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+            return sum(values)
+        return cls(**{f.name: merge(f.name, [getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)})
+
 
 @dataclasses.dataclass
 class Request:
