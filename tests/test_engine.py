@@ -347,10 +347,15 @@ def test_warmup_for_one_request_compiles_only_its_buckets(tiny_model):
     engine = llm.engine
     assert engine.runner.buckets == [8, 16, 32, 64]
     engine.warmup_for_one_request(90)  # chunks of 64 and 26 tokens, then 1-token decode steps
-    compiled = engine.runner._step._cache_size()
-    assert compiled == 3  # buckets 64, 32 and 8; not 16
+    compiled = dict(engine.runner._executables)  # the steps compiled ahead of time, by layout
+    assert sorted(layout_tokens(layout) for layout in compiled) == [8, 32, 64]  # not 16
     llm.generate([list(range(3, 93))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    assert engine.runner._step._cache_size() == compiled
+    assert engine.runner._executables == compiled and engine.runner._step._cache_size() == 0  # jit compiled nothing
+
+
+def layout_tokens(layout) -> int:
+    """The token count of a step_packing.Layout: the length of its first leaf, StepInputs.tokens."""
+    return layout.slots[0].shape[0]
 
 
 def test_a_max_model_len_beyond_the_model_is_capped_with_a_warning(model_dir, caplog):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Callable
 
@@ -30,7 +31,10 @@ from jlight.loading.gguf_loader import gguf_tensors, load_gguf_model
 from jlight.loading.gguf_tokenizer import gguf_tokenizer
 from jlight.loading.hub import download_from_hub, looks_like_hub_id
 from jlight.loading.safetensors_loader import read_generation_config
+from jlight.progress import iterate
 from jlight.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -57,10 +61,13 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
     on device (default jax.device_put); the sharding code passes one that shards it."""
     if model is None:
-        return load_gguf(default_gguf_path(), dtype, place)
+        path = default_gguf_path()
+        logger.info("loading the default model, SmolLM2-135M-Instruct (%s)", path)
+        return load_gguf(path, dtype, place)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
+    logger.info("loading %s", model)
     if model.endswith(".gguf"):
         return load_gguf(model, dtype, place)
     if orbax_loader.is_orbax_model_dir(model):
@@ -117,7 +124,6 @@ def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:
 
 
 def _progress(it, total: int, label: str):
-    # tqdm loads only when a progress bar is shown.
-    from tqdm.auto import tqdm
-
-    return tqdm(it, total=total, desc=f"loading {label}", unit="tensor", leave=False)
+    """A bar over the tensors on a terminal; elsewhere one line when they are all read."""
+    name = label.replace("{", "{{").replace("}", "}}")
+    return iterate(it, total, f"loading {label}", "tensor", summary=f"read {{n}} tensors of {name} in {{seconds:.1f}} s")
