@@ -28,7 +28,7 @@ from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.engine.structured_output import GrammarCompiler
-from jlight.engine.weights import prepare_params
+from jlight.engine.weights import prepare_params, unrolls
 from jlight.models import get_model_family
 from jlight.pallas_kernels import dispatch
 from jlight.progress import Progress
@@ -95,7 +95,10 @@ class LLMEngine:
         if cfg.mesh:
             mesh = make_mesh(cfg.mesh, devices)
         if loaded is None:
-            loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)  # orbax checkpoints restore into the mesh
+            # Orbax checkpoints restore into the mesh. A single-device engine that unrolls its layers reads them
+            # per layer (assemble_params' unstacked); a mesh's sharding plan places the stacked weights first.
+            loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh,
+                                        unstacked=mesh is None and unrolls(cfg, None, dispatch.on_gpu()))
         self.load_seconds = time.perf_counter() - self._start_time
         self.loaded = loaded
         self.model_config = loaded.config
