@@ -54,8 +54,9 @@ def _sampling_params(args):
 def _load(args, warmup: bool = True):
     """warmup=False: compile no step bucket at start-up (`generate` compiles only its request's, below)."""
     log_to_stderr()  # the start-up's phase lines (load, compile, ready), as "jlight: ..." on stderr
-    # One interactive request at a time: a small batch keeps start-up compilation short.
-    return LLM(args.model, **engine_options(args, max_num_seqs=4, max_num_batched_tokens=256, warmup=warmup))
+    # One interactive request at a time: one sequence (its K/V pool holds one full-length context, not the
+    # default's many) and small steps keep the start short.
+    return LLM(args.model, **engine_options(args, max_num_seqs=1, max_num_batched_tokens=256, warmup=warmup))
 
 
 def _stream_one(llm, prompt_ids: list[int], params) -> tuple[list[int], float | None, float]:

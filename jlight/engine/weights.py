@@ -58,7 +58,7 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
 def unrolls(cfg: EngineConfig, family, gpu: bool) -> bool:
     """Whether the step runs its layers unrolled over per-layer weights (EngineConfig.layer_loop), for a
     family that can (family None: before the model, so its family, is known)."""
-    unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
+    unroll = cfg.layer_loop != "scan"  # "auto": unrolled on every backend
     return unroll and (family is None or hasattr(family, "unstack_layers"))
 
 
