@@ -8,6 +8,13 @@ from jlight.core.moe_impls import MOE_IMPLS
 from jlight.engine.speculative import SpeculativeConfig
 
 
+def default_compilation_cache_dir() -> str | None:
+    """$JLIGHT_COMPILATION_CACHE_DIR if set ("" for none), else $JLIGHT_CACHE/xla (default ~/.cache/jlight/xla)."""
+    if "JLIGHT_COMPILATION_CACHE_DIR" in os.environ:
+        return os.environ["JLIGHT_COMPILATION_CACHE_DIR"] or None
+    return os.path.join(os.environ.get("JLIGHT_CACHE") or os.path.expanduser("~/.cache/jlight"), "xla")
+
+
 @dataclasses.dataclass
 class EngineConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct
@@ -58,8 +65,12 @@ class EngineConfig:
     speculative_config: dict | None = None
     seed: int = 0
     warmup: bool = True
-    compilation_cache_dir: str | None = dataclasses.field(
-        default_factory=lambda: os.path.join(os.environ.get("JLIGHT_CACHE", os.path.expanduser("~/.cache/jlight")), "xla"))
+    # Step buckets compiled at once at start-up (XLA compiles outside Python's lock); None: one per CPU
+    # core, at most the number of buckets. 1 compiles them one after the other.
+    compile_threads: int | None = None
+    # JAX's persistent compilation cache: a warm start loads its compiled steps from here instead of
+    # compiling them. Default $JLIGHT_COMPILATION_CACHE_DIR ("" for none), else $JLIGHT_CACHE/xla.
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
 
     def validate(self) -> "EngineConfig":
         def bad(field, why):
@@ -87,6 +98,8 @@ class EngineConfig:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
+        if self.compile_threads is not None and self.compile_threads < 1:
+            bad("compile_threads", "must be >= 1 (or None: one per CPU core)")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
         SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
