@@ -24,10 +24,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 512 on CPU, 2048 on GPU
-    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8. On the H200
-    # (Llama-3-8B shape, bf16) 1 made batch-1 decode slower, not faster: 14.4 vs 4.9 ms/token on
-    # 2026-11-29, when the sampler's 1-row sorts kept the host waiting (sampler.py); 5.02 vs 4.51 on
-    # 2026-12-02 without that wait, XLA's one-row matmuls being slower than its 8-row ones.
+    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8. On the H200 a
+    # one-token step is slower than an eight-token one (XLA's one-row matmuls; docs/BENCHMARKS.md).
     min_token_bucket: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction

@@ -71,10 +71,9 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 # CUDA graphs can hold. A CUB sort is a custom call outside them, and the sampler's sorts (top-k/top-p, the
 # logprobs' top_k) sit under lax.conds: a conditional whose branch holds one runs as a host-side thunk that
 # copies its predicate to the host and waits for it, i.e. for the whole forward pass. So the host could not
-# queue the next step while the device ran this one. On the H200 (Llama-3-8B shape, 64 sequences with
-# 1k tokens of context each decoding, 2026-12-02, docs/BENCHMARKS.md) the host waited 9.7 ms inside each
-# 12.8 ms step; with this option (set through XLA_FLAGS in that run) 2.3 ms inside a 7.5 ms step:
-# 5,021 -> 8,608 tokens/s. (The flag is XLA:GPU's; other backends accept and ignore it.)
+# queue the next step while the device ran this one: at 64 decoding sequences on the H200 the option
+# takes the host's wait inside a step from most of the step to a small part of it (docs/BENCHMARKS.md).
+# (The flag is XLA:GPU's; other backends accept and ignore it.)
 # Without the rematerialization pass: XLA:GPU's remat pass counts the step's parameters (the weights and
 # the donated K/V pools, which the engine sizes to fill the device) as memory the step uses, against a
 # limit from which the sizes of those same parameters and outputs were already subtracted (the scheduler's
@@ -89,8 +88,8 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False, "xla_disable_hl
 def matmul_precision(compute_dtype) -> str | None:
     """The step's matmul precision: full float32 for a float32 model, else XLA's default.
 
-    XLA:GPU multiplies float32 matrices in TF32 unless told otherwise (a 10-bit mantissa: on the H200 a
-    tiny float32 Llama's logprobs were 3.5e-4 off transformers' float32 ones, 2026-12-02). Whoever runs
+    XLA:GPU multiplies float32 matrices in TF32 unless told otherwise (a 10-bit mantissa: a tiny float32
+    Llama's logprobs land ~1e-4 off transformers' float32 ones, past the tests' bar). Whoever runs
     a model in float32 wants the reference's numbers, as torch gives them (TF32 off for matmuls by
     default). No effect on CPU, whose float32 dots are exact, or on bf16 operands."""
     return "highest" if jnp.dtype(compute_dtype) == jnp.float32 else None
