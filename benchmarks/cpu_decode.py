@@ -11,6 +11,9 @@ transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run 
   transformers: the same GGUF dequantized to float32, eager, torch threads = the cores; llama.cpp: the same
   weights as a float32 GGUF (dequantized from the Q4_1 file, the numbers jlight runs), and the Q4_1 file
   itself (llama.cpp's own 4-bit kernels), threads = the cores.
+- jlight-ngram (not in the default --engines): input-grounded prompts (GROUNDED: chat tasks, and completions
+  that copy their prompt), batch 1, greedy, n-gram speculation off against on in one process: tokens/s per
+  prompt, the ratio, the acceptance, and whether both gave the same tokens.
 - Each engine runs in its own process, one after the other, each repeat again (interleaved), and the
   host's CPU use just before each is recorded: on a shared machine, quiet means "busy" near 0.
 
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import result_header  # noqa: E402
 
 PROMPT = "What is the capital of France?"
-ENGINES = ("jlight", "transformers", "llama.cpp-f32", "llama.cpp-q4_1")
+ENGINES = ("jlight", "transformers", "llama.cpp-f32", "llama.cpp-q4_1", "jlight-ngram")
 
 
 def cpu_busy(window: float = 2.0) -> float:
@@ -148,7 +151,68 @@ def f32_gguf(source: str, target: str) -> str:
     return target
 
 
-CHILDREN = {"jlight": jlight_child, "transformers": transformers_child, "llama.cpp-f32": llama_cpp_child,
+# Input-grounded tasks (the answer copies spans of the prompt): n-gram speculation's case.
+PASSAGE = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin encompasses seven "
+           "million square kilometres, of which five and a half million are covered by the rainforest. The region "
+           "includes territory belonging to nine nations, and the majority of the forest is contained within Brazil, "
+           "with sixty percent, followed by Peru with thirteen percent and Colombia with ten percent.")
+CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(valuse)\n\n"
+        "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n")
+# (name, chat message or raw completion text): chat tasks a user would give, and completions whose
+# continuation copies the prompt (SmolLM2-135M copies faithfully there, less so in chat).
+GROUNDED = (("chat: repeat", "chat", f"Copy the text between the quotes exactly, nothing else.\n\n\"{PASSAGE}\""),
+            ("chat: rename in code", "chat", "Rename the function mean to average everywhere in this code and print "
+                                             f"the whole code.\n\n```python\n{CODE}```"),
+            ("completion: copy", "text", f"Original: {PASSAGE}\nCopy: "),
+            ("completion: fix code", "text", f"# buggy version\n{CODE}\n# fixed version\n"))
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def jlight_ngram_child(gguf: str, n_new: int, repeats: int) -> dict:
+    """Batch-1 greedy answers (up to n_new tokens or EOS) to the GROUNDED prompts with n-gram speculation off
+    and on (default options otherwise): decode tokens/s per prompt (the answer's time less its first
+    token's, over its tokens after the first), the acceptance, and whether both answers are the same tokens."""
+    import jax
+
+    import jlight
+    from jlight import SamplingParams
+
+    rows = {}
+    for name, options in (("off", {}), ("ngram", {"speculative_config": NGRAM})):
+        llm = jlight.LLM(**options)
+        prompts = [llm.apply_chat_template([{"role": "user", "content": text}]) if kind == "chat"
+                   else llm.engine.tokenizer.encode(text) for _, kind, text in GROUNDED]
+
+        def run(prompt, n):
+            t = time.perf_counter()
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+            return time.perf_counter() - t, out[0].outputs[0].token_ids
+
+        run(prompts[0], n_new)  # warm-up
+        per_prompt = []
+        for prompt in prompts:
+            first = min(run(prompt, 1)[0] for _ in range(2))
+            before = llm.engine.stats()
+            times, ids = zip(*(run(prompt, n_new) for _ in range(repeats)))
+            after = llm.engine.stats()
+            drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            verified = after.spec_num_drafts - before.spec_num_drafts
+            per_prompt.append({"tokens": len(ids[0]), "tok_s": (len(ids[0]) - 1) / (float(np.median(times)) - first),
+                               "ids": ids[0], "acceptance": accepted / drafts if drafts else None,
+                               "kept_per_verify": accepted / verified if verified else None})
+        rows[name] = per_prompt
+        del llm
+    table = []
+    for (label, _, _), off, on in zip(GROUNDED, rows["off"], rows["ngram"]):
+        table.append({"prompt": label, "tokens": off["tokens"], "off_tok_s": off["tok_s"], "ngram_tok_s": on["tok_s"],
+                      "speedup": on["tok_s"] / off["tok_s"], "acceptance": on["acceptance"],
+                      "kept_per_verify": on["kept_per_verify"], "same_tokens": off["ids"] == on["ids"]})
+    return {"engine": f"jlight (jax {jax.__version__}) n-gram {NGRAM}",
+            "decode_tok_s": float(np.median([r["ngram_tok_s"] for r in table])), "prompts": table}
+
+
+CHILDREN = {"jlight": jlight_child, "jlight-ngram": jlight_ngram_child, "transformers": transformers_child, "llama.cpp-f32": llama_cpp_child,
             "llama.cpp-q4_1": llama_cpp_child}
 
 
@@ -192,7 +256,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="decode: rounds over the engines (and calls per round)")
     ap.add_argument("--first-answers", type=int, default=3, help="cold + warm `jlight generate` pairs (0: none)")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(e for e in ENGINES if e != "jlight-ngram"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
@@ -231,6 +295,10 @@ def main():
                 r = {**json.loads(line[len("RESULT "):]), "busy_before": busy}
                 runs[name].append(r)
                 print(f"{name:15s} {r['decode_tok_s']:7.1f} decode tok/s  (busy before {busy:.0%})  {r['engine']}", flush=True)
+                for q in r.get("prompts", []):
+                    print(f"{'':15s} {q['prompt']:22s} {q['tokens']:4d} tokens  off {q['off_tok_s']:6.1f}  n-gram "
+                          f"{q['ngram_tok_s']:6.1f} tok/s  {q['speedup']:.2f}x  acceptance {q['acceptance'] or 0:.2f}  "
+                          f"kept/verify {q['kept_per_verify'] or 0:.2f}  same tokens {q['same_tokens']}", flush=True)
         for name, rs in runs.items():
             ok = [r for r in rs if "error" not in r]
             result["rows"].append({"name": name, "engine": ok[0]["engine"] if ok else None,
