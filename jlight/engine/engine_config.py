@@ -46,8 +46,9 @@ class EngineConfig:
     # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode
     # batches, else ragged_dot; models/moe.py), or force "pallas", "ragged_dot", "gathered", "dense".
     moe_impl: str = "auto"
-    # "scan": one compiled layer body looped over stacked weights (fast compiles; CPU default);
-    # "unroll": one body per layer over per-layer weights (no per-step weight slicing; GPU default).
+    # "scan": one compiled layer body looped over stacked weights (fast compiles, but each step slices
+    # every layer's weights out of the stack: a copy of the weights per step on the CPU);
+    # "unroll": one body per layer over per-layer weights. "auto": unroll, for families that can.
     layer_loop: str = "auto"
     # One matmul for q/k/v and one for gate/up (models/layers.fuse_projections): fewer, wider
     # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
