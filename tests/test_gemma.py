@@ -53,6 +53,15 @@ def test_older_gemma3_config_form():
     assert tables[0].inv_freq[0] == pytest.approx(1 / 8) and tables[1].inv_freq[1] == pytest.approx(1e4 ** -0.25)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_survives_convert_round_trip(models, arch):
+    """jlight convert writes the family's fields back under their HF names."""
+    from jlight.convert import model_config_to_hf_dict
+
+    config = load_model(models[arch][0], dtype="float32").config
+    assert ModelConfig.from_hf_dict(model_config_to_hf_dict(config)) == config
+
+
 @pytest.mark.parametrize("arch, missing", [
     ("Gemma3ForConditionalGeneration", "vision tower"),
     ("Gemma3nForConditionalGeneration", "AltUp"),

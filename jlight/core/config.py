@@ -156,8 +156,11 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None, dict]:
         local = params.get("sliding_attention") or {}
         if "rope_theta" in local:
             extra["rope_local_base_freq"] = float(local["rope_theta"])
-            extra["rope_local_scaling"] = _scaling(local)
+            if _scaling(local):
+                extra["rope_local_scaling"] = _scaling(local)
         params = params["full_attention"]
+    elif cfg.get("rope_local_scaling"):  # jlight convert's config.json
+        extra["rope_local_scaling"] = cfg["rope_local_scaling"]
     theta, scaling = _theta_and_scaling(cfg, params)
     return theta, scaling, extra
 
