@@ -56,10 +56,13 @@ ARCH_CONFIG = {
                                           "long_factor": [2.0, 4.0, 8.0, 16.0]}, sliding_window=None),
     # SmolLM3: every 4th layer without RoPE (no_rope_layers [1, 1, 1, 0]).
     "SmolLM3ForCausalLM": dict(model_type="smollm3", num_hidden_layers=4, rope_theta=10000.0),
+    # gpt-oss: sinks, biases, alternating 8-token windows, 8 experts top-2 with the clamped swiglu, YaRN.
+    "GptOssForCausalLM": dict(model_type="gpt_oss", head_dim=16, intermediate_size=32, num_local_experts=8,
+                              num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5),  # a limit that clamps here
 }
-# Architectures whose norm weights get noise on top of HF's init (ones, or Gemma's zeros), so a norm
-# loaded into the wrong place, or a missing (1 + w), changes the logits.
-NOISY_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+# Architectures whose norm weights, biases and sink logits get noise on top of HF's init (ones, or Gemma's
+# zeros, zero biases), so a norm loaded into the wrong place, a missing (1 + w) or bias changes the logits.
+NOISY_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GptOssForCausalLM")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -90,7 +93,7 @@ def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
     if architecture in NOISY_NORMS:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or "bias" in name or "sinks" in name:
                     param.add_(torch.randn_like(param) * 0.3)
     if settings.get("dtype"):  # e.g. dtype="bfloat16": store the weights in that dtype
         model = model.to(getattr(torch, settings["dtype"]))

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "llama",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Variants of supported families that jlight does not run, and what they would need.
 UNSUPPORTED_VARIANTS = {
@@ -43,7 +44,7 @@ MOE_MLA_CONFIG_KEYS = (
     "moe_intermediate_size", "norm_topk_prob", "shared_expert_intermediate_size", "decoder_sparse_step",
     "mlp_only_layers", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "topk_method",
     "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "kv_lora_rank", "q_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "swiglu_limit", "swiglu_alpha",
 )
 # HF config fields of per-layer attention kinds and their families (models/attention_kinds.py,
 # models/gemma.py), copied as-is into ModelConfig.extra.
@@ -91,6 +92,12 @@ class ModelConfig:
         unsupported = next((a for a in archs if a in UNSUPPORTED_VARIANTS), None)
         if arch is None and unsupported:
             raise UnsupportedModelError(f"{unsupported} is not supported: it is {UNSUPPORTED_VARIANTS[unsupported]}")
+        quant_method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if arch == "GptOssForCausalLM" and quant_method == "mxfp4":
+            raise UnsupportedModelError(
+                "gpt-oss with MXFP4 expert weights (quantization_config.quant_method=mxfp4) is not supported yet; "
+                "load a bf16 copy (transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), "
+                "then save_pretrained)")
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModelError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not supported; "
                                         "jlight runs causal language models")

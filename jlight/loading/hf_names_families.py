@@ -7,6 +7,10 @@
     rows); `split_fused_tensors` cuts them into Llama's names before mapping, so the params tree,
     quantization and the sharding rules see the separate weights (the engine may fuse them
     again on one device, models/layers.fuse_projections).
+  * gpt-oss: the experts' gate_up_proj [experts, embed, 2 * mlp] holds gate and up interleaved
+    (columns 0, 2, ... gate; 1, 3, ... up), [in, out] already, with gate_up_proj_bias beside it;
+    `split_fused_tensors` turns the pair into gate and up weights whose last input row is the
+    bias (models/gpt_oss.py), under the names gate_proj_with_bias / up_proj_with_bias.
 """
 from __future__ import annotations
 
@@ -34,13 +38,42 @@ def map_gemma_name(name: str):
     return map_hf_name(name)
 
 
+# gpt-oss per-layer tensors beyond Llama's: suffix -> (jlight name, transpose)
+_GPT_OSS_TENSORS = {
+    "self_attn.sinks": ("sinks", False),
+    "self_attn.o_proj.bias": ("bo", False),
+    "mlp.router.weight": ("router", True),
+    "mlp.router.bias": ("router_bias", False),
+    "mlp.experts.gate_proj_with_bias": ("experts_gate", False),
+    "mlp.experts.up_proj_with_bias": ("experts_up", False),
+    "mlp.experts.down_proj": ("experts_down", False),
+    "mlp.experts.down_proj_bias": ("experts_down_bias", False),
+}
+
+
+def map_gpt_oss_name(name: str):
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _GPT_OSS_TENSORS:
+        key, transpose = _GPT_OSS_TENSORS[m.group(2)]
+        return key, int(m.group(1).split(".")[2]), transpose
+    return map_hf_name(name)
+
+
 def family_name_mapper(config: ModelConfig) -> Callable | None:
     """The name mapper of a family whose names differ from Llama's, else None."""
-    return map_gemma_name if config.family == "gemma" else None
+    return {"gemma": map_gemma_name, "gpt_oss": map_gpt_oss_name}.get(config.family)
+
+
+def _gpt_oss_experts(prefix: str, gate_up: np.ndarray, bias: np.ndarray):
+    """gate_up [X, E, 2F] interleaved + bias [X, 2F] -> gate, up [X, E + 1, F] (last row the bias)."""
+    with_bias = np.concatenate([np.asarray(gate_up), np.asarray(bias)[:, None, :]], axis=1)  # [X, E + 1, 2F]
+    yield prefix + "mlp.experts.gate_proj_with_bias", with_bias[..., 0::2]
+    yield prefix + "mlp.experts.up_proj_with_bias", with_bias[..., 1::2]
 
 
 def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]):
-    """(name, array) pairs with Phi-3's fused qkv_proj / gate_up_proj cut into Llama's names."""
+    """(name, array) pairs with Phi-3's fused qkv_proj / gate_up_proj cut into Llama's names, and
+    gpt-oss's gate_up_proj + gate_up_proj_bias into gate and up weights with their bias row."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     splits = {
         "self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),
@@ -48,8 +81,16 @@ def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.nda
         "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", config.intermediate_size),
                                     ("mlp.up_proj.weight", config.intermediate_size)),
     }
+    pending = {}  # gpt-oss: layer prefix -> {suffix: tensor} until gate_up_proj and its bias are both read
     for name, tensor in tensors:
         m = _LAYER_RE.match(name)
+        if m and m.group(2) in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"):
+            got = pending.setdefault(m.group(1), {})
+            got[m.group(2)] = tensor
+            if len(got) == 2:
+                yield from _gpt_oss_experts(m.group(1), got["mlp.experts.gate_up_proj"], got["mlp.experts.gate_up_proj_bias"])
+                del pending[m.group(1)]
+            continue
         parts = splits.get(m.group(2)) if m else None
         if parts is None:
             yield name, tensor
@@ -62,3 +103,6 @@ def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.nda
         for part_name, n in parts:  # HF linear weights are [out, in]: the parts are row blocks
             yield m.group(1) + part_name, tensor[start:start + n]
             start += n
+    for prefix, got in pending.items():
+        raise ValueError(f"checkpoint has {prefix}{next(iter(got))} without its "
+                         f"{'bias' if 'mlp.experts.gate_up_proj' in got else 'weight'}; the file is incomplete")
