@@ -23,22 +23,13 @@ from jlight.core.config import ModelConfig
 from jlight.loading.hf_names import map_hf_name
 
 _LAYER_RE = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
+# Per-layer tensors whose names differ from Llama's: suffix -> (jlight name, transpose)
 _GEMMA_NORMS = {
-    "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "post_attn_norm",
-    "pre_feedforward_layernorm.weight": "mlp_norm",
-    "post_feedforward_layernorm.weight": "post_mlp_norm",
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
 }
-
-
-def map_gemma_name(name: str):
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in _GEMMA_NORMS:
-        return _GEMMA_NORMS[m.group(2)], int(m.group(1).split(".")[2]), False
-    return map_hf_name(name)
-
-
-# gpt-oss per-layer tensors beyond Llama's: suffix -> (jlight name, transpose)
 _GPT_OSS_TENSORS = {
     "self_attn.sinks": ("sinks", False),
     "self_attn.o_proj.bias": ("bo", False),
@@ -51,17 +42,25 @@ _GPT_OSS_TENSORS = {
 }
 
 
-def map_gpt_oss_name(name: str):
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in _GPT_OSS_TENSORS:
-        key, transpose = _GPT_OSS_TENSORS[m.group(2)]
-        return key, int(m.group(1).split(".")[2]), transpose
-    return map_hf_name(name)
+def _mapper(table: dict) -> Callable:
+    """Names in `table` first, then Llama's (hf_names.map_hf_name)."""
+
+    def map_name(name: str):
+        m = _LAYER_RE.match(name)
+        if m and m.group(2) in table:
+            key, transpose = table[m.group(2)]
+            return key, int(m.group(1).split(".")[2]), transpose
+        return map_hf_name(name)
+
+    return map_name
+
+
+_MAPPERS = {"gemma": _mapper(_GEMMA_NORMS), "gpt_oss": _mapper(_GPT_OSS_TENSORS)}
 
 
 def family_name_mapper(config: ModelConfig) -> Callable | None:
     """The name mapper of a family whose names differ from Llama's, else None."""
-    return {"gemma": map_gemma_name, "gpt_oss": map_gpt_oss_name}.get(config.family)
+    return _MAPPERS.get(config.family)
 
 
 def _gpt_oss_experts(prefix: str, gate_up: np.ndarray, bias: np.ndarray):
