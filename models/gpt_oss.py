@@ -10,7 +10,7 @@
     ride in their weights as one extra input row ([experts, embed + 1, mlp], the token vector
     extended by a 1), so the experts run on models/moe.expert_ffn's paths unchanged; the down
     bias is added after, weighted like its expert's output.
-Checkpoint weights are bf16 (or float32); MXFP4 experts are refused at config time.
+MXFP4 checkpoints' experts are expanded at load (jlight/loading/mxfp4.py) to the load dtype.
 """
 from __future__ import annotations
 

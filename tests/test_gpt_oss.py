@@ -1,13 +1,14 @@
 """gpt-oss against transformers on a tiny random-weight model (float32): attention sinks, q/k/v/o
 biases, alternating 8-token windows, YaRN RoPE, 8 experts top-2 with the clamped swiglu and
 their biases (noise added to every bias and sink so they count). Logits within 1e-4 and 32
-greedy tokens identical, scanned and unrolled, and through the engine."""
+greedy tokens identical, scanned and unrolled, through the engine, and from an MXFP4 checkpoint."""
+import os
+
 import numpy as np
 import pytest
 
 from families_common import check_direct, check_engine, hf_model
 from jlight.core.config import ModelConfig
-from jlight.core.errors import UnsupportedModelError
 from jlight.loading import load_model
 from jlight.loading.hf_names_families import split_fused_tensors
 from jlight.models import get_model_family
@@ -50,6 +51,55 @@ def test_expert_weights_take_their_bias_row():
         list(split_fused_tensors(cfg, [("model.layers.0.mlp.experts.gate_up_proj", gate_up)]))
 
 
-def test_mxfp4_checkpoint_is_refused_with_the_way_out():
-    with pytest.raises(UnsupportedModelError, match="MXFP4 .*Mxfp4Config\\(dequantize=True\\)"):
-        ModelConfig.from_hf_dict(_config(quantization_config={"quant_method": "mxfp4"}))
+def test_mxfp4_dequantization_matches_transformers():
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from jlight.loading import mxfp4
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (3, 24, 2, 16)).astype(np.uint8)  # [X, out, in / 32, 16]
+    scales = rng.integers(100, 150, (3, 24, 2)).astype(np.uint8)
+    ours = mxfp4.dequantize(blocks, scales)
+    ref = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32).numpy()
+    assert ours.shape == ref.shape == (3, 64, 24)
+    np.testing.assert_array_equal(ours, ref)
+    with pytest.raises(ValueError, match="gate_up_proj_blocks without its scales"):
+        list(mxfp4.expand_mxfp4([("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
+
+
+def _mxfp4_copy(path: str, out: str) -> str:
+    """The tiny model with its expert weights replaced by random MXFP4 blocks and scales, as gpt-oss's
+    checkpoints store them (config.json's quantization_config names mxfp4)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors, rng = load_file(os.path.join(path, "model.safetensors")), np.random.default_rng(4)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, d_in, d_out = tensors.pop(name).shape
+        tensors[name + "_blocks"] = rng.integers(0, 256, (experts, d_out, d_in // 32, 16)).astype(np.uint8)
+        tensors[name + "_scales"] = rng.integers(120, 126, (experts, d_out, d_in // 32)).astype(np.uint8)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def test_mxfp4_checkpoint_matches_transformers(model, tmp_path):
+    """jlight expands an MXFP4 checkpoint's experts at load; transformers loads the same file
+    dequantized (Mxfp4Config(dequantize=True)): logits within 1e-4, 32 greedy tokens identical."""
+    import torch
+    import transformers
+
+    path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32")
+    check_direct(loaded.params, loaded.config, hf)

@@ -92,12 +92,6 @@ class ModelConfig:
         unsupported = next((a for a in archs if a in UNSUPPORTED_VARIANTS), None)
         if arch is None and unsupported:
             raise UnsupportedModelError(f"{unsupported} is not supported: it is {UNSUPPORTED_VARIANTS[unsupported]}")
-        quant_method = (cfg.get("quantization_config") or {}).get("quant_method")
-        if arch == "GptOssForCausalLM" and quant_method == "mxfp4":
-            raise UnsupportedModelError(
-                "gpt-oss with MXFP4 expert weights (quantization_config.quant_method=mxfp4) is not supported yet; "
-                "load a bf16 copy (transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), "
-                "then save_pretrained)")
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModelError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not supported; "
                                         "jlight runs causal language models")

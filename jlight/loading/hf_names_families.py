@@ -10,7 +10,8 @@
   * gpt-oss: the experts' gate_up_proj [experts, embed, 2 * mlp] holds gate and up interleaved
     (columns 0, 2, ... gate; 1, 3, ... up), [in, out] already, with gate_up_proj_bias beside it;
     `split_fused_tensors` turns the pair into gate and up weights whose last input row is the
-    bias (models/gpt_oss.py), under the names gate_proj_with_bias / up_proj_with_bias.
+    bias (models/gpt_oss.py), under the names gate_proj_with_bias / up_proj_with_bias; MXFP4
+    checkpoints' experts (NAME_blocks + NAME_scales) are expanded to float32 before that.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from jlight.core.config import ModelConfig
 from jlight.loading.hf_names import map_hf_name
+from jlight.loading.mxfp4 import expand_mxfp4
 
 _LAYER_RE = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 # Per-layer tensors whose names differ from Llama's: suffix -> (jlight name, transpose)
@@ -72,7 +74,10 @@ def _gpt_oss_experts(prefix: str, gate_up: np.ndarray, bias: np.ndarray):
 
 def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]):
     """(name, array) pairs with Phi-3's fused qkv_proj / gate_up_proj cut into Llama's names, and
-    gpt-oss's gate_up_proj + gate_up_proj_bias into gate and up weights with their bias row."""
+    gpt-oss's gate_up_proj + gate_up_proj_bias into gate and up weights with their bias row
+    (MXFP4 experts expanded first, loading/mxfp4.py)."""
+    if config.family == "gpt_oss":
+        tensors = expand_mxfp4(tensors)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     splits = {
         "self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),
