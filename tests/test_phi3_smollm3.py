@@ -13,7 +13,7 @@ from families_common import PROMPTS, check_direct, check_engine, hf_model
 from jlight.core.config import ModelConfig
 from jlight.loading import load_model
 from jlight.loading.hf_names_families import split_fused_tensors
-from jlight.models import get_model_family
+from jlight.models import attention_kinds, get_model_family
 
 ARCHS = ["Phi3ForCausalLM", "SmolLM3ForCausalLM"]
 # Phi-3: a 50-token prompt whose continuation crosses position 64 (short -> long factors), a 70-token one (long).
@@ -52,9 +52,17 @@ def test_fused_tensor_of_the_wrong_size_names_itself():
         list(split_fused_tensors(cfg, [("model.layers.0.self_attn.qkv_proj.weight", np.zeros((40, 16)))]))
 
 
-def test_longrope_factors_of_the_wrong_length_are_refused():
-    from jlight.models import attention_kinds
+def test_phi3_older_rope_names_are_longrope():
+    for old in ("su", "yarn"):
+        cfg = ModelConfig.from_hf_dict(dict(
+            architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32, hidden_size=16, intermediate_size=24,
+            num_hidden_layers=1, num_attention_heads=2, original_max_position_embeddings=16, max_position_embeddings=64,
+            rope_scaling={"type": old, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}))
+        table = attention_kinds.rope_tables(cfg)[0]
+        assert table.original_max == 16 and table.long_inv_freq is not None, old
 
+
+def test_longrope_factors_of_the_wrong_length_are_refused():
     cfg = ModelConfig.from_hf_dict(dict(
         architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32, hidden_size=16, intermediate_size=24,
         num_hidden_layers=1, num_attention_heads=2, original_max_position_embeddings=16,

@@ -103,6 +103,8 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling, rope_extra = _rope_settings(cfg)
+        if cfg.get("model_type") == "phi3" and rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("su", "yarn"):
+            rope_scaling = {**rope_scaling, "rope_type": "longrope", "type": "longrope"}  # Phi-3's older names, as HF reads them
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         model_type = cfg.get("model_type", "")
