@@ -31,6 +31,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
                    help="auto: the model's dtype; fp8: e4m3 K/V (2x the pages of bf16); int8: int8 K/V with a scale per "
                         "token and head (about 2x the pages)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory for KV pages the prefix cache evicts (vLLM's flag): copied there instead of "
+                        "dropped, and back on a later prefix hit (default: off)")
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
@@ -41,7 +44,7 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
+                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "kv_offloading_size", "attention_impl", "matmul_impl", "moe_impl"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

@@ -36,6 +36,10 @@ class EngineConfig:
     # (H200, B=64 decode at 4k context: 324 / 313 vs 343 us; docs/BENCHMARKS.md).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # GiB of host memory for the K/V of pages the prefix cache evicts (vLLM's kv_offloading_size; host_tier.py):
+    # they are copied there instead of dropped, and copied back when a later prompt's prefix needs them.
+    # None: off. Needs prefix caching.
+    kv_offloading_size: float | None = None
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
     # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode
@@ -87,6 +91,12 @@ class EngineConfig:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
+        if self.kv_offloading_size is not None:
+            if not self.kv_offloading_size > 0:
+                bad("kv_offloading_size", "must be > 0 GiB (or None for no host tier)")
+            if not self.enable_prefix_caching:
+                bad("kv_offloading_size", "needs prefix caching (the host tier holds the prefix cache's evicted pages); "
+                    "turn enable_prefix_caching on or leave kv_offloading_size unset")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
         SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key

@@ -134,6 +134,14 @@ class ModelRunner:
         self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
                              compiler_options=STEP_COMPILER_OPTIONS)
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
+        # Whole pages in and out of the pools (host_tier.py, disaggregated.py); a pool without a page axis
+        # (MLA's unused V pool) passes through as None.
+        paged = lambda a: a.shape[1] == num_pages
+        self._read_pages = jax.jit(lambda pools, pages: jax.tree.map(lambda a: a[:, pages] if paged(a) else None, pools))
+        self._write_pages = jax.jit(
+            lambda pools, pages, data: jax.tree.map(lambda a, d: a.at[:, pages].set(d) if paged(a) else a, pools, data,
+                                                    is_leaf=lambda x: x is None),
+            donate_argnums=(0,))
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
@@ -249,6 +257,16 @@ class ModelRunner:
             guide_mask = np.full((S, self.guide_mask_words), -1, np.int32)  # unconstrained positions: every token
             fill_masks(guided, guide_mask)
         return inp, guide_mask
+
+    def read_pages(self, pages: np.ndarray):
+        """The K/V of `pages` ([n] int32) as new device arrays: a (k, v) pair of the pools' pytrees, each leaf
+        [layers, n, ...]. Dispatched in order with the steps, so it reads what the steps before it wrote."""
+        return self._read_pages((self.k_cache, self.v_cache), pages)
+
+    def write_pages(self, pages: np.ndarray, data) -> None:
+        """Write `data` (read_pages' form, on this runner's devices) into `pages` ([n] int32; repeats of the
+        scratch page 0 are padding), before any step launched after this call."""
+        self.k_cache, self.v_cache = self._write_pages((self.k_cache, self.v_cache), pages, data)
 
     def unconstrained_mask(self, inp: StepInputs):
         """The device-resident all-ones mask of inp's bucket: what a step without constrained rows takes."""

@@ -1,0 +1,110 @@
+"""The host-memory KV tier (jlight/engine/host_tier.py) on a tiny float32 Llama with a device pool too
+small for the workload: evicted pages go to host memory and come back on a later prefix hit, giving
+the tokens an engine that recomputes them gives, with the evictions, per-tier hits and LRU drops
+counted, and no step compiled after warm-up."""
+import numpy as np
+import pytest
+
+import jlight
+from jlight import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PAGE_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8-token pages, 2 KV heads of 16, float32
+
+
+def small_engine(model_dir, host_pages=None):
+    """40 device pages (39 usable, 312 tokens): less than the workload's prefixes need."""
+    size = None if host_pages is None else host_pages * PAGE_BYTES / 2**30
+    return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=40,
+                      kv_offloading_size=size).engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+
+
+def conversations(seed=0):
+    """Three 120-token histories (15 pages each), then each history again with a new turn."""
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(3, 500, size=120).tolist() for _ in range(3)]
+    first = [h + rng.integers(3, 500, size=5).tolist() for h in histories]
+    second = [h + rng.integers(3, 500, size=7).tolist() for h in histories]
+    return first, second
+
+
+def run_one_by_one(engine, prompts):
+    out = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}-{len(out)}-{id(p)}", None, GREEDY, prompt_token_ids=p)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out.append((o.outputs[0].token_ids, o.num_cached_tokens))
+    return out
+
+
+def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_dir):
+    first, second = conversations()
+    reference = small_engine(model_dir)  # device prefix cache only: evicted pages are recomputed
+    tiered = small_engine(model_dir, host_pages=200)
+    compiled = tiered.runner._step._cache_size()
+    want = run_one_by_one(reference, first + second)
+    got = run_one_by_one(tiered, first + second)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    # Each second turn finds its whole history (15 pages): on the host tier, the device pool having
+    # evicted it; the reference recomputed it (the device holds only the most recent history or two).
+    assert [c for _, c in got[3:]] == [120, 120, 120]
+    assert [c for _, c in want[3:]][0] < 120
+    s = tiered.stats()
+    assert s.host_cache_offloaded_pages > 0 and s.host_cache_dropped_pages == 0
+    assert s.host_cache_hit_tokens >= 120 and s.host_cache_hit_tokens % 8 == 0
+    assert s.device_cache_hit_tokens + s.host_cache_hit_tokens >= 3 * 120
+    assert s.host_cache_pages_used == s.host_cache_offloaded_pages <= s.host_cache_pages_total == 200
+    assert reference.stats().host_cache_hit_tokens == 0 and reference.stats().host_cache_pages_total == 0
+    assert s.num_pages_used == 0
+    assert tiered.runner._step._cache_size() == compiled  # the copies compiled at warm-up, the steps too
+
+
+def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
+    first, second = conversations(seed=1)
+    tiered = small_engine(model_dir, host_pages=8)  # about half of one history
+    want = run_one_by_one(small_engine(model_dir), first + second)
+    got = run_one_by_one(tiered, first + second)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    s = tiered.stats()
+    assert s.host_cache_dropped_pages > 0 and s.host_cache_pages_used == s.host_cache_pages_total == 8
+    # The device evicts a history's last pages first; the host keeps the 8 it got last (the earliest of
+    # those pages), so the first history's second turn finds its head on the device, then part on host.
+    assert 0 < s.host_cache_hit_tokens and 0 < got[3][1] < 120
+
+
+def test_preempted_sequences_recover_their_pages_from_host(model_dir):
+    """Eight sequences at once in the small pool: preemptions release full pages, the pool evicts them,
+    and re-admissions take them back from host memory; every token as in the engine without the tier."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(60, 110, size=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for name, engine in (("reference", small_engine(model_dir)), ("tiered", small_engine(model_dir, host_pages=300))):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"p{i}", None, params, prompt_token_ids=p)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+        results[name] = (outs, engine.stats())
+    (want, ref_stats), (got, s) = results["reference"], results["tiered"]
+    assert got == want
+    assert ref_stats.num_preemptions > 0 and s.num_preemptions > 0
+    assert s.host_cache_hit_tokens > 0 and s.num_pages_used == 0
+
+
+def test_bad_offloading_sizes_are_refused_by_name(model_dir):
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        jlight.LLM(model_dir, dtype="float32", kv_offloading_size=-1.0)
+    with pytest.raises(ValueError, match="kv_offloading_size.*prefix caching"):
+        jlight.LLM(model_dir, dtype="float32", kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_size.*holds no page"):
+        jlight.LLM(model_dir, dtype="float32", num_pages=8, kv_offloading_size=1e-9)
