@@ -16,6 +16,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
                    help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
                         "(faster prefill; docs/BENCHMARKS.md has the figures and quality)")
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
+    p.add_argument("--disaggregated", default=None,
+                   help='prefill and decode on separate devices in one process, e.g. "prefill=4,decode=4": a prefill '
+                        "engine on the first 4 devices and a decode engine on the next 4 (tensor parallel in each)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="shorthand for --mesh tp=N")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -44,7 +47,7 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "kv_offloading_size", "attention_impl", "matmul_impl", "moe_impl"):
+                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "kv_offloading_size", "disaggregated", "attention_impl", "matmul_impl", "moe_impl"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

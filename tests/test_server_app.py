@@ -63,6 +63,12 @@ class FakeStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    device_cache_hit_tokens: int = 0
+    host_cache_hit_tokens: int = 0
+    host_cache_offloaded_pages: int = 0
+    host_cache_dropped_pages: int = 0
+    host_cache_pages_used: int = 0
+    host_cache_pages_total: int = 0
 
 
 class FakeAsyncLLM:

@@ -130,6 +130,12 @@ class BlockManager:
                 self.evictable.pop(p, None)
             self.ref_count[p] += 1
 
+    def hold(self, pages: list[int]) -> None:
+        """One more reference on pages in use (a transfer reading them after their sequence ends)."""
+        for p in pages:
+            assert self.ref_count[p] > 0, f"page {p} is not in use"
+            self.ref_count[p] += 1
+
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free_pages:
             raise RuntimeError(f"out of KV pages: asked for {n}, {self.num_free_pages} free")

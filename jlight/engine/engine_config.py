@@ -60,6 +60,9 @@ class EngineConfig:
     # Speculative decoding (jlight/engine/speculative.py), vLLM's speculative_config: e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}. None: off.
     speculative_config: dict | None = None
+    # Disaggregated prefill and decode (disaggregated.py): "prefill=N,decode=M", a prefill engine on the first N
+    # devices and a decode engine on the next M, each tensor parallel over its group. None: one engine.
+    disaggregated: str | None = None
     seed: int = 0
     warmup: bool = True
     compilation_cache_dir: str | None = dataclasses.field(
@@ -99,6 +102,8 @@ class EngineConfig:
                     "turn enable_prefix_caching on or leave kv_offloading_size unset")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        if self.disaggregated is not None and self.mesh:
+            bad("disaggregated", f"takes the devices of each role itself; leave mesh ({self.mesh!r}) unset")
         SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         return self
 

@@ -33,6 +33,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jlight.engine.model_runner import padded_pages
+
 
 @dataclasses.dataclass
 class _Copy:
@@ -105,7 +107,7 @@ class HostTier:
             self._land()
 
     def _dispatch_offload(self, runner, batch: list[tuple[int, bytes]]) -> None:
-        pages = _padded([page for page, _ in batch])
+        pages = padded_pages([page for page, _ in batch])
         data = runner.read_pages(pages)
         slots = []
         for _, key in batch:
@@ -145,7 +147,7 @@ class HostTier:
         return jax.tree.map(lambda host: None if host is None else host[:, slot], self.pool, is_leaf=lambda x: x is None)
 
     def _write_restore(self, runner, batch: list[tuple[int, object]]) -> None:
-        pages = _padded([page for page, _ in batch])
+        pages = padded_pages([page for page, _ in batch])
         n = len(pages)
 
         def stack(*per_page):
@@ -176,13 +178,6 @@ class HostTier:
 def _batches(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i:i + size]
-
-
-def _padded(pages: list[int]) -> np.ndarray:
-    """The pages, padded with scratch page 0 to a power-of-two count."""
-    out = np.zeros(1 << max(0, (len(pages) - 1).bit_length()), np.int32)
-    out[: len(pages)] = pages
-    return out
 
 
 def _to_host(data):

@@ -161,6 +161,9 @@ class LLMEngine:
         self._free_slots = list(range(cfg.max_num_seqs))
         self._slots: dict[int, int] = {}  # seq_id -> token-history slot (sequences with penalties)
         self._in_flight = None
+        # Requests whose pages outlive their finish for another engine to read (disaggregated.py):
+        # request id -> None until it finishes, then its pages, held by one more reference.
+        self.kv_exports: dict[str, list[int] | None] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -288,6 +291,30 @@ class LLMEngine:
         self.prompt_tokens_total += len(prompt_token_ids)
         return request_id
 
+    def adopt_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
+                      arrival_time: float, pages: list[int] | None = None, logprobs: list | None = None,
+                      cumulative_logprob: float = 0.0) -> RequestOutput:
+        """Continue a request (n == 1) whose prompt another engine computed and whose first token it sampled
+        (disaggregated.py). With `pages` (taken from this block manager, the prompt's K/V written into them)
+        it decodes at once; without them its prompt and first token are recomputed here, as after a
+        preemption. `logprobs`: the first token's entry, when asked. Returns the output with that token."""
+        self.add_request(request_id, prompt, params, prompt_token_ids, arrival_time)
+        req = self.requests[request_id]
+        seq = req.seqs[0]
+        self._append(seq, first_token, 0, None, None, None, False, time.time())
+        if logprobs:
+            seq.logprobs, seq.cumulative_logprob = list(logprobs), cumulative_logprob
+        if pages is not None:
+            self.scheduler.resume(seq, pages, len(prompt_token_ids))
+        req.first_token_time = seq.first_token_time
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        output = output_processor.make_request_output(req)
+        if req.finished:
+            self.requests.pop(request_id, None)
+            self._seq_request.pop(seq.seq_id, None)
+        return output
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages. Returns its last output (every unfinished sample with
         finish_reason "abort"), or None for a request the engine does not hold."""
@@ -375,6 +402,9 @@ class LLMEngine:
             self._free_slots.append(slot)
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.request_id in self.kv_exports and seq.finish_reason != "abort":
+            self.block_manager.hold(seq.pages)
+            self.kv_exports[seq.request_id] = list(seq.pages)
         self.scheduler.finish(seq)
         self._release_slot(seq)
 

@@ -57,6 +57,14 @@ class StepOutputs(NamedTuple):
     prompt_top_logprobs: jax.Array  # [T, N]
 
 
+def padded_pages(pages: list[int]) -> np.ndarray:
+    """Page ids for read_pages / write_pages, padded with scratch page 0 to a power-of-two count (one
+    compiled copy per count)."""
+    out = np.zeros(1 << max(0, (len(pages) - 1).bit_length()), np.int32)
+    out[: len(pages)] = pages
+    return out
+
+
 def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
     buckets, b = [], smallest
     while b < max_num_batched_tokens:
