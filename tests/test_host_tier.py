@@ -2,11 +2,14 @@
 small for the workload: evicted pages go to host memory and come back on a later prefix hit, giving
 the tokens an engine that recomputes them gives, with the evictions, per-tier hits and LRU drops
 counted, and no step compiled after warm-up."""
+import textwrap
+
 import numpy as np
 import pytest
 
 import jlight
 from jlight import SamplingParams
+from simulated_devices import run_script
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PAGE_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8-token pages, 2 KV heads of 16, float32
@@ -108,3 +111,28 @@ def test_bad_offloading_sizes_are_refused_by_name(model_dir):
         jlight.LLM(model_dir, dtype="float32", kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size.*holds no page"):
         jlight.LLM(model_dir, dtype="float32", num_pages=8, kv_offloading_size=1e-9)
+
+
+SHARDED = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import jlight
+    from test_host_tier import conversations, run_one_by_one
+
+    first, second = conversations(seed=3)
+    runs = {{}}
+    for name, size in (("reference", None), ("tiered", 200 * {page_bytes} / 2**30)):
+        engine = jlight.LLM({model!r}, dtype="float32", mesh="tp=2", max_num_seqs=4, max_num_batched_tokens=64,
+                            min_token_bucket=64, page_size=8, num_pages=40, kv_offloading_size=size).engine
+        runs[name] = dict(out=run_one_by_one(engine, first + second), hits=engine.stats().host_cache_hit_tokens)
+    print("RESULT" + json.dumps(runs))
+""")
+
+
+def test_the_tier_under_a_tensor_parallel_mesh(model_dir):
+    """tp=2 on two simulated devices: pages gathered from sharded pools, and scattered back into them."""
+    import os
+
+    out = run_script(SHARDED.format(tests=os.path.dirname(__file__), model=model_dir, page_bytes=PAGE_BYTES), 2)
+    assert [t for t, _ in out["tiered"]["out"]] == [t for t, _ in out["reference"]["out"]]
+    assert out["tiered"]["hits"] > 0 and [c for _, c in out["tiered"]["out"][3:]] == [120, 120, 120]

@@ -235,6 +235,10 @@ class DisaggregatedEngine:
             self.decode.block_manager.release(h.dest)
         h.source, h.dest, h.moved = [], None, None
 
+    def warmup_for_one_request(self, prompt_len: int) -> float:
+        """Each side's buckets for one request of prompt_len tokens (an engine built with warmup=False)."""
+        return self.prefill.warmup_for_one_request(prompt_len) + self.decode.warmup_for_one_request(prompt_len)
+
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()
