@@ -136,3 +136,48 @@ def test_the_tier_under_a_tensor_parallel_mesh(model_dir):
     out = run_script(SHARDED.format(tests=os.path.dirname(__file__), model=model_dir, page_bytes=PAGE_BYTES), 2)
     assert [t for t, _ in out["tiered"]["out"]] == [t for t, _ in out["reference"]["out"]]
     assert out["tiered"]["hits"] > 0 and [c for _, c in out["tiered"]["out"][3:]] == [120, 120, 120]
+
+
+class _PoolRunner:
+    """A runner's page interface over a small K pool ([1, 8 pages, 2] float32, page p holding p + 1) and a V
+    pool without pages (as MLA's): read_pages gives None for it, as ModelRunner does."""
+
+    def __init__(self):
+        import jax.numpy as jnp
+
+        self.k_cache = jnp.repeat(jnp.arange(1.0, 9.0)[None, :, None], 2, axis=2)
+        self.v_cache = jnp.zeros((1, 1, 1))
+
+    def read_pages(self, pages):
+        return self.k_cache[:, pages], None
+
+    def write_pages(self, pages, data):
+        self.k_cache = self.k_cache.at[:, pages].set(data[0])
+
+    def page(self, p):
+        return np.asarray(self.k_cache)[0, p].tolist()
+
+
+def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync():
+    from jlight.engine.host_tier import HostTier
+
+    runner, tier = _PoolRunner(), HostTier(capacity=2, max_batch=2)
+    tier.offload(1, b"A")
+    tier.offload(2, b"B")
+    tier.sync(runner)
+    assert b"A" in tier and b"B" in tier and tier.offloaded_pages == 2
+    # Steps launched after the sync reuse the pages: the copies, dispatched before, keep the old contents.
+    runner.write_pages(np.array([1, 2]), (np.full((1, 2, 2), -1.0, np.float32), None))
+    tier.offload(1, b"A2")
+    tier.sync(runner)
+    assert tier.dropped_pages == 1 and b"A" not in tier  # the least recently used key made room
+    # Restoring B makes it most recent, so the offload queued with it drops A2, not B; and the restore reads
+    # B's slot before that offload's copy is given the slot.
+    tier.offload(3, b"C")
+    tier.restore(b"B", 5)
+    tier.sync(runner)
+    assert runner.page(5) == [3.0, 3.0] and b"B" in tier and b"C" in tier and b"A2" not in tier
+    tier.restore(b"C", 6)
+    tier.sync(runner)
+    assert runner.page(6) == [4.0, 4.0] and tier.restored_pages == 2 and tier.num_used == 2
+    assert runner.page(1) == runner.page(2) == [-1.0, -1.0] and runner.page(3) == [4.0, 4.0]

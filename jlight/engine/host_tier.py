@@ -157,11 +157,7 @@ class HostTier:
             out[:, : len(per_page)] = np.stack(per_page, axis=1)
             return out
         host = jax.tree.map(stack, *[data for _, data in batch], is_leaf=lambda x: x is None)
-        # The pools' own placement: an uncommitted pool (one device, no mesh) takes uncommitted data, else its
-        # output would be committed and the step compile again for it.
-        shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, (runner.k_cache, runner.v_cache))
-        on_device = jax.tree.map(lambda h, s: None if h is None else jax.device_put(h, s), host, shardings,
-                                 is_leaf=lambda x: x is None)
+        on_device = jax.tree.map(_put_like, host, (runner.k_cache, runner.v_cache), is_leaf=lambda x: x is None)
         runner.write_pages(pages, on_device)
         self.restored_pages += len(batch)
 
@@ -178,6 +174,17 @@ class HostTier:
 def _batches(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def _put_like(host, pool):
+    """A host array onto the pool's placement: its sharding if the pool is committed, else uncommitted on the
+    pool's device (a committed output would be another jit cache key for the step: a compile)."""
+    if host is None:
+        return None
+    if pool.committed:
+        return jax.device_put(host, pool.sharding)
+    with jax.default_device(next(iter(pool.devices()))):
+        return jax.device_put(host)
 
 
 def _to_host(data):
