@@ -196,12 +196,12 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
 
     `grouped`: the Pallas grouped matmul (Kernels.grouped_matmul: `matmul` and `fits(k, n)`), or None
     where dispatch gives none (moe_impl "auto" off the GPU, or another impl forced).
-    Where it is given and takes the shapes, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py, 2026-11-29
-    14:02 UTC, random weights, ms) it was the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
+    Where it is given and takes the shapes, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py,
+    random weights, ms; docs/BENCHMARKS.md) it is the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
     gathered, 6.34 dense; DeepSeek-V3-shaped 5.01 vs 5.23 gathered, 14.40 dense), at batch-64
     decode on DeepSeek (9.24 vs 18.21 dense) and at 2048-token prefill (33.6 vs 82.1 dense
     Mixtral; 325.8 vs 454.6 dense DeepSeek; XLA's ragged_dot pads every group to a dense
-    contraction: 123.6 and 1303.5). It lost one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
+    contraction: 123.6 and 1303.5). It loses one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
     Elsewhere (CPU): the gathered path when the pairs are few next to the experts (it reads only
     the chosen experts' weights; a gather copies what it reads, hence the factor 3), else ragged_dot.
     """

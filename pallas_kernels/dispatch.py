@@ -77,11 +77,11 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         if backend == "mosaic":
             attention = mosaic_or_triton_attention
     # "auto" on GPU keeps XLA's matmuls but for W8A8: end to end on the H200 (Llama-3-8B shape,
-    # int8 weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against
-    # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step
+    # int8 weights, batch-1 decode) XLA's fused dequantize-dot takes 4.49 ms per token against
+    # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md): a batch-1 step
     # pads to the 8-token bucket, which the GEMV path (<= 4 rows) does not take. The Pallas W8A8
     # kernel on K-major weights beats XLA's int8 dot from 64 rows (4096 rows: 382 vs 523 us on the
-    # same weights, 900 us on [in, out] ones, fifth session), so "auto" uses it there.
+    # same weights, 900 us on [in, out] ones), so "auto" uses it there.
     # matmul_impl="pallas" selects every Pallas matmul.
     if _use_pallas(matmul_impl):
         # GPU kernel modules load only when chosen.
@@ -98,7 +98,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured
-# on the H200 (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 vs 421 us
+# on the H200 (docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 vs 421 us
 # (Triton), at batch 8 59 vs 76 us, a 4096-token prefill 460 vs 684 us; 8B-shaped offline serving
 # 2,368 vs 2,126 output tok/s. Inputs it does not take (float32; int8 KV pools with pages of 8 or 16
 # tokens) go to the Triton kernel.

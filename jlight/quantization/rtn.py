@@ -34,10 +34,15 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
         return weight_type(*quantize_int8(w))
 
-    layers = dict(params["layers"])
-    for name in LINEAR_WEIGHTS:
-        if name in layers and name not in keep:
-            layers[name] = quantize(name, layers[name])
+    def quantize_layers(layers: dict) -> dict:
+        layers = dict(layers)
+        for name in LINEAR_WEIGHTS:
+            if name in layers and name not in keep:
+                layers[name] = quantize(name, layers[name])
+        return layers
+
+    layers = params["layers"]  # stacked, or a list of per-layer dicts (load_model(unstacked=True))
+    layers = [quantize_layers(lp) for lp in layers] if isinstance(layers, list) else quantize_layers(layers)
     out = dict(params, layers=layers)
     if "lm_head" in params and "lm_head" not in keep:
         out["lm_head"] = quantize("lm_head", params["lm_head"])
