@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode (jlight/engine/disaggregated.py) on 8 simulated CPU devices: a
 prefill engine tensor parallel over devices 0-3 and a decode engine over 4-7 give exactly the tokens of
 one engine for a batch of mixed requests, while one request is aborted mid-transfer (both sides' pages
-freed) and two transfers fail (one at dispatch, one when polled) and are recomputed on the decode side."""
+freed) and two transfers fail (one at dispatch, one when polled) and are recomputed on the decode side;
+and with a decode pool too small for the batch, whose preemptions recompute adopted requests."""
 import textwrap
 
 from simulated_devices import run_script
@@ -12,7 +13,7 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     import jlight
     from jlight import SamplingParams
-    from jlight.engine.disaggregated import device_put_tree
+    from jlight.engine.disaggregated import DisaggregatedEngine, device_put_tree
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
 
@@ -66,7 +67,14 @@ SCRIPT = textwrap.dedent("""
     groups = [sorted(d.id for d in e.runner.k_cache.devices()) for e in (engine.prefill, engine.decode)]
     got, aborted = collect(engine, abort_id="r7")
     s = engine.stats()
+    # A decode pool of 23 pages, less than the batch needs: adopted requests are preempted there and
+    # recomputed, and handoffs wait for room.
+    small = DisaggregatedEngine(engine.prefill, LLMEngine(EngineConfig(model, mesh="tp=4", **{{**opts, "num_pages": 24}}),
+                                                           devices=jax.devices()[4:]))
+    tight, _ = collect(small)
     print("RESULT" + json.dumps(dict(
+        tight=tight, tight_preemptions=small.decode.stats().num_preemptions,
+        tight_used=[small.prefill.block_manager.num_used_pages, small.decode.block_manager.num_used_pages],
         want=want, got=got, aborted=aborted, groups=groups, failures=engine.num_transfer_failures,
         transfers=engine.num_transfers, used=[engine.prefill.block_manager.num_used_pages,
                                                engine.decode.block_manager.num_used_pages],
@@ -92,4 +100,5 @@ def test_prefill_on_0_3_decode_on_4_7_gives_the_single_engine_tokens(tiny_model)
     assert out["transfers"] == 6 and out["failures"] == 2
     assert out["used"] == [0, 0]
     assert out["prompt_tokens"] == out["single_prompt_tokens"]
+    assert out["tight"] == want and out["tight_preemptions"] > 0 and out["tight_used"] == [0, 0]
     assert out["generated"] == sum(len(t) for toks, _ in got.values() for t in toks) + 1  # + r7's first token
