@@ -65,6 +65,8 @@ SCRIPT = textwrap.dedent("""
     engine = llm.engine
     engine.transfer = transfer
     groups = [sorted(d.id for d in e.runner.k_cache.devices()) for e in (engine.prefill, engine.decode)]
+    copies = lambda: [engine.prefill.runner._read_pages._cache_size(), engine.decode.runner._write_pages._cache_size()]  # jit fallbacks
+    compiled = copies()
     got, aborted = collect(engine, abort_id="r7")
     s = engine.stats()
     # A decode pool of 23 pages, less than the batch needs: adopted requests are preempted there and
@@ -73,7 +75,7 @@ SCRIPT = textwrap.dedent("""
                                                            devices=jax.devices()[4:]))
     tight, _ = collect(small)
     print("RESULT" + json.dumps(dict(
-        tight=tight, tight_preemptions=small.decode.stats().num_preemptions,
+        copies_compiled=[compiled, copies()], tight=tight, tight_preemptions=small.decode.stats().num_preemptions,
         tight_used=[small.prefill.block_manager.num_used_pages, small.decode.block_manager.num_used_pages],
         want=want, got=got, aborted=aborted, groups=groups, failures=engine.num_transfer_failures,
         transfers=engine.num_transfers, used=[engine.prefill.block_manager.num_used_pages,
@@ -99,6 +101,7 @@ def test_prefill_on_0_3_decode_on_4_7_gives_the_single_engine_tokens(tiny_model)
     # 6 requests handed over (r3 ended at its first token, r4 ran on the decode side): 2 failed and recomputed.
     assert out["transfers"] == 6 and out["failures"] == 2
     assert out["used"] == [0, 0]
+    assert out["copies_compiled"][0] == out["copies_compiled"][1]  # the handoff's copies compiled at warm-up
     assert out["prompt_tokens"] == out["single_prompt_tokens"]
     assert out["tight"] == want and out["tight_preemptions"] > 0 and out["tight_used"] == [0, 0]
     assert out["generated"] == sum(len(t) for toks, _ in got.values() for t in toks) + 1  # + r7's first token

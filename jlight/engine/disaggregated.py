@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 
 import jax
@@ -79,6 +80,8 @@ class DisaggregatedEngine:
         self.tokenizer, self.model_config = decode.tokenizer, decode.model_config
         self.max_model_len, self.model_name = decode.max_model_len, decode.model_name
         self.warmup_seconds = prefill.warmup_seconds + decode.warmup_seconds
+        if decode.config.warmup:
+            self.warmup_seconds += self._warmup_transfers()
         self._prefilling: dict[str, _Handoff] = {}  # on the prefill engine (source pages not yet known)
         self._queued: list[_Handoff] = []  # prefill done, waiting for room on the decode side
         self._moving: list[_Handoff] = []  # copy dispatched, not landed
@@ -86,6 +89,17 @@ class DisaggregatedEngine:
         self.num_transfers = 0
         self.num_transfer_failures = 0
         self._adopted_prompt_tokens = self._adopted = 0  # counted by both engines; stats() counts them once
+
+    def _warmup_transfers(self) -> float:
+        """Compile the handoff's gather (prefill side) and scatter (decode side) for every power-of-two page count
+        a prompt can take."""
+        t0 = time.perf_counter()
+        self.prefill.runner.warmup_page_copies(self.prefill.runner.max_pages_per_seq, kinds=("read",))
+        self.decode.runner.warmup_page_copies(self.decode.runner.max_pages_per_seq, kinds=("write",))
+        return time.perf_counter() - t0
+
+    def _decode_shardings(self):
+        return jax.tree.map(lambda a: a.sharding, (self.decode.runner.k_cache, self.decode.runner.v_cache))
 
     @classmethod
     def from_config(cls, config: EngineConfig, transfer=device_put_tree) -> "DisaggregatedEngine":
@@ -189,8 +203,7 @@ class DisaggregatedEngine:
             self.num_transfers += 1
             try:
                 data = self.prefill.runner.read_pages(padded_pages(h.source))
-                shardings = jax.tree.map(lambda a: a.sharding, (decode.runner.k_cache, decode.runner.v_cache))
-                h.moved = self.transfer(data, shardings)
+                h.moved = self.transfer(data, self._decode_shardings())
             except Exception as e:  # a failed copy loses nothing: the decode side recomputes
                 self._failed(h, e)
                 continue

@@ -23,7 +23,7 @@ Invariants:
 - A slot's data are those of the last copy into it: copies land in the order they were issued, and a
   restore first lands every copy up to the last one into its slot.
 - Pages are batched in power-of-two counts up to `max_batch` (padding reads and writes scratch page
-  0), so the copies compile once per count, at warm-up.
+  0), so the copies compile once per count, ahead of time at warm-up.
 """
 from __future__ import annotations
 
@@ -162,13 +162,8 @@ class HostTier:
         self.restored_pages += len(batch)
 
     def warmup(self, runner) -> None:
-        """Compile the gather and the scatter for every batch size (they copy scratch page 0 onto itself)."""
-        n = 1
-        while n <= self.max_batch:
-            pages = np.zeros(n, np.int32)
-            runner.write_pages(pages, runner.read_pages(pages))
-            n *= 2
-        jax.block_until_ready(runner.k_cache)
+        """Compile the gather and the scatter for every batch size."""
+        runner.warmup_page_copies(self.max_batch)
 
 
 def _batches(items: list, size: int):

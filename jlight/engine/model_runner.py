@@ -159,6 +159,7 @@ class ModelRunner:
             lambda pools, pages, data: jax.tree.map(lambda a, d: a.at[:, pages].set(d) if paged(a) else a, pools, data,
                                                     is_leaf=lambda x: x is None),
             donate_argnums=(0,))
+        self._page_copies = {}  # ("read" | "write", page count) -> compiled ahead of time (warmup_page_copies)
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
@@ -278,12 +279,29 @@ class ModelRunner:
     def read_pages(self, pages: np.ndarray):
         """The K/V of `pages` ([n] int32) as new device arrays: a (k, v) pair of the pools' pytrees, each leaf
         [layers, n, ...]. Dispatched in order with the steps, so it reads what the steps before it wrote."""
-        return self._read_pages((self.k_cache, self.v_cache), pages)
+        compiled = self._page_copies.get(("read", len(pages)))
+        return (compiled or self._read_pages)((self.k_cache, self.v_cache), pages)
 
     def write_pages(self, pages: np.ndarray, data) -> None:
         """Write `data` (read_pages' form, on this runner's devices) into `pages` ([n] int32; repeats of the
         scratch page 0 are padding), before any step launched after this call."""
-        self.k_cache, self.v_cache = self._write_pages((self.k_cache, self.v_cache), pages, data)
+        compiled = self._page_copies.get(("write", len(pages)))
+        self.k_cache, self.v_cache = (compiled or self._write_pages)((self.k_cache, self.v_cache), pages, data)
+
+    def warmup_page_copies(self, max_pages: int, kinds=("read", "write")) -> None:
+        """Compile read_pages / write_pages ahead of time for every power-of-two page count up to max_pages (as
+        the steps are: the pools a step gives back carry another form of the same sharding, a jit cache miss)."""
+        pools, n = (self.k_cache, self.v_cache), 1
+        while True:
+            pages = np.zeros(n, np.int32)
+            read = self._page_copies.get(("read", n)) or self._read_pages.lower(pools, pages).compile()
+            if "read" in kinds:
+                self._page_copies["read", n] = read
+            if "write" in kinds and ("write", n) not in self._page_copies:
+                self._page_copies["write", n] = self._write_pages.lower(pools, pages, read(pools, pages)).compile()
+            if n >= max_pages:
+                return
+            n *= 2
 
     def unconstrained_mask(self, inp: StepInputs):
         """The device-resident all-ones mask of inp's bucket: what a step without constrained rows takes."""
