@@ -24,8 +24,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 512 on CPU, 2048 on GPU
-    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8. On the H200 a
-    # one-token step is slower than an eight-token one (XLA's one-row matmuls; docs/BENCHMARKS.md).
+    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8, and on the CPU a
+    # 1-token step besides (batch-1 decode: the CPU's matmul time follows the rows, ~2.5x the tokens/s
+    # of padding to 8 for SmolLM2). On the H200 a one-token step is slower than an eight-token one
+    # (XLA's one-row matmuls; docs/BENCHMARKS.md).
     min_token_bucket: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction

@@ -160,7 +160,8 @@ class LLMEngine:
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
-            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words,
+            min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
+            guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}

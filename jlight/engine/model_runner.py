@@ -66,8 +66,10 @@ def padded_pages(pages: list[int]) -> np.ndarray:
     return out
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
-    buckets, b = [], smallest
+def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: bool = False) -> list[int]:
+    """Powers of two from `smallest` up to max_num_batched_tokens (always the last), and with
+    one_token a 1-token bucket below them (batch-1 decode on the CPU, whose matmul time follows the rows)."""
+    buckets, b = ([1] if one_token and smallest > 1 else []), smallest
     while b < max_num_batched_tokens:
         buckets.append(b)
         b *= 2
@@ -106,7 +108,7 @@ def matmul_precision(compute_dtype) -> str | None:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1, draft_slots=0):
+                 int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts."""
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.draft_slots = draft_slots
@@ -114,7 +116,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens))
+        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket)
         k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
         k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape) if sharding_plan is not None else (None, None)
         # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools

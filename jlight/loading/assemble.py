@@ -15,6 +15,7 @@ import numpy as np
 from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.loading.hf_names import map_hf_name
+from jlight.loading.hf_names_families import family_name_mapper, split_fused_tensors
 from jlight.loading.hf_names_moe import moe_name_mapper
 from jlight.models import get_model_family
 
@@ -44,7 +45,8 @@ def assemble_params(
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:
-        name_mapper = moe_name_mapper(config) or map_hf_name
+        name_mapper = moe_name_mapper(config) or family_name_mapper(config) or map_hf_name
+    tensors = split_fused_tensors(config, tensors)
     place = place or (lambda path, a: jax.device_put(a))
     np_dtype = jnp.dtype(dtype)
     # group -> param -> {index tuple: on-device slice}
