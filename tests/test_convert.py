@@ -220,7 +220,7 @@ def test_jlight_convert_dir_loads_like_any_model(tiny_model, tmp_path):
     params = jlight.SamplingParams(max_tokens=8, temperature=0.0)
     prompts = ["the quick brown fox", "Paris is the capital of", "1 2 3"]
     converted = jlight.api.LLM(out, **kwargs)
-    layers = converted.engine.runner.params["layers"]  # the engine's weights (q/k/v fused on one device)
+    layers = converted.engine.runner.params["layers"][0]  # the first layer's weights (q/k/v fused on one device)
     leaf = layers["wqkv"].weight if "wqkv" in layers else layers["wq"]
     assert (leaf.values.dtype == jnp.int8) if quantization else (leaf.dtype == jnp.float32)
     got = [o.outputs[0].text for o in converted.generate(prompts, params, use_tqdm=False)]
@@ -336,7 +336,8 @@ def test_a_corrupt_checkpoint_is_one_line_from_the_cli(loaded, tmp_path):
     data.write_bytes(data.read_bytes()[: size // 3])
     proc = subprocess.run([sys.executable, "-m", "jlight.cli", "generate", "hi", "--model", str(out), "--no-chat"],
                           capture_output=True, text=True, timeout=300)
-    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("loading")]
+    # The start-up's phase line ("jlight: loading PATH") comes before the error; nothing else may.
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith(("loading", "jlight: loading"))]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     rel = data.relative_to(out)
     assert lines[0] == (f"jlight: error: {out}: the checkpoint's file {rel} has {size // 3} bytes, the conversion "
