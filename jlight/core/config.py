@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek",
     "DeepseekV3ForCausalLM": "deepseek",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
@@ -32,6 +33,13 @@ MOE_MLA_CONFIG_KEYS = (
     "mlp_only_layers", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "topk_method",
     "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "kv_lora_rank", "q_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+    # hybrid families (models/granite_hybrid.py, models/qwen3_next.py)
+    "layer_types", "layers_block_type", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head",
+    "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
+    "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
+    "shared_intermediate_size", "position_embedding_type",
+    "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
 )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
-from jlight.engine import output_processor, speculative
+from jlight.engine import output_processor, speculative, state_pool
 from jlight.engine.block_manager import BlockManager, page_hash
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
@@ -28,6 +28,7 @@ from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
+from jlight.engine.state_pool import StatePool, num_state_slots
 from jlight.engine.structured_output import GrammarCompiler
 from jlight.engine.weights import prepare_params
 from jlight.models import get_model_family
@@ -118,6 +119,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(loaded, "name", None) or str(cfg.model or "SmolLM2-135M-Instruct")
         self.family = get_model_family(self.model_config)
+        stateful = hasattr(self.family, "state_shapes")  # a hybrid model: recurrent layers with state slots
+        if stateful:
+            self._check_hybrid(cfg)
         params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights)
         if sharding_plan is not None:
             self.model_config = sharding_plan.config  # e.g. KV heads replicated up to tp
@@ -134,9 +138,15 @@ class LLMEngine:
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        prefix_caching = cfg.enable_prefix_caching and not stateful
+        if stateful and cfg.enable_prefix_caching:
+            logger.info("prefix caching is off for %s: its recurrent layers' state is one slot a sequence, and "
+                        "cached pages hold no state snapshot to resume it from", mc.architecture)
+        self.block_manager = BlockManager(num_pages, cfg.page_size, prefix_caching)
         spec = cfg.speculative
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec)
+        self.state_pool = StatePool(num_state_slots(cfg.max_num_seqs)) if stateful else None
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
+                                   state_pool=self.state_pool)
         draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
         self.runner = ModelRunner(
             self.family, mc, params,
@@ -187,6 +197,20 @@ class LLMEngine:
         k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, self.config.page_size)
         return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
 
+    def _check_hybrid(self, cfg: EngineConfig) -> None:
+        """Refuse what a hybrid model's engine does not do yet, naming the option."""
+        if cfg.mesh:
+            raise ValueError(f"mesh={cfg.mesh!r}: {self.model_config.architecture} (recurrent layers) runs on one device "
+                             "so far; drop mesh")
+        if cfg.speculative_config:
+            raise ValueError(f"speculative_config: {self.model_config.architecture}'s recurrent state cannot take back "
+                             "rejected drafts; drop speculative_config")
+
+    def state_pool_bytes(self) -> int:
+        """Bytes of a hybrid model's recurrent-state pools (0 for other models), taken from the KV budget."""
+        fn = getattr(self.family, "state_shapes", None)
+        return state_pool.bytes_for(fn, self.model_config, self.config.max_num_seqs) if fn else 0
+
     def _size_kv_pool(self, kv_dtype, plan) -> int:
         cfg = self.config
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
@@ -194,10 +218,12 @@ class LLMEngine:
             bytes_per_page //= max(1, plan.mesh.size)
         wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1
         stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        state_bytes = self.state_pool_bytes()  # allocated with the pages, so taken out of their budget first
         if stats and "bytes_limit" in stats:
+            stats = dict(stats, bytes_in_use=stats.get("bytes_in_use", 0) + state_bytes)
             return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization)
         # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
-        return max(2, min(wanted, (2 << 30) // bytes_per_page))
+        return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,

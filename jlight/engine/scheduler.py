@@ -15,6 +15,7 @@ import dataclasses
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.sequence import SeqStatus, Sequence
 from jlight.engine.speculative import SpeculativeConfig, propose_ngram
+from jlight.engine.state_pool import StatePool
 
 
 @dataclasses.dataclass
@@ -38,8 +39,9 @@ class SchedulePlan:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, state_pool: StatePool | None = None):
         self.bm = block_manager
+        self.state_pool = state_pool  # hybrid models: a sequence holds a state slot while it runs
         self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,6 +76,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.release(seq.pages)
         seq.pages, seq.page_keys = [], []
+        self._release_state(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.last_row = None
@@ -137,6 +140,8 @@ class Scheduler:
             if not self.bm.can_allocate(need, cached_pages):
                 break
             self.waiting.popleft()
+            if self.state_pool is not None:
+                seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: max_num_seqs + 1 slots
             self.bm.acquire(cached_pages)
             seq.pages = cached_pages + self.bm.allocate(need)
             seq.page_keys = list(cached_keys)
@@ -168,7 +173,13 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.release(seq.pages)
         seq.pages, seq.page_keys = [], []
+        self._release_state(seq)
         seq.status = SeqStatus.FINISHED
+
+    def _release_state(self, seq: Sequence) -> None:
+        if self.state_pool is not None:
+            self.state_pool.release(seq.state_slot)
+        seq.state_slot = 0
 
 
 def speculates(seq: Sequence) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.loading.hf_names import map_hf_name
+from jlight.loading.hf_names_hybrid import hybrid_name_mapper
 from jlight.loading.hf_names_moe import moe_name_mapper
 from jlight.models import get_model_family
 
@@ -39,7 +40,7 @@ def assemble_params(
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:
-        name_mapper = moe_name_mapper(config) or map_hf_name
+        name_mapper = moe_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
     place = place or (lambda path, a: jax.device_put(a))
     np_dtype = jnp.dtype(dtype)
     # group -> param -> {index tuple: on-device slice}
@@ -51,8 +52,10 @@ def assemble_params(
             continue
         key, layer, transpose = mapped
         arr = np.asarray(tensor)
-        if transpose:
+        if transpose is True:
             arr = arr.T
+        elif transpose:  # axes (a hybrid family's 3-D weights: hf_names_hybrid.py)
+            arr = np.transpose(arr, transpose)
         arr = arr.astype(np_dtype)
         if layer is None:
             if key not in shapes:
@@ -68,6 +71,8 @@ def assemble_params(
             want = shapes[group][key]
             if any(i >= n for i, n in zip(index, want)):
                 continue  # e.g. layers beyond num_layers
+            if arr.ndim > len(want) - len(index) and arr.size == np.prod(want[len(index):]):
+                arr = arr.reshape(want[len(index):])  # a 1-sized axis the params tree drops (conv1d's [C, 1, K])
             _check_shape(name, arr.shape, want[len(index):])
             layer_parts[group][key][index] = place(f"{group}.{key}", arr)
     if "lm_head" not in top:
