@@ -21,19 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.config import ModelConfig
 from jlight.core.errors import UnsupportedModelError
-from jlight.core.parallel_ops import ParallelOps
-from jlight.core.recurrent_state import PagesAndState
-from jlight.models.hybrid import gated_rms_norm, layer_at, layout_of
+from jlight.models.hybrid import HybridDecoder, gated_rms_norm, hybrid_functions
 from jlight.models.layers import activation, rms_norm, unstack_layers  # noqa: F401  (unstack_layers: the engine's)
-from jlight.models.module import Layout, ParamMaker, Step, bind, declare, layer_group, param_axes as _axes, \
-    param_shapes as _shapes, random_params, value
+from jlight.models.module import ParamMaker, Step, declare, value
 from jlight.models.moe import expert_ffn, softmax_topk
-from jlight.models.rope import apply_rope, inv_frequencies
-
-GROUPS = ("mamba_layers", "attn_layers")
+from jlight.models.rope import apply_rope
 
 
 def layer_kinds(config: ModelConfig) -> list[str]:
@@ -79,7 +73,8 @@ class Block(nnx.Module):
         if X:
             I = c.intermediate_size
             self.router = p((E, X), ("embed", "router"))
-            self.experts_gate_up = p((X, E, 2 * I), ("experts", "embed", "mlp"))  # [gate | up]
+            self.experts_gate = p((X, E, I), ("experts", "embed", "mlp"))
+            self.experts_up = p((X, E, I), ("experts", "embed", "mlp"))
             self.experts_down = p((X, I, E), ("experts", "mlp", "embed"))
 
     def mlp(self, x, step: Step):
@@ -90,10 +85,9 @@ class Block(nnx.Module):
         if hasattr(self, "router"):
             logits = jnp.dot(x.astype(jnp.float32), value(self, "router").astype(jnp.float32))  # [T, experts]
             ids, weights = softmax_topk(logits, c.extra.get("num_experts_per_tok") or 2, True)  # = softmax over the top-k logits
-            gate_up = value(self, "experts_gate_up")
-            w_gate, w_up = jnp.split(gate_up, 2, axis=-1)
             local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)
-            out = out + ops.expert_ffn(local_ffn, x, ids, weights, w_gate, w_up, value(self, "experts_down"))
+            experts = (value(self, n) for n in ("experts_gate", "experts_up", "experts_down"))
+            out = out + ops.expert_ffn(local_ffn, x, ids, weights, *experts)
         return out
 
     def __call__(self, h, caches, index: int, step: Step):
@@ -184,62 +178,18 @@ class AttentionLayer(Block):
         return out, (k_pages, v_pages, state)
 
 
-class GraniteHybrid(nnx.Module):
-    def __init__(self, config: ModelConfig, layout: Layout = Layout()):
-        c = self.config = config
-        p = ParamMaker()
-        kinds = layer_kinds(c)
-        self.embed = p((c.vocab_size, c.hidden_size), ("vocab", "embed"))
-        for group, kind, make in (("mamba_layers", "mamba", MambaLayer), ("attn_layers", "attention", AttentionLayer)):
-            n = kinds.count(kind)
-            if n:
-                setattr(self, group, layer_group(functools.partial(make, c), n, layout))
-        self.final_norm = p((c.hidden_size,), ("embed_norm",))
-        self.lm_head = p((c.hidden_size, c.vocab_size), ("embed", "vocab"))
+class GraniteHybrid(HybridDecoder):
+    KINDS = {"mamba": ("mamba_layers", MambaLayer), "attention": ("attn_layers", AttentionLayer)}
+    layer_kinds = staticmethod(layer_kinds)
 
-    def __call__(self, tokens, k_cache: PagesAndState, v_cache, md: BatchMetadata, kernels, ops):
-        c = self.config
-        step = Step(md, kernels, ops, inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
-        final_norm = value(self, "final_norm")
-        h = ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype) * c.extra.get("embedding_multiplier", 1.0)
-        caches = (k_cache.pages, v_cache, k_cache.state)
-        seen = {"mamba": 0, "attention": 0}
-        for kind in layer_kinds(c):
-            group = self.mamba_layers if kind == "mamba" else self.attn_layers
-            h, caches = layer_at(group, seen[kind])(h, caches, seen[kind], step)
-            seen[kind] += 1
-        k_pages, v_cache, state = caches
-        return ops.gather_sequence(rms_norm(h, final_norm, c.rms_norm_eps)), PagesAndState(k_pages, state), v_cache
+    def embed_scale(self) -> float:
+        return self.config.extra.get("embedding_multiplier", 1.0)
 
-    def logits(self, hidden, kernels, ops):
-        logits = ops.lm_head(hidden, value(self, "lm_head"), kernels.matmul)
-        return logits / self.config.extra.get("logits_scaling", 1.0)
+    def logits_scale(self) -> float:
+        return 1.0 / self.config.extra.get("logits_scaling", 1.0)
 
 
-def param_shapes(config: ModelConfig, layout: Layout = Layout()) -> dict:
-    return _shapes(GraniteHybrid(config, layout))
-
-
-def param_axes(config: ModelConfig, layout: Layout = Layout()) -> dict:
-    return _axes(GraniteHybrid(config, layout))
-
-
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict:
-    return random_params(param_shapes(config), key, dtype)
-
-
-def forward(params, config, tokens, k_cache, v_cache, md, kernels, ops: ParallelOps):
-    return bind(GraniteHybrid(config, layout_of(params, GROUPS)), params)(tokens, k_cache, v_cache, md, kernels, ops)
-
-
-def compute_logits(params, config, hidden, kernels, ops: ParallelOps):
-    return bind(GraniteHybrid(config, layout_of(params, GROUPS)), params).logits(hidden, kernels, ops)
-
-
-def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int):
-    """The attention layers' K and V page pools: [attention layers, pages, page_size, kv_heads, head_dim]."""
-    shape = (layer_kinds(config).count("attention"), num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return shape, shape
+param_shapes, param_axes, init_params, forward, compute_logits, kv_cache_shapes = hybrid_functions(GraniteHybrid)
 
 
 def state_shapes(config: ModelConfig, num_slots: int) -> dict:

@@ -8,11 +8,18 @@ group. Unrolled (models/layers.unstack_layers), each group is a list of per-laye
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jlight.models.module import Layout
+from jlight.core.recurrent_state import PagesAndState
+from jlight.models import module
+from jlight.models.layers import rms_norm
+from jlight.models.module import Layout, ParamMaker, Step, layer_group, value
+from jlight.models.rope import inv_frequencies
 
 
 def layer_at(group, i: int):
@@ -36,3 +43,98 @@ def gated_rms_norm(x, gate, weight, group_size: int, eps: float):
     g = x32.reshape(x.shape[:-1] + (-1, group_size))
     g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * g.reshape(x.shape)).astype(x.dtype)
+
+
+class HybridDecoder(nnx.Module):
+    """Embedding, the layers of each kind in their groups, the final norm and the LM head.
+
+    A family subclasses it with `KINDS` = {kind: (group name, layer class)} ("attention" names the
+    attention layers, which index the KV pools) and `layer_kinds(config)`, each layer's kind in
+    model order; `embed_scale`, `norm_weight` (e.g. 1 + w) and `logits_scale` say what differs.
+    A layer is `layer(h, caches, index, step) -> (h, caches)`, caches being (K pages, V pages, state
+    pools), index its place among the layers of its kind.
+    """
+    KINDS: dict = {}
+
+    @staticmethod
+    def layer_kinds(config) -> list[str]:
+        raise NotImplementedError
+
+    def __init__(self, config, layout: Layout = Layout()):
+        c = self.config = config
+        p = ParamMaker()
+        kinds = self.layer_kinds(c)
+        self.embed = p((c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        for kind, (group, make) in self.KINDS.items():
+            if kinds.count(kind):
+                setattr(self, group, layer_group(functools.partial(make, c), kinds.count(kind), layout))
+        self.final_norm = p((c.hidden_size,), ("embed_norm",))
+        self.lm_head = p((c.hidden_size, c.vocab_size), ("embed", "vocab"))
+
+    def embed_scale(self) -> float:
+        return 1.0
+
+    def logits_scale(self) -> float:
+        return 1.0
+
+    def norm_weight(self, w):
+        return w
+
+    def rope(self):
+        c = self.config
+        return inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def __call__(self, tokens, k_cache: PagesAndState, v_cache, md, kernels, ops):
+        c = self.config
+        step = Step(md, kernels, ops, self.rope())
+        final_norm = value(self, "final_norm")
+        h = ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype) * self.embed_scale()  # [T, embed]
+        caches = (k_cache.pages, v_cache, k_cache.state)
+        seen = dict.fromkeys(self.KINDS, 0)
+        for kind in self.layer_kinds(c):
+            h, caches = layer_at(getattr(self, self.KINDS[kind][0]), seen[kind])(h, caches, seen[kind], step)
+            seen[kind] += 1
+        k_pages, v_cache, state = caches
+        h = rms_norm(h, self.norm_weight(final_norm), c.rms_norm_eps)
+        return ops.gather_sequence(h), PagesAndState(k_pages, state), v_cache
+
+    def logits(self, hidden, kernels, ops):
+        logits = ops.lm_head(hidden, value(self, "lm_head"), kernels.matmul)
+        scale = self.logits_scale()
+        return logits if scale == 1.0 else logits * scale
+
+
+class HybridFunctions(NamedTuple):
+    """A hybrid family's contract (module.FamilyFunctions, plus its pools' shapes)."""
+    param_shapes: Callable
+    param_axes: Callable
+    init_params: Callable
+    forward: Callable
+    compute_logits: Callable
+    kv_cache_shapes: Callable  # (config, num_pages, page_size) -> (k_shape, v_shape), attention layers only
+
+
+def hybrid_functions(model_class) -> HybridFunctions:
+    groups = tuple(group for group, _ in model_class.KINDS.values())
+
+    def shapes(config, layout: Layout = Layout()):
+        return module.param_shapes(model_class(config, layout))
+
+    def axes(config, layout: Layout = Layout()):
+        return module.param_axes(model_class(config, layout))
+
+    def init_params(config, key, dtype=jnp.bfloat16):
+        return module.random_params(shapes(config), key, dtype)
+
+    def forward(params, config, tokens, k_cache, v_cache, md, kernels, ops):
+        return module.bind(model_class(config, layout_of(params, groups)), params)(tokens, k_cache, v_cache, md, kernels, ops)
+
+    def compute_logits(params, config, hidden, kernels, ops):
+        return module.bind(model_class(config, layout_of(params, groups)), params).logits(hidden, kernels, ops)
+
+    def kv_cache_shapes(config, num_pages: int, page_size: int):
+        """[attention layers, pages, page_size, kv_heads, head_dim] each."""
+        shape = (model_class.layer_kinds(config).count("attention"), num_pages, page_size, config.num_kv_heads, config.head_dim)
+        return shape, shape
+
+    return HybridFunctions(shapes, axes, init_params, forward, compute_logits, kv_cache_shapes)

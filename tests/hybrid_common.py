@@ -15,7 +15,21 @@ TINY_HYBRID_CONFIGS = {
         mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=16, position_embedding_type="rope", embedding_multiplier=1.5, logits_scaling=2.0,
         residual_multiplier=0.7, attention_multiplier=0.2),
+    # DeltaNet x3 then gated attention; 2 key heads serving 4 value heads; 4 experts top-2 + the shared expert;
+    # RoPE over a quarter of head_dim.
+    "Qwen3NextForCausalLM": dict(
+        model_type="qwen3_next", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
 }
+
+
+def _centre(architecture: str, name: str) -> float:
+    """Where a parameter HF initialises to a constant is spread around: Qwen3-Next's (1 + w) norms about 0."""
+    one_plus = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
+    return 0.0 if architecture == "Qwen3NextForCausalLM" and name.endswith(one_plus) else 1.0
 
 
 def make_tiny_hybrid_model(root: str, architecture: str):
@@ -33,8 +47,41 @@ def make_tiny_hybrid_model(root: str, architecture: str):
     with torch.no_grad():  # spread the Mamba parameters HF initialises to constants, so each one is checked
         for name, p in model.named_parameters():
             if name.endswith((".D", ".dt_bias", "norm.weight")):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                p.copy_(_centre(architecture, name) + 0.3 * torch.randn_like(p))
     path = os.path.join(root, architecture)
     model.save_pretrained(path, safe_serialization=True)
     write_tiny_tokenizer(path, vocab_size=settings["vocab_size"])
     return path, model
+
+
+def check_engine(path: str, hf_model, caplog) -> None:
+    """Through the engine: three prompts prefilled in 16-token chunks (each chunk resumes the state the
+    one before left) next to each other's decode tokens, with too few KV pages so that sequences are
+    preempted and recomputed; then n=2. Greedy tokens identical to transformers'; every slot and page
+    back at the end; prefix caching off, with its log line."""
+    import logging
+
+    import numpy as np
+
+    import jlight.api
+    from direct_forward import hf_greedy
+    from jlight import SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (40, 23, 9)]
+    with caplog.at_level(logging.INFO, logger="jlight.engine.llm_engine"):
+        llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_pages=9,
+                             compilation_cache_dir=None, min_token_bucket=16)  # one compiled step
+    engine = llm.engine
+    assert not engine.block_manager.enable_prefix_caching
+    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    # 3 sequences of up to 72 tokens need 12 pages of 16; 8 usable pages force preemption and recompute.
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 32)
+    two = llm.generate([prompts[1]], SamplingParams(n=2, max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in two[0].outputs] == [outs[1].outputs[0].token_ids] * 2
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots - 1  # every slot back
+    assert engine.block_manager.num_used_pages == 0

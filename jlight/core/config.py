@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek",
     "DeepseekV3ForCausalLM": "deepseek",
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
@@ -39,7 +40,7 @@ MOE_MLA_CONFIG_KEYS = (
     "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
     "shared_intermediate_size", "position_embedding_type",
     "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
+    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor", "rope_parameters",
 )
 
 

@@ -32,7 +32,9 @@ def assemble_params(
 
     `place(path, host_array)` puts one tensor on device (default: jax.device_put); the
     sharding code passes one that places it straight into its mesh sharding.
-    `name_mapper(hf_name) -> (key, index, transpose) | None` (default: the family's HF names).
+    `name_mapper(hf_name) -> (key, index, transpose) | [such triples] | None` (default: the family's HF
+    names); transpose is a bool ([out, in] -> [in, out]) or a function of the array (a hybrid family's
+    conv weights and fused expert pairs, split into several entries: loading/hf_names_hybrid.py).
     Stacked groups are the dict entries of `param_shapes` ("layers", DeepSeek's "dense_layers");
     a key "group.param" names another group than "layers", and an index (layer, expert) fills
     one expert of a [layers, experts, ...] weight.
@@ -50,19 +52,19 @@ def assemble_params(
         mapped = name_mapper(name)
         if mapped is None:
             continue
-        key, layer, transpose = mapped
-        arr = np.asarray(tensor)
-        if transpose is True:
-            arr = arr.T
-        elif transpose:  # axes (a hybrid family's 3-D weights: hf_names_hybrid.py)
-            arr = np.transpose(arr, transpose)
-        arr = arr.astype(np_dtype)
-        if layer is None:
-            if key not in shapes:
+        for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
+            arr = np.asarray(tensor)
+            if callable(transpose):  # a hybrid family's reshaped or split weights (hf_names_hybrid.py)
+                arr = transpose(arr)
+            elif transpose:
+                arr = arr.T
+            arr = arr.astype(np_dtype)
+            if layer is None:
+                if key not in shapes:
+                    continue
+                _check_shape(name, arr.shape, shapes[key])
+                top[key] = place(key, arr)
                 continue
-            _check_shape(name, arr.shape, shapes[key])
-            top[key] = place(key, arr)
-        else:
             group, _, key = key.rpartition(".")
             group = group or "layers"
             index = layer if isinstance(layer, tuple) else (layer,)
@@ -71,8 +73,6 @@ def assemble_params(
             want = shapes[group][key]
             if any(i >= n for i, n in zip(index, want)):
                 continue  # e.g. layers beyond num_layers
-            if arr.ndim > len(want) - len(index) and arr.size == np.prod(want[len(index):]):
-                arr = arr.reshape(want[len(index):])  # a 1-sized axis the params tree drops (conv1d's [C, 1, K])
             _check_shape(name, arr.shape, want[len(index):])
             layer_parts[group][key][index] = place(f"{group}.{key}", arr)
     if "lm_head" not in top:
