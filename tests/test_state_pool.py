@@ -43,3 +43,23 @@ def test_scheduler_gives_each_running_sequence_a_slot_and_takes_it_back():
     plan = sched.schedule()  # the preempted sequence is re-admitted from its first token with a slot again
     row = next(r for r in plan.rows if r.seq is seqs[2])
     assert row.start == 0 and seqs[2].state_slot != 0 and seqs[2].state_slot != seqs[1].state_slot
+
+
+def test_hybrid_memory_figure_counts_pages_and_state_slots(monkeypatch):
+    """benchmarks/hybrid_memory.py (the BENCHMARKS figure): Qwen3-Next-80B-A3B's 12 attention layers' K/V
+    (2 KV heads x 256, bf16) and its 36 DeltaNet layers' float32 state, against attention in all 48 layers."""
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import hybrid_memory
+
+    hybrid, full = hybrid_memory.main(["--cache-gib", "64"])
+    assert hybrid["kv_bytes_per_token"] == 12 * 2 * 2 * 256 * 2 and full["kv_bytes_per_token"] == 4 * hybrid["kv_bytes_per_token"]
+    assert hybrid["state_bytes_per_sequence"] == 36 * 4 * (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128))
+    assert full["state_bytes_per_sequence"] == 0
+    for row in (hybrid, full):  # the largest count that fits: one more sequence would not
+        n, per_seq = row["concurrent_sequences"], row["bytes_per_sequence"]
+        assert n * per_seq <= 64 * 2 ** 30 < (n + 1) * per_seq + row["state_bytes_per_sequence"] + 2 * per_seq // 2048
+    assert hybrid["concurrent_sequences"] > 3 * full["concurrent_sequences"]
+    del sys.modules["hybrid_memory"]

@@ -220,8 +220,8 @@ class LLMEngine:
         stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
         state_bytes = self.state_pool_bytes()  # allocated with the pages, so taken out of their budget first
         if stats and "bytes_limit" in stats:
-            stats = dict(stats, bytes_in_use=stats.get("bytes_in_use", 0) + state_bytes)
-            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization)
+            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
+                                    state_bytes)
         # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
         return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
 
@@ -470,11 +470,13 @@ class LLMEngine:
 
 
 def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
-                     gpu_memory_utilization: float | None) -> int:
+                     gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
     already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
-    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left."""
-    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
+    state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
+    and counted as in use before them."""
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
     if gpu_memory_utilization is None:
         return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
     budget = int(limit * gpu_memory_utilization) - in_use
