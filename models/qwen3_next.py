@@ -57,7 +57,7 @@ def delta_dims(config: ModelConfig) -> dict:
 
 def rotary_dim(config: ModelConfig) -> int:
     x = config.extra
-    factor = x.get("partial_rotary_factor") or (x.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    factor = x.get("partial_rotary_factor", 1.0)
     return int(config.head_dim * factor)
 
 

@@ -40,7 +40,7 @@ MOE_MLA_CONFIG_KEYS = (
     "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
     "shared_intermediate_size", "position_embedding_type",
     "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor", "rope_parameters",
+    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
 )
 
 
@@ -110,7 +110,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            extra={k: cfg[k] for k in MOE_MLA_CONFIG_KEYS if k in cfg},
+            extra=_extra_fields(cfg),
         )
 
     @classmethod
@@ -123,6 +123,15 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download the model's config.json") from None
         return cls.from_hf_dict(cfg)
+
+
+def _extra_fields(cfg: dict) -> dict:
+    """The MOE_MLA_CONFIG_KEYS fields of a HF config; partial_rotary_factor also from transformers 5's rope_parameters."""
+    extra = {k: cfg[k] for k in MOE_MLA_CONFIG_KEYS if k in cfg}
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") if isinstance(cfg.get("rope_parameters"), dict) else None
+    if partial is not None and "partial_rotary_factor" not in extra:
+        extra["partial_rotary_factor"] = partial
+    return extra
 
 
 def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
