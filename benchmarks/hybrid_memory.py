@@ -31,14 +31,17 @@ QWEN3_NEXT_80B = dict(
     full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=10000000.0)
 
 
-def concurrent_sequences(config: ModelConfig, budget_bytes: int, context: int, page_size: int, dtype=jnp.bfloat16) -> dict:
+def concurrent_sequences(config: ModelConfig, budget_bytes: int, context: int, page_size: int, prefix_caching: bool,
+                         dtype=jnp.bfloat16) -> dict:
     """The most sequences of `context` tokens whose pages and state slots fit `budget_bytes`, the engine's way:
-    max_num_seqs = N gives N + 1 state slots, the rest of the budget pages."""
+    max_num_seqs = N gives the StatePool's slots (N + 1, and N snapshot slots with prefix caching), the rest
+    of the budget pages."""
     family = get_model_family(config)
     k_shape, v_shape = family.kv_cache_shapes(config, 1, page_size)
     bytes_per_page = sum(kv_pool_bytes(s, "auto", dtype) for s in (k_shape, v_shape))
     state_fn = getattr(family, "state_shapes", None)
-    state_bytes = lambda n: state_pool.bytes_for(state_fn, config, n) if state_fn else 0
+    slots = lambda n: state_pool.StatePool(n, n if prefix_caching else 0).total_slots
+    state_bytes = lambda n: state_pool.bytes_for(state_fn, config, slots(n)) if state_fn else 0
     pages_per_seq = -(-context // page_size)
     stats = {"bytes_limit": budget_bytes, "bytes_in_use": 0}
     fits = lambda n: pages_for_memory(stats, bytes_per_page, 1.0, None, state_bytes(n)) - 1 >= n * pages_per_seq
@@ -46,7 +49,7 @@ def concurrent_sequences(config: ModelConfig, budget_bytes: int, context: int, p
     while lo < hi:  # the largest n that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    slot = state_bytes(1) // state_pool.num_state_slots(1)
+    slot = state_bytes(1) // slots(1)
     return dict(attention_layers=k_shape[0], kv_bytes_per_token=bytes_per_page // page_size,
                 state_bytes_per_sequence=slot, bytes_per_sequence=pages_per_seq * bytes_per_page + slot,
                 concurrent_sequences=lo)
@@ -64,7 +67,9 @@ def main(argv=None):
     rows = []
     for name, config in (("qwen3-next-80b-a3b (hybrid)", hybrid), ("same shape, attention in all 48 layers", full)):
         row = dict(model=name, cache_gib=args.cache_gib, context=args.context, page_size=args.page_size,
-                   **concurrent_sequences(config, budget, args.context, args.page_size))
+                   **concurrent_sequences(config, budget, args.context, args.page_size, prefix_caching=False))
+        row["concurrent_sequences_with_prefix_caching"] = concurrent_sequences(
+            config, budget, args.context, args.page_size, prefix_caching=True)["concurrent_sequences"]
         rows.append(row)
         print(json.dumps(row))
     return rows

@@ -54,13 +54,12 @@ def make_tiny_hybrid_model(root: str, architecture: str):
     return path, model
 
 
-def check_engine(path: str, hf_model, caplog) -> None:
+def check_engine(path: str, hf_model) -> None:
     """Through the engine: three prompts prefilled in 16-token chunks (each chunk resumes the state the
     one before left) next to each other's decode tokens, with too few KV pages so that sequences are
-    preempted and recomputed; then n=2. Greedy tokens identical to transformers'; every slot and page
-    back at the end; prefix caching off, with its log line."""
-    import logging
-
+    preempted and re-admitted (from a saved state where the prefix cache has one); a prefix-cache hit
+    that restores a saved state; n=2 (the second sample restores the first's). Greedy tokens identical
+    to transformers'; every running slot and page back at the end."""
     import numpy as np
 
     import jlight.api
@@ -69,19 +68,25 @@ def check_engine(path: str, hf_model, caplog) -> None:
 
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (40, 23, 9)]
-    with caplog.at_level(logging.INFO, logger="jlight.engine.llm_engine"):
-        llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_pages=9,
-                             compilation_cache_dir=None, min_token_bucket=16)  # one compiled step
+    llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_pages=9,
+                         compilation_cache_dir=None, min_token_bucket=16)  # one compiled step
     engine = llm.engine
-    assert not engine.block_manager.enable_prefix_caching
-    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
     # 3 sequences of up to 72 tokens need 12 pages of 16; 8 usable pages force preemption and recompute.
     assert engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 32)
+    # A shared 32-token prefix: the first prompt's state is saved at 32 (its last page boundary), the
+    # second restores it and computes its own 5 tokens only.
+    prefix = [int(t) for t in rng.integers(3, 250, 32)]
+    first, second = prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]
+    a = llm.generate([first], greedy, use_tqdm=False)[0]
+    b = llm.generate([second], greedy, use_tqdm=False)[0]
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 32
+    assert a.outputs[0].token_ids == hf_greedy(hf_model, first, 32)
+    assert b.outputs[0].token_ids == hf_greedy(hf_model, second, 32)
     two = llm.generate([prompts[1]], SamplingParams(n=2, max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in two[0].outputs] == [outs[1].outputs[0].token_ids] * 2
-    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots - 1  # every slot back
+    assert engine.state_pool.num_free_slots == engine.state_pool.num_slots - 1  # every running slot back
     assert engine.block_manager.num_used_pages == 0

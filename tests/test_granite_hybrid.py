@@ -32,8 +32,8 @@ def test_unrolled_layers_match_scanned(model):
     assert [len(unstacked[g]) for g in ("mamba_layers", "attn_layers")] == [3, 1]
 
 
-def test_engine_chunked_batched_preempted_matches_transformers(model, caplog):
-    check_engine(*model, caplog)
+def test_engine_chunked_batched_preempted_prefix_cached_matches_transformers(model):
+    check_engine(*model)
 
 
 def test_hybrid_engine_refuses_speculative_decoding_and_meshes(model):

@@ -4,7 +4,8 @@ expert) against transformers, alone and through the engine.
 A tiny random model (DeltaNet x3 then attention; 2 key heads for 4 value heads; 4 experts top-2;
 RoPE over a quarter of head_dim) built with transformers and loaded by jlight's own loader. Direct:
 float32 logits within 1e-4 and 32 greedy tokens identical. Engine: hybrid_common.check_engine
-(chunked prefill across the delta rule's chunks, batching, preemption and recompute, n=2). The
+(chunked prefill across the delta rule's chunks, batching, preemption and re-admission, a
+prefix-cache hit that restores a saved state, n=2). The
 unrolled layer loop is models/hybrid.py's, checked on Granite (test_granite_hybrid.py).
 """
 from __future__ import annotations
@@ -27,5 +28,5 @@ def test_logits_and_greedy_match_transformers(model):
     check_against_transformers(*model, PROMPT)
 
 
-def test_engine_chunked_batched_preempted_matches_transformers(model, caplog):
-    check_engine(*model, caplog)
+def test_engine_chunked_batched_preempted_prefix_cached_matches_transformers(model):
+    check_engine(*model)

@@ -6,11 +6,11 @@ from jlight.engine.block_manager import BlockManager
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
-from jlight.engine.state_pool import StatePool, num_state_slots
+from jlight.engine.state_pool import StatePool, prefix_key
 
 
 def test_slots_are_unique_never_zero_and_come_back():
-    pool = StatePool(4)
+    pool = StatePool(3)
     slots = [pool.allocate(i) for i in range(3)]
     assert sorted(slots) == [1, 2, 3] and pool.num_free_slots == 0
     with pytest.raises(RuntimeError, match="out of state slots"):
@@ -21,12 +21,28 @@ def test_slots_are_unique_never_zero_and_come_back():
     pool.release(slots[0])
     with pytest.raises(AssertionError, match="released twice"):
         pool.release(slots[0])
-    with pytest.raises(ValueError, match="num_slots"):
-        StatePool(1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        StatePool(0)
+
+
+def test_snapshots_are_keyed_by_prefix_and_reused_least_recently_used_first():
+    pool = StatePool(2, num_snapshots=2)
+    assert pool.total_slots == 5 and pool.snapshot_point(35, 16) == 32 and pool.snapshot_point(32, 16) == 16
+    assert pool.stop_at_snapshot(35, 16, 0, 40) == 32 and pool.stop_at_snapshot(35, 16, 32, 3) == 3
+    assert pool.stop_at_snapshot(35, 16, 16, 8) == 8  # a chunk that does not cross the point keeps its length
+    tokens = list(range(100))
+    keys = [prefix_key(tokens, i, 16) for i in (1, 2, 3)]
+    a, b = pool.snapshot_slot(keys[0]), pool.snapshot_slot(keys[2])
+    assert {a, b} == {3, 4} and pool.snapshot_slot(keys[0]) == 0  # already saved
+    assert pool.usable_prefix(keys) == (3, b)  # the longest saved prefix
+    assert pool.usable_prefix(keys[:2]) == (1, a)  # ... and that touched keys[0]: keys[2] is now the oldest
+    c = pool.snapshot_slot(keys[1])
+    assert c == b and pool.usable_prefix(keys) == (2, c)
+    assert StatePool(2).snapshot_point(35, 16) == 0  # no snapshot slots: no snapshots, chunks uncut
 
 
 def test_scheduler_gives_each_running_sequence_a_slot_and_takes_it_back():
-    pool = StatePool(num_state_slots(3))
+    pool = StatePool(3)
     sched = Scheduler(BlockManager(8, 4, enable_prefix_caching=False), max_num_seqs=3, max_num_batched_tokens=16,
                       max_model_len=64, state_pool=pool)
     seqs = [Sequence(f"r{i}", 0, list(range(3, 9)), SamplingParams(max_tokens=4), 0, 0.0) for i in range(3)]

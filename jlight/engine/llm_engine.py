@@ -28,7 +28,7 @@ from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
-from jlight.engine.state_pool import StatePool, num_state_slots
+from jlight.engine.state_pool import StatePool
 from jlight.engine.structured_output import GrammarCompiler
 from jlight.engine.weights import prepare_params
 from jlight.models import get_model_family
@@ -122,6 +122,9 @@ class LLMEngine:
         stateful = hasattr(self.family, "state_shapes")  # a hybrid model: recurrent layers with state slots
         if stateful:
             self._check_hybrid(cfg)
+        # A hybrid model's recurrent-state slots: one a running sequence, and as many snapshot slots for the
+        # prefix cache (state_pool.py: one saved state a prompt).
+        self.state_pool = StatePool(cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0) if stateful else None
         params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights)
         if sharding_plan is not None:
             self.model_config = sharding_plan.config  # e.g. KV heads replicated up to tp
@@ -138,13 +141,8 @@ class LLMEngine:
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        prefix_caching = cfg.enable_prefix_caching and not stateful
-        if stateful and cfg.enable_prefix_caching:
-            logger.info("prefix caching is off for %s: its recurrent layers' state is one slot a sequence, and "
-                        "cached pages hold no state snapshot to resume it from", mc.architecture)
-        self.block_manager = BlockManager(num_pages, cfg.page_size, prefix_caching)
+        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         spec = cfg.speculative
-        self.state_pool = StatePool(num_state_slots(cfg.max_num_seqs)) if stateful else None
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
                                    state_pool=self.state_pool)
         draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
@@ -154,7 +152,8 @@ class LLMEngine:
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
-            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words, draft_slots=draft_slots)
+            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words, draft_slots=draft_slots,
+            num_state_slots=self.state_pool.total_slots if stateful else 0)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
         self._free_slots = list(range(cfg.max_num_seqs))
@@ -209,7 +208,7 @@ class LLMEngine:
     def state_pool_bytes(self) -> int:
         """Bytes of a hybrid model's recurrent-state pools (0 for other models), taken from the KV budget."""
         fn = getattr(self.family, "state_shapes", None)
-        return state_pool.bytes_for(fn, self.model_config, self.config.max_num_seqs) if fn else 0
+        return state_pool.bytes_for(fn, self.model_config, self.state_pool.total_slots) if fn else 0
 
     def _size_kv_pool(self, kv_dtype, plan) -> int:
         cfg = self.config
@@ -344,12 +343,17 @@ class LLMEngine:
         if plan.rows:
             for r in plan.rows:
                 self._ensure_slot(r.seq)
+                if r.seq.restore_from:  # a prefix-cache hit of a hybrid model: its saved state into its slot first
+                    self.runner.copy_state_slot(r.seq.restore_from, r.seq.state_slot)
+                    r.seq.restore_from = 0
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
             out = self.runner.launch(inp, guide_mask)
             t1 = time.perf_counter()
             timing["launch"] += t1 - t2
+            if self.state_pool is not None and self.state_pool.num_snapshots:
+                self._save_states(plan)
             for row, r in enumerate(plan.rows):
                 r.seq.num_computed_tokens = r.start + r.num_tokens
                 if r.samples:
@@ -361,6 +365,18 @@ class LLMEngine:
         timing["wait_and_process"] += time.perf_counter() - t1
         self._in_flight = launched
         return outputs
+
+    def _save_states(self, plan) -> None:
+        """Snapshot the state of each row whose chunk ended at its prompt's snapshot point (state_pool.py),
+        enqueued after the step that computed it."""
+        ps = self.config.page_size
+        for r in plan.rows:
+            seq = r.seq
+            point = self.state_pool.snapshot_point(len(seq.prompt_token_ids), ps)
+            if point and r.start + r.num_tokens == point:
+                slot = self.state_pool.snapshot_slot(state_pool.prefix_key(seq.prompt_token_ids, point // ps, ps))
+                if slot:
+                    self.runner.copy_state_slot(seq.state_slot, slot)
 
     def _ensure_slot(self, seq: Sequence) -> None:
         p = seq.params

@@ -30,7 +30,6 @@ from jlight.core.quantization import make_kv_pool
 from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
 from jlight.engine import sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
-from jlight.engine.state_pool import num_state_slots
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +91,9 @@ def matmul_precision(compute_dtype) -> str | None:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1, draft_slots=0):
-        """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts."""
+                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1, draft_slots=0, num_state_slots=0):
+        """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
+        num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots)."""
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.draft_slots = draft_slots
         self.page_size, self.num_pages = page_size, num_pages
@@ -110,7 +110,9 @@ class ModelRunner:
         # beside its attention layers' K pages (jlight/core/recurrent_state.py).
         self.stateful = hasattr(family, "state_shapes")
         if self.stateful:
-            self.k_cache = PagesAndState(self.k_cache, zeros_like_shapes(family.state_shapes(config, num_state_slots(max_num_seqs))))
+            self.k_cache = PagesAndState(self.k_cache, zeros_like_shapes(family.state_shapes(config, num_state_slots)))
+            self._copy_slot = jax.jit(lambda state, src, dst: {n: a.at[:, dst].set(a[:, src]) for n, a in state.items()},
+                                      donate_argnums=(0,))
         self.history_dummy_slot = max_num_seqs
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len + 1), jnp.int32)  # [slots + dummy, tokens]
         self.prev_sampled = jnp.zeros((max_num_seqs,), jnp.int32)
@@ -172,6 +174,12 @@ class ModelRunner:
         return k_cache, v_cache, history, sampled_full, StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals)
 
     # ---- host side ----------------------------------------------------------------------
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        """Copy recurrent-state slot src into dst in every pool (a snapshot taken or restored), after the
+        steps already launched and before the next."""
+        pages, state = self.k_cache
+        self.k_cache = PagesAndState(pages, self._copy_slot(state, np.int32(src), np.int32(dst)))
+
     def num_samples(self, T: int) -> int:
         """Sampled positions of the T-token bucket: one a row (B = min(T, max_num_seqs)) and the draft slots."""
         return min(T, min(T, self.max_num_seqs) + self.draft_slots)

@@ -105,7 +105,7 @@ class Scheduler:
             if speculating and seq.num_pending_tokens:
                 continue  # its drafts follow the token the device is still sampling
             start = seq.num_computed_tokens
-            n = min(seq.num_tokens - start, budget)
+            n = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             drafts = self._drafts(seq, spec, budget - n) if speculating and n == 1 else []
             n += len(drafts)
             while not self._ensure_pages(seq, start + n):
@@ -134,14 +134,19 @@ class Scheduler:
             tokens = seq.all_token_ids
             wants_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.admitted_once
             cached_pages, cached_keys = ([], []) if wants_prompt_logprobs else self.bm.match_prefix(tokens)
+            restore = 0
+            if self.state_pool is not None:  # only as far as a saved state reaches
+                k, restore = self.state_pool.usable_prefix(cached_keys)
+                cached_pages, cached_keys = cached_pages[:k], cached_keys[:k]
             start = len(cached_pages) * self.bm.page_size
-            n = min(len(tokens) - start, budget)
+            n = self._chunk(seq, start, min(len(tokens) - start, budget))
             need = self.bm.pages_needed(start + n) - len(cached_pages)
             if not self.bm.can_allocate(need, cached_pages):
                 break
             self.waiting.popleft()
             if self.state_pool is not None:
-                seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: max_num_seqs + 1 slots
+                seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: one per max_num_seqs
+                seq.restore_from = restore  # the engine copies the snapshot into the slot before the step
             self.bm.acquire(cached_pages)
             seq.pages = cached_pages + self.bm.allocate(need)
             seq.page_keys = list(cached_keys)
@@ -176,10 +181,16 @@ class Scheduler:
         self._release_state(seq)
         seq.status = SeqStatus.FINISHED
 
+    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """n, or less so that a hybrid model's prompt chunk ends where its state is saved (state_pool.py)."""
+        if self.state_pool is None or not self.bm.enable_prefix_caching:
+            return n
+        return self.state_pool.stop_at_snapshot(len(seq.prompt_token_ids), self.bm.page_size, start, n)
+
     def _release_state(self, seq: Sequence) -> None:
         if self.state_pool is not None:
             self.state_pool.release(seq.state_slot)
-        seq.state_slot = 0
+        seq.state_slot = seq.restore_from = 0
 
 
 def speculates(seq: Sequence) -> bool:
