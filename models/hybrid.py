@@ -36,6 +36,19 @@ def layout_of(params: dict, groups: tuple[str, ...]) -> Layout:
     return Layout(unrolled=isinstance(first, (list, tuple)))
 
 
+def attention_params(p: ParamMaker, config, q_width: int) -> dict:
+    """The q/k/v/o projections of a hybrid family's attention layer (q_width: wq's output width), with
+    the biases when the config has them (o_proj's too)."""
+    c = config
+    E, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    params = dict(wq=p((E, q_width), ("embed", "heads")), wk=p((E, kv), ("embed", "kv_heads")),
+                  wv=p((E, kv), ("embed", "kv_heads")), wo=p((q, E), ("heads", "embed")))
+    if c.attention_bias:
+        params.update(bq=p((q_width,), ("heads",)), bk=p((kv,), ("kv_heads",)), bv=p((kv,), ("kv_heads",)),
+                      bo=p((E,), ("embed_norm",)))
+    return params
+
+
 def gated_rms_norm(x, gate, weight, group_size: int, eps: float):
     """Mamba-2's / DeltaNet's gated norm: (x * silu(gate)) RMS-normalised over groups of group_size
     channels, in float32, times weight. x, gate: [T, C] -> [T, C] in x's dtype."""

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jlight.core.config import ModelConfig
 from jlight.core.errors import UnsupportedModelError
-from jlight.models.hybrid import HybridDecoder, hybrid_functions
+from jlight.models.hybrid import HybridDecoder, attention_params, hybrid_functions
 from jlight.models.layers import activation, rms_norm, unstack_layers  # noqa: F401  (unstack_layers: the engine's)
 from jlight.models.module import ParamMaker, Step, declare, value
 from jlight.models.moe import expert_ffn, softmax_topk
@@ -155,13 +155,8 @@ class GatedAttentionLayer(Block):
     def __init__(self, config: ModelConfig, stack: int | None):
         super().__init__(config, stack)
         c, p = config, ParamMaker(stack)
-        E, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        declare(self, dict(wq=p((E, 2 * q), ("embed", "heads")), wk=p((E, kv), ("embed", "kv_heads")),
-                           wv=p((E, kv), ("embed", "kv_heads")), wo=p((q, E), ("heads", "embed")),
-                           q_norm=p((c.head_dim,), ("head_dim",)), k_norm=p((c.head_dim,), ("head_dim",))))
-        if c.attention_bias:
-            declare(self, dict(bq=p((2 * q,), ("heads",)), bk=p((kv,), ("kv_heads",)), bv=p((kv,), ("kv_heads",)),
-                               bo=p((E,), ("embed_norm",))))
+        declare(self, attention_params(p, c, 2 * c.num_heads * c.head_dim))  # per head: the query and its output gate
+        declare(self, dict(q_norm=p((c.head_dim,), ("head_dim",)), k_norm=p((c.head_dim,), ("head_dim",))))
 
     def mix(self, x, caches, index: int, step: Step):
         c, kernels, md = self.config, step.kernels, step.md

@@ -26,6 +26,9 @@ TINY_HYBRID_CONFIGS = {
 }
 
 
+PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77, 90, 91, 92, 93, 94, 95, 96, 11]
+
+
 def _centre(architecture: str, name: str) -> float:
     """Where a parameter HF initialises to a constant is spread around: Qwen3-Next's (1 + w) norms about 0."""
     one_plus = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")

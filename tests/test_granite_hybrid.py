@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_common import check_engine, make_tiny_hybrid_model
+from hybrid_common import PROMPT, check_engine, make_tiny_hybrid_model
 from test_moe_common import check_against_transformers, check_unrolled_matches_scanned
 
 ARCH = "GraniteMoeHybridForCausalLM"
-PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77, 90, 91, 92, 93, 94, 95, 96, 11]
 
 
 @pytest.fixture(scope="module")
