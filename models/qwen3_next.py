@@ -1,14 +1,17 @@
-"""Qwen3-Next: gated DeltaNet layers (three of every four) and gated-output attention layers, each
-followed by a sparse MoE with a gated shared expert (or a dense MLP when the config has no experts).
+"""Qwen3-Next and Qwen3.5 (its text models, dense and MoE): gated DeltaNet layers (three of every four)
+and gated-output attention layers, each followed by a sparse MoE with a gated shared expert (or a
+dense MLP when the config has no experts).
 
 Norms are Qwen3-Next's RMSNorm: x * rsqrt(mean x^2 + eps) * (1 + w), in float32.
 The gated DeltaNet mixer: in_proj_qkvz (per key head: q, k, its value heads' v and z) and in_proj_ba
-(per key head: its value heads' b and a); the causal conv1d over [q | k | v] with its rolling state
+(per key head: its value heads' b and a), or Qwen3.5's in_proj_qkv ([q | k | v]), in_proj_z,
+in_proj_b and in_proj_a; the causal conv1d over [q | k | v] with its rolling state
 (Kernels.causal_conv1d), silu; q and k L2-normalised, repeated to the value heads; beta = sigmoid(b),
 g = -exp(A_log) softplus(a + dt_bias); the gated delta rule from the row's state slot
 (Kernels.delta_rule); per value head an RMSNorm (w, not 1 + w) times silu(z); out_proj.
 The attention: q_proj gives per head the query and an output gate; q and k normed over head_dim;
-RoPE over the first partial_rotary_factor of head_dim; the output times sigmoid(gate), then o_proj.
+RoPE over the first partial_rotary_factor of head_dim (Qwen3.5's multimodal RoPE is that for text, all
+three position ids equal); the output times sigmoid(gate), then o_proj.
 The pools: "conv" [delta layers, slots, K-1, conv_dim] and "delta" [delta layers, slots, value heads,
 k_dim, v_dim] (float32); the attention layers' paged K/V. Params tree groups: "delta_layers",
 "attn_layers" (models/hybrid.py).
@@ -53,6 +56,11 @@ def delta_dims(config: ModelConfig) -> dict:
     nk, nv = x.get("linear_num_key_heads", 16), x.get("linear_num_value_heads", 32)
     hk, hv = x.get("linear_key_head_dim", 128), x.get("linear_value_head_dim", 128)
     return dict(nk=nk, nv=nv, hk=hk, hv=hv, kernel=x.get("linear_conv_kernel_dim", 4), conv_dim=2 * nk * hk + nv * hv)
+
+
+def separate_projections(config: ModelConfig) -> bool:
+    """Qwen3.5's DeltaNet projections (qkv, z, b, a apart) rather than Qwen3-Next's grouped qkvz and ba."""
+    return config.extra.get("model_type", "").startswith("qwen3_5")
 
 
 def rotary_dim(config: ModelConfig) -> int:
@@ -118,8 +126,13 @@ class DeltaLayer(Block):
     def __init__(self, config: ModelConfig, stack: int | None):
         super().__init__(config, stack)
         p, d, E = ParamMaker(stack), delta_dims(config), config.hidden_size
-        self.in_proj_qkvz = p((E, 2 * d["nk"] * d["hk"] + 2 * d["nv"] * d["hv"]), ("embed", None))
-        self.in_proj_ba = p((E, 2 * d["nv"]), ("embed", None))
+        if separate_projections(config):
+            declare(self, dict(in_proj_qkv=p((E, d["conv_dim"]), ("embed", None)),
+                               in_proj_z=p((E, d["nv"] * d["hv"]), ("embed", None)),
+                               in_proj_b=p((E, d["nv"]), ("embed", None)), in_proj_a=p((E, d["nv"]), ("embed", None))))
+        else:
+            self.in_proj_qkvz = p((E, 2 * d["nk"] * d["hk"] + 2 * d["nv"] * d["hv"]), ("embed", None))
+            self.in_proj_ba = p((E, 2 * d["nv"]), ("embed", None))
         self.conv_weight = p((d["kernel"], d["conv_dim"]), (None, None))  # tap K-1 reads the current token
         self.dt_bias = p((d["nv"],), (None,))
         self.A_log = p((d["nv"],), (None,))
@@ -131,10 +144,14 @@ class DeltaLayer(Block):
         d, mm, T = delta_dims(c), kernels.matmul, x.shape[0]
         nk, nv, hk, hv = d["nk"], d["nv"], d["hk"], d["hv"]
         r = nv // nk
-        qkvz = mm(x, value(self, "in_proj_qkvz")).reshape(T, nk, 2 * hk + 2 * r * hv)
-        q, k, v, z = jnp.split(qkvz, [hk, 2 * hk, 2 * hk + r * hv], axis=-1)
-        b, a = jnp.split(mm(x, value(self, "in_proj_ba")).reshape(T, nk, 2 * r), 2, axis=-1)
-        mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)  # [T, conv_dim]
+        if hasattr(self, "in_proj_qkv"):
+            mixed = mm(x, value(self, "in_proj_qkv"))  # [T, conv_dim]: q | k | v
+            z, b, a = (mm(x, value(self, n)) for n in ("in_proj_z", "in_proj_b", "in_proj_a"))
+        else:
+            qkvz = mm(x, value(self, "in_proj_qkvz")).reshape(T, nk, 2 * hk + 2 * r * hv)
+            q, k, v, z = jnp.split(qkvz, [hk, 2 * hk, 2 * hk + r * hv], axis=-1)
+            b, a = jnp.split(mm(x, value(self, "in_proj_ba")).reshape(T, nk, 2 * r), 2, axis=-1)
+            mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)  # [T, conv_dim]
         k_pages, v_pages, state = caches
         mixed, conv = kernels.causal_conv1d(mixed, value(self, "conv_weight"), None, state["conv"][index], md.state_slots, md)
         mixed = activation(c.hidden_act)(mixed)

@@ -24,6 +24,14 @@ TINY_HYBRID_CONFIGS = {
         linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
 }
+# Qwen3.5: its separate DeltaNet projections; the dense text model and the MoE one.
+_QWEN3_5 = {k: v for k, v in TINY_HYBRID_CONFIGS["Qwen3NextForCausalLM"].items()
+            if k not in ("model_type", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                         "num_experts_per_tok", "norm_topk_prob")}
+TINY_HYBRID_CONFIGS["Qwen3_5ForCausalLM"] = dict(_QWEN3_5, model_type="qwen3_5_text")
+TINY_HYBRID_CONFIGS["Qwen3_5MoeForCausalLM"] = dict(
+    _QWEN3_5, model_type="qwen3_5_moe_text", num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    num_experts_per_tok=2)
 
 
 PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77, 90, 91, 92, 93, 94, 95, 96, 11]
@@ -32,7 +40,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 200, 13, 7, 64, 31, 150, 77, 90, 91, 92, 93, 94, 
 def _centre(architecture: str, name: str) -> float:
     """Where a parameter HF initialises to a constant is spread around: Qwen3-Next's (1 + w) norms about 0."""
     one_plus = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
-    return 0.0 if architecture == "Qwen3NextForCausalLM" and name.endswith(one_plus) else 1.0
+    return 0.0 if architecture.startswith(("Qwen3Next", "Qwen3_5")) and name.endswith(one_plus) else 1.0
 
 
 def make_tiny_hybrid_model(root: str, architecture: str):

@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek",
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_next",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra

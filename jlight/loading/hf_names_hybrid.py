@@ -85,6 +85,10 @@ _MAMBA = {
 _DELTA = {
     "linear_attn.in_proj_qkvz.weight": ("in_proj_qkvz", True),
     "linear_attn.in_proj_ba.weight": ("in_proj_ba", True),
+    "linear_attn.in_proj_qkv.weight": ("in_proj_qkv", True),  # Qwen3.5
+    "linear_attn.in_proj_z.weight": ("in_proj_z", True),
+    "linear_attn.in_proj_b.weight": ("in_proj_b", True),
+    "linear_attn.in_proj_a.weight": ("in_proj_a", True),
     "linear_attn.conv1d.weight": ("conv_weight", _conv),
     "linear_attn.dt_bias": ("dt_bias", False),
     "linear_attn.A_log": ("A_log", False),
