@@ -6,11 +6,8 @@ Layer i is a Mamba-2 mixer ("linear_attention"/"mamba" in the config's layer typ
 attention_multiplier), then `h + residual_multiplier * mixer(norm(h))` and the same for the MLP.
 The embedding is scaled by embedding_multiplier, the logits divided by logits_scaling.
 
-The Mamba-2 mixer: in_proj -> (gate z, xBC, dt); the causal conv1d over xBC with its rolling state
-(Kernels.causal_conv1d), silu; the SSD scan over x with B, C from its state slot (Kernels.ssd_scan;
-dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log)); + D x; the gated RMSNorm over n_groups groups;
-out_proj. Its caches are the "conv" [mamba layers, slots, K-1, conv_dim] and "ssm" [mamba layers,
-slots, heads, head_dim, state] pools (float32), the attention layers' the paged K/V pools.
+The Mamba-2 mixer and the attention are models/mamba2.py's. The caches: the Mamba layers' "conv" and
+"ssm" pools, the attention layers' paged K/V.
 The params tree: "mamba_layers" and "attn_layers" groups (models/hybrid.py).
 """
 from __future__ import annotations
@@ -23,11 +20,11 @@ from flax import nnx
 
 from jlight.core.config import ModelConfig
 from jlight.core.errors import UnsupportedModelError
-from jlight.models.hybrid import HybridDecoder, attention_params, gated_rms_norm, hybrid_functions
+from jlight.models.hybrid import HybridDecoder, hybrid_functions
 from jlight.models.layers import activation, rms_norm, unstack_layers  # noqa: F401  (unstack_layers: the engine's)
-from jlight.models.module import ParamMaker, Step, declare, value
+from jlight.models.mamba2 import AttentionMixer, MambaMixer, mamba_state_shapes
+from jlight.models.module import ParamMaker, Step, value
 from jlight.models.moe import expert_ffn, softmax_topk
-from jlight.models.rope import apply_rope
 
 
 def layer_kinds(config: ModelConfig) -> list[str]:
@@ -40,21 +37,6 @@ def layer_kinds(config: ModelConfig) -> list[str]:
         raise UnsupportedModelError(f"layer_types {bad or kinds} of {config.architecture} are not supported: each of the "
                                     f"{config.num_layers} layers must be one of {', '.join(names)}")
     return [names[k] for k in kinds]
-
-
-def mamba_dims(config: ModelConfig) -> dict:
-    x = config.extra
-    heads, groups, state = x.get("mamba_n_heads", 128), x.get("mamba_n_groups", 1), x.get("mamba_d_state", 256)
-    inner = int(x.get("mamba_expand", 2) * config.hidden_size)
-    head_dim = x.get("mamba_d_head", "auto")
-    head_dim = inner // heads if head_dim == "auto" else head_dim
-    return dict(heads=heads, groups=groups, state=state, inner=inner, head_dim=head_dim, kernel=x.get("mamba_d_conv", 4),
-                conv_dim=inner + 2 * groups * state)
-
-
-def _as_float(v) -> float:
-    """A config float; transformers writes infinities to config.json as {"__float__": "Infinity"}."""
-    return float(v["__float__"]) if isinstance(v, dict) else float(v)
 
 
 class Block(nnx.Module):
@@ -99,77 +81,23 @@ class Block(nnx.Module):
         return h + self.mlp(rms_norm(h, value(self, "mlp_norm"), c.rms_norm_eps), step) * scale, caches
 
 
-class MambaLayer(Block):
+class MambaLayer(MambaMixer, Block):
     def __init__(self, config: ModelConfig, stack: int | None):
         super().__init__(config, stack)
-        p, d, E = ParamMaker(stack), mamba_dims(config), config.hidden_size
-        self.in_proj = p((E, d["inner"] + d["conv_dim"] + d["heads"]), ("embed", None))
-        if config.extra.get("mamba_proj_bias", False):
-            declare(self, dict(in_proj_bias=p((d["inner"] + d["conv_dim"] + d["heads"],), (None,)),
-                               out_proj_bias=p((E,), ("embed_norm",))))
-        self.conv_weight = p((d["kernel"], d["conv_dim"]), (None, None))  # tap K-1 reads the current token
-        if config.extra.get("mamba_conv_bias", True):
-            self.conv_bias = p((d["conv_dim"],), (None,))
-        self.dt_bias = p((d["heads"],), (None,))
-        self.A_log = p((d["heads"],), (None,))
-        self.D = p((d["heads"],), (None,))
-        self.gate_norm = p((d["inner"],), (None,))
-        self.out_proj = p((d["inner"], E), (None, "embed"))
-
-    def mix(self, x, caches, index: int, step: Step):
-        c, kernels, md = self.config, step.kernels, step.md
-        d = mamba_dims(c)
-        mm = kernels.matmul
-        T = x.shape[0]
-        proj = mm(x, value(self, "in_proj"))
-        if hasattr(self, "in_proj_bias"):
-            proj = proj + value(self, "in_proj_bias").astype(proj.dtype)
-        gate, xbc, dt = jnp.split(proj, [d["inner"], d["inner"] + d["conv_dim"]], axis=-1)
-        k_pages, v_pages, state = caches
-        bias = value(self, "conv_bias") if hasattr(self, "conv_bias") else None
-        xbc, conv = kernels.causal_conv1d(xbc, value(self, "conv_weight"), bias, state["conv"][index], md.state_slots, md)
-        xbc = activation(c.hidden_act)(xbc)
-        xs, B, C = jnp.split(xbc, [d["inner"], d["inner"] + d["groups"] * d["state"]], axis=-1)
-        lo, hi = (_as_float(v) for v in (c.extra.get("time_step_limit") or (0.0, float("inf"))))
-        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + value(self, "dt_bias").astype(jnp.float32)), lo, hi)
-        A = -jnp.exp(value(self, "A_log").astype(jnp.float32))
-        xs = xs.reshape(T, d["heads"], d["head_dim"])
-        y, ssm = kernels.ssd_scan(xs, dt, A, B.reshape(T, d["groups"], d["state"]), C.reshape(T, d["groups"], d["state"]),
-                                  state["ssm"][index], md.state_slots, md)
-        y = y + xs.astype(jnp.float32) * value(self, "D").astype(jnp.float32)[:, None]
-        y = gated_rms_norm(y.reshape(T, d["inner"]).astype(x.dtype), gate, value(self, "gate_norm"),
-                           d["inner"] // d["groups"], c.rms_norm_eps)
-        out = mm(y, value(self, "out_proj"))
-        if hasattr(self, "out_proj_bias"):
-            out = out + value(self, "out_proj_bias").astype(out.dtype)
-        state = dict(state, conv=state["conv"].at[index].set(conv), ssm=state["ssm"].at[index].set(ssm))
-        return out, (k_pages, v_pages, state)
+        self.declare_mamba(config, stack)
 
 
-class AttentionLayer(Block):
+class AttentionLayer(AttentionMixer, Block):
     def __init__(self, config: ModelConfig, stack: int | None):
         super().__init__(config, stack)
-        declare(self, attention_params(ParamMaker(stack), config, config.num_heads * config.head_dim))
+        self.declare_attention(config, stack)
 
-    def mix(self, x, caches, index: int, step: Step):
-        c, kernels, md = self.config, step.kernels, step.md
-        mm, T = kernels.matmul, x.shape[0]
-        q, k, v = (step.ops.column_linear(x, value(self, n), mm) for n in ("wq", "wk", "wv"))
-        if c.attention_bias:
-            q, k, v = (y + value(self, b).astype(y.dtype) for y, b in ((q, "bq"), (k, "bk"), (v, "bv")))
-        q, k, v = (y.reshape(T, -1, c.head_dim) for y in (q, k, v))
-        if c.extra.get("position_embedding_type") == "rope":
-            inv_freq, factor = step.rope
-            q, k = apply_rope(q, md.positions, inv_freq, factor), apply_rope(k, md.positions, inv_freq, factor)
-        k_pages, v_pages, state = caches
-        layer = jnp.int32(index)
-        k_pages, v_pages = kernels.write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
-        attn = kernels.paged_attention(q, k_pages, v_pages, layer, md, scale=c.extra.get("attention_multiplier", 1.0),
-                                       sliding_window=None)
-        out = step.ops.row_linear(attn.reshape(T, -1), value(self, "wo"), mm)
-        if c.attention_bias:
-            out = out + value(self, "bo").astype(out.dtype)
-        return out, (k_pages, v_pages, state)
+    @property
+    def uses_rope(self) -> bool:
+        return self.config.extra.get("position_embedding_type") == "rope"
+
+    def attention_scale(self) -> float:
+        return self.config.extra.get("attention_multiplier", 1.0)
 
 
 class GraniteHybrid(HybridDecoder):
@@ -187,8 +115,5 @@ param_shapes, param_axes, init_params, forward, compute_logits, kv_cache_shapes 
 
 
 def state_shapes(config: ModelConfig, num_slots: int) -> dict:
-    """The Mamba layers' state pools (float32): {"conv": [layers, slots, K-1, conv_dim], "ssm": [layers, slots,
-    heads, head_dim, state]}."""
-    d, n = mamba_dims(config), layer_kinds(config).count("mamba")
-    return {"conv": jax.ShapeDtypeStruct((n, num_slots, d["kernel"] - 1, d["conv_dim"]), jnp.float32),
-            "ssm": jax.ShapeDtypeStruct((n, num_slots, d["heads"], d["head_dim"], d["state"]), jnp.float32)}
+    """The Mamba layers' state pools (models/mamba2.py)."""
+    return mamba_state_shapes(config, layer_kinds(config).count("mamba"), num_slots)

@@ -24,6 +24,11 @@ TINY_HYBRID_CONFIGS = {
         linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
 }
+# Mamba, MLP, attention, MLP, Mamba, MLP (Nemotron-H's pattern "M-*-M-"); no RoPE; relu2 MLPs.
+TINY_HYBRID_CONFIGS["NemotronHForCausalLM"] = dict(
+    model_type="nemotron_h", layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+    mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)
 # Qwen3.5: its separate DeltaNet projections; the dense text model and the MoE one.
 _QWEN3_5 = {k: v for k, v in TINY_HYBRID_CONFIGS["Qwen3NextForCausalLM"].items()
             if k not in ("model_type", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_next",
+    "NemotronHForCausalLM": "nemotron_h",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
@@ -43,6 +44,8 @@ MOE_MLA_CONFIG_KEYS = (
     "shared_intermediate_size", "position_embedding_type",
     "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
+    "hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+    "expand", "use_conv_bias", "use_bias", "time_step_min", "mamba_hidden_act", "mlp_hidden_act", "mlp_bias",
 )
 
 
@@ -97,12 +100,13 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=cfg.get("num_hidden_layers") or _num_layers_of_types(cfg),
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            # Nemotron-H's norms read layer_norm_epsilon (its config.json carries a default rms_norm_eps too)
+            rms_norm_eps=cfg.get("layer_norm_epsilon" if model_type == "nemotron_h" else "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -125,6 +129,14 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download the model's config.json") from None
         return cls.from_hf_dict(cfg)
+
+
+def _num_layers_of_types(cfg: dict) -> int:
+    """Layers of a config that lists its layers' kinds instead of num_hidden_layers (Nemotron-H)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
+    if not types:
+        raise ModelLoadError("config.json has neither num_hidden_layers nor a list of layer types; it is incomplete")
+    return len(types)
 
 
 def _extra_fields(cfg: dict) -> dict:

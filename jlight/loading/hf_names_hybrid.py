@@ -15,7 +15,7 @@ from typing import Callable
 
 from jlight.core.config import ModelConfig
 from jlight.loading.hf_names import map_hf_name
-from jlight.models import granite_hybrid, qwen3_next
+from jlight.models import granite_hybrid, nemotron_h, qwen3_next
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -49,6 +49,7 @@ _ATTENTION = {
 _COMMON = {
     "input_layernorm.weight": ("attn_norm", False),
     "post_attention_layernorm.weight": ("mlp_norm", False),
+    "norm.weight": ("norm", False),  # Nemotron-H's one norm a layer
     # Granite: the shared MLP (one [2F, E] tensor, gate then up) and the routed experts
     "shared_mlp.input_linear.weight": ("shared_in", True),
     "shared_mlp.output_linear.weight": ("shared_out", True),
@@ -82,6 +83,11 @@ _MAMBA = {
     "mamba.out_proj.weight": ("out_proj", True),
     "mamba.out_proj.bias": ("out_proj_bias", False),
 }
+_NEMOTRON_MAMBA = {k.replace("mamba.", "mixer.", 1): v for k, v in _MAMBA.items()}
+_NEMOTRON_ATTENTION = {k.replace("self_attn.", "mixer.", 1): v for k, v in _ATTENTION.items()}
+_NEMOTRON_MLP = {"mixer.up_proj.weight": ("up_proj", True), "mixer.down_proj.weight": ("down_proj", True),
+                 "mixer.up_proj.bias": ("up_bias", False), "mixer.down_proj.bias": ("down_bias", False)}
+_NEMOTRON_GLOBAL = {"model.embeddings.weight": ("embed", False), "model.norm_f.weight": ("final_norm", False)}
 _DELTA = {
     "linear_attn.in_proj_qkvz.weight": ("in_proj_qkvz", True),
     "linear_attn.in_proj_ba.weight": ("in_proj_ba", True),
@@ -105,8 +111,13 @@ def group_mapper(kinds: list[str], groups: dict[str, str], tables: dict[str, dic
         seen[kind] = index[-1] + 1
 
     def mapper(name: str):
+        if name.startswith("backbone."):  # Nemotron-H's Hub checkpoints
+            name = "model." + name[len("backbone."):]
         m = _LAYER_RE.match(name)
         if not m:
+            if name in _NEMOTRON_GLOBAL:
+                key, transpose = _NEMOTRON_GLOBAL[name]
+                return key, None, transpose
             return map_hf_name(name)  # embed, final norm, lm_head
         layer, suffix = int(m.group(1)), m.group(2)
         if layer >= len(kinds):
@@ -134,4 +145,8 @@ def hybrid_name_mapper(config: ModelConfig) -> Callable | None:
     if config.family == "qwen3_next":
         return group_mapper(qwen3_next.layer_kinds(config), {"delta": "delta_layers", "attention": "attn_layers"},
                             {"delta": _DELTA, "attention": _ATTENTION})
+    if config.family == "nemotron_h":
+        return group_mapper(nemotron_h.layer_kinds(config), {"mamba": "mamba_layers", "attention": "attn_layers",
+                                                             "mlp": "mlp_layers"},
+                            {"mamba": _NEMOTRON_MAMBA, "attention": _NEMOTRON_ATTENTION, "mlp": _NEMOTRON_MLP})
     return None
