@@ -49,8 +49,9 @@ class Block(nnx.Module):
         F = x.get("shared_intermediate_size", 1024)
         self.attn_norm = p((E,), ("embed_norm",))
         self.mlp_norm = p((E,), ("embed_norm",))
-        self.shared_in = p((E, 2 * F), ("embed", "mlp"))  # [gate | up]
-        self.shared_out = p((F, E), ("mlp", "embed"))
+        self.shared_gate = p((E, F), ("embed", "mlp"))  # the checkpoint's input_linear [gate | up], split at load
+        self.shared_up = p((E, F), ("embed", "mlp"))
+        self.shared_down = p((F, E), ("mlp", "embed"))
         X = x.get("num_local_experts") or 0
         if X:
             I = c.intermediate_size
@@ -62,8 +63,8 @@ class Block(nnx.Module):
     def mlp(self, x, step: Step):
         c, ops, kernels = self.config, step.ops, step.kernels
         mm, act = kernels.matmul, activation(c.hidden_act)
-        gate, up = jnp.split(ops.column_linear(x, value(self, "shared_in"), mm), 2, axis=-1)
-        out = ops.row_linear(act(gate) * up, value(self, "shared_out"), mm)
+        gate, up = (ops.column_linear(x, value(self, n), mm) for n in ("shared_gate", "shared_up"))
+        out = ops.row_linear(act(gate) * up, value(self, "shared_down"), mm)
         if hasattr(self, "router"):
             logits = jnp.dot(x.astype(jnp.float32), value(self, "router").astype(jnp.float32))  # [T, experts]
             ids, weights = softmax_topk(logits, c.extra.get("num_experts_per_tok") or 2, True)  # = softmax over the top-k logits

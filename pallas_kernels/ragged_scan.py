@@ -35,6 +35,7 @@ def block_scan(block_fn: Callable, token_inputs, state_pool, state_slots, md: Ba
     token_inputs: a pytree of [T, ...] arrays; state_pool: [slots, *S]; state_slots: [B] int32.
     Returns (outputs [T, ...] with zeros at padding tokens, state_pool)."""
     num_tokens = jax.tree.leaves(token_inputs)[0].shape[0]
+    block_len = min(block_len, num_tokens)  # a small step's rows fit shorter blocks
     rows = state_slots.shape[0]
     row, start, end = query_blocks(md.query_start, num_blocks(num_tokens, rows, block_len), block_len)
     idx = start[:, None] + jnp.arange(block_len, dtype=jnp.int32)[None, :]  # [NB, L]

@@ -35,11 +35,12 @@ def test_engine_chunked_batched_preempted_prefix_cached_matches_transformers(mod
     check_engine(*model)
 
 
-def test_hybrid_engine_refuses_speculative_decoding_and_meshes(model):
+def test_hybrid_engine_refuses_speculative_decoding_and_sequence_parallelism(model):
     import jlight.api
 
     with pytest.raises(ValueError, match="speculative_config"):
         jlight.api.LLM(model[0], dtype="float32", compilation_cache_dir=None, warmup=False,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="mesh="):
-        jlight.api.LLM(model[0], dtype="float32", compilation_cache_dir=None, warmup=False, mesh="tp=1")
+    with pytest.raises(ValueError, match="collective_matmul"):
+        jlight.api.LLM(model[0], dtype="float32", compilation_cache_dir=None, warmup=False, mesh="tp=1",
+                       collective_matmul=True)

@@ -198,9 +198,9 @@ class LLMEngine:
 
     def _check_hybrid(self, cfg: EngineConfig) -> None:
         """Refuse what a hybrid model's engine does not do yet, naming the option."""
-        if cfg.mesh:
-            raise ValueError(f"mesh={cfg.mesh!r}: {self.model_config.architecture} (recurrent layers) runs on one device "
-                             "so far; drop mesh")
+        if cfg.mesh and cfg.collective_matmul:
+            raise ValueError(f"collective_matmul: {self.model_config.architecture}'s recurrent layers read every token of "
+                             "the step, which sequence parallelism splits over tp; drop collective_matmul")
         if cfg.speculative_config:
             raise ValueError(f"speculative_config: {self.model_config.architecture}'s recurrent state cannot take back "
                              "rejected drafts; drop speculative_config")

@@ -110,7 +110,10 @@ class ModelRunner:
         # beside its attention layers' K pages (jlight/core/recurrent_state.py).
         self.stateful = hasattr(family, "state_shapes")
         if self.stateful:
-            self.k_cache = PagesAndState(self.k_cache, zeros_like_shapes(family.state_shapes(config, num_state_slots)))
+            state = zeros_like_shapes(family.state_shapes(config, num_state_slots))
+            if sharding_plan is not None and sharding_plan.mesh is not None:  # replicated: every device runs them whole
+                state = jax.device_put(state, jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec()))
+            self.k_cache = PagesAndState(self.k_cache, state)
             self._copy_slot = jax.jit(lambda state, src, dst: {n: a.at[:, dst].set(a[:, src]) for n, a in state.items()},
                                       donate_argnums=(0,))
         self.history_dummy_slot = max_num_seqs

@@ -5,7 +5,7 @@ index among the layers of that kind.
 A mapper returns (key, index, transpose) like `hf_names.map_hf_name`, or a list of them for a tensor
 that fills several weights; transpose is a bool or a function of the array: conv1d weights [C, 1, K]
 become [K, C]; a fused expert gate/up [experts, 2 * I, E] (transformers 5's layout) becomes
-experts_gate and experts_up [experts, E, I]; a [experts, out, in] tensor becomes [experts, in, out].
+experts_gate and experts_up [experts, E, I], Granite's shared MLP input [2F, E] shared_gate and shared_up; a [experts, out, in] tensor becomes [experts, in, out].
 Per-expert tensors (`experts.{j}.gate_proj.weight`, the Hub checkpoints' layout) fill one expert each.
 """
 from __future__ import annotations
@@ -51,8 +51,8 @@ _COMMON = {
     "post_attention_layernorm.weight": ("mlp_norm", False),
     "norm.weight": ("norm", False),  # Nemotron-H's one norm a layer
     # Granite: the shared MLP (one [2F, E] tensor, gate then up) and the routed experts
-    "shared_mlp.input_linear.weight": ("shared_in", True),
-    "shared_mlp.output_linear.weight": ("shared_out", True),
+    "shared_mlp.input_linear.weight": ("fused_shared_gate_up", None),
+    "shared_mlp.output_linear.weight": ("shared_down", True),
     "block_sparse_moe.router.layer.weight": ("router", True),
     "block_sparse_moe.router.weight": ("router", True),
     "block_sparse_moe.experts.gate_up_proj": ("fused_gate_up", None),
@@ -132,6 +132,9 @@ def group_mapper(kinds: list[str], groups: dict[str, str], tables: dict[str, dic
         key, transpose = entry
         if key == "fused_gate_up":
             return [(f"{group}.experts_gate", i, _gate_half), (f"{group}.experts_up", i, _up_half)]
+        if key == "fused_shared_gate_up":  # [2F, E]: gate rows, then up rows
+            return [(f"{group}.shared_gate", i, lambda a: a[: a.shape[0] // 2].T),
+                    (f"{group}.shared_up", i, lambda a: a[a.shape[0] // 2:].T)]
         return f"{group}.{key}", i, transpose
 
     return mapper
