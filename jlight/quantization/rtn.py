@@ -34,11 +34,15 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
         return weight_type(*quantize_int8(w))
 
-    layers = dict(params["layers"])
-    for name in LINEAR_WEIGHTS:
-        if name in layers and name not in keep:
-            layers[name] = quantize(name, layers[name])
-    out = dict(params, layers=layers)
+    # The stacked layers; a hybrid model (models/hybrid.py) has one group a kind of layer instead.
+    groups = ["layers"] if "layers" in params else [g for g, v in params.items() if isinstance(v, dict)]
+    out = dict(params)
+    for group in groups:
+        layers = dict(params[group])
+        for name in LINEAR_WEIGHTS:
+            if name in layers and name not in keep:
+                layers[name] = quantize(name, layers[name])
+        out[group] = layers
     if "lm_head" in params and "lm_head" not in keep:
         out["lm_head"] = quantize("lm_head", params["lm_head"])
     return out
