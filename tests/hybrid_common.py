@@ -29,6 +29,12 @@ TINY_HYBRID_CONFIGS["NemotronHForCausalLM"] = dict(
     model_type="nemotron_h", layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
     mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)
+# Nemotron-3's MoE layers: Mamba, MoE, attention, MoE; 8 experts in 2 groups, top-2 of 1 group, a latent
+# projection around the experts, the shared MLP; a random correction bias (HF starts it at zero).
+TINY_HYBRID_CONFIGS["NemotronHMoE"] = dict(
+    TINY_HYBRID_CONFIGS["NemotronHForCausalLM"], layers_block_type=["mamba", "moe", "attention", "moe"],
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    n_group=2, topk_group=1, routed_scaling_factor=1.5, moe_latent_size=24)
 # Qwen3.5: its separate DeltaNet projections; the dense text model and the MoE one.
 _QWEN3_5 = {k: v for k, v in TINY_HYBRID_CONFIGS["Qwen3NextForCausalLM"].items()
             if k not in ("model_type", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
@@ -57,13 +63,17 @@ def make_tiny_hybrid_model(root: str, architecture: str):
 
     settings = {**_BASE, **TINY_HYBRID_CONFIGS[architecture]}
     config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
-    config.architectures = [architecture]
+    arch = "NemotronHForCausalLM" if architecture == "NemotronHMoE" else architecture  # a config variant's class
+    config.architectures = [arch]
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config).eval()
+    model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():  # spread the Mamba parameters HF initialises to constants, so each one is checked
         for name, p in model.named_parameters():
             if name.endswith((".D", ".dt_bias", "norm.weight")):
                 p.copy_(_centre(architecture, name) + 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     path = os.path.join(root, architecture)
     model.save_pretrained(path, safe_serialization=True)
     write_tiny_tokenizer(path, vocab_size=settings["vocab_size"])

@@ -46,6 +46,7 @@ MOE_MLA_CONFIG_KEYS = (
     "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
     "hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
     "expand", "use_conv_bias", "use_bias", "time_step_min", "mamba_hidden_act", "mlp_hidden_act", "mlp_bias",
+    "moe_shared_expert_intermediate_size", "moe_latent_size",
 )
 
 

@@ -18,7 +18,7 @@ from jlight.loading.hf_names import map_hf_name
 from jlight.models import granite_hybrid, nemotron_h, qwen3_next
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe|mixer)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_NAMES = {"gate_proj": "experts_gate", "up_proj": "experts_up", "down_proj": "experts_down"}
 
 
@@ -87,6 +87,13 @@ _NEMOTRON_MAMBA = {k.replace("mamba.", "mixer.", 1): v for k, v in _MAMBA.items(
 _NEMOTRON_ATTENTION = {k.replace("self_attn.", "mixer.", 1): v for k, v in _ATTENTION.items()}
 _NEMOTRON_MLP = {"mixer.up_proj.weight": ("up_proj", True), "mixer.down_proj.weight": ("down_proj", True),
                  "mixer.up_proj.bias": ("up_bias", False), "mixer.down_proj.bias": ("down_bias", False)}
+_NEMOTRON_MOE = {
+    "mixer.gate.weight": ("router", True), "mixer.gate.e_score_correction_bias": ("router_bias", False),
+    "mixer.experts.up_proj": ("experts_up", _experts_t), "mixer.experts.down_proj": ("experts_down", _experts_t),
+    "mixer.shared_experts.up_proj.weight": ("shared_up", True),
+    "mixer.shared_experts.down_proj.weight": ("shared_down", True),
+    "mixer.fc1_latent_proj.weight": ("latent_in", True), "mixer.fc2_latent_proj.weight": ("latent_out", True),
+}
 _NEMOTRON_GLOBAL = {"model.embeddings.weight": ("embed", False), "model.norm_f.weight": ("final_norm", False)}
 _DELTA = {
     "linear_attn.in_proj_qkvz.weight": ("in_proj_qkvz", True),
@@ -150,6 +157,7 @@ def hybrid_name_mapper(config: ModelConfig) -> Callable | None:
                             {"delta": _DELTA, "attention": _ATTENTION})
     if config.family == "nemotron_h":
         return group_mapper(nemotron_h.layer_kinds(config), {"mamba": "mamba_layers", "attention": "attn_layers",
-                                                             "mlp": "mlp_layers"},
-                            {"mamba": _NEMOTRON_MAMBA, "attention": _NEMOTRON_ATTENTION, "mlp": _NEMOTRON_MLP})
+                                                             "mlp": "mlp_layers", "moe": "moe_layers"},
+                            {"mamba": _NEMOTRON_MAMBA, "attention": _NEMOTRON_ATTENTION, "mlp": _NEMOTRON_MLP,
+                             "moe": _NEMOTRON_MOE})
     return None
