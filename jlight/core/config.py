@@ -37,7 +37,13 @@ MOE_MLA_CONFIG_KEYS = (
     "mlp_only_layers", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "topk_method",
     "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "kv_lora_rank", "q_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
-    # hybrid families (models/granite_hybrid.py, models/qwen3_next.py)
+)
+
+
+# HF config fields of the hybrid families (models/granite_hybrid.py, nemotron_h.py, qwen3_next.py), copied into
+# ModelConfig.extra for those architectures only (names such as mlp_bias or expand mean other things elsewhere).
+HYBRID_FAMILIES = ("granite_hybrid", "nemotron_h", "qwen3_next")
+HYBRID_CONFIG_KEYS = (
     "layer_types", "layers_block_type", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head",
     "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
     "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
@@ -117,7 +123,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            extra=_extra_fields(cfg),
+            extra=_extra_fields(cfg, SUPPORTED_ARCHITECTURES[arch] in HYBRID_FAMILIES),
         )
 
     @classmethod
@@ -140,11 +146,13 @@ def _num_layers_of_types(cfg: dict) -> int:
     return len(types)
 
 
-def _extra_fields(cfg: dict) -> dict:
-    """The MOE_MLA_CONFIG_KEYS fields of a HF config; partial_rotary_factor also from transformers 5's rope_parameters."""
-    extra = {k: cfg[k] for k in MOE_MLA_CONFIG_KEYS if k in cfg}
+def _extra_fields(cfg: dict, hybrid: bool) -> dict:
+    """The MOE_MLA_CONFIG_KEYS fields of a HF config (and HYBRID_CONFIG_KEYS for a hybrid family);
+    partial_rotary_factor also from transformers 5's rope_parameters."""
+    keys = MOE_MLA_CONFIG_KEYS + (HYBRID_CONFIG_KEYS if hybrid else ())
+    extra = {k: cfg[k] for k in keys if k in cfg}
     partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") if isinstance(cfg.get("rope_parameters"), dict) else None
-    if partial is not None and "partial_rotary_factor" not in extra:
+    if hybrid and partial is not None and "partial_rotary_factor" not in extra:
         extra["partial_rotary_factor"] = partial
     return extra
 
