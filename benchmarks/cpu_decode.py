@@ -1,89 +1,321 @@
-"""CPU decode speed of SmolLM2-135M-Instruct: jlight (float32, bfloat16) next to transformers
-(eager, same GGUF, same dtypes) in the same run on the same machine.
+"""The default model on the CPU, on the user's path: the first answer of `jlight generate` (cold and warm)
+and batch-1 decode of SmolLM2-135M-Instruct through `jlight.LLM().generate` with default options, next to
+transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run on the same machine.
 
-Batch 1, greedy, a 64-token prompt; decode tokens/s excludes the prefill:
-(time for N new tokens - time for 1 new token) / (N - 1).
+- First answer: `jlight generate "What is the capital of France?" --max-tokens 32` as a new process, its wall
+  time from start to exit. Cold: an empty compilation cache (the GGUF already in $JLIGHT_CACHE: the download
+  is not timed); warm: the same command again over the cache the cold run filled.
+- Decode: greedy, a 64-token prompt (a new one each call, so no prefix-cache hit), batch 1; tokens/s excludes
+  the prefill: (N - 1) / (time for N new tokens - time for 1 new token), the median of --repeats calls.
+  jlight: `jlight.LLM()` (default options: float32 on the CPU, every bucket compiled at start-up);
+  transformers: the same GGUF dequantized to float32, eager, torch threads = the cores; llama.cpp: the same
+  weights as a float32 GGUF (dequantized from the Q4_1 file, the numbers jlight runs), and the Q4_1 file
+  itself (llama.cpp's own 4-bit kernels), threads = the cores.
+- jlight-ngram (not in the default --engines): input-grounded prompts (GROUNDED: chat tasks, and completions
+  that copy their prompt), batch 1, greedy, n-gram speculation off against on in one process: tokens/s per
+  prompt, the ratio, the acceptance, and whether both gave the same tokens.
+- Each engine runs in its own process, one after the other, each repeat again (interleaved), and the
+  host's CPU use just before each is recorded: on a shared machine, quiet means "busy" near 0.
 
-  python benchmarks/cpu_decode.py [--new-tokens 128] [--out DIR]
+  python benchmarks/cpu_decode.py [--new-tokens 128] [--repeats 3] [--first-answers 3] [--out DIR]
+                                  [--engines jlight,transformers,llama.cpp-f32,llama.cpp-q4_1]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 
-from jlight.engine.sampling_params import SamplingParams
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import result_header  # noqa: E402
 
+PROMPT = "What is the capital of France?"
+ENGINES = ("jlight", "transformers", "llama.cpp-f32", "llama.cpp-q4_1", "jlight-ngram")
 
-def timed_generate(fn, n_new: int, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
+
+def cpu_busy(window: float = 2.0) -> float:
+    """The fraction of the host's CPU time spent busy over `window` seconds (from /proc/stat)."""
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    t0, i0 = read()
+    time.sleep(window)
+    t1, i1 = read()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+# ------------------------------------------------------------------ decode rates (one engine per child)
+
+def decode_rate(generate, n_new: int, repeats: int) -> dict:
+    """generate(prompt_ids, n) runs one greedy request of n new tokens. Median over repeats."""
+    rng = np.random.default_rng(0)
+
+    def timed(n):
+        prompt = rng.integers(100, 40000, 64).tolist()
         t = time.perf_counter()
-        fn(n_new)
-        best = min(best, time.perf_counter() - t)
-    return best
+        generate(prompt, n)
+        return time.perf_counter() - t
+
+    timed(2)
+    timed(n_new)  # warm-up: compiles, allocations, caches
+    rates = [(n_new - 1) / (timed(n_new) - timed(1)) for _ in range(repeats)]
+    return {"decode_tok_s": float(np.median(rates)), "decode_tok_s_all": rates}
 
 
-def decode_rate(fn, n_new: int) -> float:
-    fn(2)  # warm-up (compiles, allocations)
-    return (n_new - 1) / (timed_generate(fn, n_new) - timed_generate(fn, 1))
+def jlight_child(gguf: str, n_new: int, repeats: int) -> dict:
+    import jax
 
-
-def jlight_rate(dtype: str, prompt: list[int], n_new: int) -> float:
     import jlight
+    from jlight import SamplingParams
 
-    llm = jlight.LLM(None, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=1024)
+    t = time.perf_counter()
+    llm = jlight.LLM()  # the default model, default options
+    start_s = time.perf_counter() - t
 
-    def run(n):
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    def generate(prompt, n):
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
-    return decode_rate(run, n_new)
+    engine = llm.engine
+    return {"engine": f"jlight (jax {jax.__version__})", "start_s": start_s,
+            "buckets": engine.runner.buckets, "dtype": str(jax.tree.leaves(engine.runner.params)[0].dtype),
+            **decode_rate(generate, n_new, repeats)}
 
 
-def transformers_rate(dtype: str, gguf_path: str, prompt: list[int], n_new: int) -> float:
+def transformers_child(gguf: str, n_new: int, repeats: int) -> dict:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                 dtype=getattr(torch, dtype)).eval()
-    ids = torch.tensor([prompt])
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                 dtype=torch.float32).eval()
 
-    def run(n):
+    def generate(prompt, n):
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    return decode_rate(run, n_new)
+    return {"engine": f"transformers {transformers.__version__} (torch {torch.__version__}, {torch.get_num_threads()} threads)",
+            "dtype": "float32", **decode_rate(generate, n_new, repeats)}
+
+
+def llama_cpp_child(gguf: str, n_new: int, repeats: int) -> dict:
+    import llama_cpp
+
+    threads = os.cpu_count() or 1
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=512, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                          verbose=False)
+
+    def generate(prompt, n):
+        llm.reset()  # no reuse of the previous call's K/V
+        for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True)):
+            if i + 1 >= n:
+                break
+
+    return {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {threads} threads)", **decode_rate(generate, n_new, repeats)}
+
+
+def f32_gguf(source: str, target: str) -> str:
+    """`source` with every tensor dequantized to float32 (metadata copied): the weights jlight runs."""
+    import gguf
+    from gguf.quants import dequantize
+
+    if os.path.isfile(target):
+        return target
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target + ".partial", arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = 0 if name == "general.file_type" else field.contents()  # 0: LLAMA_FTYPE_ALL_F32
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        array = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
+        writer.add_tensor(t.name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(target + ".partial", target)
+    return target
+
+
+# Input-grounded tasks (the answer copies spans of the prompt): n-gram speculation's case.
+PASSAGE = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin encompasses seven "
+           "million square kilometres, of which five and a half million are covered by the rainforest. The region "
+           "includes territory belonging to nine nations, and the majority of the forest is contained within Brazil, "
+           "with sixty percent, followed by Peru with thirteen percent and Colombia with ten percent.")
+CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(valuse)\n\n"
+        "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n")
+# (name, chat message or raw completion text): chat tasks a user would give, and completions whose
+# continuation copies the prompt (SmolLM2-135M copies faithfully there, less so in chat).
+GROUNDED = (("chat: repeat", "chat", f"Copy the text between the quotes exactly, nothing else.\n\n\"{PASSAGE}\""),
+            ("chat: rename in code", "chat", "Rename the function mean to average everywhere in this code and print "
+                                             f"the whole code.\n\n```python\n{CODE}```"),
+            ("completion: copy", "text", f"Original: {PASSAGE}\nCopy: "),
+            ("completion: fix code", "text", f"# buggy version\n{CODE}\n# fixed version\n"))
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def jlight_ngram_child(gguf: str, n_new: int, repeats: int) -> dict:
+    """Batch-1 greedy answers (up to n_new tokens or EOS) to the GROUNDED prompts with n-gram speculation off
+    and on (default options otherwise): decode tokens/s per prompt (the answer's time less its first
+    token's, over its tokens after the first), the acceptance, and whether both answers are the same tokens."""
+    import jax
+
+    import jlight
+    from jlight import SamplingParams
+
+    rows = {}
+    for name, options in (("off", {}), ("ngram", {"speculative_config": NGRAM})):
+        llm = jlight.LLM(**options)
+        prompts = [llm.apply_chat_template([{"role": "user", "content": text}]) if kind == "chat"
+                   else llm.engine.tokenizer.encode(text) for _, kind, text in GROUNDED]
+
+        def run(prompt, n):
+            t = time.perf_counter()
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+            return time.perf_counter() - t, out[0].outputs[0].token_ids
+
+        run(prompts[0], n_new)  # warm-up
+        per_prompt = []
+        for prompt in prompts:
+            first = min(run(prompt, 1)[0] for _ in range(2))
+            before = llm.engine.stats()
+            times, ids = zip(*(run(prompt, n_new) for _ in range(repeats)))
+            after = llm.engine.stats()
+            drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            verified = after.spec_num_drafts - before.spec_num_drafts
+            per_prompt.append({"tokens": len(ids[0]), "tok_s": (len(ids[0]) - 1) / (float(np.median(times)) - first),
+                               "ids": ids[0], "acceptance": accepted / drafts if drafts else None,
+                               "kept_per_verify": accepted / verified if verified else None})
+        rows[name] = per_prompt
+        del llm
+    table = []
+    for (label, _, _), off, on in zip(GROUNDED, rows["off"], rows["ngram"]):
+        table.append({"prompt": label, "tokens": off["tokens"], "off_tok_s": off["tok_s"], "ngram_tok_s": on["tok_s"],
+                      "speedup": on["tok_s"] / off["tok_s"], "acceptance": on["acceptance"],
+                      "kept_per_verify": on["kept_per_verify"], "same_tokens": off["ids"] == on["ids"]})
+    return {"engine": f"jlight (jax {jax.__version__}) n-gram {NGRAM}",
+            "decode_tok_s": float(np.median([r["ngram_tok_s"] for r in table])), "prompts": table}
+
+
+CHILDREN = {"jlight": jlight_child, "jlight-ngram": jlight_ngram_child, "transformers": transformers_child, "llama.cpp-f32": llama_cpp_child,
+            "llama.cpp-q4_1": llama_cpp_child}
+
+
+# ------------------------------------------------------------------ the user's first answer
+
+def first_answer(env: dict) -> dict:
+    """One `jlight generate` process: wall seconds to exit, and what it printed about itself."""
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "jlight.cli", "generate", PROMPT, "--max-tokens", "32"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"jlight generate failed: {proc.stderr[-2000:]}")
+    ready = re.search(r"ready in ([\d.]+) s \(loading ([\d.]+) s, compiling ([\d.]+) s\)", proc.stderr)
+    rate = re.search(r"([\d.]+) tokens/s\]", proc.stderr)
+    return {"wall_s": wall, "ready_s": float(ready[1]) if ready else None, "load_s": float(ready[2]) if ready else None,
+            "compile_s": float(ready[3]) if ready else None, "tok_s": float(rate[1]) if rate else None,
+            "answer": proc.stdout.strip(), "stderr_lines": len(proc.stderr.splitlines())}
+
+
+def first_answers(count: int, work: str) -> dict:
+    runs = {"cold": [], "warm": []}
+    for i in range(count):
+        cache = os.path.join(work, f"xla{i}")
+        env = dict(os.environ, JLIGHT_COMPILATION_CACHE_DIR=cache)
+        busy = cpu_busy()
+        runs["cold"].append({**first_answer(env), "busy_before": busy})
+        busy = cpu_busy()
+        runs["warm"].append({**first_answer(env), "busy_before": busy})
+        shutil.rmtree(cache, ignore_errors=True)
+        for kind in ("cold", "warm"):
+            r = runs[kind][-1]
+            print(f"first answer {kind}: {r['wall_s']:.1f} s to exit (ready {r['ready_s']} s, load {r['load_s']} s, "
+                  f"compile {r['compile_s']} s), {r['tok_s']} tok/s, busy before {r['busy_before']:.0%}: {r['answer']!r}",
+                  flush=True)
+    return {kind: {"median_wall_s": float(np.median([r["wall_s"] for r in rs])), "runs": rs} for kind, rs in runs.items()}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="decode: rounds over the engines (and calls per round)")
+    ap.add_argument("--first-answers", type=int, default=3, help="cold + warm `jlight generate` pairs (0: none)")
+    ap.add_argument("--engines", default=",".join(e for e in ENGINES if e != "jlight-ngram"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    import torch
+    if a.child:  # one engine's decode rates, as a JSON line
+        print("RESULT " + json.dumps(CHILDREN[a.child](a.gguf, a.new_tokens, a.repeats)), flush=True)
+        return
 
     from jlight.loading.default_model import default_gguf_path
 
     gguf = default_gguf_path()
-    prompt = np.random.default_rng(0).integers(100, 40000, 64).tolist()
-    rows = []
-    for dtype in ("float32", "bfloat16"):
-        rows.append(dict(engine="jlight", dtype=dtype, decode_tok_s=jlight_rate(dtype, prompt, a.new_tokens)))
-        rows.append(dict(engine=f"transformers {__import__('transformers').__version__} (torch {torch.__version__}, "
-                         f"{torch.get_num_threads()} threads)", dtype=dtype,
-                         decode_tok_s=transformers_rate(dtype, gguf, prompt, a.new_tokens)))
-        for r in rows[-2:]:
-            print(f"{r['engine']:60s} {r['dtype']:9s} {r['decode_tok_s']:8.1f} decode tok/s", flush=True)
-    result = dict(result_header(), cpu=platform.processor() or platform.machine(),
-                  cores=os.cpu_count(), new_tokens=a.new_tokens, prompt_tokens=len(prompt), rows=rows)
+    engines = [e for e in a.engines.split(",") if e]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    work = tempfile.mkdtemp(prefix="jlight_cpu_decode_")
+    result = dict(result_header(), cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                  new_tokens=a.new_tokens, prompt_tokens=64, rows=[])
+    try:
+        if a.first_answers:
+            result["first_answer"] = first_answers(a.first_answers, work)
+        sources = {"llama.cpp-f32": f32_gguf(gguf, os.path.join(os.path.dirname(gguf), "SmolLM2-135M-Instruct.F32.gguf"))
+                   if "llama.cpp-f32" in engines else None, "llama.cpp-q4_1": gguf}
+        runs: dict[str, list] = {e: [] for e in engines}
+        for _ in range(a.repeats):
+            for name in engines:
+                busy = cpu_busy()
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--gguf",
+                                       sources.get(name) or gguf, "--new-tokens", str(a.new_tokens), "--repeats", "1"],
+                                      capture_output=True, text=True, timeout=1800)
+                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if line is None:
+                    print(f"{name}: failed ({proc.stderr.strip().splitlines()[-1:]})", flush=True)
+                    runs[name].append({"error": proc.stderr[-1500:], "busy_before": busy})
+                    continue
+                r = {**json.loads(line[len("RESULT "):]), "busy_before": busy}
+                runs[name].append(r)
+                print(f"{name:15s} {r['decode_tok_s']:7.1f} decode tok/s  (busy before {busy:.0%})  {r['engine']}", flush=True)
+                for q in r.get("prompts", []):
+                    print(f"{'':15s} {q['prompt']:22s} {q['tokens']:4d} tokens  off {q['off_tok_s']:6.1f}  n-gram "
+                          f"{q['ngram_tok_s']:6.1f} tok/s  {q['speedup']:.2f}x  acceptance {q['acceptance'] or 0:.2f}  "
+                          f"kept/verify {q['kept_per_verify'] or 0:.2f}  same tokens {q['same_tokens']}", flush=True)
+        for name, rs in runs.items():
+            ok = [r for r in rs if "error" not in r]
+            result["rows"].append({"name": name, "engine": ok[0]["engine"] if ok else None,
+                                   "decode_tok_s": float(np.median([r["decode_tok_s"] for r in ok])) if ok else None,
+                                   "runs": rs})
+        base = next((r["decode_tok_s"] for r in result["rows"] if r["name"] == "transformers"), None)
+        print(f"\n{'engine':15s} {'decode tok/s (median)':>22s} {'x transformers':>15s}")
+        for r in result["rows"]:
+            ratio = f"{r['decode_tok_s'] / base:.2f}x" if base and r["decode_tok_s"] else "-"
+            rate = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "failed"
+            print(f"{r['name']:15s} {rate:>22s} {ratio:>15s}")
+        if "first_answer" in result:
+            fa = result["first_answer"]
+            print(f"first answer (jlight generate, 32 tokens): cold {fa['cold']['median_wall_s']:.1f} s, "
+                  f"warm {fa['warm']['median_wall_s']:.1f} s (medians of {a.first_answers})")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "cpu_decode.json"), "w") as f:

@@ -11,11 +11,17 @@
 5. With the default model available locally (SmolLM2-135M-Instruct Q4_1 GGUF), the same for
    it: GGUF load (dequantization) vs its converted orbax checkpoint.
 
+6. With --startup: the start of an engine over the HF checkpoint to ready (`jlight.LLM(dir)`: load,
+   every step bucket compiled), each in a new process, cold (an empty compilation cache) and then warm
+   (the cache the cold start filled), --startup-runs pairs; each start's phases from its own "ready in"
+   line, and the XLA rematerialization warnings it printed ("Can't reduce memory use"), counted.
+
 The files were just written, so reads are served from the OS page cache unless
 --drop-caches succeeds (needs root); the JSON records which it was.
 
   python benchmarks/load_time.py --out DIR            # Llama-3-8B shape, ~16 GB x2 on disk (GPU box)
   python benchmarks/load_time.py --small --out DIR    # scaled-down shape, CPU, well under a minute
+  python benchmarks/load_time.py --startup --no-smollm2 --out DIR   # + cold and warm starts to ready (GPU box)
 Prints a table and writes DIR/load_time.json.
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,6 +153,50 @@ def measure(label: str, source: str, work: str, drop_caches: bool) -> dict:
             "orbax_load_s": orbax_s, "cold_cache": source_cold and orbax_cold}
 
 
+STARTUP_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import jlight
+llm = jlight.LLM(sys.argv[1], dtype="bfloat16", max_model_len=int(sys.argv[2]), compile_threads=json.loads(sys.argv[3]),
+                 compilation_cache_dir=sys.argv[4])
+e = llm.engine
+print("READY " + json.dumps({"in_process_s": time.perf_counter() - t0, "load_s": e.load_seconds,
+      "compile_s": e.warmup_seconds, "buckets": e.runner.buckets}), flush=True)
+"""
+
+
+def timed_start(model: str, cache: str, max_model_len: int, compile_threads: int | None) -> dict:
+    """One process that builds jlight.LLM(model) (every bucket compiled) and exits: its wall time to ready."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", STARTUP_CHILD, model, str(max_model_len), json.dumps(compile_threads), cache],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready_s, report = None, None
+    for line in proc.stdout:
+        if line.startswith("READY "):
+            ready_s, report = time.perf_counter() - start, json.loads(line[len("READY "):])
+    err = proc.stderr.read()
+    proc.wait()
+    if report is None:
+        raise RuntimeError(f"the engine did not start: {err[-2000:]}")
+    return {"ready_s": ready_s, **report, "remat_warnings": err.count("Can't reduce memory use")}
+
+
+def measure_startup(model: str, work: str, runs: int, max_model_len: int, compile_threads: int | None) -> dict:
+    starts = {"cold": [], "warm": []}
+    for i in range(runs):
+        cache = os.path.join(work, f"xla-cache-{i}")
+        shutil.rmtree(cache, ignore_errors=True)
+        for kind in ("cold", "warm"):
+            starts[kind].append(timed_start(model, cache, max_model_len, compile_threads))
+            r = starts[kind][-1]
+            print(f"start {kind}: ready in {r['ready_s']:.1f} s (load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s, "
+                  f"{len(r['buckets'])} buckets), {r['remat_warnings']} remat warnings", flush=True)
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"compile_threads": compile_threads, "max_model_len": max_model_len,
+            **{f"{kind}_ready_s_median": float(np.median([r["ready_s"] for r in rs])) for kind, rs in starts.items()},
+            "starts": starts}
+
+
 def local_default_gguf() -> str | None:
     """The default model's .gguf if it is already in jlight's cache (never downloads)."""
     from jlight.loading.default_model import GGUF_MEMBER, cache_dir
@@ -162,6 +213,10 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default=None, help="where to write the checkpoints (default: a temp dir, removed after)")
     parser.add_argument("--drop-caches", action="store_true", help="drop the OS page cache before each load (root)")
     parser.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 GGUF comparison")
+    parser.add_argument("--startup", action="store_true", help="also time engine starts to ready, cold and warm")
+    parser.add_argument("--startup-runs", type=int, default=2, help="cold + warm pairs")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="of the started engines")
+    parser.add_argument("--compile-threads", type=int, default=None, help="EngineConfig.compile_threads (default: auto)")
     args = parser.parse_args(argv)
     shape = dict(SMALL if args.small else LLAMA3_8B)
     if args.layers is not None:
@@ -177,6 +232,7 @@ def main(argv=None) -> int:
         print(f"wrote {nbytes / 1e9:.2f} GB of random bf16 safetensors in {time.perf_counter() - start:.1f}s")
         label = ("llama3-8b-shape-small" if args.small else "llama3-8b-shape") + f"-{shape['num_hidden_layers']}L"
         rows.append(measure(label, hf_dir, work, args.drop_caches))
+        startup = measure_startup(hf_dir, work, args.startup_runs, args.max_model_len, args.compile_threads) if args.startup else None
         shutil.rmtree(hf_dir, ignore_errors=True)
         gguf = None if args.no_smollm2 else local_default_gguf()
         if gguf:
@@ -190,11 +246,14 @@ def main(argv=None) -> int:
     from harness import result_header
 
     result = {**result_header(argv), "benchmark": "load_time", "device": str(jax.devices()[0].device_kind),
-              "shape": shape, "rows": rows}
+              "shape": shape, "rows": rows, "startup": startup}
     print(f"\n{'model':34s} {'src GB':>7s} {'src load s':>10s} {'convert s':>9s} {'orbax GB':>8s} {'orbax load s':>12s} {'speed-up':>8s} cold")
     for r in rows:
         print(f"{r['model']:34s} {r['source_bytes'] / 1e9:7.2f} {r['source_load_s']:10.2f} {r['convert_s']:9.2f} "
               f"{r['orbax_bytes'] / 1e9:8.2f} {r['orbax_load_s']:12.2f} {r['source_load_s'] / r['orbax_load_s']:7.1f}x {r['cold_cache']}")
+    if startup:
+        print(f"start to ready ({label}, compile_threads={args.compile_threads}): cold {startup['cold_ready_s_median']:.1f} s, "
+              f"warm {startup['warm_ready_s_median']:.1f} s (medians of {args.startup_runs})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "load_time.json")
     with open(path, "w") as f:

@@ -11,6 +11,7 @@ from jlight.engine.data_parallel import make_engine
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
+from jlight.progress import Progress
 
 _ids = itertools.count()
 
@@ -111,11 +112,8 @@ class LLM:
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm and len(ids) > 1:
-            # tqdm loads only when a progress bar is shown.
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        if use_tqdm and len(ids) > 1:  # a bar on a terminal, else nothing (jlight/progress.py)
+            bar = Progress(len(ids), "requests", "req", leave=True, summary="{n} requests done in {seconds:.1f} s")
         try:
             while pending:
                 for out in self.engine.step():

@@ -14,6 +14,7 @@ from jlight.api import LLM
 from jlight.core.errors import JlightError
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine_args import add_engine_arguments, engine_options
+from jlight.progress import log_to_stderr
 from jlight.sharding.distributed import initialize
 
 # Subcommands that live in other rooms: name -> (module with add_arguments/run, help).
@@ -52,8 +53,10 @@ def _sampling_params(args):
 
 def _load(args, warmup: bool = True):
     """warmup=False: compile no step bucket at start-up (`generate` compiles only its request's, below)."""
-    # One interactive request at a time: a small batch keeps start-up compilation short.
-    return LLM(args.model, **engine_options(args, max_num_seqs=4, max_num_batched_tokens=256, warmup=warmup))
+    log_to_stderr()  # the start-up's phase lines (load, compile, ready), as "jlight: ..." on stderr
+    # One interactive request at a time: one sequence (its K/V pool holds one full-length context, not the
+    # default's many) and small steps keep the start short.
+    return LLM(args.model, **engine_options(args, max_num_seqs=1, max_num_batched_tokens=256, warmup=warmup))
 
 
 def _stream_one(llm, prompt_ids: list[int], params) -> tuple[list[int], float | None, float]:

@@ -28,10 +28,12 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
 
 
 def model_config_to_hf_dict(config: ModelConfig) -> dict:
-    """A HF-style config.json that ModelConfig.from_hf_dict reads back to an equal config."""
+    """A HF-style config.json that ModelConfig.from_hf_dict reads back to an equal config (the
+    family fields of ModelConfig.extra under their HF names)."""
     cfg = {
+        **config.extra,
         "architectures": [config.architecture],
-        "model_type": _MODEL_TYPES.get(config.architecture, "llama"),
+        "model_type": _MODEL_TYPES.get(config.architecture) or config.extra.get("model_type", "llama"),
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,

@@ -3,6 +3,7 @@ argparse flags, and the EngineConfig keyword arguments they give."""
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -33,15 +34,29 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
+    p.add_argument("--speculative-config", default=None, type=_json_object,
+                   help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
     p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
                    help="how MoE experts run (auto: the Pallas grouped matmul on GPU; gathered or ragged_dot elsewhere)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); write e.g. '{{\"method\": \"ngram\"}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
+    return value
 
 
 def engine_options(args: argparse.Namespace, **defaults) -> dict:
     """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl"):
+                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl",
+                 "speculative_config"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def rms_norm(x, weight, eps: float):
-    """RMSNorm computed in float32 (as HF does), returned in x's dtype."""
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
+    """RMSNorm computed in float32 (as HF does), returned in x's dtype; the scale is
+    offset + weight (Gemma's norms: 1 + weight, added in float32)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+    return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 ACTIVATIONS = {

@@ -13,18 +13,25 @@ from __future__ import annotations
 from flax import nnx
 
 from jlight.core.config import ModelConfig
+from jlight.models import attention_kinds
 # fuse_projections and unstack_layers are part of this family's interface: the engine unrolls the
 # layers and fuses q/k/v and gate/up with them (EngineConfig.layer_loop, fuse_projections).
 from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, unstack_layers  # noqa: F401
 from jlight.models.module import Layout, ParamMaker, Step, declare, family_functions, layer_group, run_layers, value
-from jlight.models.rope import apply_rope, inv_frequencies
 
 
 class LlamaAttention(nnx.Module):
-    """The two norms and the attention of a Llama-family layer; the MoE families' layers add their MLP."""
+    """The two norms and the attention of a Llama-family layer; the MoE families' layers add their MLP.
+
+    `kind` is the layer's AttentionKind (models/attention_kinds.py), set by the model once built:
+    static for one layer or a stack of alike layers, None for a scanned stack of mixed layers (each
+    reads its own from the per-layer kinds). `norm_offset` is added to every RMSNorm weight (Gemma's
+    norms scale by 1 + w)."""
+    norm_offset = 0.0
 
     def __init__(self, config: ModelConfig, layout: Layout, stack: int | None):
         c = self.config = config
+        self.kind = attention_kinds.AttentionKind(c.sliding_window, 0)
         p = ParamMaker(stack)
         E, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_norm = p((E,), ("embed_norm",))
@@ -48,22 +55,28 @@ class LlamaAttention(nnx.Module):
         k = k.reshape(num_tokens, -1, c.head_dim)
         v = v.reshape(num_tokens, -1, c.head_dim)
         if c.qk_norm:
-            q = rms_norm(q, value(self, "q_norm"), c.rms_norm_eps)
-            k = rms_norm(k, value(self, "k_norm"), c.rms_norm_eps)
-        inv_freq, rope_factor = step.rope
-        q = apply_rope(q, step.md.positions, inv_freq, rope_factor)
-        k = apply_rope(k, step.md.positions, inv_freq, rope_factor)
+            q, k = self.norm(q, "q_norm"), self.norm(k, "k_norm")
+        window, rope = attention_kinds.resolve(c, self.kind, layer_idx)
+        q = attention_kinds.apply_rope_kind(q, step.md, step.rope, rope)
+        k = attention_kinds.apply_rope_kind(k, step.md, step.rope, rope)
         k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, step.md.slot_mapping)
-        attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, step.md, scale=c.head_dim ** -0.5,
-                                       sliding_window=c.sliding_window)
+        attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, step.md, scale=attention_kinds.softmax_scale(c),
+                                       sliding_window=window, **self.attention_extras())
         return ops.row_linear(attn.reshape(num_tokens, -1), value(self, "wo"), mm), k_cache, v_cache
+
+    def attention_extras(self) -> dict:
+        """The attention kinds' keyword arguments beyond the window: soft-capping (Gemma 2)."""
+        cap = attention_kinds.attention_soft_cap(self.config)
+        return {} if cap is None else {"soft_cap": cap}
+
+    def norm(self, x, name: str):
+        return rms_norm(x, value(self, name), self.config.rms_norm_eps, self.norm_offset)
 
     def __call__(self, h, k_cache, v_cache, layer_idx, step: Step):
         """The residual stream h [T, embed] through one layer -> (h, k_cache, v_cache)."""
-        eps = self.config.rms_norm_eps
-        attn, k_cache, v_cache = self.attention(rms_norm(h, value(self, "attn_norm"), eps), k_cache, v_cache, layer_idx, step)
+        attn, k_cache, v_cache = self.attention(self.norm(h, "attn_norm"), k_cache, v_cache, layer_idx, step)
         h = h + attn
-        return h + self.mlp(rms_norm(h, value(self, "mlp_norm"), eps), step), k_cache, v_cache
+        return h + self.mlp(self.norm(h, "mlp_norm"), step), k_cache, v_cache
 
 
 class LlamaLayer(LlamaAttention):
@@ -91,18 +104,25 @@ class Llama(nnx.Module):
         p = ParamMaker()
         self.embed = p((c.vocab_size, c.hidden_size), ("vocab", "embed"))
         self.layers = layer_group(lambda stack: self.Layer(c, layout, stack), c.num_layers, layout)
+        kinds = attention_kinds.layer_kinds(c)
+        for layer, kind in zip(self.layers, kinds) if layout.unrolled else [(self.layers, attention_kinds.static_kind(kinds))]:
+            layer.kind = kind
         self.final_norm = p((c.hidden_size,), ("embed_norm",))
         self.lm_head = p((c.hidden_size, c.vocab_size), ("embed", "vocab"))  # tied embeddings: a copy of embed.T
 
     def __call__(self, tokens, k_cache, v_cache, md, kernels, ops):
         """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache)."""
         c = self.config
-        step = Step(md, kernels, ops, inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
+        step = Step(md, kernels, ops, attention_kinds.rope_tables(c))
         final_norm = value(self, "final_norm")
-        h = ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype)  # [T, embed]
+        h = self.scale_embedding(ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype))  # [T, embed]
         h, k_cache, v_cache = run_layers(self.layers, (h, k_cache, v_cache), step)  # scanned or unrolled
-        h = rms_norm(h, final_norm, c.rms_norm_eps)
+        h = rms_norm(h, final_norm, c.rms_norm_eps, self.Layer.norm_offset)
         return ops.gather_sequence(h), k_cache, v_cache  # whole [T, embed] again if split on tokens
+
+    def scale_embedding(self, h):
+        """The embedded tokens as the first layer reads them (Gemma scales them)."""
+        return h
 
     def logits(self, hidden, kernels, ops):
         """hidden: [N, embed] (already normed) -> float32 logits [N, vocab]."""

@@ -36,7 +36,8 @@ class Step(NamedTuple):
     md: BatchMetadata
     kernels: object  # pallas_kernels.dispatch.Kernels: write_kv, paged_attention, matmul, moe_impl, ...
     ops: ParallelOps  # plain ops on one device, the tensor-parallel ones inside shard_map
-    rope: tuple  # (inv_freq [rope_dim // 2] float32 numpy, attention factor) of the family's RoPE
+    rope: tuple  # the family's RoPE: llama.py's families a tuple of attention_kinds.RopeTable (one per table a layer may
+    # name), DeepSeek (inv_freq [rope_dim // 2] float32 numpy, attention factor)
 
 
 @dataclasses.dataclass(frozen=True)

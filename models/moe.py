@@ -22,6 +22,8 @@ expert-parallel ones (sharding/tensor_parallel.py) call it on each device's expe
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -97,6 +99,17 @@ def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: i
 EXPERT_IMPLS = MOE_IMPLS  # the engine's moe_impl values (EngineConfig, --moe-impl)
 
 
+class GatedUnit(NamedTuple):
+    """An expert activation that reads both projections: fn(gate, up) -> hidden (gpt-oss's clamped
+    swiglu), where a plain activation `act` computes act(gate) * up."""
+    fn: Callable
+
+
+def gated(act, gate, up):
+    """The experts' hidden activations from their gate and up projections."""
+    return act.fn(gate, up) if isinstance(act, GatedUnit) else act(gate) * up
+
+
 def ragged_dot(rows, values, group_sizes, *, preferred_element_type=None):
     """XLA's grouped matmul (jax.lax.ragged_dot), int8 weights converted to the rows' dtype first."""
     return jax.lax.ragged_dot(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=preferred_element_type)
@@ -149,7 +162,7 @@ def gathered_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act,
     flat_ids = jnp.minimum(topk_ids.reshape(-1), _num_experts(w_gate) - 1)  # [T*k]
     rows = jnp.repeat(x, k, axis=0)  # [T*k, E], row t*k + j is token t
     mm = lambda r, w: _gathered_matmul(r, w, flat_ids, max_gather_elements)
-    hidden = (act(mm(rows, w_gate)) * mm(rows, w_up)).astype(x.dtype)
+    hidden = gated(act, mm(rows, w_gate), mm(rows, w_up)).astype(x.dtype)
     out_rows = mm(hidden, w_down) * topk_weights.reshape(-1, 1).astype(jnp.float32)
     return out_rows.reshape(num_tokens, k, -1).sum(axis=1).astype(x.dtype)
 
@@ -170,10 +183,10 @@ def grouped_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, gro
     mm = lambda r, w: _grouped_matmul(r, w, group_sizes, row_expert, grouped_matmul)
     gate = mm(rows, w_gate)  # [T*k, F] float32
     up = mm(rows, w_up)
-    hidden = (act(gate) * up).astype(x.dtype)
+    hidden = gated(act, gate, up).astype(x.dtype)
     out_rows = mm(hidden, w_down)  # [T*k, E] float32
     out_rows = out_rows * topk_weights.reshape(-1)[order][:, None].astype(jnp.float32)
-    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[row_token].add(out_rows)  # [T, E]
+    out = jnp.zeros((num_tokens, out_rows.shape[-1]), jnp.float32).at[row_token].add(out_rows)  # [T, E]
     return out.astype(x.dtype)
 
 
@@ -196,12 +209,12 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
 
     `grouped`: the Pallas grouped matmul (Kernels.grouped_matmul: `matmul` and `fits(k, n)`), or None
     where dispatch gives none (moe_impl "auto" off the GPU, or another impl forced).
-    Where it is given and takes the shapes, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py, 2026-11-29
-    14:02 UTC, random weights, ms) it was the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
+    Where it is given and takes the shapes, the Pallas grouped matmul. In full steps on the H200 (benchmarks/moe.py,
+    random weights, ms; docs/BENCHMARKS.md) it is the fastest at batch-1 decode (Mixtral-shaped 3.35 vs 5.59
     gathered, 6.34 dense; DeepSeek-V3-shaped 5.01 vs 5.23 gathered, 14.40 dense), at batch-64
     decode on DeepSeek (9.24 vs 18.21 dense) and at 2048-token prefill (33.6 vs 82.1 dense
     Mixtral; 325.8 vs 454.6 dense DeepSeek; XLA's ragged_dot pads every group to a dense
-    contraction: 123.6 and 1303.5). It lost one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
+    contraction: 123.6 and 1303.5). It loses one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
     Elsewhere (CPU): the gathered path when the pairs are few next to the experts (it reads only
     the chosen experts' weights; a gather copies what it reads, hence the factor 3), else ragged_dot.
     """
@@ -246,7 +259,7 @@ def dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
     num_experts = wg.shape[0]
     gate = jnp.einsum("te,xef->xtf", x, wg, preferred_element_type=jnp.float32)  # [X, T, F]
     up = jnp.einsum("te,xef->xtf", x, wu, preferred_element_type=jnp.float32)
-    out = jnp.einsum("xtf,xfe->xte", (act(gate) * up).astype(x.dtype), wd, preferred_element_type=jnp.float32)
+    out = jnp.einsum("xtf,xfe->xte", gated(act, gate, up).astype(x.dtype), wd, preferred_element_type=jnp.float32)
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[jnp.arange(num_tokens)[:, None], topk_ids].add(
         topk_weights.astype(jnp.float32))  # [T, X]
     return jnp.einsum("xte,tx->te", out, combine).astype(x.dtype)

@@ -31,11 +31,14 @@ def _llama3(inv_freq: np.ndarray, s: dict) -> np.ndarray:
 
 
 def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
-    """x: [T, heads, head_dim]; positions: [T]. Rotates pairs (i, i + head_dim/2)."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, head_dim/2]
+    """x: [T, heads, head_dim]; positions: [T]. Rotates pairs (i, i + d/2) of x's first
+    d = 2 * len(inv_freq) dimensions (the rest pass through: partial rotary); inv_freq is [d/2]
+    or per token [T, d/2]."""
+    d = 2 * inv_freq.shape[-1]
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [T, d/2]
     cos = (jnp.cos(freqs) * attention_factor)[:, None, :]
     sin = (jnp.sin(freqs) * attention_factor)[:, None, :]
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2, rest = x32[..., : d // 2], x32[..., d // 2: d], x32[..., d:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
     return out.astype(x.dtype)

@@ -77,12 +77,20 @@ def query_block_size(num_tokens: int, num_rows: int) -> int:
     return size
 
 
-def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None):
+def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window=None,
+                    soft_cap: float | None = None, sinks=None):
     """Causal attention of each token over its own sequence's pages.
 
     q: [T, num_heads, head_dim]; returns [T, num_heads, head_dim] in q's dtype, zeros for padding
     tokens (beyond query_start[B]). K/V of this step must already be written (write_kv) so a token
     sees itself. int8 pools (QuantizedKV) are dequantized page by page.
+    The attention kinds of the model families (models/attention_kinds.py):
+      sliding_window: a token sees the last `sliding_window` positions, itself included; None sees
+        the whole context. A Python int, or a traced int32 scalar (a scanned layer stack whose
+        layers differ), where a value >= every context is the whole context.
+      soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2), after `scale`.
+      sinks: [num_heads] float32 learned logits (gpt-oss), one extra softmax column per head that
+        takes probability mass and contributes no value.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
@@ -112,6 +120,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         merge = lambda x: x.reshape(num_blocks, kv_per_step, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
         k, v = merge(load_pages(k_cache, layer, pages)), merge(load_pages(v_cache, layer, pages))
         s = jnp.einsum("bkqd,bksd->bkqs", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = j * kv_per_step + jnp.arange(kv_per_step)
         mask = kv_pos[None, None, :] <= row_pos[:, :, None]  # [blocks, block_q * group, kv_per_step]
         if sliding_window is not None:
@@ -120,6 +130,11 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
 
     stat = (num_blocks, num_kv_heads, block_q * group)
     init = (jnp.full(stat, _MASKED, jnp.float32), jnp.zeros(stat, jnp.float32), jnp.zeros(stat + (head_dim,), jnp.float32))
+    if sinks is not None:
+        # The sink column starts the running softmax: max = the sink, sum = exp(0), no value.
+        # Query row r of a block is head (kv_head * group + r % group).
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
+        init = (jnp.broadcast_to(sink.reshape(1, num_kv_heads, block_q * group), stat), jnp.ones(stat, jnp.float32), init[2])
     _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [blocks, kv_heads, block_q * group, head_dim]
     out = out.reshape(num_blocks, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)

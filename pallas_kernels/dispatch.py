@@ -4,7 +4,7 @@
 ("auto", "reference", "pallas"; attention also "mosaic" or "triton"). Every implementation has the reference's signature:
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
-  paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window) -> out
+  paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
   matmul(x, w, out_dtype=None) -> y
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
@@ -20,6 +20,7 @@ The recurrent layers' kernels have only their XLA references so far.
 kernels carry and the number of (token, expert) pairs. `grouped_matmul` is the Pallas grouped matmul
 (grouped_matmul_pallas.py, jax.lax.ragged_dot's contract) for "pallas", and for "auto" on GPU.
 """
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -88,12 +89,13 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
         if backend == "mosaic":
             attention = mosaic_or_triton_attention
+        attention = functools.partial(kernel_or_reference_attention, attention)
     # "auto" on GPU keeps XLA's matmuls but for W8A8: end to end on the H200 (Llama-3-8B shape,
-    # int8 weights, batch-1 decode) XLA's fused dequantize-dot took 4.49 ms per token against
-    # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md, 2026-11-29 12:21): a batch-1 step
+    # int8 weights, batch-1 decode) XLA's fused dequantize-dot takes 4.49 ms per token against
+    # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md): a batch-1 step
     # pads to the 8-token bucket, which the GEMV path (<= 4 rows) does not take. The Pallas W8A8
     # kernel on K-major weights beats XLA's int8 dot from 64 rows (4096 rows: 382 vs 523 us on the
-    # same weights, 900 us on [in, out] ones, fifth session), so "auto" uses it there.
+    # same weights, 900 us on [in, out] ones), so "auto" uses it there.
     # matmul_impl="pallas" selects every Pallas matmul.
     if _use_pallas(matmul_impl):
         # GPU kernel modules load only when chosen.
@@ -110,7 +112,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured
-# on the H200 (2026-12-01, docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 vs 421 us
+# on the H200 (docs/BENCHMARKS.md): decode at batch 64 and 4k context 256 vs 421 us
 # (Triton), at batch 8 59 vs 76 us, a 4096-token prefill 460 vs 684 us; 8B-shaped offline serving
 # 2,368 vs 2,126 output tok/s. Inputs it does not take (float32; int8 KV pools with pages of 8 or 16
 # tokens) go to the Triton kernel.
@@ -132,6 +134,23 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
     if paged_attention_mosaic.supports(q, k_cache):
         return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
     return paged_attention_pallas.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+
+
+def kernel_takes_kinds(sliding_window, soft_cap, sinks) -> bool:
+    """Whether the Pallas attention kernels take these attention kinds: a static sliding window
+    (a Python int or None) yes; logit soft-capping, sink logits and a traced window (a scanned
+    stack of layers whose windows differ) not yet."""
+    return soft_cap is None and sinks is None and (sliding_window is None or isinstance(sliding_window, int))
+
+
+def kernel_or_reference_attention(kernel, q, k_cache, v_cache, layer, md, *, scale, sliding_window=None,
+                                  soft_cap=None, sinks=None):
+    """`kernel` where it takes the layer's attention kinds (kernel_takes_kinds), else the XLA
+    reference on the same pools, so no kind is silently dropped on the GPU."""
+    if kernel_takes_kinds(sliding_window, soft_cap, sinks):
+        return kernel(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window)
+    return attention_reference.paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window,
+                                               soft_cap=soft_cap, sinks=sinks)
 
 
 def kmajor_weight_types(matmul_impl: str) -> tuple:

@@ -56,8 +56,8 @@ def default_tiles(m: int, k: int, n: int, num_groups: int) -> dict:
     a 128-row tile would be mostly padding, and at decode the kernel is bound by reading the
     chosen experts' weights, so a 16-row tile is enough.
     With at most 16 rows (batch-1 decode: top-k rows) few programs have work, so each reads
-    128-deep K steps: the expert FFN took 0.512 instead of 0.602 ms (Mixtral-shaped) and 0.767
-    instead of 0.904 ms (DeepSeek-V3-shaped) on 2026-11-29; at 64 tokens 64-deep steps stayed best
+    128-deep K steps: the expert FFN takes 0.512 instead of 0.602 ms (Mixtral-shaped) and 0.767
+    instead of 0.904 ms (DeepSeek-V3-shaped) on the H200; at 64 tokens 64-deep steps stay best
     for Mixtral (1.24 vs 1.50 ms).
     """
     rows_per_group = m / max(num_groups, 1)

@@ -120,7 +120,7 @@ def _w8a8_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k, num_steps):
 
 def _choose_splits(tiles: int, num_steps: int) -> int:
     """Split-K count for a W8A16 call of `tiles` output tiles and `num_steps` K steps: enough
-    programs for two per SM, at least 4 steps per split, and (H200 sweeps, 2026-11-29) a count
+    programs for two per SM, at least 4 steps per split, and (H200 sweeps) a count
     that divides the steps, so no split is short: 14336x4096 at M=1, 8 splits of 14 steps 22.2 us
     vs 9 of ~12.4 27.1 us; 4096x14336, 2 of 16 22.9 us vs 3 of ~10.7 26.1 us."""
     if tiles >= 2 * NUM_SMS:
@@ -187,10 +187,10 @@ def w8a16_matmul(x, w: QuantizedWeight, out_dtype=None, *, interpret=None, block
 
 def _kmajor_gemv_tiles(k: int, n: int) -> tuple:
     """(block_n, block_k, num_splits or None for _choose_splits) of the K-major GEMV, the best of the
-    H200 sweep at one row (2026-12-01, docs/BENCHMARKS.md): wide layers 16 x 256 tiles in one pass
+    H200 sweep at one row (docs/BENCHMARKS.md): wide layers 16 x 256 tiles in one pass
     (4096x14336 19.3 us, 82% of copy; the lm_head 4096x128256 145 us, 98%); narrow ones 8 x 512 for
     more programs (4096x6144 10.4 us, 4096x4096 8.8); narrow and long (14336x4096) 16 x 512 with
-    split-K, whose XLA sum still beat one pass (23.1 vs 26.0 us)."""
+    split-K, whose XLA sum still beats one pass (23.1 vs 26.0 us)."""
     if n >= 8192:
         return 16, 256, 1
     return (16, 512, None) if k >= 8192 else (8, 512, 1)

@@ -60,7 +60,7 @@ from jlight.core.quantization import QuantizedKV
 _MASKED = -1e30
 _ROWS = 64  # query rows per program: one wgmma tile
 _LOG2E = math.log2(math.e)
-# Tokens per KV page that have run on the H200 (2026-12-01: the check grid against the reference, and
+# Tokens per KV page that run on the H200 (the check grid against the reference, and
 # batch-64 decode at 4k context in 268 / 256 / 254 / 253 us for pages of 8 / 16 / 32 / 64; docs/BENCHMARKS.md).
 PAGE_SIZES = (8, 16, 32, 64)
 _ONE_TOKEN_BLOCKS_UP_TO = 16  # steps of at most this many tokens run one token per block

@@ -14,7 +14,7 @@ scales, so it reads about half the bytes of a bf16 cache. It never dequantizes a
 int8 values go into the dots as they are (exact in bf16), K's scales multiply the score
 columns and V's scales the probabilities, (p * s_v) . V_int8 = p . (s_v * V_int8).
 
-Pallas' Triton backend. Since 2026-12-01 the engine runs paged_attention_mosaic.py (Mosaic GPU)
+Pallas' Triton backend. The engine runs paged_attention_mosaic.py (Mosaic GPU)
 wherever it applies, and this kernel for float32 and for int8 KV pools with pages of 8 or 16 tokens
 (pallas_mode.py says why).
 """

@@ -133,6 +133,20 @@ def _engine_lines(s) -> list[str]:
         + _metric("num_preemptions_total", "counter", "Requests preempted to free KV pages.", [("", s.num_preemptions)])
         + _metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", s.prompt_tokens_total)])
         + _metric("generation_tokens_total", "counter", "Tokens generated.", [("", s.generation_tokens_total)])
+        + _spec_lines(s)
+    )
+
+
+def _spec_lines(s) -> list[str]:
+    """Speculative decoding's counters under vLLM's names: verified rows, drafts proposed and kept,
+    kept drafts per draft position."""
+    per_pos = [(f'{{position="{i}"}}', n) for i, n in enumerate(s.spec_accepted_per_position)]
+    return (
+        _metric("spec_decode_num_drafts_total", "counter", "Rows that verified drafts.", [("", s.spec_num_drafts)])
+        + _metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [("", s.spec_num_draft_tokens)])
+        + _metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", s.spec_num_accepted_tokens)])
+        + (_metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Draft tokens accepted at each draft position.",
+                   per_pos) if per_pos else [])
     )
 
 

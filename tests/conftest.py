@@ -78,6 +78,8 @@ SLOW_FILES_FIRST = (
     "test_server_chaos.py",  # ~55 (measured alone on a shared 2-core host: its tiny server starts in ~30 s cold)
     "test_fused_projections.py",  # ~51
     "test_mla.py",  # ~38
+    "test_families_sharded.py",  # ~37 (measured alone on a shared 2-core host)
+    "test_gemma.py",  # ~20-35 (measured alone on a shared 2-core host)
     "test_reference_llama.py",  # ~27
     "test_sharding_distributed.py",  # ~23
     "test_gptq.py",  # ~22

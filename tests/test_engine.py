@@ -304,27 +304,30 @@ def test_a_replica_on_its_own_device_compiles_nothing_after_warmup(model_dir):
     assert _compiles_after_warmup(engine) == 0
 
 
-def test_unrolled_layers_free_the_stacked_weights_they_own(model_dir, hf_model, monkeypatch):
-    """layer_loop="unroll" (the GPU default) gives transformers' greedy tokens, and an engine that
-    loaded its own weights frees each stacked array as it splits it (peak ~ one copy of the
-    weights); weights handed in (shared by data-parallel replicas) are left intact."""
+def test_unrolled_layers_load_per_layer_and_free_what_they_fuse(model_dir, hf_model, monkeypatch):
+    """layer_loop="unroll" gives transformers' greedy tokens; an engine that loads its own weights loads
+    them per layer (never stacked) and frees the q/k/v and gate/up parts as it fuses them (peak ~ one
+    copy of the weights); stacked weights handed in (shared by data-parallel replicas) are left intact."""
     import jlight.loading
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
 
-    own_stacked = []
+    own_layers = []
     real_load = jlight.loading.load_model
 
     def load_and_record(*args, **kwargs):
         loaded = real_load(*args, **kwargs)
-        own_stacked.extend(jax.tree.leaves(loaded.params["layers"]))
+        own_layers.append(loaded.params["layers"])
         return loaded
 
     monkeypatch.setattr(jlight.loading, "load_model", load_and_record)
     config = EngineConfig(model=model_dir, dtype="float32", layer_loop="unroll", max_num_seqs=2,
                           max_num_batched_tokens=16, num_pages=64, compilation_cache_dir=None, warmup=False)
     engine = LLMEngine(config)
-    assert own_stacked and all(leaf.is_deleted() for leaf in own_stacked)  # freed as they were split ...
+    (layers,) = own_layers
+    assert isinstance(layers, list) and len(layers) == engine.model_config.num_layers  # loaded per layer ...
+    fused_parts = [layer[k] for layer in layers for k in ("wq", "wk", "wv", "w_gate", "w_up")]
+    assert all(part.is_deleted() for part in fused_parts)  # ... and the parts freed as they were fused
     prompt = random_prompts(1, 5, 20, seed=9)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.add_request("unrolled", None, params, prompt_token_ids=prompt)
@@ -345,12 +348,17 @@ def test_warmup_for_one_request_compiles_only_its_buckets(tiny_model):
     llm = jlight.LLM(tiny_model("LlamaForCausalLM"), dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
                      num_pages=64, compilation_cache_dir=None, warmup=False)
     engine = llm.engine
-    assert engine.runner.buckets == [8, 16, 32, 64]
+    assert engine.runner.buckets == [1, 8, 16, 32, 64]  # the CPU's 1-token bucket for batch-1 decode
     engine.warmup_for_one_request(90)  # chunks of 64 and 26 tokens, then 1-token decode steps
-    compiled = engine.runner._step._cache_size()
-    assert compiled == 3  # buckets 64, 32 and 8; not 16
+    compiled = dict(engine.runner._executables)  # the steps compiled ahead of time, by layout
+    assert sorted(layout_tokens(layout) for layout in compiled) == [1, 32, 64]  # not 8 or 16
     llm.generate([list(range(3, 93))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    assert engine.runner._step._cache_size() == compiled
+    assert engine.runner._executables == compiled and engine.runner._step._cache_size() == 0  # jit compiled nothing
+
+
+def layout_tokens(layout) -> int:
+    """The token count of a step_packing.Layout: the length of its first leaf, StepInputs.tokens."""
+    return layout.slots[0].shape[0]
 
 
 def test_a_max_model_len_beyond_the_model_is_capped_with_a_warning(model_dir, caplog):

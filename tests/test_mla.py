@@ -30,7 +30,7 @@ def test_logits_and_greedy_match_transformers(models, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_layers_match_scanned(models, arch):
-    """layer_loop="unroll" (GPU default): both stacks (the first dense layer and the MoE layers)
+    """layer_loop="unroll" (the default): both stacks (the first dense layer and the MoE layers)
     unrolled over per-layer weights compute what the two lax.scans do."""
     config, unstacked, scanned, unrolled = check_unrolled_matches_scanned(models[arch][0], PROMPT)
     assert isinstance(unstacked["dense_layers"], list) and isinstance(unstacked["layers"], list)

@@ -33,7 +33,7 @@ def test_logits_and_greedy_match_transformers(models, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unrolled_layers_match_scanned(models, arch):
-    """layer_loop="unroll" (per-layer weights, the GPU default) computes what the lax.scan does."""
+    """layer_loop="unroll" (per-layer weights, the default) computes what the lax.scan does."""
     config, unstacked, _, _ = check_unrolled_matches_scanned(models[arch][0], PROMPT)
     assert isinstance(unstacked["layers"], list) and len(unstacked["layers"]) == config.num_layers
 

@@ -102,7 +102,7 @@ def check_against_transformers(path: str, hf_model, prompt: list[int]) -> None:
 
 
 def check_unrolled_matches_scanned(path: str, prompt: list[int]):
-    """The unrolled layer loop (family.unstack_layers, the GPU default) computes what the scan
+    """The unrolled layer loop (family.unstack_layers, the default) computes what the scan
     does: logits and 8 greedy tokens. Returns (config, unstacked params, scanned, unrolled runners)
     for family-specific checks."""
     from direct_forward import SingleSequenceRunner

@@ -157,11 +157,11 @@ def test_supports_and_fallback(monkeypatch):
 
 
 def test_dispatch_names_the_backend():
-    assert dispatch.get_kernels("mosaic").paged_attention is dispatch.mosaic_or_triton_attention
-    assert dispatch.get_kernels("triton").paged_attention is paged_attention_pallas.paged_attention
+    assert dispatch.get_kernels("mosaic").paged_attention.args[0] is dispatch.mosaic_or_triton_attention
+    assert dispatch.get_kernels("triton").paged_attention.args[0] is paged_attention_pallas.paged_attention
     # under a mesh "pallas" keeps the Triton kernel (the one run under tp/ep on GPUs); "mosaic" is honoured
-    assert dispatch.get_kernels("pallas", sharded=True).paged_attention is paged_attention_pallas.paged_attention
-    assert dispatch.get_kernels("mosaic", sharded=True).paged_attention is dispatch.mosaic_or_triton_attention
+    assert dispatch.get_kernels("pallas", sharded=True).paged_attention.args[0] is paged_attention_pallas.paged_attention
+    assert dispatch.get_kernels("mosaic", sharded=True).paged_attention.args[0] is dispatch.mosaic_or_triton_attention
     with pytest.raises(ValueError, match="attention_impl='cuda'"):
         dispatch.get_kernels("cuda")
 

@@ -63,6 +63,10 @@ class FakeStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple = ()
 
 
 class FakeAsyncLLM:

@@ -66,7 +66,7 @@ def test_warmup_packs_to_the_layouts_serving_uses(tiny_model):
     from jlight.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=tiny_model("LlamaForCausalLM"), dtype="float32", max_num_seqs=12,
-                                    max_num_batched_tokens=32, num_pages=64, compilation_cache_dir=None, warmup=False))
+                                    max_num_batched_tokens=32, num_pages=64, min_token_bucket=8, compilation_cache_dir=None, warmup=False))
     runner = engine.runner
     assert runner.buckets == [8, 16, 32]
     served = {}

@@ -5,7 +5,7 @@ tokens (sequence parallelism), so every weight applied outside the column/row-pa
 T/tp tokens. DeepSeek's MLA once failed to trace here ("mul got incompatible shapes for
 broadcasting"): its replicated KV-latent projection now gathers its output on tokens. Run on 2
 simulated CPU devices, the tp=2 engine must give the single-device greedy tokens for DeepSeek-V3
-(q_lora_rank: wq_a + wq_b) with layer_loop "scan" and "unroll" (the GPU default), and for Qwen2-MoE
+(q_lora_rank: wq_a + wq_b) with layer_loop "scan" and "unroll" (the default), and for Qwen2-MoE
 (router, shared expert with its gate, QKV bias). (DeepSeek-V2's single wq, Qwen3-MoE and Mixtral
 passed the same check once and were left out to keep the suite short.)
 """

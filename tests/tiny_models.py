@@ -39,7 +39,30 @@ ARCH_CONFIG = {
     "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),
     "Qwen2ForCausalLM": dict(model_type="qwen2", use_sliding_window=False),  # q/k/v biases always on
     "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=32, use_sliding_window=False),  # qk-norm, head_dim != hidden/heads
+    # Gemma 2: alternating local (window 8) / global layers, soft-capped attention and logits small enough to bite,
+    # query_pre_attn_scalar != head_dim, tied embeddings.
+    "Gemma2ForCausalLM": dict(model_type="gemma2", head_dim=16, num_hidden_layers=4, sliding_window=8,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                              tie_word_embeddings=True),
+    # Gemma 3: 5 local : 1 global, the local layers on their own RoPE base, linear scaling on the global ones, qk-norm.
+    "Gemma3ForCausalLM": dict(model_type="gemma3_text", head_dim=16, num_hidden_layers=6, sliding_window=8,
+                              query_pre_attn_scalar=24, tie_word_embeddings=True,
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    # Phi-3: fused qkv / gate_up checkpoints, LongRoPE (short factors up to 64 positions, long ones past them),
+    # partial rotary (Phi-4-mini's 0.75; here half of head_dim 16).
+    "Phi3ForCausalLM": dict(model_type="phi3", head_dim=16, original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                          "long_factor": [2.0, 4.0, 8.0, 16.0]}, sliding_window=None),
+    # SmolLM3: every 4th layer without RoPE (no_rope_layers [1, 1, 1, 0]).
+    "SmolLM3ForCausalLM": dict(model_type="smollm3", num_hidden_layers=4, rope_theta=10000.0),
+    # gpt-oss: sinks, biases, alternating 8-token windows, 8 experts top-2 with the clamped swiglu, YaRN.
+    "GptOssForCausalLM": dict(model_type="gpt_oss", head_dim=16, intermediate_size=32, num_local_experts=8,
+                              num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5),  # a limit that clamps here
 }
+# Architectures whose norm weights, biases and sink logits get noise on top of HF's init (ones, or Gemma's
+# zeros, zero biases), so a norm loaded into the wrong place, a missing (1 + w) or bias changes the logits.
+NOISY_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GptOssForCausalLM")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -67,6 +90,11 @@ def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
     config.architectures = [architecture]
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).eval()
+    if architecture in NOISY_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "bias" in name or "sinks" in name:
+                    param.add_(torch.randn_like(param) * 0.3)
     if settings.get("dtype"):  # e.g. dtype="bfloat16": store the weights in that dtype
         model = model.to(getattr(torch, settings["dtype"]))
     path = os.path.join(tmp_dir, _dir_name(architecture, config_overrides))

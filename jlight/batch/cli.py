@@ -20,6 +20,7 @@ from jlight.batch.runner import ShardRunner
 from jlight.batch.source import JsonlSource, make_loader, shard_interval, shard_options
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine_args import add_engine_arguments, engine_options
+from jlight.progress import log_to_stderr
 
 # Engine sizes of a batch job unless given: enough rows and tokens per step to keep a GPU busy.
 BATCH_ENGINE_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=512)
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--max-inflight", type=int, default=None, help="requests kept in the engine (default: 2 x --max-num-seqs)")
     parser.add_argument("--checkpoint-interval", type=float, default=1.0, help="seconds between progress checkpoints")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or summary line (elsewhere)")
     dist = parser.add_argument_group("multi-process (jax.distributed)")
     dist.add_argument("--num-processes", type=int, default=1)
     dist.add_argument("--process-id", type=int, default=0)
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace, llm=None) -> int:
 
 
 def _make_llm(args):
+    log_to_stderr()  # the start-up's phase lines and the summary line, as "jlight: ..." on stderr
     return jlight.LLM(args.model, **engine_options(args, **BATCH_ENGINE_DEFAULTS))
 
 

@@ -27,6 +27,19 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_next",
     "NemotronHForCausalLM": "nemotron_h",
+    "SmolLM3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "GptOssForCausalLM": "gpt_oss",
+}
+# Variants of supported families that jlight does not run, and what they would need.
+UNSUPPORTED_VARIANTS = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its SigLIP vision tower (vision_config, multi_modal_projector); "
+    "jlight runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM, model_type gemma3_text, e.g. gemma-3-1b-it)",
+    "Gemma3nForConditionalGeneration": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, KV sharing between layers and its "
+    "audio/vision towers), none of which jlight implements",
+    "Gemma3nForCausalLM": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, KV sharing between layers), none of which jlight implements",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
@@ -36,7 +49,13 @@ MOE_MLA_CONFIG_KEYS = (
     "moe_intermediate_size", "norm_topk_prob", "shared_expert_intermediate_size", "decoder_sparse_step",
     "mlp_only_layers", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "topk_method",
     "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "kv_lora_rank", "q_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "swiglu_limit", "swiglu_alpha",
+)
+# HF config fields of per-layer attention kinds and their families (models/attention_kinds.py,
+# models/gemma.py), copied as-is into ModelConfig.extra.
+ATTENTION_CONFIG_KEYS = (
+    "layer_types", "sliding_window_pattern", "no_rope_layers", "attn_logit_softcapping", "final_logit_softcapping",
+    "query_pre_attn_scalar", "rope_local_base_freq", "original_max_position_embeddings",
 )
 
 
@@ -49,7 +68,7 @@ HYBRID_CONFIG_KEYS = (
     "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
     "shared_intermediate_size", "position_embedding_type",
     "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
+    "linear_conv_kernel_dim", "full_attention_interval",
     "hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
     "expand", "use_conv_bias", "use_bias", "time_step_min", "mamba_hidden_act", "mlp_hidden_act", "mlp_bias",
     "moe_shared_expert_intermediate_size", "moe_latent_size",
@@ -91,6 +110,12 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        unsupported = next((a for a in archs if a in UNSUPPORTED_VARIANTS), None)
+        if arch is None and unsupported:
+            raise UnsupportedModelError(f"{unsupported} is not supported: it is {UNSUPPORTED_VARIANTS[unsupported]}")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not supported; "
+                                        "jlight runs causal language models")
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -98,7 +123,9 @@ class ModelConfig:
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope_theta, rope_scaling = _rope_settings(cfg)
+        rope_theta, rope_scaling, rope_extra = _rope_settings(cfg)
+        if cfg.get("model_type") == "phi3" and rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("su", "yarn"):
+            rope_scaling = {**rope_scaling, "rope_type": "longrope", "type": "longrope"}  # Phi-3's older names, as HF reads them
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         model_type = cfg.get("model_type", "")
@@ -118,12 +145,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            extra=_extra_fields(cfg, SUPPORTED_ARCHITECTURES[arch] in HYBRID_FAMILIES),
+            extra={**{k: cfg[k] for k in _extra_keys(arch) if k in cfg}, **rope_extra},
         )
 
     @classmethod
@@ -146,29 +173,47 @@ def _num_layers_of_types(cfg: dict) -> int:
     return len(types)
 
 
-def _extra_fields(cfg: dict, hybrid: bool) -> dict:
-    """The MOE_MLA_CONFIG_KEYS fields of a HF config (and HYBRID_CONFIG_KEYS for a hybrid family);
-    partial_rotary_factor also from transformers 5's rope_parameters."""
-    keys = MOE_MLA_CONFIG_KEYS + (HYBRID_CONFIG_KEYS if hybrid else ())
-    extra = {k: cfg[k] for k in keys if k in cfg}
-    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") if isinstance(cfg.get("rope_parameters"), dict) else None
-    if hybrid and partial is not None and "partial_rotary_factor" not in extra:
-        extra["partial_rotary_factor"] = partial
-    return extra
+def _extra_keys(arch: str) -> tuple[str, ...]:
+    """The HF config fields ModelConfig.extra keeps for an architecture (HYBRID_CONFIG_KEYS for a hybrid family)."""
+    hybrid = SUPPORTED_ARCHITECTURES[arch] in HYBRID_FAMILIES
+    return MOE_MLA_CONFIG_KEYS + ATTENTION_CONFIG_KEYS + (HYBRID_CONFIG_KEYS if hybrid else ())
 
 
-def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
-    """Return (rope_theta, rope_scaling) from either transformers 4.x or 5.x config forms."""
+def _rope_settings(cfg: dict) -> tuple[float, dict | None, dict]:
+    """Return (rope_theta, rope_scaling, extra) from either transformers 4.x or 5.x config forms.
+
+    extra holds what goes to ModelConfig.extra: partial_rotary_factor (top level in 4.x, in
+    rope_parameters in 5.x), and, for configs with a RoPE per layer type (Gemma 3 in 5.x:
+    {"full_attention": {...}, "sliding_attention": {...}}), the local layers' rope_local_base_freq
+    and rope_local_scaling (4.x: rope_local_base_freq at the top level)."""
     params = cfg.get("rope_parameters")
+    extra = {}
+    partial = cfg.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor")
+    if partial and partial != 1.0:
+        extra["partial_rotary_factor"] = float(partial)
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if "rope_theta" in local:
+            extra["rope_local_base_freq"] = float(local["rope_theta"])
+            if _scaling(local):
+                extra["rope_local_scaling"] = _scaling(local)
+        params = params["full_attention"]
+    elif cfg.get("rope_local_scaling"):  # jlight convert's config.json
+        extra["rope_local_scaling"] = cfg["rope_local_scaling"]
+    theta, scaling = _theta_and_scaling(cfg, params)
+    return theta, scaling, extra
+
+
+def _scaling(params: dict) -> dict | None:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return None if rope_type == "default" else {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+
+
+def _theta_and_scaling(cfg: dict, params) -> tuple[float, dict | None]:
     if isinstance(params, dict) and params:
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        scaling = None if rope_type == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-        return float(theta), scaling
+        return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), _scaling(params)
     scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(cfg.get("rope_theta", 10000.0)), scaling
+    return float(cfg.get("rope_theta", 10000.0)), _scaling(scaling) if scaling else None
 
 
 def read_hf_config_dict(model_dir: str) -> dict:

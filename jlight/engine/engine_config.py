@@ -8,6 +8,13 @@ from jlight.core.moe_impls import MOE_IMPLS
 from jlight.engine.speculative import SpeculativeConfig
 
 
+def default_compilation_cache_dir() -> str | None:
+    """$JLIGHT_COMPILATION_CACHE_DIR if set ("" for none), else $JLIGHT_CACHE/xla (default ~/.cache/jlight/xla)."""
+    if "JLIGHT_COMPILATION_CACHE_DIR" in os.environ:
+        return os.environ["JLIGHT_COMPILATION_CACHE_DIR"] or None
+    return os.path.join(os.environ.get("JLIGHT_CACHE") or os.path.expanduser("~/.cache/jlight"), "xla")
+
+
 @dataclasses.dataclass
 class EngineConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct
@@ -17,10 +24,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 512 on CPU, 2048 on GPU
-    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8. On the H200
-    # (Llama-3-8B shape, bf16) 1 made batch-1 decode slower, not faster: 14.4 vs 4.9 ms/token on
-    # 2026-11-29, when the sampler's 1-row sorts kept the host waiting (sampler.py); 5.02 vs 4.51 on
-    # 2026-12-02 without that wait, XLA's one-row matmuls being slower than its 8-row ones.
+    # Smallest compiled step (tokens); smaller steps are padded up to it. None: 8, and on the CPU a
+    # 1-token step besides (batch-1 decode: the CPU's matmul time follows the rows, ~2.5x the tokens/s
+    # of padding to 8 for SmolLM2). On the H200 a one-token step is slower than an eight-token one
+    # (XLA's one-row matmuls; docs/BENCHMARKS.md).
     min_token_bucket: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
@@ -41,8 +48,9 @@ class EngineConfig:
     # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode
     # batches, else ragged_dot; models/moe.py), or force "pallas", "ragged_dot", "gathered", "dense".
     moe_impl: str = "auto"
-    # "scan": one compiled layer body looped over stacked weights (fast compiles; CPU default);
-    # "unroll": one body per layer over per-layer weights (no per-step weight slicing; GPU default).
+    # "scan": one compiled layer body looped over stacked weights (fast compiles, but each step slices
+    # every layer's weights out of the stack: a copy of the weights per step on the CPU);
+    # "unroll": one body per layer over per-layer weights. "auto": unroll, for families that can.
     layer_loop: str = "auto"
     # One matmul for q/k/v and one for gate/up (models/layers.fuse_projections): fewer, wider
     # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
@@ -58,8 +66,12 @@ class EngineConfig:
     speculative_config: dict | None = None
     seed: int = 0
     warmup: bool = True
-    compilation_cache_dir: str | None = dataclasses.field(
-        default_factory=lambda: os.path.join(os.environ.get("JLIGHT_CACHE", os.path.expanduser("~/.cache/jlight")), "xla"))
+    # Step buckets compiled at once at start-up (XLA compiles outside Python's lock); None: one per CPU
+    # core, at most the number of buckets. 1 compiles them one after the other.
+    compile_threads: int | None = None
+    # JAX's persistent compilation cache: a warm start loads its compiled steps from here instead of
+    # compiling them. Default $JLIGHT_COMPILATION_CACHE_DIR ("" for none), else $JLIGHT_CACHE/xla.
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
 
     def validate(self) -> "EngineConfig":
         def bad(field, why):
@@ -87,6 +99,8 @@ class EngineConfig:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
+        if self.compile_threads is not None and self.compile_threads < 1:
+            bad("compile_threads", "must be >= 1 (or None: one per CPU core)")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
         SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key

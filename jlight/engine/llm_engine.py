@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 import uuid
 
@@ -19,7 +18,7 @@ import numpy as np
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
-from jlight.engine import output_processor, speculative, state_pool
+from jlight.engine import output_processor, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager, page_hash
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
@@ -30,9 +29,10 @@ from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.engine.state_pool import StatePool
 from jlight.engine.structured_output import GrammarCompiler
-from jlight.engine.weights import prepare_params
+from jlight.engine.weights import prepare_params, unrolls
 from jlight.models import get_model_family
 from jlight.pallas_kernels import dispatch
+from jlight.progress import Progress
 from jlight.sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class LLMEngine:
 
     def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True) -> None:
         self.config = cfg = config
-        _enable_compilation_cache(cfg.compilation_cache_dir)
+        self._start_time = time.perf_counter()
+        startup.enable_compilation_cache(cfg.compilation_cache_dir)
         # Weights this engine loads itself are its own to free while unstacking them (below); weights
         # handed in (data-parallel replicas share one load) must stay intact for the others.
         owns_weights = loaded is None
@@ -113,7 +114,11 @@ class LLMEngine:
         if cfg.mesh:
             mesh = make_mesh(cfg.mesh, devices)
         if loaded is None:
-            loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)  # orbax checkpoints restore into the mesh
+            # Orbax checkpoints restore into the mesh. A single-device engine that unrolls its layers reads them
+            # per layer (assemble_params' unstacked); a mesh's sharding plan places the stacked weights first.
+            loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh,
+                                        unstacked=mesh is None and unrolls(cfg, None, dispatch.on_gpu()))
+        self.load_seconds = time.perf_counter() - self._start_time
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -152,8 +157,9 @@ class LLMEngine:
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
-            min_token_bucket=cfg.min_token_bucket or 8, guide_mask_words=self.grammars.mask_words, draft_slots=draft_slots,
-            num_state_slots=self.state_pool.total_slots if stateful else 0)
+            min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
+            guide_mask_words=self.grammars.mask_words,
+            draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
         self._free_slots = list(range(cfg.max_num_seqs))
@@ -168,27 +174,28 @@ class LLMEngine:
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
         # includes waiting for the device to finish the previous step.
         self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
+        logger.info(startup.memory_plan(params, self.runner.k_cache, self.runner.v_cache, num_pages, cfg.page_size))
         self.warmup_seconds = self._warmup() if cfg.warmup and warmup else 0.0
 
-    def _warmup(self) -> float:
-        """Compile every shape bucket now (with a progress bar), so serving never compiles."""
-        # tqdm loads only when a progress bar is shown.
-        from tqdm import tqdm
-
-        buckets = self.runner.buckets
-        with tqdm(total=len(buckets), desc="compiling step buckets", unit="bucket", leave=False,
-                  disable=not sys.stderr.isatty()) as bar:
-            seconds = self.runner.warmup(progress=lambda T: bar.update(1))
-        logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
+    def _warmup(self, buckets=None, what: str = "") -> float:
+        """Compile the step buckets (default: all of them) now, several at once, so serving never compiles;
+        then say that the engine is ready. Returns the seconds spent compiling."""
+        buckets = sorted(set(self.runner.buckets if buckets is None else buckets))
+        threads = startup.compile_threads(self.config.compile_threads, len(buckets))
+        logger.info("compiling %s%s, %d at a time", startup.describe_buckets(buckets), what, threads)
+        with Progress(len(buckets), "compiling step buckets", "bucket") as bar:
+            seconds = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets, threads=threads)
+        logger.info("ready in %.1f s (loading %.1f s, compiling %.1f s)", time.perf_counter() - self._start_time,
+                    self.load_seconds, seconds)
         return seconds
 
     def warmup_for_one_request(self, prompt_len: int) -> float:
         """Compile only the buckets that one request of prompt_len tokens, alone in the engine, runs:
         its prefill chunks (the scheduler cuts them at max_num_batched_tokens) and one-token decode
         steps. For an engine built with warmup=False (`jlight generate`). Returns seconds spent."""
-        chunk = self.config.max_num_batched_tokens
+        chunk = self.scheduler.max_num_batched_tokens
         steps = {min(chunk, prompt_len), prompt_len % chunk or chunk, 1}
-        return self.runner.warmup(buckets={self.runner.bucket_for(t) for t in steps})
+        return self._warmup({self.runner.bucket_for(t) for t in steps}, " for this request")
 
     # ---- set-up helpers ---------------------------------------------------------------------
     def kv_bytes_per_page(self, kv_dtype) -> int:
@@ -500,13 +507,3 @@ def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
                          f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
     return budget // bytes_per_page
-
-
-def _enable_compilation_cache(path: str | None) -> None:
-    if not path:
-        return
-    try:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    except Exception as e:  # an old or new JAX without these flags: run without the cache
-        logger.warning("persistent compilation cache disabled: %s", e)

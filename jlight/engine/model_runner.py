@@ -15,6 +15,7 @@ tokens; S is B plus room for the drafts of the rows the engine speculates for (`
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import time
@@ -58,8 +59,10 @@ class StepOutputs(NamedTuple):
     prompt_top_logprobs: jax.Array  # [T, N]
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
-    buckets, b = [], smallest
+def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: bool = False) -> list[int]:
+    """Powers of two from `smallest` up to max_num_batched_tokens (always the last), and with
+    one_token a 1-token bucket below them (batch-1 decode on the CPU, whose matmul time follows the rows)."""
+    buckets, b = ([1] if one_token and smallest > 1 else []), smallest
     while b < max_num_batched_tokens:
         buckets.append(b)
         b *= 2
@@ -71,18 +74,25 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
 # CUDA graphs can hold. A CUB sort is a custom call outside them, and the sampler's sorts (top-k/top-p, the
 # logprobs' top_k) sit under lax.conds: a conditional whose branch holds one runs as a host-side thunk that
 # copies its predicate to the host and waits for it, i.e. for the whole forward pass. So the host could not
-# queue the next step while the device ran this one. On the H200 (Llama-3-8B shape, 64 sequences with
-# 1k tokens of context each decoding, 2026-12-02, docs/BENCHMARKS.md) the host waited 9.7 ms inside each
-# 12.8 ms step; with this option (set through XLA_FLAGS in that run) 2.3 ms inside a 7.5 ms step:
-# 5,021 -> 8,608 tokens/s. (The flag is XLA:GPU's; other backends accept and ignore it.)
-STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+# queue the next step while the device ran this one: at 64 decoding sequences on the H200 the option
+# takes the host's wait inside a step from most of the step to a small part of it (docs/BENCHMARKS.md).
+# (The flag is XLA:GPU's; other backends accept and ignore it.)
+# Without the rematerialization pass: XLA:GPU's remat pass counts the step's parameters (the weights and
+# the donated K/V pools, which the engine sizes to fill the device) as memory the step uses, against a
+# limit from which the sizes of those same parameters and outputs were already subtracted (the scheduler's
+# limit: the allocator's bytes less the inputs and outputs). So every step whose pools fill the GPU looks
+# over budget: the pass recomputes what it can, which cannot bring the parameters down, and warns "Can't
+# reduce memory use below 88.45GiB ... only reduced to 152.40GiB", which users read as an out-of-memory.
+# An inference step's own temporaries are small next to the pools the engine planned for it; nothing is
+# worth recomputing. (The CPU compiler has no such pass; the option is harmless there.)
+STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False, "xla_disable_hlo_passes": "rematerialization"}
 
 
 def matmul_precision(compute_dtype) -> str | None:
     """The step's matmul precision: full float32 for a float32 model, else XLA's default.
 
-    XLA:GPU multiplies float32 matrices in TF32 unless told otherwise (a 10-bit mantissa: on the H200 a
-    tiny float32 Llama's logprobs were 3.5e-4 off transformers' float32 ones, 2026-12-02). Whoever runs
+    XLA:GPU multiplies float32 matrices in TF32 unless told otherwise (a 10-bit mantissa: a tiny float32
+    Llama's logprobs land ~1e-4 off transformers' float32 ones, past the tests' bar). Whoever runs
     a model in float32 wants the reference's numbers, as torch gives them (TF32 off for matmuls by
     default). No effect on CPU, whose float32 dots are exact, or on bf16 operands."""
     return "highest" if jnp.dtype(compute_dtype) == jnp.float32 else None
@@ -91,7 +101,8 @@ def matmul_precision(compute_dtype) -> str | None:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8, guide_mask_words=1, draft_slots=0, num_state_slots=0):
+                 int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
+                 num_state_slots=0):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
         num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots)."""
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
@@ -100,7 +111,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens))
+        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket)
         k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
         k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape) if sharding_plan is not None else (None, None)
         # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools
@@ -146,6 +157,7 @@ class ModelRunner:
         self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
                              compiler_options=STEP_COMPILER_OPTIONS)
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
+        self._executables = {}  # step_packing.Layout -> the bucket's step compiled ahead of time (warmup)
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
@@ -282,26 +294,39 @@ class ModelRunner:
         elif self._mask_sharding is not None:
             guide_mask = jax.device_put(guide_mask, self._mask_sharding)
         ints, floats, layout = step_packing.pack(inp)
-        self.k_cache, self.v_cache, self.history, self.prev_sampled, out = self._step(
-            self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask, layout)
+        args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask)
+        compiled = self._executables.get(layout)  # warmed-up buckets; others compile through jit on first use
+        self.k_cache, self.v_cache, self.history, self.prev_sampled, out = (
+            compiled(*args) if compiled is not None else self._step(*args, layout))
         return out
 
-    def warmup(self, progress=None, buckets=None) -> float:
-        """Compile every bucket (or those given) now so serving never compiles. Returns seconds spent."""
+    def warmup(self, progress=None, buckets=None, threads: int = 1) -> float:
+        """Compile every bucket (or those given) now so serving never compiles. Returns seconds spent.
+
+        Each bucket's step is traced and lowered here, one after the other (Python), and compiled ahead
+        of time on `threads` threads: XLA compiles outside Python's lock, so the buckets compile side
+        by side. `launch` then runs the compiled executables themselves (`_executables`, by layout),
+        whatever the arrays' commitment: no jit cache key can miss. progress(T) follows each bucket."""
         t0 = time.perf_counter()
-        empty = SchedulePlan([], [])
         order = self.buckets if buckets is None else sorted(set(buckets))
-        # The first launch takes the fresh K/V pools and history; every later step takes the previous
-        # step's outputs, which are committed to their devices when the weights are (a converted
-        # checkpoint, a data-parallel replica, a mesh) while fresh arrays are not: another jit cache
-        # key. So the first bucket runs once more, on step outputs (a cache hit when nothing differs).
-        for i, T in enumerate(order + order[:1]):
-            inp, _ = self.prepare(empty, {})
-            inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), self)
-            out = self.launch(inp)
-            jax.block_until_ready(out.tokens)
-            if progress is not None and i < len(order):
-                progress(T)
+        pending = {}
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-compile") as pool:
+            for T in order:
+                inp, _ = self.prepare(SchedulePlan([], []), {})
+                inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), self)
+                ints, floats, layout = step_packing.pack(inp)
+                if layout in self._executables:
+                    if progress is not None:
+                        progress(T)
+                    continue
+                lowered = self._step.lower(self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled,
+                                           ints, floats, self.unconstrained_mask(inp), layout)
+                pending[pool.submit(lowered.compile)] = (T, layout)
+            for done in concurrent.futures.as_completed(pending):
+                T, layout = pending[done]
+                self._executables[layout] = done.result()
+                if progress is not None:
+                    progress(T)
         self.write_history(self.history_dummy_slot, [])
         jax.block_until_ready(self.history)
         return time.perf_counter() - t0

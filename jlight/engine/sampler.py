@@ -81,9 +81,9 @@ def apply_penalties(logits, counts_output, seen, s: SamplingInputs):
 # The sorts below sit under lax.conds. XLA:GPU would sort with CUB custom calls, which its CUDA graphs
 # cannot hold, and a conditional whose branch holds one runs on the host, which then waits for the
 # forward pass to read the predicate. So the step is compiled without CUB sorts
-# (model_runner.STEP_COMPILER_OPTIONS; H200, 2026-12-02: 64 sequences decoding 5,021 -> 8,608 tokens/s,
-# and a 1-row step's dispatch 7-9 -> 2.4 ms). A sort-free version (bisection over int32 keys, argmax
-# passes) was tried on 2026-11-29 and made 4-row steps' dispatch slower (their CUDA graphs grew).
+# (model_runner.STEP_COMPILER_OPTIONS; the figures are in docs/BENCHMARKS.md). The sorts stay sorts: a
+# sort-free version (bisection over int32 keys, argmax passes) makes small steps' CUDA graphs larger
+# and their dispatch slower.
 def apply_filters(logits, s: SamplingInputs):
     """Top-k, then top-p, then min-p over temperature-scaled logits; removed entries -> -inf-ish."""
     vocab = logits.shape[-1]

@@ -15,9 +15,9 @@ Invariants the engine keeps for a speculating sequence (llm_engine.py, scheduler
 - the K/V its row wrote past the kept tokens (rejected drafts) lie beyond num_computed_tokens
   once the row is read back, so no attention reads them and the next step writes over them;
   no page holding them is published to the prefix cache;
-- penalties, structured outputs and prompt logprobs turn speculation off for a sequence (their
-  per-position state would need the drafts), and so does a running batch larger than
-  `disable_by_batch_size`.
+- penalties and structured outputs turn speculation off for a sequence (their per-position state
+  would need the drafts), and so does a running batch larger than `disable_by_batch_size`; drafts
+  only follow a finished prefill, so prompt logprobs are untouched.
 """
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
         if plan.dp > 1:
             raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
         params = plan.prepare_params(params)
-    unroll = cfg.layer_loop == "unroll" or (cfg.layer_loop == "auto" and gpu)
-    unrolled = unroll and hasattr(family, "unstack_layers")
-    if unrolled:
+    unrolled = unrolls(cfg, family, gpu)
+    split_here = unrolled and not isinstance(params.get("layers"), list)  # else loaded per layer (load_model(unstacked=True)); hybrid groups: models/hybrid.py
+    if split_here:
         # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
         # Mixtral-8x7B, 93 GB, fits one H200 only that way). Sharded weights keep their
         # shardings when split, and a plan over the per-layer tree runs them under the mesh.
@@ -42,9 +42,9 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
         if plan is not None:
             plan = ShardingPlan(mesh, plan.source_config, family.param_axes(plan.source_config, Layout(unrolled=True)))
     if plan is None and cfg.fuse_projections and hasattr(family, "fuse_projections"):
-        # Per-layer weights are this engine's own copies (split_layers made them), so their parts
-        # are freed as they are fused; a caller's stacked weights are left intact.
-        params = dict(params, layers=family.fuse_projections(params["layers"], delete_parts=unrolled or owns_weights))
+        # Per-layer weights split here are this engine's own copies, so their parts are freed as they
+        # are fused; a caller's weights are left intact.
+        params = dict(params, layers=family.fuse_projections(params["layers"], delete_parts=split_here or owns_weights))
     kmajor = kmajor_weight_types(cfg.matmul_impl)
     if plan is None and kmajor:
         # The linear weights K-major where their matmul reads them faster so. The [in, out] copies
@@ -54,6 +54,13 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
     if owns_weights:
         loaded.params = None  # the loaded tree (stacked, unfused) is spent; a caller's LoadedModel keeps its params
     return params, plan
+
+
+def unrolls(cfg: EngineConfig, family, gpu: bool) -> bool:
+    """Whether the step runs its layers unrolled over per-layer weights (EngineConfig.layer_loop), for a
+    family that can (family None: before the model, so its family, is known)."""
+    unroll = cfg.layer_loop != "scan"  # "auto": unrolled on every backend
+    return unroll and (family is None or hasattr(family, "unstack_layers"))
 
 
 def _stored_quantization(params) -> str | None:

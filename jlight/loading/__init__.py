@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Callable
 
@@ -30,7 +31,10 @@ from jlight.loading.gguf_loader import gguf_tensors, load_gguf_model
 from jlight.loading.gguf_tokenizer import gguf_tokenizer
 from jlight.loading.hub import download_from_hub, looks_like_hub_id
 from jlight.loading.safetensors_loader import read_generation_config
+from jlight.progress import iterate
 from jlight.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -53,28 +57,36 @@ def resolve_dtype(dtype, checkpoint_dtype: str) -> Any:
     return DTYPES[name]
 
 
-def load_model(model: str | None = None, dtype="auto", place: Callable | None = None, mesh=None) -> LoadedModel:
+def load_model(model: str | None = None, dtype="auto", place: Callable | None = None, mesh=None,
+               unstacked: bool = False) -> LoadedModel:
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
-    on device (default jax.device_put); the sharding code passes one that shards it."""
+    on device (default jax.device_put); the sharding code passes one that shards it. unstacked=True:
+    a dense model's `layers` come as per-layer dicts (assemble_params), read from safetensors or GGUF
+    files that way; a converted checkpoint's stay stacked."""
     if model is None:
-        return load_gguf(default_gguf_path(), dtype, place)
+        path = default_gguf_path()
+        logger.info("loading the default model, SmolLM2-135M-Instruct (%s)", path)
+        return load_gguf(path, dtype, place, unstacked)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
+    if os.path.exists(model):  # a path that is not there is refused below, without a "loading" line first
+        logger.info("loading %s", model)
     if model.endswith(".gguf"):
-        return load_gguf(model, dtype, place)
+        return load_gguf(model, dtype, place, unstacked)
     if orbax_loader.is_orbax_model_dir(model):
         return load_converted_dir(model, mesh=mesh, dtype=dtype)
     if os.path.isdir(model):
-        return load_hf_dir(model, dtype, place)
+        return load_hf_dir(model, dtype, place, unstacked=unstacked)
     if os.path.exists(model):
         raise ModelLoadError(f"{model} is neither a .gguf file nor a HF model directory (with config.json)")
     if looks_like_hub_id(model) and not model.startswith((".", "/", "~")):
-        return load_hf_dir(download_from_hub(model), dtype, place, name=model)
+        logger.info("loading %s from the Hugging Face hub", model)
+        return load_hf_dir(download_from_hub(model), dtype, place, name=model, unstacked=unstacked)
     raise ModelLoadError(f"model path {model} does not exist; pass a .gguf file, a HF model directory or a hub id like org/name")
 
 
-def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = None) -> LoadedModel:
+def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = None, unstacked: bool = False) -> LoadedModel:
     config_path = os.path.join(model_dir, "config.json")
     config = ModelConfig.from_json_file(config_path)  # raises ModelLoadError/UnsupportedModelError
     with open(config_path) as f:
@@ -82,7 +94,7 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     jdtype = resolve_dtype(dtype, st.checkpoint_dtype(hf_config))
     files = st.safetensors_files(model_dir)
     tensors = _progress(st.stream_safetensors(files), st.count_tensors(files), os.path.basename(model_dir.rstrip("/")))
-    params = assemble_params(config, tensors, jdtype, place=place)
+    params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked)
     generation_config = st.read_generation_config(model_dir)
     has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
     tokenizer = Tokenizer.from_dir(model_dir, generation_config) if has_tokenizer else None
@@ -105,19 +117,18 @@ def load_converted_dir(model_dir: str, mesh=None, dtype="auto") -> LoadedModel:
     return LoadedModel(config, params, tokenizer, generation_config, model_dir, dtype)
 
 
-def load_gguf(path: str, dtype="auto", place=None) -> LoadedModel:
+def load_gguf(path: str, dtype="auto", place=None, unstacked: bool = False) -> LoadedModel:
     reader, config, arch = load_gguf_model(path)
     gguf_default = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     jdtype = resolve_dtype(dtype, gguf_default)
     tokenizer = gguf_tokenizer(reader, path)
     tensors = _progress(gguf_tensors(reader, config, arch), len(reader.tensors), os.path.basename(path))
-    params = assemble_params(config, tensors, jdtype, place=place)
+    params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked)
     generation_config = {"eos_token_id": list(tokenizer.eos_token_ids)} if tokenizer.eos_token_ids else {}
     return LoadedModel(config, params, tokenizer, generation_config, path, jdtype)
 
 
 def _progress(it, total: int, label: str):
-    # tqdm loads only when a progress bar is shown.
-    from tqdm.auto import tqdm
-
-    return tqdm(it, total=total, desc=f"loading {label}", unit="tensor", leave=False)
+    """A bar over the tensors on a terminal; elsewhere one line when they are all read."""
+    name = label.replace("{", "{{").replace("}", "}}")
+    return iterate(it, total, f"loading {label}", "tensor", summary=f"read {{n}} tensors of {name} in {{seconds:.1f}} s")

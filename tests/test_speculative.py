@@ -1,0 +1,219 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer, the verification rule's output
+distribution (a chi-square test against the target distribution), and the engine's tokens with
+speculation on against speculation off on a tiny float32 Llama: batched with arrivals, chunked
+prefill, prefix caching, preemption, n > 1, stop strings, logprobs and seeded sampling."""
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jlight
+from jlight import SamplingParams
+from jlight.engine import sampler
+from jlight.engine.speculative import SpeculativeConfig, kept_tokens, propose_ngram
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# A pool small enough that eight sequences of ~100 tokens preempt each other; chunks of 32 tokens.
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=64, min_token_bucket=8)
+
+
+# --- the proposer ---------------------------------------------------------------------------
+
+def test_proposer_takes_the_longest_recurring_suffix_and_its_latest_occurrence():
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    # Suffix [7, 8] recurs at 1 and 5; its latest earlier occurrence (5) is followed by 30, 31, 7.
+    tokens = np.array([1, 7, 8, 20, 21, 7, 8, 30, 31, 7, 8])
+    assert propose_ngram(tokens, cfg, max_drafts=8) == [30, 31, 7]
+    assert propose_ngram(tokens, cfg, max_drafts=2) == [30, 31]
+    # The 3-token suffix [9, 7, 8] recurs once (after 5); the 1-token suffix [8] would pick a later place.
+    tokens = np.array([9, 7, 8, 40, 41, 5, 7, 8, 50, 9, 7, 8])
+    assert propose_ngram(tokens, cfg, max_drafts=8) == [40, 41, 5]
+    # A suffix shorter than prompt_lookup_min never matches; nothing recurs -> no drafts.
+    assert propose_ngram(np.array([1, 2, 3, 1]), SpeculativeConfig(prompt_lookup_min=2), 8) == []
+    assert propose_ngram(np.array([1, 2, 3, 4]), cfg, 8) == []
+    # A match at the very end leaves fewer tokens than asked.
+    assert propose_ngram(np.array([5, 6, 5]), cfg, 8) == [6, 5]
+
+
+def test_kept_tokens_stop_at_the_first_rejection():
+    drafts = [10, 11, 12]
+    sampled = np.array([10, 11, 99, 13])
+    assert kept_tokens(drafts, sampled, np.array([True, True, False, False])) == [10, 11, 99]
+    assert kept_tokens(drafts, np.array([55, 11, 12, 13]), np.array([False, True, True, False])) == [55]
+    assert kept_tokens(drafts, np.array([10, 11, 12, 13]), np.array([True, True, True, False])) == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle7"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"), ({"lookahead": 3}, "unknown keys"),
+    ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"), ("ngram", "must be a dict")])
+def test_bad_config_names_the_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict(config)
+
+
+# --- the verification rule ------------------------------------------------------------------
+
+N_ROWS = 40_000
+V = 24  # the sampler computes 20 top logprobs, so at least 20 tokens
+LOGITS = np.sort(np.random.default_rng(5).normal(0, 1.2, V)).astype(np.float32)[::-1].copy()  # token 0 most likely
+
+
+def target_probs(temperature, top_k):
+    x = LOGITS / temperature
+    if top_k:
+        x = np.where(x >= np.sort(x)[::-1][top_k - 1], x, -np.inf)
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+@pytest.fixture(scope="module")
+def sample_fn():
+    return jax.jit(sampler.sample)
+
+
+def chi_square_p(counts, probs):
+    """P-value of Pearson's chi-square over the cells the target gives mass (torch's regularized gamma)."""
+    support = probs > 0
+    expected = probs[support] * counts.sum()
+    stat = float((((counts[support] - expected) ** 2) / expected).sum())
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("temperature, top_k, draft", [(1.0, 0, 0), (1.0, 0, 9), (0.7, 3, 1), (1.0, 3, 20)])
+def test_verified_tokens_follow_the_target_distribution(sample_fn, temperature, top_k, draft):
+    """Each row verifies the same draft with its own seed: the kept token (the draft when accepted,
+    else the residual sample) must be distributed as the target, whatever the draft is (a draft the
+    top-k filter removes is never kept)."""
+    B = N_ROWS
+    s = sampler.SamplingInputs(
+        temperature=np.full(B, temperature, np.float32), top_k=np.full(B, top_k, np.int32), top_p=np.ones(B, np.float32),
+        min_p=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32), presence_penalty=np.zeros(B, np.float32),
+        frequency_penalty=np.zeros(B, np.float32), seed=np.arange(B, dtype=np.uint32), token_index=np.full(B, 3, np.int32),
+        banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32),
+        bias_values=np.zeros((B, sampler.NUM_BIAS), np.float32), use_penalties=np.bool_(False),
+        use_filters=np.bool_(top_k > 0), want_logprobs=np.bool_(False), use_guide=np.bool_(False),
+        draft_tokens=np.full(B, draft, np.int32), use_drafts=np.bool_(True))
+    tokens, _, _, _, accepted = jax.device_get(sample_fn(np.tile(LOGITS, (B, 1)), s))
+    probs = target_probs(temperature, top_k)
+    np.testing.assert_array_equal(tokens[accepted], draft)
+    assert abs(accepted.mean() - probs[draft]) < 5 * np.sqrt(probs[draft] * (1 - probs[draft]) / B) + 1e-9
+    counts = np.bincount(tokens, minlength=V).astype(np.float64)
+    assert counts[probs == 0].sum() == 0, "a token the filters remove was produced"
+    assert chi_square_p(counts, probs) > 1e-4, (counts / B, probs)
+
+
+def test_greedy_rows_accept_exactly_the_argmax(sample_fn):
+    B = 4
+    logits = np.random.default_rng(0).normal(0, 2, (B, 50)).astype(np.float32)
+    best = logits.argmax(-1)
+    drafts = np.array([best[0], (best[1] + 1) % 50, -1, best[3]], np.int32)
+    s = sampler.SamplingInputs(
+        temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
+        min_p=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32), presence_penalty=np.zeros(B, np.float32),
+        frequency_penalty=np.zeros(B, np.float32), seed=np.zeros(B, np.uint32), token_index=np.zeros(B, np.int32),
+        banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32),
+        bias_values=np.zeros((B, sampler.NUM_BIAS), np.float32), use_penalties=np.bool_(False), use_filters=np.bool_(False),
+        want_logprobs=np.bool_(False), use_guide=np.bool_(False), draft_tokens=drafts, use_drafts=np.bool_(True))
+    tokens, _, _, _, accepted = jax.device_get(sample_fn(logits, s))
+    np.testing.assert_array_equal(accepted, [True, False, False, True])
+    np.testing.assert_array_equal(tokens, best)
+
+
+# --- the engine -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    return jlight.LLM(model_dir, **ENGINE), jlight.LLM(model_dir, **ENGINE, speculative_config=SPEC)
+
+
+def grounded_prompts(n, seed):
+    """Prompts that repeat a phrase (the proposer finds matches), and plain random ones."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        phrase = rng.integers(3, 500, int(rng.integers(4, 12))).tolist()
+        out.append(phrase * int(rng.integers(2, 5)) if i % 3 else rng.integers(3, 500, int(rng.integers(5, 60))).tolist())
+    return out
+
+
+def token_ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_greedy_tokens_equal_speculation_off_batched_chunked_cached_and_preempted(engines):
+    plain, spec = engines
+    prompts = grounded_prompts(10, seed=1)
+    prompts += [prompts[1] + prompts[4][:9], prompts[2][:16] + [7, 7, 7]]  # shared prefixes: prefix-cache hits
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    before = spec.engine.stats()
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    got = token_ids(spec.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    stats = spec.engine.stats()
+    drafts = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    assert stats.spec_num_drafts > before.spec_num_drafts and 0 < accepted < drafts  # kept some drafts, rejected others
+    assert stats.num_preemptions > before.num_preemptions
+    assert stats.prefix_cache_hit_tokens > before.prefix_cache_hit_tokens
+    per_pos = np.subtract(stats.spec_accepted_per_position, before.spec_accepted_per_position or 0)
+    assert per_pos.sum() == accepted and np.all(np.diff(per_pos) <= 0)  # draft i + 1 is kept only after draft i
+
+
+def test_n_samples_stop_strings_and_logprobs_match_speculation_off(engines):
+    plain, spec = engines
+    prompts = grounded_prompts(4, seed=2)[1:]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, n=2, logprobs=2)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    for w, g in zip(want, got):
+        for cw, cg in zip(w.outputs, g.outputs):
+            for lw, lg in zip(cw.logprobs, cg.logprobs):
+                assert lw.keys() == lg.keys()
+                np.testing.assert_allclose(list(lg.values()), list(lw.values()), atol=1e-4)
+    # A stop string taken from the middle of a continuation ends both runs at the same place.
+    text = want[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])
+    w, g = (llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0] for llm in (plain, spec))
+    assert (g.text, g.finish_reason) == (w.text, w.finish_reason) and w.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engines):
+    _, spec = engines
+    prompts = grounded_prompts(4, seed=3)
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=11)
+    alone = [spec.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
+    batched = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert batched[:2] == alone
+    assert spec.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids == alone[0]
+
+
+def test_metrics_and_cli_carry_the_speculative_counters(engines):
+    import argparse
+
+    from jlight.engine_args import add_engine_arguments, engine_options
+    from jlight.serve.metrics import ServerMetrics, parse_metrics
+
+    _, spec = engines
+    spec.generate(grounded_prompts(3, seed=4), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    stats = spec.engine.stats()
+    m = parse_metrics(ServerMetrics().render(stats))
+    assert m["jlight:spec_decode_num_drafts_total"] == stats.spec_num_drafts > 0
+    assert m["jlight:spec_decode_num_draft_tokens_total"] == stats.spec_num_draft_tokens
+    assert m["jlight:spec_decode_num_accepted_tokens_total"] == stats.spec_num_accepted_tokens
+    assert [m[f'jlight:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(4)] == \
+        list(stats.spec_accepted_per_position)
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    opts = engine_options(p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']))
+    assert opts["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-config", "ngram"])
