@@ -139,8 +139,10 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            # Nemotron-H's norms read layer_norm_epsilon (its config.json carries a default rms_norm_eps too)
-            rms_norm_eps=cfg.get("layer_norm_epsilon" if model_type == "nemotron_h" else "rms_norm_eps", 1e-6),
+            # Nemotron-H's norms read layer_norm_epsilon (its config.json carries a default rms_norm_eps too;
+            # jlight convert's has rms_norm_eps alone)
+            rms_norm_eps=cfg.get("layer_norm_epsilon", cfg.get("rms_norm_eps", 1e-6)) if model_type == "nemotron_h"
+            else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
