@@ -31,6 +31,8 @@ after a compiling call):
   copy_bytes_per_s()   a plain device-to-device copy of a 2 GiB buffer (jnp.copy under jit: XLA copies the
                        parameter into a fresh output buffer), counting the bytes read plus the bytes written.
   matmul_flops_per_s() an n x n x n bf16 matmul, 2 n^3 FLOPs per call.
+  host_copy_bytes_per_s() device -> host and host -> device copies of a 1 GiB buffer by jax.device_put between
+                       memory kinds (pinned_host where the device has it), the path of the host KV tier's copies.
   weight_bytes(params) the bytes a decode step reads: every weight but the embedding table.
 
 Results: result_header() -> dict(date, device, backend, jax, python, host, command, git_commit);
@@ -219,6 +221,18 @@ def copy_bytes_per_s(nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy rate of a plain copy: 2 x nbytes (read + written) / its median time."""
     x = jnp.zeros((nbytes // 4,), jnp.float32)  # [nbytes / 4]
     return 2 * x.nbytes / median_seconds(jax.jit(jnp.copy), x, reps=reps)
+
+
+def host_copy_bytes_per_s(nbytes: int = 1 << 30, reps: int = 10) -> dict:
+    """{"memory_kind", "device_to_host", "host_to_device"}: bytes/s of jax.device_put between the device's memory
+    and host memory (pinned_host where the device has it, else unpinned_host), median of `reps` copies."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)  # [nbytes / 4]
+    kinds = {m.kind for m in next(iter(x.devices())).addressable_memories()}
+    kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+    on_host = jax.device_put(x, x.sharding.with_memory_kind(kind))
+    return dict(memory_kind=kind,
+                device_to_host=x.nbytes / median_seconds(lambda: jax.device_put(x, on_host.sharding), reps=reps),
+                host_to_device=x.nbytes / median_seconds(lambda: jax.device_put(on_host, x.sharding), reps=reps))
 
 
 def matmul_flops_per_s(n: int = 8192, reps: int = 10) -> float:

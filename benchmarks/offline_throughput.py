@@ -39,7 +39,7 @@ def build_engine(a) -> LLMEngine:
                 quantization=a.quantization, attention_impl=a.attention_impl, matmul_impl=a.matmul_impl,
                 max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop,
                 kv_cache_dtype=a.kv_cache_dtype, page_size=a.page_size, mesh=a.mesh, min_token_bucket=a.min_token_bucket,
-                warmup=not a.no_warmup)
+                kv_offloading_size=a.kv_offloading_size, warmup=not a.no_warmup)
     if a.model_config:
         dtype = a.dtype if a.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
         loaded = harness.random_loaded_model(a.model_config, jnp.dtype(dtype), max_position_embeddings=a.max_model_len)
@@ -95,6 +95,9 @@ def main(argv=None):
     ap.add_argument("--num-pages", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto (the model's dtype), int8, fp8 ...")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--kv-offloading-size", type=float, default=None,
+                    help="GiB of host KV tier (EngineConfig.kv_offloading_size); the result then carries the tier's "
+                         "counters and the device <-> host copy rates")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--mesh", default=None, help='one engine replica over a mesh, e.g. "tp=2" (no dp)')
     ap.add_argument("--attention-impl", default="auto")
@@ -118,6 +121,8 @@ def main(argv=None):
     gpu = jax.default_backend() != "cpu"
     copy_bw = harness.copy_bytes_per_s() if gpu else None
     result["copy_bw_tb_s"] = copy_bw and copy_bw / 1e12
+    if a.kv_offloading_size:
+        result["host_copy_bytes_per_s"] = harness.host_copy_bytes_per_s() if gpu else harness.host_copy_bytes_per_s(1 << 20, 2)
     generate = lambda requests: harness.engine_generate(engine, requests)  # noqa: E731
     generate([harness.Request([1] * 8, 16)])  # the peer's warm-up call
 
@@ -146,6 +151,11 @@ def main(argv=None):
     if a.fixed:
         result["fixed"] = run_workload(engine, harness.fixed_workload(*a.fixed))
         print_workload(f"fixed {a.fixed[0]} in / {a.fixed[1]} out", result["fixed"])
+    if a.kv_offloading_size:
+        s = engine.stats()
+        result["host_tier"] = {k: getattr(s, k) for k in ("device_cache_hit_tokens", "host_cache_hit_tokens",
+                               "host_cache_offloaded_pages", "host_cache_dropped_pages", "host_cache_pages_total")}
+        print(f"host tier: {result['host_tier']}, copies {result['host_copy_bytes_per_s']}", flush=True)
     path = harness.write_result(a.out, a.name, result)
     if path:
         print(f"wrote {path}")

@@ -17,6 +17,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
                    help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
                         "(faster prefill; docs/BENCHMARKS.md has the figures and quality)")
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
+    p.add_argument("--disaggregated", default=None,
+                   help='prefill and decode on separate devices in one process, e.g. "prefill=4,decode=4": a prefill '
+                        "engine on the first 4 devices and a decode engine on the next 4 (tensor parallel in each)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="shorthand for --mesh tp=N")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -32,6 +35,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
                    help="auto: the model's dtype; fp8: e4m3 K/V (2x the pages of bf16); int8: int8 K/V with a scale per "
                         "token and head (about 2x the pages)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory for KV pages the prefix cache evicts (vLLM's flag): copied there instead of "
+                        "dropped, and back on a later prefix hit (default: off)")
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--speculative-config", default=None, type=_json_object,
@@ -55,8 +61,8 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     """EngineConfig keyword arguments from parsed options (only those the user set, over `defaults`)."""
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "attention_impl", "matmul_impl", "moe_impl",
-                 "speculative_config"):
+                 "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "kv_offloading_size",
+                 "disaggregated", "attention_impl", "matmul_impl", "moe_impl", "speculative_config"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

@@ -130,6 +130,16 @@ def _engine_lines(s) -> list[str]:
         + _metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", [("", queried)])
         + _metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", [("", s.prefix_cache_hit_tokens)])
         + _metric("prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries since start (0-1).", [("", hit_rate)])
+        + _metric("prefix_cache_tier_hits_total", "counter",
+                  "Prompt tokens admitted sequences took from cached pages, by tier (re-admissions too).",
+                  [('{tier="device"}', s.device_cache_hit_tokens), ('{tier="host"}', s.host_cache_hit_tokens)])
+        + _metric("host_kv_cache_offloaded_pages_total", "counter", "Evicted KV pages copied to the host tier.",
+                  [("", s.host_cache_offloaded_pages)])
+        + _metric("host_kv_cache_dropped_pages_total", "counter", "KV pages the host tier dropped (LRU) for room.",
+                  [("", s.host_cache_dropped_pages)])
+        + _metric("host_kv_cache_pages_used", "gauge", "KV pages held in the host tier.", [("", s.host_cache_pages_used)])
+        + _metric("host_kv_cache_pages_capacity", "gauge", "KV pages the host tier can hold (0: no tier).",
+                  [("", s.host_cache_pages_total)])
         + _metric("num_preemptions_total", "counter", "Requests preempted to free KV pages.", [("", s.num_preemptions)])
         + _metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", s.prompt_tokens_total)])
         + _metric("generation_tokens_total", "counter", "Tokens generated.", [("", s.generation_tokens_total)])

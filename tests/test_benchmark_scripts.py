@@ -90,6 +90,19 @@ def test_offline_throughput_runs_the_peers_workloads_in_one_engine(bench, tmp_pa
     assert saved["fixed"] == result["fixed"] and "git_commit" in saved
 
 
+def test_offline_throughput_with_a_host_tier_reports_its_counters_and_copy_rates(bench, tmp_path):
+    """A device pool of 12 pages for 6 requests of up to 48 tokens: preemptions evict pages to the host tier."""
+    import offline_throughput
+
+    result = offline_throughput.main([
+        "--model-config", "tiny", "--num-requests", "6", "--input-len", "20", "40", "--output-len", "3", "8",
+        "--bs1-tokens", "0", "--max-num-seqs", "4", "--max-model-len", "64", "--max-num-batched-tokens", "64",
+        "--min-token-bucket", "64", "--num-pages", "12", "--kv-offloading-size", "0.001", "--out", str(tmp_path)])
+    tier, rates = result["host_tier"], result["host_copy_bytes_per_s"]
+    assert tier["host_cache_pages_total"] > 0 and tier["host_cache_offloaded_pages"] > 0
+    assert rates["memory_kind"] == "pinned_host" and rates["device_to_host"] > 0 and rates["host_to_device"] > 0
+
+
 def test_decode_latency_variants_share_one_random_model(bench, tmp_path):
     # An engine built from the script's shared LoadedModel must leave it usable for the next variant, and fused
     # projections (the default) must decode the same greedy tokens from the same weights as separate ones.

@@ -8,7 +8,6 @@ mid-stream) deterministically.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import socket
 import threading
@@ -17,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from jlight.engine.llm_engine import EngineStats
 from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.core.errors import EngineOverloadedError
 from jlight.serve.metrics import parse_metrics
@@ -52,21 +52,11 @@ class ByteTokenizer:
             "<assistant>" if add_generation_prompt else "")
 
 
-@dataclasses.dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_pages_total: int = 100
-    num_pages_used: int = 0
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_position: tuple = ()
+def FakeStats(**counts) -> EngineStats:
+    """The engine's stats: every counter 0 (100 pages) unless given."""
+    fields = dict(num_running=0, num_waiting=0, num_pages_total=100, num_pages_used=0, prefix_cache_query_tokens=0,
+                  prefix_cache_hit_tokens=0, num_preemptions=0, prompt_tokens_total=0, generation_tokens_total=0, num_steps=0)
+    return EngineStats(**{**fields, **counts})
 
 
 class FakeAsyncLLM:

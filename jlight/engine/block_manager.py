@@ -7,6 +7,12 @@ end, so equal keys mean equal prefixes. A new sequence reuses the pages of its l
 cached prefix. Pages whose reference count drops to zero keep their key and sit in an LRU
 list; they are reused by a later match or evicted (least recently used first) when the free
 list runs dry.
+
+With a host tier (host_tier.py) an evicted page's K/V are offloaded instead of dropped, and a
+prefix match that runs out of device pages goes on in the host tier: each further key the tier
+holds gets a fresh device page, registered under the key at once (cached, unreferenced, most
+recently used) while the tier copies its K/V back before the next step. A restore never takes a
+page of the prefix being matched, and `acquire` counts the pages it takes by the tier they came from.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ def page_hash(parent: bytes, tokens) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, host_tier=None):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} is too small: need at least 2 (page 0 is reserved)")
         self.num_pages = num_pages
@@ -36,6 +42,10 @@ class BlockManager:
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, ref 0, LRU order
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.host_tier = host_tier  # a HostTier, or None: evicted pages are dropped
+        self.restored: set[int] = set()  # pages copied back from the host tier that no sequence has taken yet
+        self.device_hit_pages = 0  # cached pages taken by admitted sequences, by the tier they came from
+        self.host_hit_pages = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -56,8 +66,12 @@ class BlockManager:
             page = self.free_pages.popleft()
         else:
             page, _ = self.evictable.popitem(last=False)
-            del self.cached[self.page_key[page]]
+            key = self.page_key[page]
+            del self.cached[key]
             self.page_key[page] = None
+            self.restored.discard(page)
+            if self.host_tier is not None:
+                self.host_tier.offload(page, key)
         self.ref_count[page] = 1
         return page
 
@@ -73,12 +87,31 @@ class BlockManager:
         for i in range(max_pages):
             key = page_hash(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
             page = self.cached.get(key)
+            if page is None and self.host_tier is not None and key in self.host_tier:
+                page = self._restore(key, pages)
             if page is None:
                 break
             pages.append(page)
             keys.append(key)
             parent = key
         return pages, keys
+
+    def _restore(self, key: bytes, matched: list[int]) -> int | None:
+        """A fresh page registered under `key`, its K/V to come back from the host tier; None if the only
+        pages left to take are the matched prefix's own."""
+        unreferenced = [p for p in matched if self.ref_count[p] == 0]
+        if len(self.free_pages) + len(self.evictable) - len(unreferenced) < 1:
+            return None
+        for p in unreferenced:  # out of the LRU end, so _take_page evicts none of them
+            self.evictable.move_to_end(p)
+        page = self._take_page()
+        self.ref_count[page] = 0
+        self.page_key[page] = key
+        self.cached[key] = page
+        self.evictable[page] = None
+        self.restored.add(page)
+        self.host_tier.restore(key, page)
+        return page
 
     def can_allocate(self, num_new_pages: int, reused_pages: list[int] = ()) -> bool:
         # Reused pages that sit in the evictable list stop being free once taken.
@@ -88,8 +121,19 @@ class BlockManager:
     def acquire(self, pages: list[int]) -> None:
         """Take a reference on already-cached pages (a prefix-cache hit)."""
         for p in pages:
+            if p in self.restored:
+                self.restored.discard(p)
+                self.host_hit_pages += 1
+            else:
+                self.device_hit_pages += 1
             if self.ref_count[p] == 0:
                 self.evictable.pop(p, None)
+            self.ref_count[p] += 1
+
+    def hold(self, pages: list[int]) -> None:
+        """One more reference on pages in use (a transfer reading them after their sequence ends)."""
+        for p in pages:
+            assert self.ref_count[p] > 0, f"page {p} is not in use"
             self.ref_count[p] += 1
 
     def allocate(self, n: int) -> list[int]:
@@ -127,3 +171,6 @@ class BlockManager:
             self.page_key[p] = None
             self.free_pages.append(p)
         self.evictable.clear()
+        self.restored.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()

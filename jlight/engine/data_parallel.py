@@ -14,6 +14,7 @@ import dataclasses
 import jax
 
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
+from jlight.engine.disaggregated import DisaggregatedEngine
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import EngineStats, LLMEngine
 from jlight.engine.outputs import RequestOutput
@@ -28,7 +29,9 @@ def replica_mesh_spec(spec: str) -> tuple[int, str | None]:
 
 
 def make_engine(config: EngineConfig):
-    """An LLMEngine, or a DataParallelEngine when the mesh has dp > 1."""
+    """An LLMEngine, a DataParallelEngine when the mesh has dp > 1, or a DisaggregatedEngine."""
+    if config.disaggregated:
+        return DisaggregatedEngine.from_config(config.validate())
     if config.mesh and replica_mesh_spec(config.mesh)[0] > 1:
         return DataParallelEngine(config)
     return LLMEngine(config)

@@ -43,6 +43,10 @@ class EngineConfig:
     # (H200, B=64 decode at 4k context: 324 / 313 vs 343 us; docs/BENCHMARKS.md).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # GiB of host memory for the K/V of pages the prefix cache evicts (vLLM's kv_offloading_size; host_tier.py):
+    # they are copied there instead of dropped, and copied back when a later prompt's prefix needs them.
+    # None: off. Needs prefix caching.
+    kv_offloading_size: float | None = None
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
     # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode
@@ -64,6 +68,9 @@ class EngineConfig:
     # Speculative decoding (jlight/engine/speculative.py), vLLM's speculative_config: e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}. None: off.
     speculative_config: dict | None = None
+    # Disaggregated prefill and decode (disaggregated.py): "prefill=N,decode=M", a prefill engine on the first N
+    # devices and a decode engine on the next M, each tensor parallel over its group. None: one engine.
+    disaggregated: str | None = None
     seed: int = 0
     warmup: bool = True
     # Step buckets compiled at once at start-up (XLA compiles outside Python's lock); None: one per CPU
@@ -99,10 +106,18 @@ class EngineConfig:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
+        if self.kv_offloading_size is not None:
+            if not self.kv_offloading_size > 0:
+                bad("kv_offloading_size", "must be > 0 GiB (or None for no host tier)")
+            if not self.enable_prefix_caching:
+                bad("kv_offloading_size", "needs prefix caching (the host tier holds the prefix cache's evicted pages); "
+                    "turn enable_prefix_caching on or leave kv_offloading_size unset")
         if self.compile_threads is not None and self.compile_threads < 1:
             bad("compile_threads", "must be >= 1 (or None: one per CPU core)")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        if self.disaggregated is not None and self.mesh:
+            bad("disaggregated", f"takes the devices of each role itself; leave mesh ({self.mesh!r}) unset")
         SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         return self
 

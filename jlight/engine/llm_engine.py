@@ -21,6 +21,7 @@ from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import output_processor, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager, page_hash
 from jlight.engine.engine_config import EngineConfig
+from jlight.engine.host_tier import HostTier
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampler import NUM_BANNED
@@ -56,6 +57,15 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple = ()
+    # Cached pages that admitted sequences took (in tokens; every admission, re-admissions after a preemption
+    # too), by the tier they came from: the device's prefix cache or the host tier (host_tier.py). Then the
+    # host tier's pages: copied to host, dropped by its LRU, held now, and its capacity.
+    device_cache_hit_tokens: int = 0
+    host_cache_hit_tokens: int = 0
+    host_cache_offloaded_pages: int = 0
+    host_cache_dropped_pages: int = 0
+    host_cache_pages_used: int = 0
+    host_cache_pages_total: int = 0
 
     @classmethod
     def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
@@ -146,7 +156,8 @@ class LLMEngine:
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        host_tier = self._make_host_tier(kv_dtype, max_batched) if cfg.kv_offloading_size else None
+        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
         spec = cfg.speculative
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
                                    state_pool=self.state_pool)
@@ -165,6 +176,9 @@ class LLMEngine:
         self._free_slots = list(range(cfg.max_num_seqs))
         self._slots: dict[int, int] = {}  # seq_id -> token-history slot (sequences with penalties)
         self._in_flight = None
+        # Requests whose pages outlive their finish for another engine to read (disaggregated.py):
+        # request id -> None until it finishes, then its pages, held by one more reference.
+        self.kv_exports: dict[str, list[int] | None] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -185,6 +199,8 @@ class LLMEngine:
         logger.info("compiling %s%s, %d at a time", startup.describe_buckets(buckets), what, threads)
         with Progress(len(buckets), "compiling step buckets", "bucket") as bar:
             seconds = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets, threads=threads)
+        if self.block_manager.host_tier is not None:
+            self.block_manager.host_tier.warmup(self.runner)
         logger.info("ready in %.1f s (loading %.1f s, compiling %.1f s)", time.perf_counter() - self._start_time,
                     self.load_seconds, seconds)
         return seconds
@@ -211,11 +227,22 @@ class LLMEngine:
         if cfg.speculative_config:
             raise ValueError(f"speculative_config: {self.model_config.architecture}'s recurrent state cannot take back "
                              "rejected drafts; drop speculative_config")
+        if cfg.kv_offloading_size:
+            raise ValueError(f"kv_offloading_size: the host tier holds K/V pages, not {self.model_config.architecture}'s "
+                             "recurrent state; leave it unset")
 
     def state_pool_bytes(self) -> int:
         """Bytes of a hybrid model's recurrent-state pools (0 for other models), taken from the KV budget."""
         fn = getattr(self.family, "state_shapes", None)
         return state_pool.bytes_for(fn, self.model_config, self.state_pool.total_slots) if fn else 0
+
+    def _make_host_tier(self, kv_dtype, max_batched: int) -> HostTier:
+        page_bytes = self.kv_bytes_per_page(kv_dtype)
+        capacity = int(self.config.kv_offloading_size * 2**30) // page_bytes
+        if capacity < 1:
+            raise ValueError(f"kv_offloading_size={self.config.kv_offloading_size} GiB holds no page of {page_bytes} bytes; "
+                             "raise it or leave it unset")
+        return HostTier(capacity, max_batch=-(-max_batched // self.config.page_size))
 
     def _size_kv_pool(self, kv_dtype, plan) -> int:
         cfg = self.config
@@ -299,6 +326,30 @@ class LLMEngine:
         self.prompt_tokens_total += len(prompt_token_ids)
         return request_id
 
+    def adopt_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
+                      arrival_time: float, pages: list[int] | None = None, logprobs: list | None = None,
+                      cumulative_logprob: float = 0.0) -> RequestOutput:
+        """Continue a request (n == 1) whose prompt another engine computed and whose first token it sampled
+        (disaggregated.py). With `pages` (taken from this block manager, the prompt's K/V written into them)
+        it decodes at once; without them its prompt and first token are recomputed here, as after a
+        preemption. `logprobs`: the first token's entry, when asked. Returns the output with that token."""
+        self.add_request(request_id, prompt, params, prompt_token_ids, arrival_time)
+        req = self.requests[request_id]
+        seq = req.seqs[0]
+        self._append(seq, first_token, 0, None, None, None, False, time.time())
+        if logprobs:
+            seq.logprobs, seq.cumulative_logprob = list(logprobs), cumulative_logprob
+        if pages is not None:
+            self.scheduler.resume(seq, pages, len(prompt_token_ids))
+        req.first_token_time = seq.first_token_time
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        output = output_processor.make_request_output(req)
+        if req.finished:
+            self.requests.pop(request_id, None)
+            self._seq_request.pop(seq.seq_id, None)
+        return output
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages. Returns its last output (every unfinished sample with
         finish_reason "abort"), or None for a request the engine does not hold."""
@@ -335,13 +386,17 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps,
             spec_num_drafts=self.spec_counts["drafts"], spec_num_draft_tokens=self.spec_counts["draft_tokens"],
             spec_num_accepted_tokens=self.spec_counts["accepted"],
-            spec_accepted_per_position=tuple(self.spec_accepted_per_position))
+            spec_accepted_per_position=tuple(self.spec_accepted_per_position),
+            device_cache_hit_tokens=bm.device_hit_pages * bm.page_size, host_cache_hit_tokens=bm.host_hit_pages * bm.page_size,
+            **(_host_tier_stats(bm.host_tier) if bm.host_tier is not None else {}))
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         timing = self.step_seconds
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.block_manager.host_tier is not None:  # evicted pages to host, hits back, before the launch
+            self.block_manager.host_tier.sync(self.runner)
         for seq in plan.preempted:
             self._release_slot(seq)
         launched = None
@@ -399,6 +454,9 @@ class LLMEngine:
             self._free_slots.append(slot)
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.request_id in self.kv_exports and seq.finish_reason != "abort":
+            self.block_manager.hold(seq.pages)
+            self.kv_exports[seq.request_id] = list(seq.pages)
         self.scheduler.finish(seq)
         self._release_slot(seq)
 
@@ -507,3 +565,9 @@ def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
                          f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
     return budget // bytes_per_page
+
+
+def _host_tier_stats(tier: HostTier) -> dict:
+    return dict(host_cache_offloaded_pages=tier.offloaded_pages, host_cache_dropped_pages=tier.dropped_pages,
+                host_cache_pages_used=tier.num_used, host_cache_pages_total=tier.capacity)
+

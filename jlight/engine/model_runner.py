@@ -59,6 +59,14 @@ class StepOutputs(NamedTuple):
     prompt_top_logprobs: jax.Array  # [T, N]
 
 
+def padded_pages(pages: list[int]) -> np.ndarray:
+    """Page ids for read_pages / write_pages, padded with scratch page 0 to a power-of-two count (one
+    compiled copy per count)."""
+    out = np.zeros(1 << max(0, (len(pages) - 1).bit_length()), np.int32)
+    out[: len(pages)] = pages
+    return out
+
+
 def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: bool = False) -> list[int]:
     """Powers of two from `smallest` up to max_num_batched_tokens (always the last), and with
     one_token a 1-token bucket below them (batch-1 decode on the CPU, whose matmul time follows the rows)."""
@@ -158,6 +166,15 @@ class ModelRunner:
                              compiler_options=STEP_COMPILER_OPTIONS)
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
         self._executables = {}  # step_packing.Layout -> the bucket's step compiled ahead of time (warmup)
+        # Whole pages in and out of the pools (host_tier.py, disaggregated.py); a pool without a page axis
+        # (MLA's unused V pool) passes through as None.
+        paged = lambda a: a.shape[1] == num_pages
+        self._read_pages = jax.jit(lambda pools, pages: jax.tree.map(lambda a: a[:, pages] if paged(a) else None, pools))
+        self._write_pages = jax.jit(
+            lambda pools, pages, data: jax.tree.map(lambda a, d: a.at[:, pages].set(d) if paged(a) else a, pools, data,
+                                                    is_leaf=lambda x: x is None),
+            donate_argnums=(0,))
+        self._page_copies = {}  # ("read" | "write", page count) -> compiled ahead of time (warmup_page_copies)
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
@@ -282,6 +299,33 @@ class ModelRunner:
             guide_mask = np.full((S, self.guide_mask_words), -1, np.int32)  # unconstrained positions: every token
             fill_masks(guided, guide_mask)
         return inp, guide_mask
+
+    def read_pages(self, pages: np.ndarray):
+        """The K/V of `pages` ([n] int32) as new device arrays: a (k, v) pair of the pools' pytrees, each leaf
+        [layers, n, ...]. Dispatched in order with the steps, so it reads what the steps before it wrote."""
+        compiled = self._page_copies.get(("read", len(pages)))
+        return (compiled or self._read_pages)((self.k_cache, self.v_cache), pages)
+
+    def write_pages(self, pages: np.ndarray, data) -> None:
+        """Write `data` (read_pages' form, on this runner's devices) into `pages` ([n] int32; repeats of the
+        scratch page 0 are padding), before any step launched after this call."""
+        compiled = self._page_copies.get(("write", len(pages)))
+        self.k_cache, self.v_cache = (compiled or self._write_pages)((self.k_cache, self.v_cache), pages, data)
+
+    def warmup_page_copies(self, max_pages: int, kinds=("read", "write")) -> None:
+        """Compile read_pages / write_pages ahead of time for every power-of-two page count up to max_pages (as
+        the steps are: the pools a step gives back carry another form of the same sharding, a jit cache miss)."""
+        pools, n = (self.k_cache, self.v_cache), 1
+        while True:
+            pages = np.zeros(n, np.int32)
+            read = self._page_copies.get(("read", n)) or self._read_pages.lower(pools, pages).compile()
+            if "read" in kinds:
+                self._page_copies["read", n] = read
+            if "write" in kinds and ("write", n) not in self._page_copies:
+                self._page_copies["write", n] = self._write_pages.lower(pools, pages, read(pools, pages)).compile()
+            if n >= max_pages:
+                return
+            n *= 2
 
     def unconstrained_mask(self, inp: StepInputs):
         """The device-resident all-ones mask of inp's bucket: what a step without constrained rows takes."""

@@ -170,6 +170,15 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)  # the row adds up to drafts + 1
         return propose_ngram(seq.token_array(), spec, room) if room > 0 else []
 
+    def resume(self, seq: Sequence, pages: list[int], num_computed_tokens: int) -> None:
+        """Run a waiting sequence at once whose first num_computed_tokens' K/V are already in `pages` (its
+        references; another engine computed them: disaggregated.py)."""
+        self.waiting.remove(seq)
+        seq.pages, seq.num_computed_tokens = pages, num_computed_tokens
+        seq.admitted_once = True
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and release its pages."""
         if seq in self.running:

@@ -1,0 +1,185 @@
+"""The host-memory KV tier (jlight/engine/host_tier.py) on a tiny float32 Llama with a device pool too
+small for the workload: evicted pages go to host memory and come back on a later prefix hit, giving
+the tokens an engine that recomputes them gives, with the evictions, per-tier hits and LRU drops
+counted, and no step compiled after warm-up."""
+import textwrap
+
+import numpy as np
+import pytest
+
+import jlight
+from jlight import SamplingParams
+from simulated_devices import run_script
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PAGE_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8-token pages, 2 KV heads of 16, float32
+
+
+def small_engine(model_dir, host_pages=None):
+    """40 device pages (39 usable, 312 tokens): less than the workload's prefixes need."""
+    size = None if host_pages is None else host_pages * PAGE_BYTES / 2**30
+    return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=40,
+                      kv_offloading_size=size).engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+
+
+def conversations(seed=0):
+    """Three 120-token histories (15 pages each), then each history again with a new turn."""
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(3, 500, size=120).tolist() for _ in range(3)]
+    first = [h + rng.integers(3, 500, size=5).tolist() for h in histories]
+    second = [h + rng.integers(3, 500, size=7).tolist() for h in histories]
+    return first, second
+
+
+def run_one_by_one(engine, prompts):
+    out = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}-{len(out)}-{id(p)}", None, GREEDY, prompt_token_ids=p)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out.append((o.outputs[0].token_ids, o.num_cached_tokens))
+    return out
+
+
+def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_dir):
+    first, second = conversations()
+    reference = small_engine(model_dir)  # device prefix cache only: evicted pages are recomputed
+    tiered = small_engine(model_dir, host_pages=200)
+    runner = tiered.runner
+    compiled = [f._cache_size() for f in (runner._step, runner._read_pages, runner._write_pages)]
+    want = run_one_by_one(reference, first + second)
+    got = run_one_by_one(tiered, first + second)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    # Each second turn finds its whole history (15 pages): on the host tier, the device pool having
+    # evicted it; the reference recomputed it (the device holds only the most recent history or two).
+    assert [c for _, c in got[3:]] == [120, 120, 120]
+    assert [c for _, c in want[3:]][0] < 120
+    s = tiered.stats()
+    assert s.host_cache_offloaded_pages > 0 and s.host_cache_dropped_pages == 0
+    assert s.host_cache_hit_tokens >= 120 and s.host_cache_hit_tokens % 8 == 0
+    assert s.device_cache_hit_tokens + s.host_cache_hit_tokens >= 3 * 120
+    assert s.host_cache_pages_used == s.host_cache_offloaded_pages <= s.host_cache_pages_total == 200
+    assert reference.stats().host_cache_hit_tokens == 0 and reference.stats().host_cache_pages_total == 0
+    assert s.num_pages_used == 0
+    # The steps and the copies (every power-of-two page count up to 8) compiled at warm-up: none since.
+    assert [f._cache_size() for f in (runner._step, runner._read_pages, runner._write_pages)] == compiled
+
+
+def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
+    first, second = conversations(seed=1)
+    tiered = small_engine(model_dir, host_pages=8)  # about half of one history
+    want = run_one_by_one(small_engine(model_dir), first + second)
+    got = run_one_by_one(tiered, first + second)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    s = tiered.stats()
+    assert s.host_cache_dropped_pages > 0 and s.host_cache_pages_used == s.host_cache_pages_total == 8
+    # The device evicts a history's last pages first; the host keeps the 8 it got last (the earliest of
+    # those pages), so the first history's second turn finds its head on the device, then part on host.
+    assert 0 < s.host_cache_hit_tokens and 0 < got[3][1] < 120
+
+
+def test_preempted_sequences_recover_their_pages_from_host(model_dir):
+    """Eight sequences at once in the small pool: preemptions release full pages, the pool evicts them,
+    and re-admissions take them back from host memory; every token as in the engine without the tier."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(60, 110, size=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for name, engine in (("reference", small_engine(model_dir)), ("tiered", small_engine(model_dir, host_pages=300))):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"p{i}", None, params, prompt_token_ids=p)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+        results[name] = (outs, engine.stats())
+    (want, ref_stats), (got, s) = results["reference"], results["tiered"]
+    assert got == want
+    assert ref_stats.num_preemptions > 0 and s.num_preemptions > 0
+    assert s.host_cache_hit_tokens > 0 and s.num_pages_used == 0
+
+
+def test_bad_offloading_sizes_are_refused_by_name(model_dir):
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        jlight.LLM(model_dir, dtype="float32", kv_offloading_size=-1.0)
+    with pytest.raises(ValueError, match="kv_offloading_size.*prefix caching"):
+        jlight.LLM(model_dir, dtype="float32", kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_size.*holds no page"):
+        jlight.LLM(model_dir, dtype="float32", num_pages=8, kv_offloading_size=1e-9)
+
+
+SHARDED = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import jlight
+    from test_host_tier import conversations, run_one_by_one
+
+    first, second = conversations(seed=3)
+    runs = {{}}
+    for name, size in (("reference", None), ("tiered", 200 * {page_bytes} / 2**30)):
+        engine = jlight.LLM({model!r}, dtype="float32", mesh="tp=2", max_num_seqs=4, max_num_batched_tokens=64,
+                            min_token_bucket=64, page_size=8, num_pages=40, kv_offloading_size=size).engine
+        runs[name] = dict(out=run_one_by_one(engine, first + second), hits=engine.stats().host_cache_hit_tokens)
+    print("RESULT" + json.dumps(runs))
+""")
+
+
+def test_the_tier_under_a_tensor_parallel_mesh(model_dir):
+    """tp=2 on two simulated devices: pages gathered from sharded pools, and scattered back into them."""
+    import os
+
+    out = run_script(SHARDED.format(tests=os.path.dirname(__file__), model=model_dir, page_bytes=PAGE_BYTES), 2)
+    assert [t for t, _ in out["tiered"]["out"]] == [t for t, _ in out["reference"]["out"]]
+    assert out["tiered"]["hits"] > 0 and [c for _, c in out["tiered"]["out"][3:]] == [120, 120, 120]
+
+
+class _PoolRunner:
+    """A runner's page interface over a small K pool ([1, 8 pages, 2] float32, page p holding p + 1) and a V
+    pool without pages (as MLA's): read_pages gives None for it, as ModelRunner does."""
+
+    def __init__(self):
+        import jax.numpy as jnp
+
+        self.k_cache = jnp.repeat(jnp.arange(1.0, 9.0)[None, :, None], 2, axis=2)
+        self.v_cache = jnp.zeros((1, 1, 1))
+
+    def read_pages(self, pages):
+        return self.k_cache[:, pages], None
+
+    def write_pages(self, pages, data):
+        self.k_cache = self.k_cache.at[:, pages].set(data[0])
+
+    def page(self, p):
+        return np.asarray(self.k_cache)[0, p].tolist()
+
+
+def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync():
+    from jlight.engine.host_tier import HostTier
+
+    runner, tier = _PoolRunner(), HostTier(capacity=2, max_batch=2)
+    tier.offload(1, b"A")
+    tier.offload(2, b"B")
+    tier.sync(runner)
+    assert b"A" in tier and b"B" in tier and tier.offloaded_pages == 2
+    # Steps launched after the sync reuse the pages: the copies, dispatched before, keep the old contents.
+    runner.write_pages(np.array([1, 2]), (np.full((1, 2, 2), -1.0, np.float32), None))
+    tier.offload(1, b"A2")
+    tier.sync(runner)
+    assert tier.dropped_pages == 1 and b"A" not in tier  # the least recently used key made room
+    # Restoring B makes it most recent, so the offload queued with it drops A2, not B; and the restore reads
+    # B's slot before that offload's copy is given the slot.
+    tier.offload(3, b"C")
+    tier.restore(b"B", 5)
+    tier.sync(runner)
+    assert runner.page(5) == [3.0, 3.0] and b"B" in tier and b"C" in tier and b"A2" not in tier
+    tier.restore(b"C", 6)
+    tier.sync(runner)
+    assert runner.page(6) == [4.0, 4.0] and tier.restored_pages == 2 and tier.num_used == 2
+    assert runner.page(1) == runner.page(2) == [-1.0, -1.0] and runner.page(3) == [4.0, 4.0]
