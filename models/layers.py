@@ -17,6 +17,7 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Nemotron-H's MLP
 }
 
 

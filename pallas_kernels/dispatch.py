@@ -8,6 +8,12 @@
   matmul(x, w, out_dtype=None) -> y
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
+  causal_conv1d(x, weight, bias, conv_pool, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
+  ssd_scan(x, dt, A, B, C, ssm_pool, state_slots, md, *, chunk_size) -> (y, ssm_pool)  (Mamba-2; mamba_reference.py)
+  ssm_update(x, dt, A, B, C, ssm_pool, state_slots) -> (y, ssm_pool)  (Mamba-2, one token a row)
+  delta_rule(q, k, v, g, beta, state_pool, state_slots, md, *, chunk_size) -> (o, state_pool)  (gated DeltaNet; delta_rule_reference.py)
+  delta_rule_update(q, k, v, g, beta, state_pool, state_slots) -> (o, state_pool)  (gated DeltaNet, one token a row)
+The recurrent layers' kernels have only their XLA references so far.
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
 "ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the grouped matmul the
@@ -21,7 +27,7 @@ import jax
 
 from jlight.core.quantization import QuantizedWeight, W8A8Weight
 from jlight.core.moe_impls import MOE_IMPLS
-from jlight.pallas_kernels import attention_reference, matmul_reference, mla_reference
+from jlight.pallas_kernels import attention_reference, delta_rule_reference, mamba_reference, matmul_reference, mla_reference, ragged_scan
 
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
@@ -44,6 +50,12 @@ class Kernels(NamedTuple):
     write_latent: Callable = mla_reference.write_latent
     latent_attention: Callable = mla_reference.paged_latent_attention
     grouped_matmul: GroupedMatmul | None = None  # MoE experts' Pallas grouped matmul (moe_impl "pallas", "auto" on GPU)
+    # Recurrent layers (hybrid models) over their state pools; only the XLA references exist.
+    causal_conv1d: Callable = ragged_scan.causal_conv1d
+    ssd_scan: Callable = mamba_reference.ssd_scan
+    ssm_update: Callable = mamba_reference.ssm_update
+    delta_rule: Callable = delta_rule_reference.chunked_delta_rule
+    delta_rule_update: Callable = delta_rule_reference.delta_rule_update
 
 
 def _check(name, impl, allowed=IMPLS):

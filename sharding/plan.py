@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jlight.core.parallel_ops import ParallelOps
 from jlight.core.config import ModelConfig
 from jlight.core.quantization import QuantizedKV, scales_sharding
+from jlight.core.recurrent_state import PagesAndState
 from jlight.sharding.mesh import describe, mesh_sizes
 from jlight.sharding.rules import KV_CACHE_AXES, is_axes, logical_to_spec, param_specs
 from jlight.sharding.tensor_parallel import TensorParallelOps
@@ -166,7 +167,11 @@ class ShardingPlan:
         return P("dp", *spec) if self.dp > 1 else spec
 
     def _kv_specs(self, cache):
-        """The spec (tree) of a pool as the step sees it: int8 QuantizedKV scales drop head_dim."""
+        """The spec (tree) of a pool as the step sees it: int8 QuantizedKV scales drop head_dim. A hybrid
+        model's PagesAndState: its K pages' spec, its recurrent-state pools replicated (every device runs
+        the recurrent layers whole)."""
+        if isinstance(cache, PagesAndState):
+            return PagesAndState(self._kv_specs(cache.pages), {name: P() for name in cache.state})
         shape = cache.shape[1:] if self.dp > 1 else cache.shape
         spec = self._kv_spec(shape)
         if isinstance(cache, QuantizedKV):

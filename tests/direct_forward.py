@@ -16,6 +16,7 @@ import numpy as np
 from jlight.models import get_model_family
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
+from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
 from jlight.pallas_kernels.dispatch import get_kernels
 
 PAGE_SIZE = 16
@@ -29,8 +30,9 @@ def _metadata(positions, slots, context_len, page_table, last_index) -> BatchMet
         token_seq=jnp.zeros((num_tokens,), jnp.int32),  # [T]: one sequence
         page_table=page_table[None, :],  # [1, max_pages]
         context_lens=jnp.reshape(context_len, (1,)).astype(jnp.int32),  # [1]
-        query_start=jnp.array([0, num_tokens], jnp.int32),  # [2]
+        query_start=jnp.stack([jnp.int32(0), jnp.int32(last_index + 1)]),  # [2]: the real tokens, not the padding
         logits_indices=jnp.reshape(last_index, (1,)).astype(jnp.int32),  # [1]
+        state_slots=jnp.ones((1,), jnp.int32),  # [1]: slot 1 of a hybrid model's state pools (slot 0 is scratch)
     )
 
 
@@ -53,6 +55,9 @@ class SingleSequenceRunner:
         k_shape, v_shape = get_model_family(config).kv_cache_shapes(config, num_pages, PAGE_SIZE)
         self.dtype = jax.tree.leaves(params)[0].dtype
         self.k_cache = jnp.zeros(k_shape, self.dtype)  # [layers, pages, page_size, kv_heads, head_dim]
+        family = get_model_family(config)
+        if hasattr(family, "state_shapes"):  # a hybrid model: its recurrent layers' state pools ride with the K pages
+            self.k_cache = PagesAndState(self.k_cache, zeros_like_shapes(family.state_shapes(config, 2)))
         self.v_cache = jnp.zeros(v_shape, self.dtype)
         self.page_table = jnp.arange(1, num_pages, dtype=jnp.int32)  # [max_pages]: pages 1.. in order
         self.max_len = max_len

@@ -22,6 +22,8 @@ class BatchMetadata(NamedTuple):
     context_lens: jax.Array  # [B] int32, K/V length of each row after this step (0 = empty row)
     query_start: jax.Array  # [B + 1] int32, cu_q_lens: row b's tokens are [query_start[b], query_start[b+1])
     logits_indices: jax.Array  # [B] int32, flat index of the token whose logits each row samples from
+    # [B] int32, each row's recurrent-state slot (hybrid models; 0 = the scratch slot), else None
+    state_slots: jax.Array | None = None
 
 
 # Query blocks: the attention implementations cut each row's tokens into blocks of consecutive

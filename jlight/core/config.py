@@ -22,6 +22,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek",
     "DeepseekV3ForCausalLM": "deepseek",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_next",
+    "NemotronHForCausalLM": "nemotron_h",
     "SmolLM3ForCausalLM": "llama",
     "Phi3ForCausalLM": "llama",
     "Gemma2ForCausalLM": "gemma",
@@ -51,6 +56,22 @@ MOE_MLA_CONFIG_KEYS = (
 ATTENTION_CONFIG_KEYS = (
     "layer_types", "sliding_window_pattern", "no_rope_layers", "attn_logit_softcapping", "final_logit_softcapping",
     "query_pre_attn_scalar", "rope_local_base_freq", "original_max_position_embeddings",
+)
+
+
+# HF config fields of the hybrid families (models/granite_hybrid.py, nemotron_h.py, qwen3_next.py), copied into
+# ModelConfig.extra for those architectures only (names such as mlp_bias or expand mean other things elsewhere).
+HYBRID_FAMILIES = ("granite_hybrid", "nemotron_h", "qwen3_next")
+HYBRID_CONFIG_KEYS = (
+    "layer_types", "layers_block_type", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head",
+    "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
+    "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
+    "shared_intermediate_size", "position_embedding_type",
+    "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "full_attention_interval",
+    "hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+    "expand", "use_conv_bias", "use_bias", "time_step_min", "mamba_hidden_act", "mlp_hidden_act", "mlp_bias",
+    "moe_shared_expert_intermediate_size", "moe_latent_size",
 )
 
 
@@ -113,12 +134,15 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=cfg.get("num_hidden_layers") or _num_layers_of_types(cfg),
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            # Nemotron-H's norms read layer_norm_epsilon (its config.json carries a default rms_norm_eps too;
+            # jlight convert's has rms_norm_eps alone)
+            rms_norm_eps=cfg.get("layer_norm_epsilon", cfg.get("rms_norm_eps", 1e-6)) if model_type == "nemotron_h"
+            else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -128,7 +152,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            extra={**{k: cfg[k] for k in MOE_MLA_CONFIG_KEYS + ATTENTION_CONFIG_KEYS if k in cfg}, **rope_extra},
+            extra={**{k: cfg[k] for k in _extra_keys(arch) if k in cfg}, **rope_extra},
         )
 
     @classmethod
@@ -141,6 +165,20 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download the model's config.json") from None
         return cls.from_hf_dict(cfg)
+
+
+def _num_layers_of_types(cfg: dict) -> int:
+    """Layers of a config that lists its layers' kinds instead of num_hidden_layers (Nemotron-H)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
+    if not types:
+        raise ModelLoadError("config.json has neither num_hidden_layers nor a list of layer types; it is incomplete")
+    return len(types)
+
+
+def _extra_keys(arch: str) -> tuple[str, ...]:
+    """The HF config fields ModelConfig.extra keeps for an architecture (HYBRID_CONFIG_KEYS for a hybrid family)."""
+    hybrid = SUPPORTED_ARCHITECTURES[arch] in HYBRID_FAMILIES
+    return MOE_MLA_CONFIG_KEYS + ATTENTION_CONFIG_KEYS + (HYBRID_CONFIG_KEYS if hybrid else ())
 
 
 def _rope_settings(cfg: dict) -> tuple[float, dict | None, dict]:

@@ -36,6 +36,7 @@ from jlight.engine.llm_engine import EngineStats, LLMEngine
 from jlight.engine.model_runner import padded_pages
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampling_params import SamplingParams
+from jlight.models import get_model_family
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class DisaggregatedEngine:
             raise ValueError(f"disaggregated={config.disaggregated!r} needs {num_prefill + num_decode} devices; "
                              f"there are {len(devices)}")
         loaded = loading.load_model(config.model, dtype=config.dtype)  # once; each engine copies it to its devices
+        if hasattr(get_model_family(loaded.config), "state_shapes"):
+            raise ValueError(f"disaggregated={config.disaggregated!r}: the handoff moves K/V pages, not "
+                             f"{loaded.config.architecture}'s recurrent state; leave disaggregated unset")
         engines = []
         for group in (devices[:num_prefill], devices[num_prefill:num_prefill + num_decode]):
             mesh = f"tp={len(group)}" if len(group) > 1 else None

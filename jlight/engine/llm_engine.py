@@ -18,7 +18,7 @@ import numpy as np
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
-from jlight.engine import output_processor, speculative, startup
+from jlight.engine import output_processor, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager, page_hash
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.host_tier import HostTier
@@ -28,6 +28,7 @@ from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
+from jlight.engine.state_pool import StatePool
 from jlight.engine.structured_output import GrammarCompiler
 from jlight.engine.weights import prepare_params, unrolls
 from jlight.models import get_model_family
@@ -133,6 +134,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(loaded, "name", None) or str(cfg.model or "SmolLM2-135M-Instruct")
         self.family = get_model_family(self.model_config)
+        stateful = hasattr(self.family, "state_shapes")  # a hybrid model: recurrent layers with state slots
+        if stateful:
+            self._check_hybrid(cfg)
+        # A hybrid model's recurrent-state slots: one a running sequence, and as many snapshot slots for the
+        # prefix cache (state_pool.py: one saved state a prompt).
+        self.state_pool = StatePool(cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0) if stateful else None
         params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights)
         if sharding_plan is not None:
             self.model_config = sharding_plan.config  # e.g. KV heads replicated up to tp
@@ -152,7 +159,8 @@ class LLMEngine:
         host_tier = self._make_host_tier(kv_dtype, max_batched) if cfg.kv_offloading_size else None
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
         spec = cfg.speculative
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
+                                   state_pool=self.state_pool)
         draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
         self.runner = ModelRunner(
             self.family, mc, params,
@@ -162,7 +170,7 @@ class LLMEngine:
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
             guide_mask_words=self.grammars.mask_words,
-            draft_slots=draft_slots)
+            draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0)
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
         self._free_slots = list(range(cfg.max_num_seqs))
@@ -211,6 +219,23 @@ class LLMEngine:
         k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, self.config.page_size)
         return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
 
+    def _check_hybrid(self, cfg: EngineConfig) -> None:
+        """Refuse what a hybrid model's engine does not do yet, naming the option."""
+        if cfg.mesh and cfg.collective_matmul:
+            raise ValueError(f"collective_matmul: {self.model_config.architecture}'s recurrent layers read every token of "
+                             "the step, which sequence parallelism splits over tp; drop collective_matmul")
+        if cfg.speculative_config:
+            raise ValueError(f"speculative_config: {self.model_config.architecture}'s recurrent state cannot take back "
+                             "rejected drafts; drop speculative_config")
+        if cfg.kv_offloading_size:
+            raise ValueError(f"kv_offloading_size: the host tier holds K/V pages, not {self.model_config.architecture}'s "
+                             "recurrent state; leave it unset")
+
+    def state_pool_bytes(self) -> int:
+        """Bytes of a hybrid model's recurrent-state pools (0 for other models), taken from the KV budget."""
+        fn = getattr(self.family, "state_shapes", None)
+        return state_pool.bytes_for(fn, self.model_config, self.state_pool.total_slots) if fn else 0
+
     def _make_host_tier(self, kv_dtype, max_batched: int) -> HostTier:
         page_bytes = self.kv_bytes_per_page(kv_dtype)
         capacity = int(self.config.kv_offloading_size * 2**30) // page_bytes
@@ -226,10 +251,12 @@ class LLMEngine:
             bytes_per_page //= max(1, plan.mesh.size)
         wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1
         stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        state_bytes = self.state_pool_bytes()  # allocated with the pages, so taken out of their budget first
         if stats and "bytes_limit" in stats:
-            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization)
+            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
+                                    state_bytes)
         # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
-        return max(2, min(wanted, (2 << 30) // bytes_per_page))
+        return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,
@@ -378,12 +405,17 @@ class LLMEngine:
         if plan.rows:
             for r in plan.rows:
                 self._ensure_slot(r.seq)
+                if r.seq.restore_from:  # a prefix-cache hit of a hybrid model: its saved state into its slot first
+                    self.runner.copy_state_slot(r.seq.restore_from, r.seq.state_slot)
+                    r.seq.restore_from = 0
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
             out = self.runner.launch(inp, guide_mask)
             t1 = time.perf_counter()
             timing["launch"] += t1 - t2
+            if self.state_pool is not None and self.state_pool.num_snapshots:
+                self._save_states(plan)
             for row, r in enumerate(plan.rows):
                 r.seq.num_computed_tokens = r.start + r.num_tokens
                 if r.samples:
@@ -395,6 +427,18 @@ class LLMEngine:
         timing["wait_and_process"] += time.perf_counter() - t1
         self._in_flight = launched
         return outputs
+
+    def _save_states(self, plan) -> None:
+        """Snapshot the state of each row whose chunk ended at its prompt's snapshot point (state_pool.py),
+        enqueued after the step that computed it."""
+        ps = self.config.page_size
+        for r in plan.rows:
+            seq = r.seq
+            point = self.state_pool.snapshot_point(len(seq.prompt_token_ids), ps)
+            if point and r.start + r.num_tokens == point:
+                slot = self.state_pool.snapshot_slot(state_pool.prefix_key(seq.prompt_token_ids, point // ps, ps))
+                if slot:
+                    self.runner.copy_state_slot(seq.state_slot, slot)
 
     def _ensure_slot(self, seq: Sequence) -> None:
         p = seq.params
@@ -507,11 +551,13 @@ class LLMEngine:
 
 
 def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
-                     gpu_memory_utilization: float | None) -> int:
+                     gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
     already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
-    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left."""
-    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
+    state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
+    and counted as in use before them."""
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
     if gpu_memory_utilization is None:
         return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
     budget = int(limit * gpu_memory_utilization) - in_use

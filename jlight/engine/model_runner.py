@@ -28,6 +28,7 @@ import numpy as np
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
 from jlight.core.quantization import make_kv_pool
+from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
 from jlight.engine import sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
 
@@ -108,8 +109,10 @@ def matmul_precision(compute_dtype) -> str | None:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0):
-        """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts."""
+                 int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
+                 num_state_slots=0):
+        """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
+        num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots)."""
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.draft_slots = draft_slots
         self.page_size, self.num_pages = page_size, num_pages
@@ -122,6 +125,16 @@ class ModelRunner:
         # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools
         self.k_cache = make_kv_pool(k_shape, kv_cache_dtype, kv_dtype, k_shard)
         self.v_cache = make_kv_pool(v_shape, kv_cache_dtype, kv_dtype, v_shard)
+        # A hybrid model's recurrent layers keep their state pools (one slot a running sequence, state_pool.py)
+        # beside its attention layers' K pages (jlight/core/recurrent_state.py).
+        self.stateful = hasattr(family, "state_shapes")
+        if self.stateful:
+            state = zeros_like_shapes(family.state_shapes(config, num_state_slots))
+            if sharding_plan is not None and sharding_plan.mesh is not None:  # replicated: every device runs them whole
+                state = jax.device_put(state, jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec()))
+            self.k_cache = PagesAndState(self.k_cache, state)
+            self._copy_slot = jax.jit(lambda state, src, dst: {n: a.at[:, dst].set(a[:, src]) for n, a in state.items()},
+                                      donate_argnums=(0,))
         self.history_dummy_slot = max_num_seqs
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len + 1), jnp.int32)  # [slots + dummy, tokens]
         self.prev_sampled = jnp.zeros((max_num_seqs,), jnp.int32)
@@ -193,6 +206,12 @@ class ModelRunner:
         return k_cache, v_cache, history, sampled_full, StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals)
 
     # ---- host side ----------------------------------------------------------------------
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        """Copy recurrent-state slot src into dst in every pool (a snapshot taken or restored), after the
+        steps already launched and before the next."""
+        pages, state = self.k_cache
+        self.k_cache = PagesAndState(pages, self._copy_slot(state, np.int32(src), np.int32(dst)))
+
     def num_samples(self, T: int) -> int:
         """Sampled positions of the T-token bucket: one a row (B = min(T, max_num_seqs)) and the draft slots."""
         return min(T, min(T, self.max_num_seqs) + self.draft_slots)
@@ -226,6 +245,7 @@ class ModelRunner:
         context_lens = np.zeros(B, np.int32)
         query_start = np.full(B + 1, num_tokens, np.int32)
         row_sample = np.zeros(B, np.int32)
+        state_slots = np.zeros(B, np.int32) if self.stateful else None  # padding rows: the scratch slot
         sp = _SampledPositions(S, self.history_dummy_slot)
         want_plp = False
         guided = []  # (matcher, position) of the positions whose token is held to a grammar
@@ -253,6 +273,8 @@ class ModelRunner:
             page_table[row, : len(pages)] = pages
             context_lens[row] = end
             query_start[row] = t
+            if state_slots is not None:
+                state_slots[row] = seq.state_slot
             p = seq.params
             if p.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
                 want_plp = True
@@ -269,7 +291,7 @@ class ModelRunner:
                 row_sample[row] = j - 1
             t += n
         query_start[len(plan.rows):] = t
-        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, sp.logits_indices)
+        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, sp.logits_indices, state_slots)
         inp = StepInputs(tokens, from_prev, md, sp.sampling_inputs(bool(guided)), sp.history_slot, sp.prompt_len,
                          sp.history_len, row_sample, next_token, np.bool_(want_plp))
         guide_mask = None
@@ -427,7 +449,8 @@ def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, runner: ModelRunner)
 
     md = inp.md
     md = BatchMetadata(tok(md.positions), tok(md.slot_mapping), tok(md.token_seq), row(md.page_table), row(md.context_lens),
-                       np.zeros(B + 1, np.int32), pos(md.logits_indices))
+                       np.zeros(B + 1, np.int32), pos(md.logits_indices),
+                       None if md.state_slots is None else row(md.state_slots))
     s = inp.sampling
     s = sampler.SamplingInputs(*(pos(a, 1 if i in (2, 4) else 0) if np.ndim(a) else a for i, a in enumerate(s)))
     s = s._replace(banned_ids=pos(s.banned_ids, -1), bias_ids=pos(s.bias_ids, -1), draft_tokens=pos(s.draft_tokens, -1))

@@ -15,6 +15,7 @@ import dataclasses
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.sequence import SeqStatus, Sequence
 from jlight.engine.speculative import SpeculativeConfig, propose_ngram
+from jlight.engine.state_pool import StatePool
 
 
 @dataclasses.dataclass
@@ -38,8 +39,9 @@ class SchedulePlan:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, state_pool: StatePool | None = None):
         self.bm = block_manager
+        self.state_pool = state_pool  # hybrid models: a sequence holds a state slot while it runs
         self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,6 +76,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.release(seq.pages)
         seq.pages, seq.page_keys = [], []
+        self._release_state(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.last_row = None
@@ -102,7 +105,7 @@ class Scheduler:
             if speculating and seq.num_pending_tokens:
                 continue  # its drafts follow the token the device is still sampling
             start = seq.num_computed_tokens
-            n = min(seq.num_tokens - start, budget)
+            n = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             drafts = self._drafts(seq, spec, budget - n) if speculating and n == 1 else []
             n += len(drafts)
             while not self._ensure_pages(seq, start + n):
@@ -131,12 +134,19 @@ class Scheduler:
             tokens = seq.all_token_ids
             wants_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.admitted_once
             cached_pages, cached_keys = ([], []) if wants_prompt_logprobs else self.bm.match_prefix(tokens)
+            restore = 0
+            if self.state_pool is not None:  # only as far as a saved state reaches
+                k, restore = self.state_pool.usable_prefix(cached_keys)
+                cached_pages, cached_keys = cached_pages[:k], cached_keys[:k]
             start = len(cached_pages) * self.bm.page_size
-            n = min(len(tokens) - start, budget)
+            n = self._chunk(seq, start, min(len(tokens) - start, budget))
             need = self.bm.pages_needed(start + n) - len(cached_pages)
             if not self.bm.can_allocate(need, cached_pages):
                 break
             self.waiting.popleft()
+            if self.state_pool is not None:
+                seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: one per max_num_seqs
+                seq.restore_from = restore  # the engine copies the snapshot into the slot before the step
             self.bm.acquire(cached_pages)
             seq.pages = cached_pages + self.bm.allocate(need)
             seq.page_keys = list(cached_keys)
@@ -177,7 +187,19 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.release(seq.pages)
         seq.pages, seq.page_keys = [], []
+        self._release_state(seq)
         seq.status = SeqStatus.FINISHED
+
+    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """n, or less so that a hybrid model's prompt chunk ends where its state is saved (state_pool.py)."""
+        if self.state_pool is None or not self.bm.enable_prefix_caching:
+            return n
+        return self.state_pool.stop_at_snapshot(len(seq.prompt_token_ids), self.bm.page_size, start, n)
+
+    def _release_state(self, seq: Sequence) -> None:
+        if self.state_pool is not None:
+            self.state_pool.release(seq.state_slot)
+        seq.state_slot = seq.restore_from = 0
 
 
 def speculates(seq: Sequence) -> bool:

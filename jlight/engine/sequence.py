@@ -31,6 +31,8 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.pages: list[int] = []
         self.page_keys: list[bytes] = []  # prefix keys of the leading full pages
+        self.state_slot = 0  # hybrid models: its recurrent-state slot while running (state_pool.py), 0 = none
+        self.restore_from = 0  # hybrid models: the snapshot slot to copy into state_slot before its next step
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by a launched step)
         self.num_pending_tokens = 0  # sampled on device in a launched step, not yet seen by the host
         self.last_row: int | None = None  # row of this sequence in the most recently launched step

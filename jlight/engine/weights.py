@@ -32,7 +32,7 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
             raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
         params = plan.prepare_params(params)
     unrolled = unrolls(cfg, family, gpu)
-    split_here = unrolled and not isinstance(params["layers"], list)  # else loaded per layer (load_model(unstacked=True))
+    split_here = unrolled and not isinstance(params.get("layers"), list)  # else loaded per layer (load_model(unstacked=True)); hybrid groups: models/hybrid.py
     if split_here:
         # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
         # Mixtral-8x7B, 93 GB, fits one H200 only that way). Sharded weights keep their

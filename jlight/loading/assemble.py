@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.core.config import ModelConfig
+from jlight.core.config import HYBRID_FAMILIES, ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.hf_names_families import family_name_mapper, split_fused_tensors
+from jlight.loading.hf_names_hybrid import hybrid_name_mapper
 from jlight.loading.hf_names_moe import moe_name_mapper
 from jlight.models import get_model_family
 
@@ -33,7 +34,9 @@ def assemble_params(
 
     `place(path, host_array)` puts one tensor on device (default: jax.device_put); the
     sharding code passes one that places it straight into its mesh sharding.
-    `name_mapper(hf_name) -> (key, index, transpose) | None` (default: the family's HF names).
+    `name_mapper(hf_name) -> (key, index, transpose) | [such triples] | None` (default: the family's HF
+    names); transpose is a bool ([out, in] -> [in, out]) or a function of the array (a hybrid family's
+    conv weights and fused expert pairs, split into several entries: loading/hf_names_hybrid.py).
     Stacked groups are the dict entries of `param_shapes` ("layers", DeepSeek's "dense_layers");
     a key "group.param" names another group than "layers", and an index (layer, expert) fills
     one expert of a [layers, experts, ...] weight.
@@ -45,8 +48,9 @@ def assemble_params(
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:
-        name_mapper = moe_name_mapper(config) or family_name_mapper(config) or map_hf_name
-    tensors = split_fused_tensors(config, tensors)
+        name_mapper = moe_name_mapper(config) or family_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
+    if config.family not in HYBRID_FAMILIES:  # the hybrid families' mappers split their fused tensors themselves
+        tensors = split_fused_tensors(config, tensors)
     place = place or (lambda path, a: jax.device_put(a))
     np_dtype = jnp.dtype(dtype)
     # group -> param -> {index tuple: on-device slice}
@@ -56,17 +60,19 @@ def assemble_params(
         mapped = name_mapper(name)
         if mapped is None:
             continue
-        key, layer, transpose = mapped
-        arr = np.asarray(tensor)
-        if transpose:
-            arr = arr.T
-        arr = arr.astype(np_dtype)
-        if layer is None:
-            if key not in shapes:
+        for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
+            arr = np.asarray(tensor)
+            if callable(transpose):  # a hybrid family's reshaped or split weights (hf_names_hybrid.py)
+                arr = transpose(arr)
+            elif transpose:
+                arr = arr.T
+            arr = arr.astype(np_dtype)
+            if layer is None:
+                if key not in shapes:
+                    continue
+                _check_shape(name, arr.shape, shapes[key])
+                top[key] = place(key, arr)
                 continue
-            _check_shape(name, arr.shape, shapes[key])
-            top[key] = place(key, arr)
-        else:
             group, _, key = key.rpartition(".")
             group = group or "layers"
             index = layer if isinstance(layer, tuple) else (layer,)

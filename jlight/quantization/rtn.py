@@ -41,9 +41,13 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
                 layers[name] = quantize(name, layers[name])
         return layers
 
-    layers = params["layers"]  # stacked, or a list of per-layer dicts (load_model(unstacked=True))
-    layers = [quantize_layers(lp) for lp in layers] if isinstance(layers, list) else quantize_layers(layers)
-    out = dict(params, layers=layers)
+    # The stacked layers, or a list of per-layer dicts (load_model(unstacked=True)); a hybrid model
+    # (models/hybrid.py) has one such group a kind of layer instead of "layers".
+    groups = ["layers"] if "layers" in params else [g for g, v in params.items() if isinstance(v, (dict, list))]
+    out = dict(params)
+    for group in groups:
+        layers = params[group]
+        out[group] = [quantize_layers(lp) for lp in layers] if isinstance(layers, list) else quantize_layers(layers)
     if "lm_head" in params and "lm_head" not in keep:
         out["lm_head"] = quantize("lm_head", params["lm_head"])
     return out
