@@ -47,47 +47,44 @@ def smollm2_gguf():
     return default_gguf_path()
 
 
-# The files that take longest on the 2-core CI host (seconds each in a clean run, 2026-12-02), longest
-# first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands files to the two
-# workers in collection order, so the long ones start first and the short ones fill in at the end,
-# and both workers finish together (longest-processing-time-first). Without --no-loadscope-reorder
-# xdist sorts the files by their number of tests instead, which put several of these single-test
-# files last. The order only changes when a file runs, never what it runs.
+# The files that take longest on a 2-core host (seconds each in a quiet full run of the default
+# selection), longest first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands
+# files to the two workers in collection order, so the long ones start first and the short ones fill in
+# at the end, and both workers finish together (longest-processing-time-first). Without
+# --no-loadscope-reorder xdist sorts the files by their number of tests instead, which put several of
+# these single-test files last. The order only changes when a file runs, never what it runs.
 SLOW_FILES_FIRST = (
-    "test_quant_quality.py",  # ~288
-    "test_engine_sharded.py",  # ~194
-    "test_kv_cache_int8.py",  # ~164
-    "test_server_e2e.py",  # ~122
-    "test_convert.py",  # ~122
-    "test_sharding.py",  # ~113
-    "test_smollm2.py",  # ~110
-    "test_moe.py",  # ~97
-    "test_benchmark_scripts.py",  # ~94
-    "test_tp_long_prefill.py",  # ~86
-    "test_structured_output.py",  # ~80 (measured alone, not in a clean CI run)
-    "test_mosaic_attention.py",  # ~85
-    "test_mesh_sweep.py",  # ~79
-    "test_cli.py",  # ~77
-    "test_engine.py",  # ~71
-    "test_int8_all_reduce_quality.py",  # ~71
-    "test_w8a8_engine.py",  # ~70
-    "test_kernels_matmul.py",  # ~69
-    "test_batch.py",  # ~67
-    "test_engine_sharded_unrolled.py",  # ~60
-    "test_grouped_matmul.py",  # ~55
-    "test_server_chaos.py",  # ~55 (measured alone on a shared 2-core host: its tiny server starts in ~30 s cold)
-    "test_fused_projections.py",  # ~51
-    "test_mla.py",  # ~38
-    "test_families_sharded.py",  # ~37 (measured alone on a shared 2-core host)
-    "test_gemma.py",  # ~20-35 (measured alone on a shared 2-core host)
-    "test_qwen3_5.py",  # ~31 (measured alone on a shared 2-core host)
-    "test_reference_llama.py",  # ~27
-    "test_granite_hybrid.py",  # ~27 (measured alone on a shared 2-core host)
-    "test_qwen3_next.py",  # ~22 (measured alone on a shared 2-core host)
-    "test_nemotron_h.py",  # ~22 (measured alone on a shared 2-core host)
-    "test_sharding_distributed.py",  # ~23
-    "test_gptq.py",  # ~22
-    "test_smoothquant.py",  # ~21
+    "test_server_e2e.py",  # ~110
+    "test_sharding.py",  # ~80
+    "test_smollm2.py",  # ~64
+    "test_structured_output.py",  # ~60
+    "test_engine_sharded.py",  # ~59
+    "test_kv_cache_int8.py",  # ~59
+    "test_mosaic_attention.py",  # ~55
+    "test_server_chaos.py",  # ~47
+    "test_convert.py",  # ~38
+    "test_cli.py",  # ~33
+    "test_qwen3_5.py",  # ~31 (alone, on a loaded host)
+    "test_moe.py",  # ~30
+    "test_server_app.py",  # ~29
+    "test_granite_hybrid.py",  # ~27 (alone, on a loaded host)
+    "test_tp_long_prefill.py",  # ~24
+    "test_families_sharded.py",  # ~24
+    "test_kv_cache_fp8.py",  # ~24
+    "test_host_tier.py",  # ~23
+    "test_qwen3_next.py",  # ~22 (alone, on a loaded host)
+    "test_nemotron_h.py",  # ~22 (alone, on a loaded host)
+    "test_w8a8_engine.py",  # ~22
+    "test_grouped_matmul.py",  # ~21
+    "test_fused_projections.py",  # ~21
+    "test_kernels_matmul.py",  # ~19
+    "test_benchmark_scripts.py",  # ~18
+    "test_disaggregated.py",  # ~18
+    "test_gemma.py",  # ~18
+    "test_startup.py",  # ~18
+    "test_hybrid_sharded.py",  # ~17 (alone, on a loaded host)
+    "test_random_checkpoint.py",  # ~16
+    "test_mosaic_prefill.py",  # ~15
 )
 
 

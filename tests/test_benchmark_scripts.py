@@ -197,6 +197,7 @@ def test_gpu_sh_gives_each_suite_its_own_arguments(tmp_path):
     assert usage.returncode == 2 and "SUITE" in usage.stdout
 
 
+@pytest.mark.extended  # a GPU script's CPU smoke run
 def test_context_sweep_measures_the_growth_cases_in_one_engine(bench, tmp_path):
     import context_sweep
 
@@ -210,6 +211,7 @@ def test_context_sweep_measures_the_growth_cases_in_one_engine(bench, tmp_path):
     assert result["command"] and result["date"]
 
 
+@pytest.mark.extended  # a GPU script's CPU smoke run
 def test_attention_decode_times_the_kernel_variants(bench, tmp_path):
     import attention_decode
 

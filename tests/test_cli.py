@@ -46,6 +46,7 @@ def test_prompt_longer_than_the_context_is_one_line(smollm2_gguf):
     assert "context" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.extended  # two JAX processes; test_sharding_distributed covers the engine's
 def test_generate_over_two_processes_matches_one(tiny_model, tmp_path):
     """`jlight generate` in two processes joined by jax.distributed on loopback, one tp=2 mesh
     spanning both (one CPU device each), prints the same text as a single process."""

@@ -4,7 +4,11 @@ Greedy tokens must equal one device's, for float32 weights, int8 weights and an 
 expert parallelism (2 simulated CPU devices)."""
 import textwrap
 
+import pytest
+
 from simulated_devices import run_script
+
+pytestmark = pytest.mark.extended  # README: `python -m pytest -m extended tests`
 
 SCRIPT = textwrap.dedent("""
     import json

@@ -8,10 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from model_configs import make_config  # noqa: E402
+
+pytestmark = pytest.mark.extended  # README: `python -m pytest -m extended tests`
 
 
 def sweep(tmp_path, num_devices: int, *args: str) -> dict:

@@ -38,7 +38,9 @@ def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_he
     return q, k, v, md
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+# The first case runs by default; the others (two warpgroups' rows, group 3 with two KV heads) with -m extended.
+@pytest.mark.parametrize("case", [CASES[0]] + [pytest.param(c, marks=pytest.mark.extended) for c in CASES[1:]],
+                         ids=[c[0] for c in CASES])
 def test_matches_reference(case):
     name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads = case
     q, k, v, md = _inputs(np.random.default_rng(sum(map(ord, name))), group, head_dim, q_lens, ctx_lens, num_tokens,

@@ -30,6 +30,7 @@ openai = pytest.importorskip("openai")
 API_KEY = "e2e-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 256
+BATCHED_TOKENS = 64  # steps of 1-64 tokens: five compiled buckets for the LLM and the server alike
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
@@ -37,14 +38,14 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def llm():
     import jlight.api
-    return jlight.api.LLM(max_model_len=MAX_MODEL_LEN)
+    return jlight.api.LLM(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def server(llm):  # after llm: the server then finds the XLA compilation cache warm
     port = free_port()
     cmd = [sys.executable, "-m", "jlight.serve.cli", "--port", str(port), "--api-key", API_KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", "30", "--log-level", "warning"]
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(BATCHED_TOKENS), "--shutdown-timeout", "30", "--log-level", "warning"]
     with server_process(cmd, port, os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jlight_serve_{port}.log")) as served:
         yield served
 

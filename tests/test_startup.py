@@ -33,23 +33,36 @@ def test_cli_output_off_a_terminal_is_short_and_names_each_phase(tiny_model):
     assert lines[-1].startswith("[prompt ")  # the request's own summary comes last
 
 
-def test_progress_draws_a_bar_only_on_a_terminal(caplog):
+def test_progress_draws_a_bar_only_on_a_terminal():
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
-    tty = Terminal()
-    with caplog.at_level(logging.INFO, logger="jlight"):
+    class Records(logging.Handler):  # on the "jlight" logger itself: log_to_stderr() stops it propagating
+        messages: list = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler, log = Records(), logging.getLogger("jlight")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        tty = Terminal()
         with Progress(3, "loading", "tensor", summary="read {n} {unit}s", stream=tty) as bar:
             for _ in range(3):
                 bar.update()
-        assert "\r" in tty.getvalue() and "read" not in caplog.text  # a bar, no summary line
+        assert "\r" in tty.getvalue() and not any("read" in m for m in handler.messages)  # a bar, no summary line
         pipe = io.StringIO()
         with Progress(3, "loading", "tensor", summary="read {n} {unit}s in {seconds:.1f} s", stream=pipe) as bar:
             for _ in range(3):
                 bar.update()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
     assert pipe.getvalue() == ""
-    assert [r.getMessage()[:len("read 3 tensors in ")] for r in caplog.records] == ["read 3 tensors in "]
+    assert [m[:len("read 3 tensors in ")] for m in handler.messages] == ["read 3 tensors in "]
 
 
 def _engine(model, **options):

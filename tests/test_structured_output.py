@@ -223,6 +223,7 @@ MESH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.extended  # a mesh of three simulated devices
 def test_constrained_steps_under_a_mesh_compile_nothing(smollm2_gguf):
     """Under a mesh the all-ones mask of unconstrained steps is committed (replicated); a constrained step's
     mask passed as a host array was another jit cache key: each bucket compiled again at its first
