@@ -1,4 +1,5 @@
 """Session fixtures shared by the test files: tiny random HF models and the SmolLM2 GGUF."""
+import logging
 import os
 import sys
 
@@ -86,6 +87,16 @@ SLOW_FILES_FIRST = (
     "test_random_checkpoint.py",  # ~16
     "test_mosaic_prefill.py",  # ~15
 )
+
+
+@pytest.fixture(autouse=True)
+def jlight_logger_as_found():
+    """A test that runs a CLI command in-process (jlight.progress.log_to_stderr) gives the `jlight` logger
+    a stderr handler and stops its propagation, which would hide later tests' records from caplog."""
+    log = logging.getLogger("jlight")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    log.handlers[:], log.level, log.propagate = handlers, level, propagate
 
 
 def pytest_collection_modifyitems(items):
