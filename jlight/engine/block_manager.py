@@ -152,6 +152,19 @@ class BlockManager:
                 else:
                     self.free_pages.append(p)
 
+    def publish_full_pages(self, pages: list[int], page_keys: list[bytes], token_slice, num_full: int) -> None:
+        """Key and publish a sequence's pages up to `num_full` (full, computed, tokens known on the host):
+        page_keys (the sequence's keys so far, one per published page) grows to min(num_full, len(pages));
+        token_slice(start, end) gives the sequence's tokens."""
+        if not self.enable_prefix_caching:
+            return
+        ps = self.page_size
+        while len(page_keys) < min(num_full, len(pages)):
+            i = len(page_keys)
+            key = page_hash(page_keys[-1] if page_keys else b"", token_slice(i * ps, (i + 1) * ps))
+            self.register_full_page(pages[i], key)
+            page_keys.append(key)
+
     def register_full_page(self, page: int, key: bytes) -> None:
         """Publish a page whose tokens are all computed under its prefix key."""
         if not self.enable_prefix_caching or self.page_key[page] is not None:

@@ -19,7 +19,7 @@ from jlight import loading  # loading.load_model is looked up at each call (test
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import output_processor, speculative, startup, state_pool
-from jlight.engine.block_manager import BlockManager, page_hash
+from jlight.engine.block_manager import BlockManager
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.host_tier import HostTier
 from jlight.engine.model_runner import ModelRunner
@@ -533,17 +533,10 @@ class LLMEngine:
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Publish pages that are now full and whose tokens the host knows (prefix caching)."""
-        if not self.block_manager.enable_prefix_caching or not seq.pages:
-            return
-        ps = self.block_manager.page_size
-        num_known = seq.num_tokens - seq.num_pending_tokens
-        limit = min(seq.num_computed_tokens, num_known) // ps
-        while len(seq.page_keys) < min(limit, len(seq.pages)):
-            i = len(seq.page_keys)
-            parent = seq.page_keys[-1] if seq.page_keys else b""
-            key = page_hash(parent, seq.token_slice(i * ps, (i + 1) * ps))
-            self.block_manager.register_full_page(seq.pages[i], key)
-            seq.page_keys.append(key)
+        if seq.pages:
+            num_known = seq.num_tokens - seq.num_pending_tokens
+            self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice,
+                                                  min(seq.num_computed_tokens, num_known) // self.block_manager.page_size)
 
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
