@@ -39,6 +39,8 @@ import time
 import httpx
 import numpy as np
 
+from jlight.serve.metrics import parse_metrics
+
 
 @dataclasses.dataclass
 class BenchRequest:
@@ -257,6 +259,37 @@ def print_summary(s: dict) -> None:
               f"p99 {s[f'p99_{m}_ms']:9.1f} ms")
     if s["errors"]:
         print(f"    errors: {s['errors']}")
+    spec = s.get("spec_decode")
+    if spec and spec["num_drafts"]:
+        print(f"    speculative decoding: {spec['num_draft_tokens']:.0f} drafted, {spec['num_accepted_tokens']:.0f} accepted "
+              f"({spec['acceptance_rate']:.1%}), mean acceptance length {spec['mean_acceptance_length']:.2f}")
+
+
+SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total")
+
+
+def spec_counters(client: httpx.Client) -> dict | None:
+    """The server's speculative-decoding counters from /metrics (jlight's names, or vLLM's: the same after
+    the prefix), or None where it has none."""
+    try:
+        text = client.get("/metrics").text
+    except httpx.HTTPError:
+        return None
+    found = {name.split(":", 1)[-1]: value for name, value in parse_metrics(text).items()
+             if name.split(":", 1)[-1] in SPEC_COUNTERS}
+    return found if len(found) == len(SPEC_COUNTERS) else None
+
+
+def spec_summary(before: dict | None, after: dict | None) -> dict | None:
+    """What one rate's requests verified: drafts, acceptance rate (accepted / drafted tokens) and vLLM's
+    mean acceptance length (1 + accepted tokens / verifies: the tokens a verifying step adds)."""
+    if before is None or after is None:
+        return None
+    verifies, drafted, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+    return {"num_drafts": verifies, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / verifies if verifies else None}
 
 
 def parse_rates(text: str) -> list[float]:
@@ -311,13 +344,17 @@ def run(args: argparse.Namespace) -> dict:
               "dataset": args.dataset, "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "range_ratio": args.range_ratio,
               "max_concurrency": args.max_concurrency, "prompts_reused_across_rates": reused, "results": []}
+    metrics_client = httpx.Client(base_url=args.base_url, headers=headers, timeout=60)
     for rate, requests in zip(args.request_rates, per_rate):
+        before = spec_counters(metrics_client)
         s = asyncio.run(run_at_rate(args.base_url, requests, rate, args.max_concurrency, model, args.api_key,
                                     ignore_eos, args.seed))
+        s["spec_decode"] = spec_summary(before, spec_counters(metrics_client))
         print_summary(s)
         report["results"].append(s)
         with open(args.out + ".json", "w") as f:  # after every rate: a run cut short keeps what it measured
             json.dump(report, f, indent=2)
+    metrics_client.close()
     wrote_png = plot(report["results"], args.out + ".png")
     print(f"wrote {args.out}.json" + (f" and {args.out}.png" if wrote_png else " (no PNG: matplotlib is not installed)"))
     return report

@@ -79,6 +79,7 @@ class FakeAsyncLLM:
         # the constraint would; None: constrained requests get 'x's like the rest.
         self.scripted_text = None
         self.free_text = None  # the same for requests without a constraint (a model choosing to call tools)
+        self.tokens_out = 0  # output steps yielded: the stats count each as a verify of 2 drafts, 1 kept
 
     async def generate(self, prompt, sampling_params, request_id):
         self.last_params = sampling_params
@@ -110,6 +111,7 @@ class FakeAsyncLLM:
                 if request_id not in self.active:
                     return
                 done = step == steps
+                self.tokens_out += 1
                 if done:
                     self.active.discard(request_id)
                 outs = []
@@ -141,7 +143,8 @@ class FakeAsyncLLM:
             self.active.discard(request_id)
 
     def stats(self):
-        return FakeStats(num_running=len(self.active), num_pages_used=len(self.active))
+        return FakeStats(num_running=len(self.active), num_pages_used=len(self.active), spec_num_drafts=self.tokens_out,
+                         spec_num_draft_tokens=2 * self.tokens_out, spec_num_accepted_tokens=self.tokens_out)
 
     def shutdown(self):
         pass
@@ -736,6 +739,9 @@ def test_serving_benchmark_client(server, tmp_path):
         # Client-side gaps jitter around the 10 ms step (a late chunk shortens the next gap).
         assert 8 <= s["median_tpot_ms"] < 200 and 5 <= s["median_itl_ms"] < 200
         assert s["mean_ttft_ms"] >= 10 and s["mean_e2el_ms"] >= 50
+        # The server's counters over this rate alone (the warm-up request's before it): 4 x 5 steps.
+        assert s["spec_decode"] == {"num_drafts": 20, "num_draft_tokens": 40, "num_accepted_tokens": 20,
+                                    "acceptance_rate": 0.5, "mean_acceptance_length": 2.0}
     assert json.loads((tmp_path / "random.json").read_text())["results"] == report["results"]
     try:
         import matplotlib  # noqa: F401  (optional: the plot is skipped without it)
