@@ -70,8 +70,8 @@ class HybridDecoder(nnx.Module):
     KINDS: dict = {}
 
     @staticmethod
-    def layer_kinds(config) -> list[str]:
-        raise NotImplementedError
+    def layer_kinds(config) -> list[str]:  # each family says its own (granite_hybrid, nemotron_h, qwen3_next)
+        raise NotImplementedError("a HybridDecoder subclass gives layer_kinds(config): each layer's kind in model order")
 
     def __init__(self, config, layout: Layout = Layout()):
         c = self.config = config

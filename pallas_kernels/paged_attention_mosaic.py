@@ -72,6 +72,15 @@ INT8_PAGE_SIZES = (32, 64)
 FP8_DTYPE = jnp.float8_e4m3fn
 
 
+def wgmma_layouts(interpreting: bool):
+    """(iota(shape, dim), tile(x), row_vec(x)) in the register layouts of the wgmma accumulator and of
+    its rows; identities (and a plain iota) in the interpreter, which has no register layouts."""
+    if interpreting:
+        return (lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)), (lambda x: x), (lambda x: x)
+    return ((lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)),
+            functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA),
+            functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
+
 def supports(q, k_cache) -> bool:
     """Whether this kernel takes these inputs (else the Triton kernel does)."""
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -147,14 +156,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
                 issue(first_step + s, s)
 
         plgpu.barrier_wait(q_bar)
-        # Register layouts: the wgmma accumulator's, and its rows'. The interpreter has no layouts.
-        if interpreting:
-            iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)
-            tile, row_vec = lambda x: x, lambda x: x
-        else:
-            iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-            tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
-            row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
+        iota, tile, row_vec = wgmma_layouts(interpreting)
         shape = (_ROWS, kv_per_step)
         r, c = iota(shape, 0), iota(shape, 1)
 

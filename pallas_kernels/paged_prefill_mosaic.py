@@ -45,7 +45,7 @@ from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.core.quantization import QuantizedKV
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
-from jlight.pallas_kernels.paged_attention_mosaic import PAGE_SIZES, query_rows, uses_prefill_blocks
+from jlight.pallas_kernels.paged_attention_mosaic import PAGE_SIZES, query_rows, uses_prefill_blocks, wgmma_layouts
 
 _MASKED = -1e30
 _WG_ROWS = 64  # query rows of one compute warpgroup: one wgmma tile
@@ -135,13 +135,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
             q_smem = qo_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[block, head, pl.ds(r0, _WG_ROWS)], q_smem, q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
-            if interpreting:  # the interpreter has no register layouts
-                iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)
-                tile, row_vec = lambda x: x, lambda x: x
-            else:
-                iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-                tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
-                row_vec = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1))
+            iota, tile, row_vec = wgmma_layouts(interpreting)
             shape = (_WG_ROWS, kv_per_step)
 
             @pl.when(computed > 0)
