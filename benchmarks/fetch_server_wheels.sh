@@ -17,6 +17,6 @@ fetch() {  # DIR NAME==VERSION ...
 }
 fetch .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 uvicorn==0.54.0 \
   typing-inspection==0.4.2 annotated-types==0.7.0 opentelemetry-api==1.45.2
-fetch .whl llguidance==1.9.1  # structured outputs (`gpu.sh structured`); the sixteenth session's carried version
+fetch .whl --platform manylinux_2_31_x86_64 llguidance==1.9.1  # structured outputs (`gpu.sh structured`); the sixteenth session's carried version
 fetch .whl/fallback typing-extensions==4.16.0 annotated-doc==0.0.7 anyio==4.16.0
 ls .whl .whl/fallback
