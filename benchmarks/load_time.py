@@ -160,8 +160,10 @@ import jlight
 llm = jlight.LLM(sys.argv[1], dtype="bfloat16", max_model_len=int(sys.argv[2]), compile_threads=json.loads(sys.argv[3]),
                  compilation_cache_dir=sys.argv[4])
 e = llm.engine
+store = e.runner.executable_store
 print("READY " + json.dumps({"in_process_s": time.perf_counter() - t0, "load_s": e.load_seconds,
-      "compile_s": e.warmup_seconds, "buckets": e.runner.buckets}), flush=True)
+      "phases_s": e.startup_seconds, "compile_s": e.warmup_seconds, "buckets": e.runner.buckets,
+      "executables_loaded": store.loaded if store else None}), flush=True)
 """
 
 
@@ -189,8 +191,12 @@ def measure_startup(model: str, work: str, runs: int, max_model_len: int, compil
         for kind in ("cold", "warm"):
             starts[kind].append(timed_start(model, cache, max_model_len, compile_threads))
             r = starts[kind][-1]
-            print(f"start {kind}: ready in {r['ready_s']:.1f} s (load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s, "
-                  f"{len(r['buckets'])} buckets), {r['remat_warnings']} remat warnings", flush=True)
+            phases = r.get("phases_s", {})
+            print(f"start {kind}: ready in {r['ready_s']:.1f} s (process start and imports "
+                  f"{r['ready_s'] - r['in_process_s'] + (r['in_process_s'] - sum(phases.values()) - r['compile_s']):.1f} s, "
+                  f"load {r['load_s']:.1f} s, prepare {phases.get('prepare', 0):.1f} s, set-up {phases.get('setup', 0):.1f} s, "
+                  f"compile {r['compile_s']:.1f} s, {len(r['buckets'])} buckets, {r['executables_loaded']} loaded "
+                  f"compiled), {r['remat_warnings']} remat warnings", flush=True)
         shutil.rmtree(cache, ignore_errors=True)
     return {"compile_threads": compile_threads, "max_model_len": max_model_len,
             **{f"{kind}_ready_s_median": float(np.median([r["ready_s"] for r in rs])) for kind, rs in starts.items()},
@@ -214,6 +220,7 @@ def main(argv=None) -> int:
     parser.add_argument("--drop-caches", action="store_true", help="drop the OS page cache before each load (root)")
     parser.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 GGUF comparison")
     parser.add_argument("--startup", action="store_true", help="also time engine starts to ready, cold and warm")
+    parser.add_argument("--startup-only", action="store_true", help="with --startup: skip the load and convert timings")
     parser.add_argument("--startup-runs", type=int, default=2, help="cold + warm pairs")
     parser.add_argument("--max-model-len", type=int, default=4096, help="of the started engines")
     parser.add_argument("--compile-threads", type=int, default=None, help="EngineConfig.compile_threads (default: auto)")
@@ -231,7 +238,8 @@ def main(argv=None) -> int:
         nbytes = write_random_safetensors(hf_dir, shape)
         print(f"wrote {nbytes / 1e9:.2f} GB of random bf16 safetensors in {time.perf_counter() - start:.1f}s")
         label = ("llama3-8b-shape-small" if args.small else "llama3-8b-shape") + f"-{shape['num_hidden_layers']}L"
-        rows.append(measure(label, hf_dir, work, args.drop_caches))
+        if not args.startup_only:
+            rows.append(measure(label, hf_dir, work, args.drop_caches))
         startup = measure_startup(hf_dir, work, args.startup_runs, args.max_model_len, args.compile_threads) if args.startup else None
         shutil.rmtree(hf_dir, ignore_errors=True)
         gguf = None if args.no_smollm2 else local_default_gguf()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
 
@@ -21,6 +22,7 @@ from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import output_processor, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.engine_config import EngineConfig
+from jlight.engine.executable_store import ExecutableStore
 from jlight.engine.host_tier import HostTier
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
@@ -128,6 +130,7 @@ class LLMEngine:
             # per layer (assemble_params' unstacked); a mesh's sharding plan places the stacked weights first.
             loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh,
                                         unstacked=mesh is None and unrolls(cfg, None, dispatch.on_gpu()))
+        jax.block_until_ready(loaded.params)  # the transfers done: the load's time is all in load_seconds
         self.load_seconds = time.perf_counter() - self._start_time
         self.loaded = loaded
         self.model_config = loaded.config
@@ -141,6 +144,8 @@ class LLMEngine:
         # prefix cache (state_pool.py: one saved state a prompt).
         self.state_pool = StatePool(cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0) if stateful else None
         params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights)
+        jax.block_until_ready(params)
+        self.startup_seconds = {"load": self.load_seconds, "prepare": time.perf_counter() - self._start_time - self.load_seconds}
         if sharding_plan is not None:
             self.model_config = sharding_plan.config  # e.g. KV heads replicated up to tp
         mc = self.model_config
@@ -170,7 +175,10 @@ class LLMEngine:
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
             guide_mask_words=self.grammars.mask_words,
-            draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0)
+            draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
+            executable_store=self._executable_store(cfg, mc))
+        jax.block_until_ready((self.runner.k_cache, self.runner.v_cache))
+        self.startup_seconds["setup"] = time.perf_counter() - self._start_time - sum(self.startup_seconds.values())
         self.requests: dict[str, Request] = {}
         self._seq_request: dict[int, Request] = {}
         self._free_slots = list(range(cfg.max_num_seqs))
@@ -197,12 +205,17 @@ class LLMEngine:
         buckets = sorted(set(self.runner.buckets if buckets is None else buckets))
         threads = startup.compile_threads(self.config.compile_threads, len(buckets))
         logger.info("compiling %s%s, %d at a time", startup.describe_buckets(buckets), what, threads)
+        store = self.runner.executable_store
+        stored_before = store.loaded if store is not None else 0
         with Progress(len(buckets), "compiling step buckets", "bucket") as bar:
             seconds = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets, threads=threads)
         if self.block_manager.host_tier is not None:
             self.block_manager.host_tier.warmup(self.runner)
-        logger.info("ready in %.1f s (loading %.1f s, compiling %.1f s)", time.perf_counter() - self._start_time,
-                    self.load_seconds, seconds)
+        phases = self.startup_seconds
+        stored = f", {store.loaded - stored_before} of {len(buckets)} loaded compiled" if store is not None else ""
+        logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
+                    time.perf_counter() - self._start_time, phases["load"], phases["prepare"], phases["setup"],
+                    seconds, stored)
         return seconds
 
     def warmup_for_one_request(self, prompt_len: int) -> float:
@@ -214,6 +227,13 @@ class LLMEngine:
         return self._warmup({self.runner.bucket_for(t) for t in steps}, " for this request")
 
     # ---- set-up helpers ---------------------------------------------------------------------
+    def _executable_store(self, cfg: EngineConfig, model_config) -> ExecutableStore | None:
+        """The compiled-step store under the compilation cache, keyed by this engine's whole configuration."""
+        wanted = dispatch.on_gpu() if cfg.store_executables is None else cfg.store_executables
+        if not (wanted and cfg.compilation_cache_dir):
+            return None
+        return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((cfg, model_config)))
+
     def kv_bytes_per_page(self, kv_dtype) -> int:
         """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""
         k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, self.config.page_size)

@@ -110,9 +110,12 @@ class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
-                 num_state_slots=0):
+                 num_state_slots=0, executable_store=None):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
-        num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots)."""
+        num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots).
+        executable_store: an executable_store.ExecutableStore the warm-up loads compiled buckets from and
+        saves them to; None: every bucket is traced and compiled."""
+        self.executable_store = executable_store
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.draft_slots = draft_slots
         self.page_size, self.num_pages = page_size, num_pages
@@ -350,22 +353,31 @@ class ModelRunner:
         Each bucket's step is traced and lowered here, one after the other (Python), and compiled ahead
         of time on `threads` threads: XLA compiles outside Python's lock, so the buckets compile side
         by side. `launch` then runs the compiled executables themselves (`_executables`, by layout),
-        whatever the arrays' commitment: no jit cache key can miss. progress(T) follows each bucket."""
+        whatever the arrays' commitment: no jit cache key can miss. A bucket the executable store holds
+        is loaded instead (no tracing), and each one compiled here is saved to it. progress(T) follows
+        each bucket."""
         t0 = time.perf_counter()
         order = self.buckets if buckets is None else sorted(set(buckets))
+        store = self.executable_store
         pending = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-compile") as pool:
             for T in order:
                 inp, _ = self.prepare(SchedulePlan([], []), {})
                 inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), self)
                 ints, floats, layout = step_packing.pack(inp)
+                args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
+                        self.unconstrained_mask(inp))
+                key = store.key(args, (self._precision, STEP_COMPILER_OPTIONS, layout)) if store else None
+                if layout not in self._executables and store is not None:
+                    stored = store.load(key)
+                    if stored is not None:
+                        self._executables[layout] = stored
                 if layout in self._executables:
                     if progress is not None:
                         progress(T)
                     continue
-                lowered = self._step.lower(self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled,
-                                           ints, floats, self.unconstrained_mask(inp), layout)
-                pending[pool.submit(lowered.compile)] = (T, layout)
+                lowered = self._step.lower(*args, layout)
+                pending[pool.submit(self._compile, lowered, key)] = (T, layout)
             for done in concurrent.futures.as_completed(pending):
                 T, layout = pending[done]
                 self._executables[layout] = done.result()
@@ -374,6 +386,13 @@ class ModelRunner:
         self.write_history(self.history_dummy_slot, [])
         jax.block_until_ready(self.history)
         return time.perf_counter() - t0
+
+    def _compile(self, lowered, key):
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        if self.executable_store is not None:
+            self.executable_store.save(key, compiled, time.perf_counter() - start)
+        return compiled
 
 
 class _SampledPositions:

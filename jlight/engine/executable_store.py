@@ -1,0 +1,128 @@
+"""Compiled step executables kept on disk between processes: a warm start loads them instead of
+tracing, lowering and compiling every step bucket again.
+
+JAX's persistent compilation cache skips only XLA's compile; tracing and lowering an unrolled 32-layer
+step still cost seconds a bucket, one bucket after another under Python's lock. A stored executable
+skips all three.
+
+Invariants:
+- An entry's key covers everything the compiled program depends on: the jax and jaxlib versions, the
+  backend and its devices, JAX's configuration and the XLA/JAX environment variables, the source of
+  jlight's program packages (PROGRAM_PACKAGES), the engine's description of the program (its EngineConfig and model
+  config), and the step's inputs (tree structure, shapes, dtypes, shardings) with its static layout.
+  A change to any of these gives a new key, so a stale executable is never loaded.
+- An entry is written whole or not at all (a temporary file renamed into place); a load that fails for
+  any reason (a corrupt or truncated file, a JAX that cannot deserialize it) is logged and the step is
+  compiled instead: the store can only save time, never change what runs.
+- Only compiles that took at least min_compile_seconds are stored (1 s, as JAX's persistent cache).
+- The engine stores executables on GPUs only. On the CPU (JAX 0.10.2) an executable that JAX's persistent
+  cache served serializes without its code: the copy loads, then fails at its first run ("Function ...
+  not found"). The store cannot tell such an executable from a fresh compile, so the CPU keeps to JAX's
+  cache.
+- Entries are only ever read by the process that asks for their exact key; the directory is the
+  user's own cache (the engine's compilation cache directory), never shared input.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import pickle
+import sys
+import tempfile
+
+import jax
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # the entry layout below: pickle of (payload, in_tree, out_tree)
+
+
+# The packages whose source decides a compiled step (not the server's or the batch runner's).
+PROGRAM_PACKAGES = ("jlight", "jlight.core", "jlight.engine", "jlight.loading", "jlight.models", "jlight.pallas_kernels",
+                    "jlight.sharding", "jlight.quantization")
+
+
+def _source_digest() -> str:
+    """sha256 over the .py files of PROGRAM_PACKAGES, read from disk (imported or not)."""
+    h = hashlib.sha256()
+    for name in PROGRAM_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for directory in (spec.submodule_search_locations or []) if spec else []:
+            for fname in sorted(os.listdir(directory)):
+                if fname.endswith(".py"):
+                    with open(os.path.join(directory, fname), "rb") as f:
+                        h.update(f"{name}/{fname}\0".encode() + f.read())
+    return h.hexdigest()
+
+
+def _leaf_signature(leaf) -> str:
+    sharding = getattr(leaf, "sharding", None)
+    return f"{getattr(leaf, 'shape', ())}|{getattr(leaf, 'dtype', type(leaf).__name__)}|{sharding}"
+
+
+class ExecutableStore:
+    """Compiled executables under `directory`, one file per key."""
+
+    def __init__(self, directory: str, program: str, min_compile_seconds: float = 1.0):
+        """program: the caller's description of what it compiles (e.g. repr of its configs).
+        min_compile_seconds: compiles quicker than this are not stored (JAX's persistent cache's default)."""
+        self.directory = directory
+        self.min_compile_seconds = min_compile_seconds
+        backend = jax.devices()[0].client
+        env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "TF_", "CUDA_", "NVIDIA_")))
+        config = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)
+        self._base = "\n".join(map(str, (
+            FORMAT, jax.__version__, getattr(jax.lib, "__version__", None), backend.platform, backend.platform_version,
+            [(d.id, d.device_kind) for d in jax.devices()], env, config, _source_digest(), program)))
+        self.loaded = self.saved = 0
+
+    def key(self, args, static) -> str:
+        leaves, tree = jax.tree.flatten(args)
+        h = hashlib.sha256(self._base.encode())
+        h.update(f"\n{tree}\n{static!r}\n".encode())
+        for leaf in leaves:
+            h.update(_leaf_signature(leaf).encode() + b"\n")
+        return h.hexdigest()
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], key + ".jex")
+
+    def load(self, key: str):
+        """The stored jax.stages.Compiled for `key`, or None (not stored, or unreadable: logged)."""
+        path = self._path(key)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - any failure means: compile instead
+            logger.info("stored executable %s unusable (%s: %.200s); compiling it", path, type(e).__name__, e)
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, key: str, compiled, compile_seconds: float) -> None:
+        """Store `compiled` under `key` if its compile took at least min_compile_seconds; a backend that
+        cannot serialize it is logged and skipped."""
+        if compile_seconds < self.min_compile_seconds:
+            return
+        try:
+            entry = pickle.dumps(serialize_executable.serialize(compiled))
+            path = self._path(key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(entry)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except Exception as e:  # noqa: BLE001 - storing is an optimization: never fail a start over it
+            logger.info("could not store a compiled step (%s: %.200s)", type(e).__name__, e)
+            return
+        self.saved += 1

@@ -1,0 +1,81 @@
+"""Compiled steps stored between engines (executable_store.py): a second engine with the same
+configuration loads every bucket instead of tracing it and gives the same tokens; another configuration
+or a damaged entry compiles instead."""
+import glob
+import os
+
+import jax
+
+import jlight
+from jlight import SamplingParams
+from jlight.engine.executable_store import ExecutableStore
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 40))]
+
+
+def _engine(model_dir, cache, **kw):
+    """An engine whose step buckets go through an ExecutableStore under `cache` that stores every compile
+    (the tiny model's compile is well under the store's default 1 s). The pool size differs in every
+    pytest process, so JAX's own persistent cache (one directory a process, kept between runs) cannot
+    have served these programs: on the CPU the store is off by default because such executables do not
+    serialize whole."""
+    opts = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+                num_pages=64 + os.getpid() % 1000, store_executables=False, warmup=False)
+    llm = jlight.LLM(model_dir, **{**opts, **kw})
+    runner = llm.engine.runner
+    runner.executable_store = ExecutableStore(os.path.join(cache, "executables"), repr(llm.engine.config),
+                                              min_compile_seconds=0.0)
+    runner.warmup()
+    return llm
+
+
+def _tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _entries(cache):
+    return sorted(glob.glob(os.path.join(str(cache), "executables", "*", "*.jex")))
+
+
+def test_a_second_engine_loads_every_bucket_and_gives_the_same_tokens(tiny_model, tmp_path):
+    model_dir = tiny_model("LlamaForCausalLM")
+    first = _engine(model_dir, str(tmp_path))
+    buckets = len(first.engine.runner.buckets)
+    assert first.engine.runner.executable_store.loaded == 0
+    assert len(_entries(tmp_path)) == buckets == first.engine.runner.executable_store.saved
+    want = _tokens(first)
+
+    second = _engine(model_dir, str(tmp_path))
+    assert second.engine.runner.executable_store.loaded == buckets  # none traced or compiled
+    assert _tokens(second) == want
+
+    # Another configuration is another program: its steps compile and are stored beside the first's.
+    other = _engine(model_dir, str(tmp_path), max_num_seqs=3)
+    assert other.engine.runner.executable_store.loaded == 0
+    assert len(_entries(tmp_path)) == 2 * buckets
+    assert _tokens(other) == want
+
+
+def test_a_damaged_entry_is_compiled_instead(tiny_model, tmp_path):
+    # Not the first test's program: XLA:CPU cannot run one serialized program loaded twice in a process
+    # once the first copy is freed ("Function ... not found"), another reason the CPU stores nothing by default.
+    model_dir, other = tiny_model("LlamaForCausalLM"), dict(max_num_seqs=2)
+    want = _tokens(_engine(model_dir, str(tmp_path), **other))
+    entries = _entries(tmp_path)
+    with open(entries[0], "r+b") as f:  # truncated: as a crash mid-write would leave it without the rename
+        f.truncate(100)
+    llm = _engine(model_dir, str(tmp_path), **other)
+    assert llm.engine.runner.executable_store.loaded == len(entries) - 1
+    assert _tokens(llm) == want
+
+
+def test_the_engine_stores_on_gpus_by_default_and_only_with_a_cache_directory(tiny_model, tmp_path):
+    model_dir = tiny_model("LlamaForCausalLM")
+    opts = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32, warmup=False)
+    default = jlight.LLM(model_dir, compilation_cache_dir=str(tmp_path), **opts).engine.runner.executable_store
+    assert (default is not None) == (jax.default_backend() == "gpu")
+    assert jlight.LLM(model_dir, compilation_cache_dir=str(tmp_path), store_executables=True,
+                      **opts).engine.runner.executable_store is not None
+    assert jlight.LLM(model_dir, compilation_cache_dir="", store_executables=True,
+                      **opts).engine.runner.executable_store is None
