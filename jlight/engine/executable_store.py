@@ -29,7 +29,6 @@ import importlib.util
 import logging
 import os
 import pickle
-import sys
 import tempfile
 
 import jax
@@ -38,7 +37,6 @@ from jax.experimental import serialize_executable
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # the entry layout below: pickle of (payload, in_tree, out_tree)
-
 
 # The packages whose source decides a compiled step (not the server's or the batch runner's).
 PROGRAM_PACKAGES = ("jlight", "jlight.core", "jlight.engine", "jlight.loading", "jlight.models", "jlight.pallas_kernels",

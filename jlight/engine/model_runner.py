@@ -367,8 +367,9 @@ class ModelRunner:
                 ints, floats, layout = step_packing.pack(inp)
                 args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
                         self.unconstrained_mask(inp))
-                key = store.key(args, (self._precision, STEP_COMPILER_OPTIONS, layout)) if store else None
+                key = None
                 if layout not in self._executables and store is not None:
+                    key = store.key(args, (self._precision, STEP_COMPILER_OPTIONS, layout))
                     stored = store.load(key)
                     if stored is not None:
                         self._executables[layout] = stored
