@@ -35,6 +35,26 @@ def test_proposer_takes_the_longest_recurring_suffix_and_its_latest_occurrence()
     assert propose_ngram(np.array([5, 6, 5]), cfg, 8) == [6, 5]
 
 
+def _brute_force_ngram(tokens, config, max_drafts):
+    """The proposer's rule by exhaustive search: every window of every suffix length."""
+    max_drafts = min(max_drafts, config.num_speculative_tokens)
+    for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if list(tokens[s:s + n]) == list(tokens[len(tokens) - n:])]
+        if starts and max_drafts > 0:
+            return [int(t) for t in tokens[starts[-1] + n:starts[-1] + n + max_drafts]]
+    return []
+
+
+def test_proposer_matches_an_exhaustive_search_on_random_histories():
+    rng = np.random.default_rng(0)
+    for cfg in (SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=4),
+                SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)):
+        for _ in range(400):  # few distinct ids: suffixes recur often, at several lengths
+            tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).astype(np.int32)
+            for max_drafts in (0, 1, 5):
+                assert propose_ngram(tokens, cfg, max_drafts) == _brute_force_ngram(tokens, cfg, max_drafts), tokens
+
+
 def test_kept_tokens_stop_at_the_first_rejection():
     drafts = [10, 11, 12]
     sampled = np.array([10, 11, 99, 13])

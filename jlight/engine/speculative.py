@@ -74,14 +74,19 @@ def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int
     occurrence, at most max_drafts of them. [] when no suffix recurs."""
     n_tokens = len(tokens)
     max_drafts = min(max_drafts, config.num_speculative_tokens)
-    if max_drafts <= 0:
+    if max_drafts <= 0 or n_tokens < 2:
         return []
+    # One pass over the history finds where the last token recurred (the ends of every candidate
+    # occurrence, at most the second-to-last position); each suffix length then checks only those.
+    ends = np.flatnonzero(tokens[:n_tokens - 1] == tokens[-1])
     for n in range(min(config.prompt_lookup_max, n_tokens - 1), config.prompt_lookup_min - 1, -1):
-        suffix = tokens[n_tokens - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:n_tokens - 1], n)  # starts 0 .. L - 1 - n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        cand = ends[ends >= n - 1]
+        if not len(cand):
+            continue
+        windows = tokens[cand[:, None] + np.arange(1 - n, 1)]  # [candidates, n]
+        hits = cand[(windows == tokens[n_tokens - n:]).all(axis=1)]
         if len(hits):
-            start = int(hits[-1]) + n  # the tokens after the latest earlier occurrence
+            start = int(hits[-1]) + 1  # the tokens after the latest earlier occurrence
             return tokens[start:start + max_drafts].tolist()
     return []
 
