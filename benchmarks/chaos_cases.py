@@ -185,7 +185,9 @@ async def slow_readers(target: Target, readers: int = 3, samples: int = 8, other
                        slack_mb: float = 16.0, stall_s: float = 1.0, min_stream_mb: float = 4.5,
                        generated_within_s: float = 120.0) -> dict:
     """The same requests read by clients that read and by clients that never do: the second costs the
-    server no more memory (it holds one unsent output per stream, not every output since). Each stream
+    server no more memory (it holds each stream's unsent tokens merged into one output, their logprobs
+    packed, and one small rendered chunk: not every output since, nor the logprobs already sent, nor a
+    whole merged delta rendered at once; at 12 readers the code before held ~30-45 MB). Each stream
     carries more than min_stream_mb, past what a loopback socket's kernel buffers take in (~3 MB a
     connection with Linux's default tcp_wmem), so the server's own sending must wait."""
     max_tokens = min(max_tokens, _room(target, 64))

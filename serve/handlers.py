@@ -17,6 +17,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from jlight.engine.async_engine import merge_outputs
 from jlight.serve.budget import PromptBudget
 from jlight.serve.echo import Echo, prompt_texts
 from jlight.serve.errors import RequestError
@@ -165,7 +166,8 @@ class GenerationHandlers:
             async def collect():
                 async with contextlib.aclosing(outputs):
                     async for index, out in outputs:
-                        finals[index] = out
+                        # stream outputs carry their new tokens' logprobs: the whole response needs them all
+                        finals[index] = out if finals[index] is None else merge_outputs(finals[index], out)
             try:
                 await until_disconnect(request, collect())
             except ClientGone:

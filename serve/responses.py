@@ -2,13 +2,19 @@
 
 Choice numbering: a completions request with P prompts and n samples has P*n choices,
 choice `prompt_index * n + sample_index`.
+
+A stream's chunks are rendered one at a time, as the previous one is sent, and none carries more
+than `piece_tokens` tokens' logprobs: a delta merged while the client read slowly goes out as
+logprobs-only pieces, then its text and finish_reason. So a stream whose client stops reading holds
+one small rendered chunk, besides its unsent tokens (packed, in AsyncLLM's mailbox).
 """
 from __future__ import annotations
 
 import json
 import time
+from typing import Iterator, Sequence
 
-from jlight.engine.outputs import CompletionOutput, RequestOutput
+from jlight.engine.outputs import CompletionOutput, PackedLogprobs, RequestOutput
 from jlight.serve import tool_parsers
 from jlight.serve.echo import Echo, prompt_offsets, prompt_pairs
 from jlight.serve.tool_calls import ForcedToolCall, choice_fields, parsed_choice_fields, tool_call
@@ -43,16 +49,12 @@ class TokenText:
         return raw
 
 
-def _new_logprobs(c: CompletionOutput, start: int) -> list[tuple[int, dict[int, float]]]:
-    """(sampled token id, {token id: logprob}) for generated tokens start.. of this output."""
+def _logprob_tokens(c: CompletionOutput) -> tuple[list[int], Sequence[dict[int, float]]]:
+    """(token ids, their {token id: logprob} entries): `c.logprobs` covers the last len(c.logprobs) of
+    c.token_ids (every token in a whole response's output, the new ones in a stream's)."""
     if not c.logprobs:
-        return []
-    if len(c.logprobs) == len(c.token_ids):  # cumulative list
-        entries = c.logprobs[start:]
-    else:  # only the newest tokens'
-        entries = c.logprobs[-len(c.token_ids_delta):] if c.token_ids_delta else []
-    ids = c.token_ids[len(c.token_ids) - len(entries):]
-    return list(zip(ids, entries))
+        return [], []
+    return c.token_ids[len(c.token_ids) - len(c.logprobs):], c.logprobs
 
 
 class ResponseBuilder:
@@ -60,8 +62,9 @@ class ResponseBuilder:
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, n: int, want_logprobs: bool,
                  num_top_logprobs: int = 0, echo: Echo | None = None, forced_tool_call: ForcedToolCall | None = None,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, piece_tokens: int = 16):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
+        self.piece_tokens = piece_tokens  # the most tokens' logprobs one stream chunk carries
         self.forced = forced_tool_call  # a chat request's forced tool call: its output is the call's JSON
         # tool_choice "auto" on a server with a parser: calls are found in the free text (serve/tool_parsers.py)
         self.tool_parser = tool_parser
@@ -70,7 +73,8 @@ class ResponseBuilder:
         self.echo = echo
         self.tokenizer, self.token_text = tokenizer, TokenText(tokenizer)
         self.created = int(time.time())
-        self.tokens_sent: dict[int, int] = {}  # choice index -> tokens already streamed
+        # choice index -> (token ids, logprobs) taken from the stream but not sent yet (held back)
+        self.unsent_logprobs: dict[int, tuple[list[int], PackedLogprobs]] = {}
         self.text_offset: dict[int, int] = {}  # choice index -> characters already streamed
         # The engine repeats a finished sample in later outputs while its siblings (n > 1) run on.
         self.finish_sent: set[int] = set()
@@ -107,10 +111,12 @@ class ResponseBuilder:
         return text, lp
 
     def completion_choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput,
-                          text: str, pairs, offset: int, first: bool) -> CompletionChoice:
+                          text: str, pairs, offset: int, first: bool, final: bool = True) -> CompletionChoice:
         """One choice's text and logprobs from `offset` on; the echoed prompt goes before them
-        in a choice's `first` body (the whole response, or its first stream chunk)."""
-        reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
+        in a choice's `first` body (the whole response, or its first stream chunk). Only a `final`
+        one (not a stream's logprobs-only piece) carries the finish_reason."""
+        # "abort" only reaches a client when the server shuts down under it
+        reason = c.finish_reason if final else None
         if self.echo is not None and not self.echo.generate:  # max_tokens=0: the one token run is not shown
             text, pairs, reason = "", [], "length" if reason else None
         lp = None
@@ -138,7 +144,7 @@ class ResponseBuilder:
         for p, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 index = p * self.n + c.index
-                pairs = _new_logprobs(c, 0) if self.want_logprobs else []
+                pairs = list(zip(*_logprob_tokens(c))) if self.want_logprobs else []
                 reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
                 if self.kind == "chat":
                     fields = {"content": c.text}
@@ -179,14 +185,20 @@ class ResponseBuilder:
             chunks.append(self._chunk([choice]))
         return chunks
 
-    def stream_chunks(self, prompt_index: int, out: RequestOutput) -> list[str]:
-        chunks = []
+    def stream_chunks(self, prompt_index: int, out: RequestOutput) -> Iterator[str]:
+        """The chunks for one stream output (`out.outputs[i].logprobs`: the new tokens' only), each
+        rendered when the one before has been taken."""
         for c in sorted(out.outputs, key=lambda c: c.index):
             if not (c.text_delta or c.token_ids_delta or c.finished):
                 continue
             index = prompt_index * self.n + c.index
             if index in self.finish_sent:
                 continue
+            if self.want_logprobs:
+                ids, entries = _logprob_tokens(c)
+                held = self.unsent_logprobs.setdefault(index, ([], PackedLogprobs()))
+                held[0].extend(ids)
+                held[1].extend(entries)
             parsed = self._parsed_delta(index, c) if self.tool_parser is not None and self.kind == "chat" else None
             if parsed is not None and not (parsed[0] or c.finished):
                 continue  # held back: maybe the start of a call; its tokens' logprobs go out with what follows
@@ -194,28 +206,41 @@ class ResponseBuilder:
                 self.finish_sent.add(index)
             elif self.forced is not None and not self.forced.named:
                 # "required"'s array can only be split into calls once complete: its calls go out with
-                # the finish chunk (and any logprobs then cover every token, tokens_sent not having moved).
+                # the finish chunk (and any logprobs then cover every token, all held until then).
                 continue
-            start = self.tokens_sent.get(index, 0)
-            pairs = _new_logprobs(c, start) if self.want_logprobs else []
-            self.tokens_sent[index] = len(c.token_ids)
-            reason = c.finish_reason  # "abort" only reaches a client when the server shuts down under it
-            if self.kind == "chat":
-                choice = ChatDeltaChoice(index=index, delta=ChatResponseMessage(role=None, content=c.text_delta),
-                                         logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
-                                         finish_reason=reason).model_dump()
-                choice["delta"] = {"content": c.text_delta}  # later deltas carry no role
-                if self.forced is not None:
-                    choice["delta"], choice["finish_reason"] = self._tool_delta(c, reason)
-                elif parsed is not None:
-                    choice["delta"], choice["finish_reason"] = parsed
-            else:
-                first = index not in self.text_offset
-                choice = self.completion_choice(index, prompt_index, out, c, c.text_delta, pairs,
-                                                self.text_offset.get(index, 0), first).model_dump()
-                self.text_offset[index] = self.text_offset.get(index, 0) + len(choice["text"])
-            chunks.append(self._chunk([choice]))
-        return chunks
+            ids, entries = self.unsent_logprobs.pop(index, ([], ()))
+            starts = list(range(0, len(ids), self.piece_tokens)) or [0]
+            consumed = 0  # characters of the pieces' tokens sent before the text (completions' text_offset)
+            for start in starts[:-1]:
+                pairs = list(zip(ids[start:start + self.piece_tokens], entries[start:start + self.piece_tokens]))
+                yield self._choice_chunk(prompt_index, out, c, index, "", pairs, consumed, None, final=False)
+                consumed += sum(len(self.token_text(t)) for t, _ in pairs)
+            pairs = list(zip(ids[starts[-1]:], entries[starts[-1]:]))
+            yield self._choice_chunk(prompt_index, out, c, index, c.text_delta, pairs, consumed, parsed, final=True)
+
+    def _choice_chunk(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, index: int, text: str,
+                      pairs, consumed: int, parsed, final: bool) -> str:
+        """One stream chunk of choice `index`: `text` and `pairs`' logprobs, and with `final` the
+        delta's tool calls and its finish_reason."""
+        reason = c.finish_reason if final else None  # "abort" only reaches a client when the server shuts down under it
+        if self.kind == "chat":
+            choice = ChatDeltaChoice(index=index, delta=ChatResponseMessage(role=None, content=text),
+                                     logprobs=self.chat_logprobs(pairs) if self.want_logprobs else None,
+                                     finish_reason=reason).model_dump()
+            choice["delta"] = {"content": text}  # later deltas carry no role
+            if not final:
+                if self.forced is not None or parsed is not None:
+                    choice["delta"] = {}
+            elif self.forced is not None:
+                choice["delta"], choice["finish_reason"] = self._tool_delta(c, reason)
+            elif parsed is not None:
+                choice["delta"], choice["finish_reason"] = parsed
+        else:
+            first = index not in self.text_offset
+            choice = self.completion_choice(index, prompt_index, out, c, text, pairs,
+                                            self.text_offset.get(index, 0) + consumed, first, final).model_dump()
+            self.text_offset[index] = self.text_offset.get(index, 0) + len(choice["text"])
+        return self._chunk([choice])
 
     def _parsed_delta(self, index: int, c: CompletionOutput) -> tuple[dict, str | None]:
         """A chat delta under tool_choice "auto": the content that is surely not a call, each call whose

@@ -108,3 +108,48 @@ def test_a_consumer_that_does_not_read_holds_one_merged_output(async_llm):
     ids = first.outputs[0].token_ids_delta + rest[0].outputs[0].token_ids_delta
     assert ids == rest[0].outputs[0].token_ids and len(ids) == 24
     assert first.outputs[0].text_delta + rest[0].outputs[0].text_delta == rest[0].outputs[0].text
+
+
+def test_an_unread_stream_holds_only_its_unsent_tokens_packed(async_llm):
+    """A stream nobody reads, its request finished: what waits is its unsent tokens' logprobs, packed
+    (~8 bytes a top-logprob pair), not the engine's cumulative list of dicts (~60 bytes a pair: about
+    1.2 MB here, which the code before stream_output kept for every silent reader)."""
+    import gc
+    import tracemalloc
+
+    n, max_tokens, top = 4, 200, 20
+    params = SamplingParams(n=n, temperature=1.0, seed=3, max_tokens=max_tokens, ignore_eos=True, logprobs=top)
+
+    async def unread_then_read(rid):
+        stream = async_llm.generate([5, 6, 7], params, rid)
+        first = await stream.__anext__()
+        for _ in range(1000):  # the request finishes while nobody reads
+            await asyncio.sleep(0.01)
+            if async_llm.stats().num_running == 0 and async_llm.stats().num_waiting == 0:
+                break
+        await asyncio.sleep(0.05)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        rest = [out async for out in stream]
+        return first, rest, held
+
+    asyncio.run(unread_then_read("warm"))  # compiles the logprobs step outside the measurement
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        first, rest, held = asyncio.run(unread_then_read("silent"))
+    finally:
+        tracemalloc.stop()
+    assert len(rest) == 1 and rest[0].finished
+    unsent = sum(len(c.token_ids_delta) for c in rest[0].outputs)
+    # ~21 pairs a token; as dicts of Python ints and floats a pair takes ~60 bytes (tracemalloc: ~64)
+    dicts_bytes = unsent * (top + 1) * 60
+    print(f"an unread stream held {(held - before) / 1e3:.0f} kB for {unsent} unsent tokens "
+          f"(as dicts: ~{dicts_bytes / 1e3:.0f} kB)")
+    assert held - before < 0.4 * dicts_bytes, f"an unread stream holds {(held - before) / 1e3:.0f} kB for " \
+                                               f"{unsent} unsent tokens' logprobs"
+    for c0, c in zip(first.outputs, rest[0].outputs):
+        assert len(c0.logprobs) + len(c.logprobs) == len(c.token_ids) == max_tokens  # each token's, once
+        for token, entry in zip(c.token_ids_delta, c.logprobs):
+            assert token in entry and len(entry) in (top, top + 1) and all(v <= 0 for v in entry.values())

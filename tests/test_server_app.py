@@ -123,7 +123,7 @@ class FakeAsyncLLM:
                         finish_reason=None if k < len(tokens) else reason,
                         text_delta=bytes(tokens[k - 1:k]).decode("utf-8", errors="replace") if fresh else "",
                         token_ids_delta=tokens[k - 1:k] if fresh else [],
-                        logprobs=[{120: -0.5, 121: -1.5}] * k if sampling_params.logprobs is not None else None))
+                        logprobs=[{120: -0.5, 121: -1.5}] * int(fresh) if sampling_params.logprobs is not None else None))
                 yield RequestOutput(request_id, None, list(prompt), outs, finished=done,
                                     prompt_logprobs=self.prompt_logprobs(prompt, sampling_params))
         finally:  # closing the generator early aborts, as AsyncLLM's does

@@ -5,9 +5,12 @@ HTTP handlers never block on the engine: `generate` validates and tokenizes in a
 and aborts between steps and pushes each step's outputs back onto the handlers' event loop.
 
 Invariants:
+- A stream's outputs carry the logprobs of their own new tokens only (`token_ids_delta`'s, as
+  PackedLogprobs), not every token's as the engine's do (`stream_output`): what a stream holds
+  never includes what it already handed on.
 - A stream holds at most one unread output (`_Mailbox`): an output that arrives while the one
-  before is unread is merged into it (deltas joined, the rest the newer one's), so a consumer that
-  reads slowly costs one output's memory and never holds the engine back.
+  before is unread is merged into it (deltas and their logprobs joined, the rest the newer one's),
+  so a consumer that reads slowly costs its unread tokens, packed, and never holds the engine back.
 - Aborting a request ends its stream with the engine's last output for it, finish_reason "abort".
   Leaving the `generate` iterator early (client disconnect, cancellation) aborts the request and
   frees its pages.
@@ -26,7 +29,7 @@ import uuid
 from typing import AsyncIterator
 
 from jlight.core.errors import EngineOverloadedError
-from jlight.engine.outputs import CompletionOutput, RequestOutput
+from jlight.engine.outputs import CompletionOutput, PackedLogprobs, RequestOutput
 from jlight.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,16 +44,35 @@ class RequestFailedError(RuntimeError):
         self.request_id = request_id
 
 
+def stream_output(out: RequestOutput) -> RequestOutput:
+    """The engine's output as a stream carries it: each sample's logprobs cut to its new tokens' and packed."""
+    if all(c.logprobs is None for c in out.outputs):
+        return out
+
+    def cut(c: CompletionOutput) -> CompletionOutput:
+        if c.logprobs is None:
+            return c
+        new = len(c.token_ids_delta)
+        return dataclasses.replace(c, logprobs=PackedLogprobs(c.logprobs[len(c.logprobs) - new:] if new else ()))
+    return dataclasses.replace(out, outputs=[cut(c) for c in out.outputs])
+
+
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """`newer` with `older`'s deltas in front of its own: what a consumer that missed `older` needs."""
+    """`newer` with `older`'s deltas (and their logprobs) in front of its own: what a consumer that
+    missed `older` needs. Both are stream outputs (stream_output); `older`'s logprobs are extended in
+    place (the caller owns `older` and drops it), so a long run of merges copies each entry once."""
     old_by_index = {c.index: c for c in older.outputs}
 
     def merged(c: CompletionOutput) -> CompletionOutput:
         old = old_by_index.get(c.index)
         if old is None:
             return c
+        logprobs = c.logprobs
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs.extend(c.logprobs)
+            logprobs = old.logprobs
         return dataclasses.replace(c, text_delta=old.text_delta + c.text_delta,
-                                   token_ids_delta=old.token_ids_delta + c.token_ids_delta)
+                                   token_ids_delta=old.token_ids_delta + c.token_ids_delta, logprobs=logprobs)
     return dataclasses.replace(newer, outputs=[merged(c) for c in newer.outputs])
 
 
@@ -178,6 +200,8 @@ class AsyncLLM:
             target = self._streams.get(request_id)
         if target is not None:
             loop, mailbox = target
+            if isinstance(item, RequestOutput):
+                item = stream_output(item)  # here, on the engine thread, not on the streams' loop
             try:
                 loop.call_soon_threadsafe(mailbox.put, item)
             except RuntimeError:  # the handler's loop is closed: nobody listens any more
