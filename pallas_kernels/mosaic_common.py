@@ -1,4 +1,6 @@
 """Pieces of the Mosaic GPU kernels (paged_attention_mosaic.py) that are not attention-specific."""
+import hashlib
+
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -8,6 +10,15 @@ def interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.10/0.11
 
     return InterpretGPUParams()
+
+
+def kernel_name(prefix: str, **static) -> str:
+    """A kernel's name, distinct for every distinct set of static parameters and the same in every process.
+
+    Mosaic GPU names a kernel's host entry point after it; kernels left unnamed all share one symbol,
+    which a deserialized executable that holds two of them cannot resolve."""
+    digest = hashlib.sha256(repr(sorted(static.items())).encode()).hexdigest()[:12]
+    return f"{prefix}_{digest}"
 
 
 def swizzled_smem(shape, dtype):

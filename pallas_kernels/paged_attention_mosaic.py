@@ -54,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode, split_kv
 from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
-from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
+from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem
 from jlight.core.quantization import QuantizedKV
 
 _MASKED = -1e30
@@ -372,6 +372,9 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         grid_names=grid_names,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpreting else None,
+        kernel_name=kernel_name("jlight_paged_attention", out=repr(out_type), pools=repr([(p.shape, p.dtype) for p in pools]),
+                                q=repr((q_rows.shape, q_rows.dtype)), meta=meta.shape[0], **{
+                                    k: v for k, v in kernel.keywords.items() if not k.endswith("_types")}),
     )(meta, layer_offset, q_rows, *pools)
 
     out = split_kv.combine(items, *result, out_dtype=q.dtype, interpret=interpret) if num_items else result.astype(q.dtype)

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.core.quantization import QuantizedKV
 from jlight.pallas_kernels import pallas_mode
-from jlight.pallas_kernels.mosaic_common import interpret_params, swizzled_smem
+from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem
 from jlight.pallas_kernels.paged_attention_mosaic import PAGE_SIZES, query_rows, uses_prefill_blocks, wgmma_layouts
 
 _MASKED = -1e30
@@ -277,6 +277,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpreting else None,
+        kernel_name=kernel_name("jlight_paged_prefill", pools=repr([(p.shape, p.dtype) for p in pools]),
+                                q=repr((q_rows.shape, q_rows.dtype)), meta=meta.shape[0], **kernel.keywords),
     )(meta, layer_offset, q_rows, *pools)
 
     # token t is rows (t - start) * group + [0, group) of its block
