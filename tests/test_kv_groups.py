@@ -158,3 +158,23 @@ def test_without_prefix_caching_nothing_is_keyed():
 @pytest.mark.parametrize("chunk, expected", [(1, 10 + 2 * 3), (16, 10 + 2 * 7)])
 def test_pages_per_sequence(chunk, expected):
     assert pages_per_sequence((None, W, W), PS, 40, chunk) == expected
+
+
+def test_gemma3_capacity_figure(monkeypatch):
+    """benchmarks/hybrid_memory.py --model gemma3-12b (the BENCHMARKS figure): 6 groups of 8 layers, a page id
+    8 layers x (K, V) x 16 tokens x 8 KV heads x 256 x bf16 = 1 MiB; a 32k sequence holds 2,048 global pages and
+    ceil(1024 / 16) + 1 = 65 in each of 5 local groups, against 2,048 pages of all 48 layers."""
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import hybrid_memory
+
+    windowed, chunked, every = hybrid_memory.main(["--model", "gemma3-12b", "--cache-gib", "64"])
+    assert windowed["page_bytes"] == 8 * 2 * 16 * 8 * 256 * 2 == every["page_bytes"] // 6
+    assert windowed["pages_per_sequence"] == 2048 + 5 * 65 and every["pages_per_sequence"] == 2048
+    assert chunked["pages_per_sequence"] == 2048 + 5 * (-(-(1023 + 2048) // 16) + 1)
+    for row in (windowed, chunked, every):
+        assert row["concurrent_sequences"] == (64 * 2 ** 30 // row["page_bytes"] - 1) // row["pages_per_sequence"]
+    assert windowed["concurrent_sequences"] > 5 * every["concurrent_sequences"]
+    del sys.modules["hybrid_memory"]
