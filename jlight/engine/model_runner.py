@@ -126,6 +126,7 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket)
         self.num_kv_groups = 1 if kv_layout is None else kv_layout.num_groups
+        self.group_windows = (None,) if kv_layout is None else kv_layout.windows
         if kv_layout is None:
             k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
         else:
@@ -283,10 +284,13 @@ class ModelRunner:
             slot_mapping[t:t + n] = pages[pos // ps] * ps + pos % ps
             token_seq[t:t + n] = row
             page_table[row, : len(pages)] = pages
-            if G > 1:
+            if G > 1:  # a window group's entries before its window are null (kv_groups.py): the zeros already there
                 for g, table in enumerate(seq.group_pages):
-                    group_tables[g, row, : len(table)] = table
-                    group_slots[g, t:t + n] = np.asarray(table, np.int32)[pos // ps] * ps + pos % ps
+                    w = self.group_windows[g + 1]
+                    lo = 0 if w is None else max(0, start - w + 1) // ps
+                    seen = np.asarray(table[lo:], np.int32)
+                    group_tables[g, row, lo:len(table)] = seen
+                    group_slots[g, t:t + n] = seen[pos // ps - lo] * ps + pos % ps
             context_lens[row] = end
             query_start[row] = t
             if state_slots is not None:
