@@ -31,36 +31,41 @@ def test_matches_transformers(models, arch):
         check_direct(get_model_family(loaded.config).unstack_layers(loaded.params), loaded.config, hf)
 
 
-@pytest.mark.parametrize("pool", ["windowed", "every page"])
-def test_engine_matches_transformers(models, pool):
-    """Gemma 3's six layers make six KV groups of one layer (one global, five local): 48 pages of the
-    windowed pool are a third of the memory of 24 six-layer pages, still small enough to preempt."""
-    if pool == "windowed":
-        check_engine(*models["Gemma3ForCausalLM"], num_pages=48)
-    else:
-        check_engine(*models["Gemma3ForCausalLM"], disable_hybrid_kv_cache_manager=True)
+@pytest.mark.parametrize("layer_loop", ["auto", "scan"])
+def test_engine_matches_transformers(models, layer_loop):
+    """The windowed pool: Gemma 3's six layers make six KV groups of one layer (one global, five local), so
+    48 pages are a third of the memory of the every-page pool's 24 six-layer pages, still small enough to
+    preempt. A scanned stack of the mixed layers finds each layer's group by its traced index."""
+    check_engine(*models["Gemma3ForCausalLM"], num_pages=48, layer_loop=layer_loop)
 
 
-def test_windowed_pool_logprobs_match_every_page_pool_and_transformers(models):
+@pytest.fixture(scope="module")
+def pools(models):
+    """Gemma 3 engines with the windowed pool (False) and the every-page pool (True), 16-token steps."""
+    import jlight
+
+    return {disable: jlight.LLM(models["Gemma3ForCausalLM"][0], dtype="float32", max_num_batched_tokens=16,
+                                min_token_bucket=16, max_num_seqs=4, page_size=8, num_pages=64,
+                                compilation_cache_dir=None, warmup=False, disable_hybrid_kv_cache_manager=disable)
+            for disable in (False, True)}
+
+
+def test_windowed_pool_logprobs_match_every_page_pool_and_transformers(models, pools):
     """Logprobs of 24 greedy tokens through the engine (16-token steps over 8-token windows, a shared
     prefix from the prefix cache): the windowed pool's equal the every-page pool's, and transformers'
     log-softmax at the same positions within 1e-4."""
     import numpy as np
     import torch
 
-    import jlight
     from jlight import SamplingParams
 
-    path, hf = models["Gemma3ForCausalLM"]
+    hf = models["Gemma3ForCausalLM"][1]
     rng = np.random.default_rng(3)
     prefix = [int(t) for t in rng.integers(3, 500, 24)]
     prompts = [prefix + [9, 8, 7], prefix + [5, 4], [int(t) for t in rng.integers(3, 500, 37)]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     runs = {}
-    for disable in (False, True):
-        llm = jlight.LLM(path, dtype="float32", max_num_batched_tokens=16, min_token_bucket=16, max_num_seqs=4,
-                         page_size=8, num_pages=64, compilation_cache_dir=None, warmup=False,
-                         disable_hybrid_kv_cache_manager=disable)
+    for disable, llm in pools.items():
         first = llm.generate(prompts[:1], params, use_tqdm=False)
         runs[disable] = first + llm.generate(prompts[1:], params, use_tqdm=False)
         assert (llm.engine.kv_pages is None) == disable
@@ -75,6 +80,23 @@ def test_windowed_pool_logprobs_match_every_page_pool_and_transformers(models):
             logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double()
         ref = torch.log_softmax(logits, -1)[torch.arange(len(ids)), torch.tensor(ids)].numpy()
         np.testing.assert_allclose(lp, ref, atol=1e-4)
+
+
+def test_windowed_pool_samples_n_alike(pools):
+    """n = 3 seeded samples of one prompt (the later ones share the first one's prompt pages through the
+    prefix cache, a window group's only near the prompt's end): the same tokens as the every-page pool's."""
+    from jlight import SamplingParams
+
+    params = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
+    prompt = list(range(40, 73))  # its own tokens: no other test's prefix
+    outs = {}
+    for disable, llm in pools.items():
+        hits = llm.engine.stats().prefix_cache_hit_tokens
+        outs[disable] = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+        assert llm.engine.block_manager.num_used_pages == 0
+        # the two later samples each take the prompt's 4 full pages (32 tokens) from the first one's
+        assert llm.engine.stats().prefix_cache_hit_tokens - hits == 2 * 32, "the samples did not share the prompt's pages"
+    assert outs[False] == outs[True] and len({tuple(t) for t in outs[False]}) == 3
 
 
 def test_long_sequence_holds_only_its_window_pages(tiny_model):
