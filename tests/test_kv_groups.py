@@ -178,3 +178,23 @@ def test_gemma3_capacity_figure(monkeypatch):
         assert row["concurrent_sequences"] == (64 * 2 ** 30 // row["page_bytes"] - 1) // row["pages_per_sequence"]
     assert windowed["concurrent_sequences"] > 5 * every["concurrent_sequences"]
     del sys.modules["hybrid_memory"]
+
+
+def test_engine_layout_by_family():
+    """One kind (Llama; a family that declares no windows, DeepSeek) takes no KVGroupPages and no group tables;
+    a model whose layers all slide is one window group; Gemma 3 six groups, or one with the manager disabled."""
+    from jlight.core.config import ModelConfig
+    from jlight.engine.kv_groups import keeps_window, layout_for
+    from jlight.models import get_model_family
+
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=6, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8)
+    llama = ModelConfig.from_hf_dict(dict(base, architectures=["LlamaForCausalLM"], model_type="llama"))
+    mistral = ModelConfig.from_hf_dict(dict(base, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16))
+    gemma3 = ModelConfig.from_hf_dict(dict(base, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=8))
+    one = layout_for(get_model_family(llama), llama)
+    assert one.num_groups == 1 and not keeps_window(one)
+    slides = layout_for(get_model_family(mistral), mistral)
+    assert slides.windows == (16,) and keeps_window(slides)
+    assert layout_for(get_model_family(gemma3), gemma3).windows == (None,) + (8,) * 5
+    assert not keeps_window(layout_for(get_model_family(gemma3), gemma3, by_kind=False))
