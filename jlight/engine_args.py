@@ -38,6 +38,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--kv-offloading-size", type=float, default=None,
                    help="GiB of host memory for KV pages the prefix cache evicts (vLLM's flag): copied there instead of "
                         "dropped, and back on a later prefix hit (default: off)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every page of every layer (vLLM's flag); default: a model with sliding-window layers "
+                        "beside full-attention ones gives back the pages a window no longer sees")
     p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--speculative-config", default=None, type=_json_object,
@@ -73,4 +76,6 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
         opts["mesh"] = f"tp={tp}"
     if getattr(args, "no_prefix_caching", False):
         opts["enable_prefix_caching"] = False
+    if getattr(args, "disable_hybrid_kv_cache_manager", False):
+        opts["disable_hybrid_kv_cache_manager"] = True
     return opts

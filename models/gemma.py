@@ -28,6 +28,7 @@ from jlight.models.layers import fuse_projections, unstack_layers  # noqa: F401
 from jlight.models.module import Layout, ParamMaker, Step, family_functions
 
 kv_cache_shapes = llama.kv_cache_shapes
+kv_layer_windows = llama.kv_layer_windows
 
 
 class GemmaLayer(llama.LlamaLayer):

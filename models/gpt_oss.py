@@ -27,6 +27,7 @@ from jlight.models.moe import GatedUnit, expert_ffn
 from jlight.models.module import Layout, ParamMaker, Step, family_functions, value
 
 kv_cache_shapes = llama.kv_cache_shapes
+kv_layer_windows = llama.kv_layer_windows
 
 
 def moe_settings(config: ModelConfig) -> dict:

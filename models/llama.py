@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from jlight.core import kv_layout
 from jlight.core.config import ModelConfig
 from jlight.models import attention_kinds
 # fuse_projections and unstack_layers are part of this family's interface: the engine unrolls the
@@ -25,13 +26,16 @@ class LlamaAttention(nnx.Module):
 
     `kind` is the layer's AttentionKind (models/attention_kinds.py), set by the model once built:
     static for one layer or a stack of alike layers, None for a scanned stack of mixed layers (each
-    reads its own from the per-layer kinds). `norm_offset` is added to every RMSNorm weight (Gemma's
+    reads its own from the per-layer kinds). `layer_index` is the layer's index for an unrolled layer (None
+    in a stack): in a pool grouped by attention kind it picks the layer's group statically
+    (jlight/core/kv_layout.py). `norm_offset` is added to every RMSNorm weight (Gemma's
     norms scale by 1 + w)."""
     norm_offset = 0.0
 
     def __init__(self, config: ModelConfig, layout: Layout, stack: int | None):
         c = self.config = config
         self.kind = attention_kinds.AttentionKind(c.sliding_window, 0)
+        self.layer_index = None
         p = ParamMaker(stack)
         E, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_norm = p((E,), ("embed_norm",))
@@ -59,8 +63,9 @@ class LlamaAttention(nnx.Module):
         window, rope = attention_kinds.resolve(c, self.kind, layer_idx)
         q = attention_kinds.apply_rope_kind(q, step.md, step.rope, rope)
         k = attention_kinds.apply_rope_kind(k, step.md, step.rope, rope)
-        k_cache, v_cache = kernels.write_kv(k_cache, v_cache, layer_idx, k, v, step.md.slot_mapping)
-        attn = kernels.paged_attention(q, k_cache, v_cache, layer_idx, step.md, scale=attention_kinds.softmax_scale(c),
+        slot, md = kv_layout.layer_view(step.md, step.kv_groups, layer_idx, self.layer_index)  # its group's pages
+        k_cache, v_cache = kernels.write_kv(k_cache, v_cache, slot, k, v, md.slot_mapping)
+        attn = kernels.paged_attention(q, k_cache, v_cache, slot, md, scale=attention_kinds.softmax_scale(c),
                                        sliding_window=window, **self.attention_extras())
         return ops.row_linear(attn.reshape(num_tokens, -1), value(self, "wo"), mm), k_cache, v_cache
 
@@ -107,13 +112,17 @@ class Llama(nnx.Module):
         kinds = attention_kinds.layer_kinds(c)
         for layer, kind in zip(self.layers, kinds) if layout.unrolled else [(self.layers, attention_kinds.static_kind(kinds))]:
             layer.kind = kind
+        if layout.unrolled:
+            for i, layer in enumerate(self.layers):
+                layer.layer_index = i
+        self.kv_groups = kv_layout.group_layers(kv_layer_windows(c))
         self.final_norm = p((c.hidden_size,), ("embed_norm",))
         self.lm_head = p((c.hidden_size, c.vocab_size), ("embed", "vocab"))  # tied embeddings: a copy of embed.T
 
     def __call__(self, tokens, k_cache, v_cache, md, kernels, ops):
         """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache)."""
         c = self.config
-        step = Step(md, kernels, ops, attention_kinds.rope_tables(c))
+        step = Step(md, kernels, ops, attention_kinds.rope_tables(c), self.kv_groups)
         final_norm = value(self, "final_norm")
         h = self.scale_embedding(ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype))  # [T, embed]
         h, k_cache, v_cache = run_layers(self.layers, (h, k_cache, v_cache), step)  # scanned or unrolled
@@ -130,6 +139,12 @@ class Llama(nnx.Module):
 
 
 param_shapes, param_axes, init_params, forward, compute_logits = family_functions(Llama)
+
+
+def kv_layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention): the engine groups the KV pool's layers by it
+    (jlight/core/kv_layout.py) and frees the pages a window no longer sees (engine/kv_groups.py)."""
+    return tuple(k.sliding_window for k in attention_kinds.layer_kinds(config))
 
 
 def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

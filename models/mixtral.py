@@ -26,6 +26,7 @@ from jlight.models.moe import expert_ffn, softmax_topk
 from jlight.models.module import Layout, ParamMaker, Step, declare, family_functions, value
 
 kv_cache_shapes = llama.kv_cache_shapes
+kv_layer_windows = llama.kv_layer_windows
 
 
 def moe_settings(config: ModelConfig) -> dict:

@@ -38,6 +38,7 @@ class Step(NamedTuple):
     ops: ParallelOps  # plain ops on one device, the tensor-parallel ones inside shard_map
     rope: tuple  # the family's RoPE: llama.py's families a tuple of attention_kinds.RopeTable (one per table a layer may
     # name), DeepSeek (inv_freq [rope_dim // 2] float32 numpy, attention factor)
+    kv_groups: object = None  # llama.py's families: the pool's kv_layout.KVGroups, used when md has group tables
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,6 +113,12 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     block_pages = jnp.pad(md.page_table, ((0, 0), (0, -max_pages % pages_per_step)))[row]  # [blocks, pages]
     kv_per_step = pages_per_step * page_size
     num_steps = (jnp.max(md.context_lens) + kv_per_step - 1) // kv_per_step
+    first_step = 0
+    if sliding_window is not None:
+        # Start at the first step any block's window reaches: the steps before it are masked for every
+        # block, and a sliding-window group's pages there are null (page 0, kv_layout.NULL_PAGE).
+        lowest = jnp.where(real[:, 0], positions[:, 0], jnp.iinfo(jnp.int32).max)  # [blocks] first query position
+        first_step = jnp.minimum(jnp.maximum(jnp.min(lowest) - sliding_window + 1, 0) // kv_per_step, num_steps)
 
     def body(j, carry):
         pages = jax.lax.dynamic_slice_in_dim(block_pages, j * pages_per_step, pages_per_step, axis=1)
@@ -135,7 +141,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         # Query row r of a block is head (kv_head * group + r % group).
         sink = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
         init = (jnp.broadcast_to(sink.reshape(1, num_kv_heads, block_q * group), stat), jnp.ones(stat, jnp.float32), init[2])
-    _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    _, l, acc = jax.lax.fori_loop(first_step, num_steps, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [blocks, kv_heads, block_q * group, head_dim]
     out = out.reshape(num_blocks, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(num_blocks, block_q, num_heads, head_dim)

@@ -63,6 +63,7 @@ SLOW_FILES_FIRST = (
     "test_kv_cache_int8.py",  # ~59
     "test_mosaic_attention.py",  # ~55
     "test_server_chaos.py",  # ~47
+    "test_gemma.py",  # ~40 (alone, on a loaded host)
     "test_convert.py",  # ~38
     "test_cli.py",  # ~33
     "test_qwen3_5.py",  # ~31 (alone, on a loaded host)
@@ -81,7 +82,6 @@ SLOW_FILES_FIRST = (
     "test_kernels_matmul.py",  # ~19
     "test_benchmark_scripts.py",  # ~18
     "test_disaggregated.py",  # ~18
-    "test_gemma.py",  # ~18
     "test_startup.py",  # ~18
     "test_hybrid_sharded.py",  # ~17 (alone, on a loaded host)
     "test_random_checkpoint.py",  # ~16

@@ -37,7 +37,7 @@ def check_direct(params, config, hf, prompts=PROMPTS, max_len: int = 160, bucket
         assert runner.greedy(prompt, GREEDY_TOKENS) == hf_greedy(hf, prompt, GREEDY_TOKENS), f"prompt {prompt[:6]}..."
 
 
-def check_engine(path: str, hf, **options) -> None:
+def check_engine(path: str, hf, num_pages: int = 24, **options):
     """jlight.LLM over a pool too small for the batch (preemption), 16-token steps (chunked
     prefills that cross the 8-token windows), prompts sharing a 32-token prefix (prefix cache):
     every output is transformers' greedy continuation of its prompt."""
@@ -49,7 +49,7 @@ def check_engine(path: str, hf, **options) -> None:
     prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]] + [
         [int(t) for t in rng.integers(3, 500, n)] for n in (27, 19, 40)]
     llm = jlight.LLM(path, dtype="float32", max_num_batched_tokens=16, min_token_bucket=16, max_num_seqs=4,
-                     page_size=8, num_pages=24, enable_prefix_caching=True, compilation_cache_dir=None,
+                     page_size=8, num_pages=num_pages, enable_prefix_caching=True, compilation_cache_dir=None,
                      warmup=False, **options)
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
@@ -61,3 +61,4 @@ def check_engine(path: str, hf, **options) -> None:
     assert outs[0].num_cached_tokens >= 16, "the shared prefix did not come from the prefix cache"
     assert llm.engine.stats().num_preemptions > 0, "the pool was meant to be too small for the batch"
     assert llm.engine.block_manager.num_used_pages == 0
+    return [first] + outs

@@ -6,7 +6,8 @@ whole struct is a pytree that passes through `jax.jit` without recompiling as lo
 the shapes (T, B, max_pages_per_seq) stay the same.
 
 Page 0 of the KV pool is reserved as a scratch page: padding tokens write there and
-unused page-table entries point there, so no index is ever out of range.
+unused page-table entries point there, so no index is ever out of range. A sliding-window
+group's entries for pages its window no longer sees point there too (kv_layout.NULL_PAGE).
 """
 from typing import NamedTuple
 
@@ -24,6 +25,11 @@ class BatchMetadata(NamedTuple):
     logits_indices: jax.Array  # [B] int32, flat index of the token whose logits each row samples from
     # [B] int32, each row's recurrent-state slot (hybrid models; 0 = the scratch slot), else None
     state_slots: jax.Array | None = None
+    # A pool of layers grouped by attention kind (jlight/core/kv_layout.py), else None: the page tables and
+    # slot mappings of groups 1..G-1 (page_table and slot_mapping above are group 0's). kv_layout.layer_view
+    # gives each layer its own group's.
+    group_page_tables: jax.Array | None = None  # [G - 1, B, max_pages_per_seq] int32
+    group_slot_mappings: jax.Array | None = None  # [G - 1, T] int32
 
 
 # Query blocks: the attention implementations cut each row's tokens into blocks of consecutive

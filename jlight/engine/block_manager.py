@@ -1,6 +1,8 @@
 """Page (block) allocation for the paged KV cache, with reference counts and a prefix cache.
 
-Page 0 is never handed out: it is the scratch page that padding tokens write to.
+Page 0 is never handed out: it is the scratch page that padding tokens write to (and the null entry of
+a sliding-window group's table: kv_groups.py keeps the tables of a pool grouped by attention kind
+over one BlockManager, each group's pages cached under its own tag of the prefix key).
 
 Prefix caching: a page that is full is keyed by a hash chained over all tokens up to its
 end, so equal keys mean equal prefixes. A new sequence reuses the pages of its longest
@@ -118,14 +120,15 @@ class BlockManager:
         reclaimed = sum(1 for p in reused_pages if self.ref_count[p] == 0)
         return self.num_free_pages - reclaimed >= num_new_pages
 
-    def acquire(self, pages: list[int]) -> None:
-        """Take a reference on already-cached pages (a prefix-cache hit)."""
+    def acquire(self, pages: list[int], count: bool = True) -> None:
+        """Take a reference on already-cached pages (a prefix-cache hit); count: add them to the hit counters
+        (kv_groups.py counts its hits itself: one page of each group holds the same tokens)."""
         for p in pages:
             if p in self.restored:
                 self.restored.discard(p)
-                self.host_hit_pages += 1
+                self.host_hit_pages += count
             else:
-                self.device_hit_pages += 1
+                self.device_hit_pages += count
             if self.ref_count[p] == 0:
                 self.evictable.pop(p, None)
             self.ref_count[p] += 1

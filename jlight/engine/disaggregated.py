@@ -117,7 +117,9 @@ class DisaggregatedEngine:
         engines = []
         for group in (devices[:num_prefill], devices[num_prefill:num_prefill + num_decode]):
             mesh = f"tp={len(group)}" if len(group) > 1 else None
-            engines.append(LLMEngine(dataclasses.replace(config, mesh=mesh, disaggregated=None), loaded=loaded, devices=group))
+            # The handoff moves one page table a request: the one-group pool (every page kept).
+            engines.append(LLMEngine(dataclasses.replace(config, mesh=mesh, disaggregated=None, disable_hybrid_kv_cache_manager=True),
+                                     loaded=loaded, devices=group))
         return cls(*engines, transfer=transfer)
 
     # ---- requests ---------------------------------------------------------------------------

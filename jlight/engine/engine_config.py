@@ -47,6 +47,12 @@ class EngineConfig:
     # they are copied there instead of dropped, and copied back when a later prompt's prefix needs them.
     # None: off. Needs prefix caching.
     kv_offloading_size: float | None = None
+    # vLLM's knob: True keeps every page of every layer, as for a model without attention kinds. False (the
+    # default): a model whose layers differ in kind (sliding windows beside full attention: Gemma 2/3, gpt-oss)
+    # keeps a page table per group of layers of one kind, and its sliding-window layers give back the pages
+    # their window no longer sees (kv_groups.py); num_pages then counts pages of one group's layers. The host
+    # tier and disaggregated prefill/decode move one table of pages, so they use the one-group pool.
+    disable_hybrid_kv_cache_manager: bool = False
     attention_impl: str = "auto"
     matmul_impl: str = "auto"
     # MoE experts: "auto" (the Pallas grouped matmul on GPU; elsewhere gathered at small decode

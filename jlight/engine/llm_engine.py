@@ -19,7 +19,7 @@ import numpy as np
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
-from jlight.engine import output_processor, speculative, startup, state_pool
+from jlight.engine import kv_groups, output_processor, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.executable_store import ExecutableStore
@@ -149,6 +149,7 @@ class LLMEngine:
         if sharding_plan is not None:
             self.model_config = sharding_plan.config  # e.g. KV heads replicated up to tp
         mc = self.model_config
+        self.kv_layout = kv_groups.engine_layout(self.family, mc, cfg)  # layers grouped by attention kind
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:  # said, not silently capped
             logger.warning("max_model_len=%d is beyond the model's %d positions; using %d", cfg.max_model_len,
@@ -163,9 +164,11 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         host_tier = self._make_host_tier(kv_dtype, max_batched) if cfg.kv_offloading_size else None
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
+        self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
+                         if kv_groups.keeps_window(self.kv_layout) else None)
         spec = cfg.speculative
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
-                                   state_pool=self.state_pool)
+                                   state_pool=self.state_pool, kv_groups=self.kv_pages)
         draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
         self.runner = ModelRunner(
             self.family, mc, params,
@@ -176,7 +179,8 @@ class LLMEngine:
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
             guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
-            executable_store=self._executable_store(cfg, mc))
+            executable_store=self._executable_store(cfg, mc),
+            kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None)
         jax.block_until_ready((self.runner.k_cache, self.runner.v_cache))
         self.startup_seconds["setup"] = time.perf_counter() - self._start_time - sum(self.startup_seconds.values())
         self.requests: dict[str, Request] = {}
@@ -236,7 +240,7 @@ class LLMEngine:
 
     def kv_bytes_per_page(self, kv_dtype) -> int:
         """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""
-        k_shape, v_shape = self.family.kv_cache_shapes(self.model_config, 1, self.config.page_size)
+        k_shape, v_shape = kv_groups.pool_shapes(self.family, self.model_config, 1, self.config.page_size, self.kv_layout)
         return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
 
     def _check_hybrid(self, cfg: EngineConfig) -> None:
@@ -269,7 +273,8 @@ class LLMEngine:
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
-        wanted = cfg.max_num_seqs * (-(-self.max_model_len // cfg.page_size)) + 1
+        wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len,
+                                                                 cfg.max_num_batched_tokens or 512) + 1
         stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
         state_bytes = self.state_pool_bytes()  # allocated with the pages, so taken out of their budget first
         if stats and "bytes_limit" in stats:
@@ -555,8 +560,11 @@ class LLMEngine:
         """Publish pages that are now full and whose tokens the host knows (prefix caching)."""
         if seq.pages:
             num_known = seq.num_tokens - seq.num_pending_tokens
-            self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice,
-                                                  min(seq.num_computed_tokens, num_known) // self.block_manager.page_size)
+            num_full = min(seq.num_computed_tokens, num_known) // self.block_manager.page_size
+            if self.kv_pages is not None:
+                self.kv_pages.publish(seq, num_full)
+            else:
+                self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice, num_full)
 
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():

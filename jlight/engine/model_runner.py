@@ -29,7 +29,7 @@ from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
 from jlight.core.quantization import make_kv_pool
 from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
-from jlight.engine import sampler, step_packing
+from jlight.engine import kv_groups, sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -110,11 +110,13 @@ class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
-                 num_state_slots=0, executable_store=None):
+                 num_state_slots=0, executable_store=None, kv_layout=None):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
         num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots).
         executable_store: an executable_store.ExecutableStore the warm-up loads compiled buckets from and
-        saves them to; None: every bucket is traced and compiled."""
+        saves them to; None: every bucket is traced and compiled.
+        kv_layout: the pool's jlight/core/kv_layout.KVGroups (layers grouped by attention kind; a step
+        then carries every group's page table); None: one group."""
         self.executable_store = executable_store
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.draft_slots = draft_slots
@@ -123,7 +125,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket)
-        k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
+        self.num_kv_groups = 1 if kv_layout is None else kv_layout.num_groups
+        self.group_windows = (None,) if kv_layout is None else kv_layout.windows
+        if kv_layout is None:
+            k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
+        else:
+            k_shape, v_shape = kv_groups.pool_shapes(family, config, num_pages, page_size, kv_layout)
         k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape) if sharding_plan is not None else (None, None)
         # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools
         self.k_cache = make_kv_pool(k_shape, kv_cache_dtype, kv_dtype, k_shard)
@@ -249,6 +256,9 @@ class ModelRunner:
         query_start = np.full(B + 1, num_tokens, np.int32)
         row_sample = np.zeros(B, np.int32)
         state_slots = np.zeros(B, np.int32) if self.stateful else None  # padding rows: the scratch slot
+        G = self.num_kv_groups
+        group_tables = np.zeros((G - 1, B, self.max_pages_per_seq), np.int32) if G > 1 else None
+        group_slots = np.zeros((G - 1, T), np.int32) if G > 1 else None
         sp = _SampledPositions(S, self.history_dummy_slot)
         want_plp = False
         guided = []  # (matcher, position) of the positions whose token is held to a grammar
@@ -274,6 +284,13 @@ class ModelRunner:
             slot_mapping[t:t + n] = pages[pos // ps] * ps + pos % ps
             token_seq[t:t + n] = row
             page_table[row, : len(pages)] = pages
+            if G > 1:  # a window group's entries before its window are null (kv_groups.py): the zeros already there
+                for g, table in enumerate(seq.group_pages):
+                    w = self.group_windows[g + 1]
+                    lo = 0 if w is None else max(0, start - w + 1) // ps
+                    seen = np.asarray(table[lo:], np.int32)
+                    group_tables[g, row, lo:len(table)] = seen
+                    group_slots[g, t:t + n] = seen[pos // ps - lo] * ps + pos % ps
             context_lens[row] = end
             query_start[row] = t
             if state_slots is not None:
@@ -294,7 +311,8 @@ class ModelRunner:
                 row_sample[row] = j - 1
             t += n
         query_start[len(plan.rows):] = t
-        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, sp.logits_indices, state_slots)
+        md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, sp.logits_indices, state_slots,
+                           group_tables, group_slots)
         inp = StepInputs(tokens, from_prev, md, sp.sampling_inputs(bool(guided)), sp.history_slot, sp.prompt_len,
                          sp.history_len, row_sample, next_token, np.bool_(want_plp))
         guide_mask = None
@@ -470,7 +488,9 @@ def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, runner: ModelRunner)
     md = inp.md
     md = BatchMetadata(tok(md.positions), tok(md.slot_mapping), tok(md.token_seq), row(md.page_table), row(md.context_lens),
                        np.zeros(B + 1, np.int32), pos(md.logits_indices),
-                       None if md.state_slots is None else row(md.state_slots))
+                       None if md.state_slots is None else row(md.state_slots),
+                       None if md.group_page_tables is None else np.zeros((md.group_page_tables.shape[0], B) + md.group_page_tables.shape[2:], np.int32),
+                       None if md.group_slot_mappings is None else np.zeros((md.group_slot_mappings.shape[0], T), np.int32))
     s = inp.sampling
     s = sampler.SamplingInputs(*(pos(a, 1 if i in (2, 4) else 0) if np.ndim(a) else a for i, a in enumerate(s)))
     s = s._replace(banned_ids=pos(s.banned_ids, -1), bias_ids=pos(s.bias_ids, -1), draft_tokens=pos(s.draft_tokens, -1))

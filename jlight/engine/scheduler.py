@@ -6,6 +6,9 @@ unfinished prompts), then waiting ones are admitted first-come-first-served, wit
 prompts cut into chunks that fit the budget. When pages run out, the most recently
 admitted running sequence is preempted: its pages are released and it is recomputed later
 (its full pages usually survive in the prefix cache).
+A model whose layers differ in attention kind keeps a page table per KV group (`kv_groups`,
+kv_groups.py): each step first gives back the pages a sliding window no longer sees, and every
+count of pages (growing a row, admitting a prompt) is the sum over the groups.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import collections
 import dataclasses
 
 from jlight.engine.block_manager import BlockManager
+from jlight.engine.kv_groups import KVGroupPages
 from jlight.engine.sequence import SeqStatus, Sequence
 from jlight.engine.speculative import SpeculativeConfig, propose_ngram
 from jlight.engine.state_pool import StatePool
@@ -39,8 +43,10 @@ class SchedulePlan:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 speculative: SpeculativeConfig | None = None, state_pool: StatePool | None = None):
+                 speculative: SpeculativeConfig | None = None, state_pool: StatePool | None = None,
+                 kv_groups: KVGroupPages | None = None):
         self.bm = block_manager
+        self.kv_groups = kv_groups  # None: one page table a sequence, every page kept (no attention kinds)
         self.state_pool = state_pool  # hybrid models: a sequence holds a state slot while it runs
         self.speculative = speculative
         self.max_num_seqs = max_num_seqs
@@ -64,6 +70,8 @@ class Scheduler:
         return seq.num_computed_tokens < self.max_model_len and seq.num_tokens <= self.max_model_len
 
     def _ensure_pages(self, seq: Sequence, upto_tokens: int) -> bool:
+        if self.kv_groups is not None:
+            return self.kv_groups.ensure_pages(seq, seq.num_computed_tokens, upto_tokens)
         need = self.bm.pages_needed(upto_tokens) - len(seq.pages)
         if need <= 0:
             return True
@@ -74,8 +82,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.release(seq.pages)
-        seq.pages, seq.page_keys = [], []
+        self._release_pages(seq)
         self._release_state(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
@@ -133,23 +140,32 @@ class Scheduler:
                 continue
             tokens = seq.all_token_ids
             wants_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.admitted_once
-            cached_pages, cached_keys = ([], []) if wants_prompt_logprobs else self.bm.match_prefix(tokens)
-            restore = 0
-            if self.state_pool is not None:  # only as far as a saved state reaches
-                k, restore = self.state_pool.usable_prefix(cached_keys)
-                cached_pages, cached_keys = cached_pages[:k], cached_keys[:k]
-            start = len(cached_pages) * self.bm.page_size
-            n = self._chunk(seq, start, min(len(tokens) - start, budget))
-            need = self.bm.pages_needed(start + n) - len(cached_pages)
-            if not self.bm.can_allocate(need, cached_pages):
-                break
-            self.waiting.popleft()
-            if self.state_pool is not None:
-                seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: one per max_num_seqs
-                seq.restore_from = restore  # the engine copies the snapshot into the slot before the step
-            self.bm.acquire(cached_pages)
-            seq.pages = cached_pages + self.bm.allocate(need)
-            seq.page_keys = list(cached_keys)
+            if self.kv_groups is not None:
+                hit = self.kv_groups.match_prefix([] if wants_prompt_logprobs else tokens)
+                start = hit.num_pages * self.bm.page_size
+                n = min(len(tokens) - start, budget)
+                if not self.kv_groups.can_admit(hit, start + n):
+                    break
+                self.waiting.popleft()
+                self.kv_groups.admit(seq, hit, start + n)
+            else:
+                cached_pages, cached_keys = ([], []) if wants_prompt_logprobs else self.bm.match_prefix(tokens)
+                restore = 0
+                if self.state_pool is not None:  # only as far as a saved state reaches
+                    k, restore = self.state_pool.usable_prefix(cached_keys)
+                    cached_pages, cached_keys = cached_pages[:k], cached_keys[:k]
+                start = len(cached_pages) * self.bm.page_size
+                n = self._chunk(seq, start, min(len(tokens) - start, budget))
+                need = self.bm.pages_needed(start + n) - len(cached_pages)
+                if not self.bm.can_allocate(need, cached_pages):
+                    break
+                self.waiting.popleft()
+                if self.state_pool is not None:
+                    seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: one per max_num_seqs
+                    seq.restore_from = restore  # the engine copies the snapshot into the slot before the step
+                self.bm.acquire(cached_pages)
+                seq.pages = cached_pages + self.bm.allocate(need)
+                seq.page_keys = list(cached_keys)
             seq.num_computed_tokens = start
             if not seq.admitted_once:
                 seq.num_cached_tokens = start
@@ -185,8 +201,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.release(seq.pages)
-        seq.pages, seq.page_keys = [], []
+        self._release_pages(seq)
         self._release_state(seq)
         seq.status = SeqStatus.FINISHED
 
@@ -195,6 +210,13 @@ class Scheduler:
         if self.state_pool is None or not self.bm.enable_prefix_caching:
             return n
         return self.state_pool.stop_at_snapshot(len(seq.prompt_token_ids), self.bm.page_size, start, n)
+
+    def _release_pages(self, seq: Sequence) -> None:
+        if self.kv_groups is not None:
+            self.kv_groups.release(seq)
+            return
+        self.bm.release(seq.pages)
+        seq.pages, seq.page_keys = [], []
 
     def _release_state(self, seq: Sequence) -> None:
         if self.state_pool is not None:

@@ -29,7 +29,8 @@ class Sequence:
         self.seed = seed
         self.arrival = arrival
         self.status = SeqStatus.WAITING
-        self.pages: list[int] = []
+        self.pages: list[int] = []  # page table of KV group 0 (the only one without attention kinds)
+        self.group_pages: list[list[int]] = []  # page tables of KV groups 1.. (kv_groups.py), else empty
         self.page_keys: list[bytes] = []  # prefix keys of the leading full pages
         self.state_slot = 0  # hybrid models: its recurrent-state slot while running (state_pool.py), 0 = none
         self.restore_from = 0  # hybrid models: the snapshot slot to copy into state_slot before its next step
