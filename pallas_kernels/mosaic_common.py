@@ -13,10 +13,9 @@ def interpret_params():
 
 
 def kernel_name(prefix: str, **static) -> str:
-    """A kernel's name, distinct for every distinct set of static parameters and the same in every process.
-
-    Mosaic GPU names a kernel's host entry point after it; kernels left unnamed all share one symbol,
-    which a deserialized executable that holds two of them cannot resolve."""
+    """A kernel's name, distinct for every distinct set of static parameters and the same in every process
+    (so JAX's persistent cache still hits). Mosaic GPU names the kernel and its host entry point after it;
+    unnamed, every kernel is `anonymous`, in profiles and in the errors of a stored executable."""
     digest = hashlib.sha256(repr(sorted(static.items())).encode()).hexdigest()[:12]
     return f"{prefix}_{digest}"
 
