@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from jlight.core.quantization import QUANTIZABLE, QuantizedWeight, W8A8Weight, transpose_to_kmajor
+from jlight.core.quantization import QUANTIZABLE, Fp8Weight, QuantizedWeight, W8A8Weight, transpose_to_kmajor
 from jlight.engine.engine_config import EngineConfig
 from jlight.models.layers import FUSED_PROJECTIONS
 from jlight.models.module import Layout
@@ -64,9 +64,9 @@ def unrolls(cfg: EngineConfig, family, gpu: bool) -> bool:
 
 
 def _stored_quantization(params) -> str | None:
-    """The quantization mode of already-quantized weights ("int8" or "w8a8"), or None for float ones."""
+    """The quantization mode of already-quantized weights ("int8", "w8a8" or "fp8"), or None for float ones."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     first = next((w for w in leaves if isinstance(w, QuantizedWeight)), None)
     if first is None:
         return None
-    return "w8a8" if isinstance(first, W8A8Weight) else "int8"
+    return "w8a8" if isinstance(first, W8A8Weight) else "fp8" if isinstance(first, Fp8Weight) else "int8"

@@ -1,12 +1,14 @@
-"""Round-to-nearest int8: the linear weights of a params tree as QuantizedWeight or W8A8Weight
-(jlight/core/quantization.py), per output column, symmetric."""
-from jlight.core.quantization import LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, QuantizedWeight, W8A8Weight, quantize_int8
+"""Round-to-nearest int8 or fp8: the linear weights of a params tree as QuantizedWeight, W8A8Weight or
+Fp8Weight (jlight/core/quantization.py), per output column, symmetric."""
+from jlight.core.quantization import (
+    LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, QuantizedWeight, W8A8Weight, quantize_fp8, quantize_int8)
 
 
 def quantize_params(params: dict, mode: str, keep=()) -> dict:
-    """Return a copy of a Llama-family params tree with its linear weights in int8.
+    """Return a copy of a Llama-family params tree with its linear weights in int8 or fp8.
 
-    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight.
+    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight; "fp8": Fp8Weight (e4m3 values,
+    scale = the column's amax / 448, saturated at +-448). MoE experts stay as they are in every mode.
     Stacked layer weights [L, in, out] become values [L, in, out], scales [L, out], so
     lax.scan slices both per layer. Norms, biases and the embedding table stay as they are.
 
@@ -25,14 +27,14 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
     unknown = [name for name in keep if name not in QUANTIZABLE]
     if unknown:
         raise ValueError(f"keep={keep!r}: {', '.join(map(repr, unknown))} not in {', '.join(QUANTIZABLE)}")
-    weight_type = QuantizedWeight if mode == "int8" else W8A8Weight
+    quantizer = {"int8": quantize_int8, "w8a8": lambda w: W8A8Weight(*quantize_int8(w)), "fp8": quantize_fp8}[mode]
 
     def quantize(name, w):
         if isinstance(w, QuantizedWeight):
             raise ValueError(f"params[{name!r}] is already quantized; pass the unquantized params")
         if w.ndim < 2:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
-        return weight_type(*quantize_int8(w))
+        return quantizer(w)
 
     def quantize_layers(layers: dict) -> dict:
         layers = dict(layers)
