@@ -6,6 +6,8 @@ unquantized HF directory, quantized here with torch (not with jlight's code):
       lm_head in `ignore`.
   "fp8-block": transformers' FineGrainedFP8 / DeepSeek-V3 layout, `weight_scale_inv` float32
       [ceil(out / 128), ceil(in / 128)] = each 128x128 block's amax / 448.
+  "fp8-block-pow2": the same with each block scale rounded up to a power of two (the ue8m0-style
+      scales of DeepSeek-V3.1's checkpoints, stored as float32 here).
 
 Only the attention and MLP projections are quantized, as those checkpoints do.
 """
@@ -28,7 +30,7 @@ def _channel(w):
     return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
-def _blocks(w):
+def _blocks(w, pow2: bool):
     import torch
 
     n, k = w.shape
@@ -39,6 +41,7 @@ def _blocks(w):
         for j in range(cols):
             block = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
             s = block.abs().max().clamp(min=1e-12) / 448.0
+            s = 2.0 ** torch.ceil(torch.log2(s)) if pow2 else s
             scale[i, j] = s
             q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / s).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, scale
@@ -79,8 +82,8 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str) -> dict:
         if layout == "compressed-tensors-channel":
             tensors[name], tensors[name + "_scale"] = _channel(w)
             tensors[name[: -len(".weight")] + ".input_scale"] = torch.tensor([0.05])
-        elif layout == "fp8-block":
-            tensors[name], tensors[name + "_scale_inv"] = _blocks(w)
+        elif layout in ("fp8-block", "fp8-block-pow2"):
+            tensors[name], tensors[name + "_scale_inv"] = _blocks(w, pow2=layout == "fp8-block-pow2")
         else:
             raise ValueError(layout)
     os.makedirs(dst, exist_ok=True)

@@ -16,7 +16,8 @@ What the engine holds: an Fp8Weight (values [in, out], scales [out]) per linear 
     channel's scale the largest block scale of its row: each value is rounded to e4m3 a second time, a
     relative error of at most 2^-4 more (tests/test_fp8_checkpoints.py measures it against the
     block-dequantized weights), none where a row's block scales differ by powers of two (ue8m0-style
-    scales: the rescaling is exact). So every fp8 matmul path takes them (XLA's fp8 gemm has no block scales).
+    scales: the rescaling is exact for every value that stays in e4m3's normal range, >= 2^-6 of the
+    channel scale). So every fp8 matmul path takes them (XLA's fp8 gemm has no block scales).
   * activations: always quantized dynamically, per token, at run time (matmul_reference.fp8_matmul).
     A static `input_scale` (compressed-tensors `input_activations.dynamic` false, fp8's
     activation_scheme "static") is read and not used: a per-token scale is at least as precise.
