@@ -60,6 +60,8 @@ CONFIGS = [
     ("fp8 weights (W8A8-FP8)", dict(dtype="bfloat16", quantization="fp8")),
     ("fp8 weights, weight-only", dict(dtype="bfloat16", quantization="fp8", fp8_w8a8_min_rows=1 << 30)),
     ("fp8 weights (W8A8-FP8), lm_head bf16", dict(dtype="bfloat16", quantization="fp8", keep=("lm_head",))),
+    ("fp8 weights, weight-only, lm_head bf16",
+     dict(dtype="bfloat16", quantization="fp8", keep=("lm_head",), fp8_w8a8_min_rows=1 << 30)),
     ("int8 KV cache", dict(dtype="bfloat16", kv_cache_dtype="int8")),
     ("int8 weights + int8 KV cache", dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")),
 ]
