@@ -186,3 +186,39 @@ def test_engine_fp8_close_to_bf16(tiny_model, monkeypatch):
     assert 0 < diff.mean() <= 0.15 and diff.max() <= 0.5, (diff.mean(), diff.max())
     for out in runs["fp8"]:
         assert len(out.outputs[0].token_ids) == 8
+
+
+_MESH_SCRIPT = r'''
+import json, sys
+import numpy as np
+import jlight
+from jlight import SamplingParams
+path, out = sys.argv[1], {}
+prompts = [np.random.default_rng(1).integers(3, 500, size=n).tolist() for n in (20, 9)]
+for mesh in (None, "tp=2"):
+    llm = jlight.LLM(path, dtype="float32", quantization="fp8", mesh=mesh, max_num_seqs=2, max_num_batched_tokens=32,
+                     num_pages=32, compilation_cache_dir=None, min_token_bucket=32)
+    layers = llm.engine.runner.params["layers"]
+    wo = layers[0]["wo"] if isinstance(layers, list) else layers["wo"]
+    out[str(mesh)] = dict(kind=type(wo).__name__, tokens=[o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.extended
+def test_fp8_under_tensor_parallel_matches_one_device(tiny_model):
+    """fp8 weights sharded over tp=2 (simulated CPU devices): [in, out] Fp8Weights, their scales split with the
+    output columns (sharding/rules.py), and the one-device engine's greedy tokens (float32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_model("LlamaForCausalLM")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, path], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["None"]["kind"] == "Fp8WeightT" and out["tp=2"]["kind"] == "Fp8Weight"
+    assert out["tp=2"]["tokens"] == out["None"]["tokens"]
