@@ -33,9 +33,9 @@ from jlight.engine import model_runner, step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
-from jlight.core.quantization import QuantizedWeightT, W8A8WeightT  # noqa: E402
+from jlight.core.quantization import Fp8WeightT, QuantizedWeightT, W8A8WeightT  # noqa: E402
 
-KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT)
+KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT, Fp8WeightT)
 
 # name -> EngineConfig fields. "b8" / "b1": the smallest compiled step (min_token_bucket); "-sep": q/k/v and
 # gate/up as separate matmuls (fuse_projections=False); "xla": matmul_impl="reference" (XLA's dequantize-dot on
@@ -59,6 +59,11 @@ VARIANTS = {
     "int8-pallas-b1-sep": dict(_INT8_PALLAS, min_token_bucket=1, fuse_projections=False),
     "int8-pallas-b8": dict(_INT8_PALLAS, min_token_bucket=8),
     "w8a8-auto-b8": dict(quantization="w8a8", matmul_impl="auto", min_token_bucket=8),
+    # fp8 (e4m3) weights: "fp8-b8" the default dispatch (decode steps below fp8_w8a8_min_rows: weight-only,
+    # the values upcast inside XLA's dot); "fp8-w8a8-b8" e4m3 activations too at every step (XLA's fp8 gemm).
+    "fp8-b8": dict(quantization="fp8", min_token_bucket=8),
+    "fp8-b1": dict(quantization="fp8", min_token_bucket=1),
+    "fp8-w8a8-b8": dict(quantization="fp8", fp8_w8a8_min_rows=0, min_token_bucket=8),
 }
 DEFAULT_VARIANTS = "bf16-b8,int8-auto-b8"
 

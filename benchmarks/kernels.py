@@ -30,6 +30,7 @@ from kernel_batches import random_batch, reference_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+import fp8_matmul  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas, paged_prefill_mosaic  # noqa: E402
@@ -524,9 +525,12 @@ def print_table(rows):
         if "error" in r:
             print(f"{r['kernel']:<38} {r['impl']:<58} ERROR {r['error'][:150]}")
         elif "bw" in r:
-            err = f"  rel_err {r['rel_err']:.1e}" if "rel_err" in r else ""
+            err = f"  rel_err {r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
             if r.get("kernel_only_bw"):
                 err += f"  kernel alone {r['kernel_only_seconds'] * 1e6:.1f} us ({100 * r['kernel_only_bw'] / COPY_BW:.0f}%)"
+            if "rate" in r:  # a matmul's row (the fp8 section): its FLOP rate too
+                err = f"  {r['rate'] / 1e12:6.1f} TFLOP/s {100 * r['rate'] / r['ceiling']:5.1f}% of {r['ceiling'] / 1e12:.0f}" + (
+                    f"  rel_err {r['rel_err']:.1e}" if r.get("rel_err") is not None else "")
             print(f"{r['kernel']:<38} {r['impl']:<58} {r['seconds'] * 1e6:9.1f} us {r['bw'] / 1e12:6.2f} TB/s {100 * r['bw'] / COPY_BW:5.1f}% of copy{err}")
         else:
             ceiling = r.get("ceiling", BF16_RATE)
@@ -544,7 +548,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm",
-                        help="comma-separated subset of decode,prefill,gemv,gemm,large_pool")
+                        help="comma-separated subset of decode,prefill,gemv,gemm,large_pool,fp8")
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--page-sizes", default="16", help="attention checks and decode timings: KV page sizes, e.g. 16,32")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
@@ -552,6 +556,8 @@ def main(argv=None):
     parser.add_argument("--gemv-filter", default=None, help="gemv section: only variants matching this regular expression")
     parser.add_argument("--gemv-splits", default=None, help="gemv section: sweep these split-K counts, e.g. 1,2,4,8")
     parser.add_argument("--gemm-rows", default="4096", help="gemm section: row counts, e.g. 4096,512,64,8")
+    parser.add_argument("--fp8-rows", default=fp8_matmul.DEFAULT_ROWS,
+                        help="fp8 section: row counts of the fp8 W8A8 / weight-only / bf16 matmuls at the Llama-3-8B shapes")
     parser.add_argument("--pool", type=int, nargs=4, default=[32, 17922, 256, 1024], metavar=("LAYERS", "PAGES", "BATCH", "CONTEXT"),
                         help="large_pool section: pool of LAYERS x PAGES pages of 16 tokens (the defaults: the engine's "
                              "Llama-3-8B pool on an H200, 37.6 GB of K and V), BATCH sequences of CONTEXT tokens")
@@ -583,7 +589,9 @@ def main(argv=None):
 
     large_pool = functools.partial(bench_large_pool, pool=args.pool,  # decode steps: no prefill kernel
                                      impls=tuple(i for i in args.check_impls.split(",") if i and i != "prefill"))
-    sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm, large_pool=large_pool)
+    fp8 = functools.partial(fp8_matmul.bench_fp8, time_call=time_call, rel_err=rel_err, rates=(BF16_RATE, FP8_RATE),
+                            fp8_rows=args.fp8_rows)
+    sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm, large_pool=large_pool, fp8=fp8)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)

@@ -40,6 +40,8 @@ def build_engine(a) -> LLMEngine:
                 max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop,
                 kv_cache_dtype=a.kv_cache_dtype, page_size=a.page_size, mesh=a.mesh, min_token_bucket=a.min_token_bucket,
                 kv_offloading_size=a.kv_offloading_size, warmup=not a.no_warmup)
+    if a.fp8_w8a8_min_rows is not None:
+        opts["fp8_w8a8_min_rows"] = a.fp8_w8a8_min_rows
     if a.model_config:
         dtype = a.dtype if a.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
         loaded = harness.random_loaded_model(a.model_config, jnp.dtype(dtype), max_position_embeddings=a.max_model_len)
@@ -83,7 +85,9 @@ def main(argv=None):
     ap.add_argument("--model-config", default=None, choices=harness.CONFIG_NAMES,
                     help="random weights of this named shape instead (benchmarks/model_configs.py)")
     ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's; random weights: bfloat16 (float32 on CPU)")
-    ap.add_argument("--quantization", default=None, choices=["int8", "w8a8"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8"])
+    ap.add_argument("--fp8-w8a8-min-rows", type=int, default=None,
+                    help="fp8: steps of at least this many tokens run W8A8-FP8, smaller ones weight-only (default: EngineConfig's)")
     ap.add_argument("--num-requests", type=int, default=256, help="nano workload's requests (0: skip it)")
     ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], help="nano workload's prompt lengths (the peer's)")
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], help="nano workload's output lengths (the peer's)")

@@ -17,11 +17,11 @@ from jlight import loading
 from jlight.core.config import ModelConfig
 from jlight.loading import orbax_loader
 from jlight.quantization.gptq import gptq_quantize_params
-from jlight.quantization.rtn import quantize_params
+from jlight.quantization.rtn import quantize_params, quantize_unless_stored
 from jlight.quantization.smoothquant import smooth_params
 
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("int8", "w8a8")  # weight-only int8, or int8 weights and activations
+QUANTIZATIONS = ("int8", "w8a8", "fp8")  # weight-only int8, int8 weights and activations, or e4m3 weights
 # Files beside a HF model's weights that a tokenizer or chat template may need.
 _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "chat_template*", "*.model", "vocab*", "merges.txt")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -57,12 +57,11 @@ def model_config_to_hf_dict(config: ModelConfig) -> dict:
 
 
 def quantize(params: dict, mode: str | None) -> dict:
-    """Round-to-nearest (quantization/rtn.py), the types jlight's matmuls take."""
-    if mode is None:
-        return params
-    if mode not in QUANTIZATIONS:
+    """Round-to-nearest (quantization/rtn.py), the types jlight's matmuls take; weights already stored in
+    `mode` (a HF FP8 checkpoint converted with fp8) are kept as they are."""
+    if mode is not None and mode not in QUANTIZATIONS:
         raise ValueError(f"--quantization {mode!r} is not supported; choose one of {', '.join(QUANTIZATIONS)} or leave it out")
-    return quantize_params(params, mode)
+    return quantize_unless_stored(params, mode, field="--quantization")
 
 
 def write_converted(directory: str, config: ModelConfig, params: dict, *, tokenizer_dir: str | None = None,
@@ -162,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("-o", "--output", required=True, help="directory to write the orbax checkpoint into")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored weights")
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 weights (quantized once, here; loading does not re-quantize)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="store int8 or fp8 (e4m3, a scale per output channel) weights (quantized once, here; loading does not re-quantize)")
     parser.add_argument("--calibration", default=None, metavar="TEXT_FILE",
                         help="with --quantization int8: choose the int8 values by GPTQ on this text; with w8a8: SmoothQuant "
                              "on it; the lm_head kept in --dtype (Llama family; host-side, measured on a 135M model only: "

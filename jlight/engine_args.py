@@ -13,9 +13,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     else:
         p.add_argument("--model", "-m", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
+    p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8"],
                    help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
-                        "(faster prefill; docs/BENCHMARKS.md has the figures and quality)")
+                        "(faster prefill); fp8: e4m3 weights with a scale per output channel, e4m3 activations per token in "
+                        "steps of >= --fp8-w8a8-min-rows tokens (docs/BENCHMARKS.md has the figures and quality). HF FP8 "
+                        "checkpoints (compressed-tensors, fp8) load as fp8 without this flag")
+    p.add_argument("--fp8-w8a8-min-rows", type=int, default=None,
+                   help="fp8 weights: steps of at least this many tokens multiply fp8 x fp8, smaller ones upcast the "
+                        "weights (0: always fp8 x fp8; default 64)")
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
     p.add_argument("--disaggregated", default=None,
                    help='prefill and decode on separate devices in one process, e.g. "prefill=4,decode=4": a prefill '
@@ -65,7 +70,7 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
                  "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "kv_offloading_size",
-                 "disaggregated", "attention_impl", "matmul_impl", "moe_impl", "speculative_config"):
+                 "disaggregated", "attention_impl", "matmul_impl", "moe_impl", "speculative_config", "fp8_w8a8_min_rows"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

@@ -5,7 +5,7 @@
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
-  matmul(x, w, out_dtype=None) -> y
+  matmul(x, w, out_dtype=None) -> y  (fp8 weights: W8A8-FP8 from `fp8_w8a8_min_rows` rows, weight-only below)
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
   causal_conv1d(x, weight, bias, conv_pool, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from jlight.core.quantization import QuantizedWeight, W8A8Weight
+from jlight.core.quantization import Fp8Weight, QuantizedWeight, W8A8Weight
 from jlight.core.moe_impls import MOE_IMPLS
 from jlight.pallas_kernels import attention_reference, delta_rule_reference, mamba_reference, matmul_reference, mla_reference, ragged_scan
 
@@ -72,9 +72,11 @@ def _use_pallas(impl: str) -> bool:
 
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-                sharded: bool = False) -> Kernels:
+                sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
-    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only."""
+    kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
+    fp8_w8a8_min_rows (EngineConfig.fp8_w8a8_min_rows): fp8 weights run W8A8-FP8 in steps of at least
+    this many rows and weight-only below, on every matmul_impl (XLA's fp8 dot: no Pallas fp8 kernel)."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -102,6 +104,9 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import matmul_pallas
 
         matmul = matmul_pallas.matmul if matmul_impl == "pallas" else matmul_pallas.matmul_gpu_default
+    if fp8_w8a8_min_rows < 0:
+        raise ValueError(f"fp8_w8a8_min_rows={fp8_w8a8_min_rows} must be >= 0 (0: W8A8-FP8 at every step)")
+    matmul = functools.partial(fp8_or, matmul, fp8_w8a8_min_rows)
     grouped = None
     if _use_pallas(moe_impl):
         # GPU kernel modules load only when chosen.
@@ -109,6 +114,14 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         grouped = GroupedMatmul(grouped_matmul_pallas.grouped_matmul, grouped_matmul_pallas.fits)
     return Kernels(write_kv, attention, matmul, moe_impl, grouped_matmul=grouped)
+
+
+def fp8_or(matmul, fp8_w8a8_min_rows: int, x, w, out_dtype=None):
+    """fp8 weights to matmul_reference.fp8_matmul (W8A8-FP8 from fp8_w8a8_min_rows rows, weight-only
+    below), every other weight to `matmul`."""
+    if isinstance(w, matmul_reference.FP8_WEIGHTS):
+        return matmul_reference.matmul(x, w, out_dtype, fp8_w8a8_min_rows=fp8_w8a8_min_rows)
+    return matmul(x, w, out_dtype)
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured
@@ -159,8 +172,10 @@ def kmajor_weight_types(matmul_impl: str) -> tuple:
     for the Pallas kernel on the Pallas path; weight-only int8 when "auto" runs it on GPU, for XLA's
     dequantize-dot and the one-row Pallas GEMV. On the H200 the engine's 8-row decode step of the
     Llama-3-8B shape took 2.97 ms/token with K-major weights against 3.78 with [in, out] ones (bf16:
-    4.60; docs/BENCHMARKS.md), e.g. the fused gate/up matmul 32.5 vs 47.7 us."""
-    kinds = (W8A8Weight,) if _use_pallas(matmul_impl) else ()
+    4.60; docs/BENCHMARKS.md), e.g. the fused gate/up matmul 32.5 vs 47.7 us. fp8 weights on every
+    backend: XLA's GPU fp8 gemm takes them K-major without a transpose (matmul_reference.fp8_matmul),
+    and the CPU runs the same layout as the GPU."""
+    kinds = (Fp8Weight,) + ((W8A8Weight,) if _use_pallas(matmul_impl) else ())
     if matmul_impl == "auto" and on_gpu():
         kinds += (QuantizedWeight,)
     return kinds

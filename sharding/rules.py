@@ -59,8 +59,9 @@ def is_axes(x) -> bool:
 
 def _spec_for_leaf(axes: tuple[str, ...], leaf) -> P | QuantizedWeight:
     if isinstance(leaf, QuantizedWeight):
-        # values keep the weight's axes; scales drop the input axis ([..., in, out] -> [..., out]).
-        return QuantizedWeight(logical_to_spec(axes), logical_to_spec(axes[:-2] + axes[-1:]))
+        # values keep the weight's axes; scales drop the input axis ([..., in, out] -> [..., out]). The spec
+        # node has the weight's own type (W8A8Weight, Fp8Weight): shard_map matches pytree node types.
+        return type(leaf)(logical_to_spec(axes), logical_to_spec(axes[:-2] + axes[-1:]))
     return logical_to_spec(axes)
 
 

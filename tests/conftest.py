@@ -76,7 +76,9 @@ SLOW_FILES_FIRST = (
     "test_host_tier.py",  # ~23
     "test_qwen3_next.py",  # ~22 (alone, on a loaded host)
     "test_nemotron_h.py",  # ~22 (alone, on a loaded host)
+    "test_fp8_weights.py",  # ~26 (a shared host)
     "test_w8a8_engine.py",  # ~22
+    "test_fp8_checkpoints.py",  # ~21
     "test_grouped_matmul.py",  # ~21
     "test_fused_projections.py",  # ~21
     "test_kernels_matmul.py",  # ~19

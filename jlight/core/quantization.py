@@ -1,12 +1,16 @@
-"""int8 quantization: per-output-channel symmetric weight scales, per-token activation scales,
-and the int8 KV cache (one scale per token and KV head).
+"""Weight quantization (int8 and fp8, per-output-channel symmetric scales, per-token activation
+scales) and the int8 and fp8 KV caches (int8: one scale per token and KV head).
 
-Two weight types share one layout (values int8 [..., in, out], scales [..., out]):
+Three weight types share one layout (values [..., in, out], scales float32 [..., out]):
   QuantizedWeight: weight-only int8 (W8A16): activations stay in bf16/f32.
   W8A8Weight: also quantizes the activations per token at run time and multiplies in
-    int8 with int32 accumulation. It subclasses QuantizedWeight so code that only moves
-    or shards weights (lax.scan slicing, sharding rules) treats both alike; matmuls tell
-    them apart with isinstance(w, W8A8Weight).
+    int8 with int32 accumulation.
+  Fp8Weight: float8_e4m3fn values (quantization="fp8"); its matmul (matmul_reference.fp8_matmul)
+    runs W8A8-FP8 (activations to e4m3 per token, an fp8 x fp8 dot) or weight-only (the values
+    upcast inside the dot), chosen by the step's rows.
+W8A8Weight and Fp8Weight subclass QuantizedWeight, so code that only moves, shards or dequantizes
+weights (lax.scan slicing, sharding rules, MoE experts' dequantize) treats them alike; matmuls tell
+them apart with isinstance(w, W8A8Weight) / isinstance(w, Fp8Weight), checked before QuantizedWeight.
 """
 from typing import NamedTuple
 
@@ -14,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-QUANT_MODES = ("int8", "w8a8")
+QUANT_MODES = ("int8", "w8a8", "fp8")
 # The 2-D-per-layer linear weights of models/llama.py.
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -26,6 +30,10 @@ class QuantizedWeight(NamedTuple):
 
 class W8A8Weight(QuantizedWeight):
     """Same fields as QuantizedWeight; selects int8 x int8 matmuls."""
+
+
+class Fp8Weight(QuantizedWeight):
+    """values float8_e4m3fn [..., in, out], scales float32 [..., out]: weight ~= values * scales."""
 
 
 class W8A8WeightT(NamedTuple):
@@ -45,7 +53,15 @@ class QuantizedWeightT(NamedTuple):
     scales: jax.Array  # [..., out] float32
 
 
-_KMAJOR = {QuantizedWeight: QuantizedWeightT, W8A8Weight: W8A8WeightT}
+class Fp8WeightT(NamedTuple):
+    """An Fp8Weight stored transposed ([out, in], K-major), the layout XLA's GPU fp8 gemm (cuBLASLt)
+    takes without a transpose: both operands contracting on their minor dimension (the gemm rewriter
+    transposes an [in, out] right-hand side first). dispatch.kmajor_weight_types says when."""
+    values_t: jax.Array  # [..., out, in] float8_e4m3fn
+    scales: jax.Array  # [..., out] float32
+
+
+_KMAJOR = {QuantizedWeight: QuantizedWeightT, W8A8Weight: W8A8WeightT, Fp8Weight: Fp8WeightT}
 
 
 @jax.jit
@@ -80,6 +96,36 @@ def quantize_int8(w: jax.Array) -> QuantizedWeight:
     scales = jnp.where(amax > 0, amax / 127.0, 1.0)
     values = jnp.clip(jnp.round(w32 / scales[..., None, :]), -127, 127).astype(jnp.int8)
     return QuantizedWeight(values, scales)
+
+
+# ---- fp8 (e4m3) weights and activations ---------------------------------------------------
+# e4m3 keeps 3 mantissa bits over its whole range (normal numbers from 2^-6 to 448), so a value
+# rounds with a relative error of at most 2^-4; scaling a channel (or a token) by amax / 448 puts
+# its largest value at the top of the range. Casts saturate at +-448: a plain cast of a larger
+# value gives NaN (float8_e4m3fn has no infinity).
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+
+
+def to_fp8(x: jax.Array) -> jax.Array:
+    """x (any float dtype) as float8_e4m3fn, saturated at +-448 (NaN stays NaN)."""
+    return jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def quantize_fp8(w: jax.Array) -> Fp8Weight:
+    """A [..., in, out] weight as e4m3 values with one float32 scale per output channel (amax / 448)."""
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-2)
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return Fp8Weight(to_fp8(w32 / scales[..., None, :]), scales)
+
+
+def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token e4m3: x [..., in] -> (values float8_e4m3fn [..., in], scales f32 [..., 1] = amax / 448)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # [..., 1]
+    return to_fp8(x32 / scales), scales
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -117,13 +163,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # precision (3 mantissa bits) over its whole range, so K and V need no per-token scale as long as
 # they stay within +-448, where write_kv saturates them. It halves a bf16 cache's bytes exactly and
 # keeps every page size open to the Mosaic GPU kernel (no scale copies).
-FP8_KV_DTYPE = jnp.float8_e4m3fn
-FP8_KV_MAX = float(jnp.finfo(FP8_KV_DTYPE).max)
-
-
-def to_fp8_kv(x: jax.Array) -> jax.Array:
-    """x as fp8 K/V values, saturated at the format's +-448 (a plain cast would give NaN there)."""
-    return jnp.clip(x.astype(jnp.float32), -FP8_KV_MAX, FP8_KV_MAX).astype(FP8_KV_DTYPE)
+FP8_KV_DTYPE = FP8_DTYPE
+FP8_KV_MAX = FP8_MAX
+to_fp8_kv = to_fp8  # K/V values as fp8, saturated at +-448
 
 
 class QuantizedKV(NamedTuple):

@@ -6,6 +6,7 @@ import os
 
 from jlight.core.moe_impls import MOE_IMPLS
 from jlight.engine.speculative import SpeculativeConfig
+from jlight.pallas_kernels.matmul_reference import FP8_W8A8_MIN_ROWS
 
 
 def default_compilation_cache_dir() -> str | None:
@@ -19,7 +20,16 @@ def default_compilation_cache_dir() -> str | None:
 class EngineConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct
     dtype: str = "auto"
-    quantization: str | None = None  # None, "int8" (weight-only) or "w8a8"
+    # None, "int8" (weight-only), "w8a8" (int8 activations too) or "fp8" (float8_e4m3fn weights, one scale per
+    # output channel: W8A8-FP8 or weight-only by fp8_w8a8_min_rows). A checkpoint stored quantized (jlight
+    # convert, a HF FP8 checkpoint) runs as stored with None or its own mode.
+    quantization: str | None = None
+    # fp8 weights: steps of at least this many rows (tokens) quantize their activations per token to e4m3
+    # and multiply fp8 x fp8 (XLA's fp8 gemm, the fp8 tensor cores on Hopper); smaller ones (decode) upcast
+    # the weights inside a bf16 dot. 0: W8A8-FP8 at every step; a value above max_num_batched_tokens:
+    # weight-only always. The default (64) is a placeholder until the crossover is measured on the H200
+    # (benchmarks/kernels.py fp8).
+    fp8_w8a8_min_rows: int = FP8_W8A8_MIN_ROWS
     mesh: str | None = None  # e.g. "tp=2"; None: one device
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
@@ -108,8 +118,10 @@ class EngineConfig:
             bad("kv_cache_memory_fraction", "must be in (0, 1]")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization", "must be in (0, 1]")
-        if self.quantization not in (None, "int8", "w8a8"):
-            bad("quantization", "must be None, 'int8' or 'w8a8'")
+        if self.quantization not in (None, "int8", "w8a8", "fp8"):
+            bad("quantization", "must be None, 'int8', 'w8a8' or 'fp8'")
+        if self.fp8_w8a8_min_rows < 0:
+            bad("fp8_w8a8_min_rows", "must be >= 0 (0: W8A8-FP8 at every step)")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype), 'fp8' (e4m3) or 'int8'")
         if self.moe_impl not in MOE_IMPLS:

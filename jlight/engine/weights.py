@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import jax
 
-from jlight.core.quantization import QUANTIZABLE, QuantizedWeight, W8A8Weight, transpose_to_kmajor
+from jlight.core.quantization import QUANTIZABLE, transpose_to_kmajor
 from jlight.engine.engine_config import EngineConfig
 from jlight.models.layers import FUSED_PROJECTIONS
 from jlight.models.module import Layout
 from jlight.pallas_kernels.dispatch import kmajor_weight_types
-from jlight.quantization.rtn import quantize_params
+from jlight.quantization.rtn import quantize_unless_stored
 from jlight.sharding.plan import ShardingPlan
 
 
@@ -18,13 +18,7 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
     a plan's config is the model config the engine runs (e.g. KV heads replicated up to tp).
     owns_weights: the weights are this engine's own load, so their parts may be freed as they go."""
     params = loaded.params
-    if cfg.quantization:
-        stored = _stored_quantization(params)
-        if stored is None:
-            params = quantize_params(params, cfg.quantization)
-        elif stored != cfg.quantization:  # a converted checkpoint quantized in another mode
-            raise ValueError(f"quantization={cfg.quantization!r}: the checkpoint's weights are already quantized as "
-                             f"{stored!r}; drop the option (or pass {stored!r}), or convert the original weights again")
+    params = quantize_unless_stored(params, cfg.quantization)
     plan = None
     if mesh is not None:
         plan = ShardingPlan(mesh, loaded.config, family.param_axes(loaded.config))
@@ -61,12 +55,3 @@ def unrolls(cfg: EngineConfig, family, gpu: bool) -> bool:
     family that can (family None: before the model, so its family, is known)."""
     unroll = cfg.layer_loop != "scan"  # "auto": unrolled on every backend
     return unroll and (family is None or hasattr(family, "unstack_layers"))
-
-
-def _stored_quantization(params) -> str | None:
-    """The quantization mode of already-quantized weights ("int8" or "w8a8"), or None for float ones."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    first = next((w for w in leaves if isinstance(w, QuantizedWeight)), None)
-    if first is None:
-        return None
-    return "w8a8" if isinstance(first, W8A8Weight) else "int8"

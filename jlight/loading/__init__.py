@@ -4,7 +4,8 @@
   None            -> the default model, SmolLM2-135M-Instruct (GGUF, see default_model.py)
   path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time)
   a `jlight convert` output directory -> its orbax params (orbax_loader.py)
-  a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json)
+  a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json); FP8 ones
+                     (compressed-tensors, fp8) keep their linear weights in fp8 (fp8_checkpoint.py)
   "org/name"      -> a HF hub id, downloaded with huggingface_hub when the hub is reachable
 
 dtype "auto" keeps a HF checkpoint's own dtype (config.json `torch_dtype`). GGUF weights
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.loading import orbax_loader, safetensors_loader as st
+from jlight.loading.fp8_checkpoint import fp8_scheme, fp8_tensors
 from jlight.loading.assemble import assemble_params
 from jlight.loading.default_model import default_gguf_path
 from jlight.loading.gguf_loader import gguf_tensors, load_gguf_model
@@ -94,6 +96,9 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     jdtype = resolve_dtype(dtype, st.checkpoint_dtype(hf_config))
     files = st.safetensors_files(model_dir)
     tensors = _progress(st.stream_safetensors(files), st.count_tensors(files), os.path.basename(model_dir.rstrip("/")))
+    scheme = fp8_scheme(hf_config)  # an FP8 checkpoint's linear weights come as Fp8Weights (fp8_checkpoint.py)
+    if scheme is not None:
+        tensors = fp8_tensors(tensors, scheme)
     params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked)
     generation_config = st.read_generation_config(model_dir)
     has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))

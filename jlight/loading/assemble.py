@@ -14,6 +14,8 @@ import numpy as np
 
 from jlight.core.config import HYBRID_FAMILIES, ModelConfig
 from jlight.core.errors import ModelLoadError
+from jlight.core.quantization import LINEAR_WEIGHTS, Fp8Weight
+from jlight.loading.fp8_checkpoint import Fp8HostWeight
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.hf_names_families import family_name_mapper, split_fused_tensors
 from jlight.loading.hf_names_hybrid import hybrid_name_mapper
@@ -61,17 +63,19 @@ def assemble_params(
         if mapped is None:
             continue
         for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
-            arr = np.asarray(tensor)
+            fp8 = isinstance(tensor, Fp8HostWeight) and transpose is True and key.rpartition(".")[2] in LINEAR_WEIGHTS
+            arr = tensor.dequantize() if isinstance(tensor, Fp8HostWeight) and not fp8 else np.asarray(tensor.values if fp8 else tensor)
             if callable(transpose):  # a hybrid family's reshaped or split weights (hf_names_hybrid.py)
                 arr = transpose(arr)
             elif transpose:
                 arr = arr.T
-            arr = arr.astype(np_dtype)
+            arr = arr if fp8 else arr.astype(np_dtype)
+            put = (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales))) if fp8 else place
             if layer is None:
                 if key not in shapes:
                     continue
                 _check_shape(name, arr.shape, shapes[key])
-                top[key] = place(key, arr)
+                top[key] = put(key, arr)
                 continue
             group, _, key = key.rpartition(".")
             group = group or "layers"
@@ -82,7 +86,7 @@ def assemble_params(
             if any(i >= n for i, n in zip(index, want)):
                 continue  # e.g. layers beyond num_layers
             _check_shape(name, arr.shape, want[len(index):])
-            layer_parts[group][key][index] = place(f"{group}.{key}", arr)
+            layer_parts[group][key][index] = put(f"{group}.{key}", arr)
     if "lm_head" not in top:
         if "embed" not in top:
             raise ModelLoadError("checkpoint has no token embedding (model.embed_tokens.weight); the file is incomplete")
@@ -123,7 +127,8 @@ def _stack(parts: dict, lead: tuple[int, ...], prefix: tuple[int, ...] = ()):
     """Stack {index tuple: array} into one array with leading dims `lead`."""
     if len(prefix) == len(lead):
         return parts[prefix]
-    return jnp.stack([_stack(parts, lead, prefix + (i,)) for i in range(lead[len(prefix)])])
+    rows = [_stack(parts, lead, prefix + (i,)) for i in range(lead[len(prefix)])]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *rows)  # arrays, or Fp8Weights leaf by leaf
 
 
 def _check_shape(name, got, want):

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from jlight.core.config import ModelConfig
+from jlight.loading.fp8_checkpoint import Fp8HostWeight
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.mxfp4 import expand_mxfp4
 
@@ -100,12 +101,13 @@ def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.nda
             yield name, tensor
             continue
         rows = sum(n for _, n in parts)
-        if tensor.shape[0] != rows:
+        if (tensor.values if isinstance(tensor, Fp8HostWeight) else tensor).shape[0] != rows:
             raise ValueError(f"tensor {name} has {tensor.shape[0]} rows but the config implies {rows} "
                              f"({' + '.join(str(n) for _, n in parts)}); config.json does not match the weights")
         start = 0
         for part_name, n in parts:  # HF linear weights are [out, in]: the parts are row blocks
-            yield m.group(1) + part_name, tensor[start:start + n]
+            part = tensor.rows(start, start + n) if isinstance(tensor, Fp8HostWeight) else tensor[start:start + n]
+            yield m.group(1) + part_name, part
             start += n
     for prefix, got in pending.items():
         raise ValueError(f"checkpoint has {prefix}{next(iter(got))} without its "

@@ -29,7 +29,7 @@ MANIFEST_NAME = "jlight_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
 # Named tuples that may appear in a params tree, by the name the skeleton records.
-_NAMED_TUPLES = {cls.__name__: cls for cls in (quantization.QuantizedWeight, getattr(quantization, "W8A8Weight", None)) if cls}
+_NAMED_TUPLES = {cls.__name__: cls for cls in (quantization.QuantizedWeight, quantization.W8A8Weight, quantization.Fp8Weight)}
 
 
 def is_orbax_model_dir(path: str) -> bool:

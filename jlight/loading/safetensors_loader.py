@@ -1,8 +1,8 @@
 """Reads a HF model directory: config.json, generation_config.json and safetensors weights.
 
 Tensors are streamed one at a time (memory-mapped by safetensors), so a model never needs a
-second full copy on the host. safetensors' numpy backend cannot return bfloat16, so bf16
-tensors are read as raw bytes from the file's own offsets and viewed as ml_dtypes.bfloat16.
+second full copy on the host. safetensors' numpy backend cannot return bfloat16 or float8, so
+those tensors are read as raw bytes from the file's own offsets and viewed as ml_dtypes' types.
 """
 from __future__ import annotations
 
@@ -54,18 +54,22 @@ def _header(path: str) -> tuple[dict, int]:
     return header, 8 + header_len
 
 
-def _bf16_reader(path: str):
-    """Returns read(name) -> bfloat16 array viewing the file's bytes (no float32 copy)."""
+RAW_DTYPES = ("BF16", "F8_E4M3")  # the safetensors dtypes numpy lacks, read by _raw_reader
+
+
+def _raw_reader(path: str):
+    """Returns read(name) -> a bfloat16 or float8_e4m3fn array viewing the file's bytes (no float32 copy)."""
     # ml_dtypes loads only for the dtypes numpy lacks.
     import ml_dtypes
 
     header, data_start = _header(path)
     raw = np.memmap(path, dtype=np.uint8, mode="r")
+    dtypes = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
     def read(name: str) -> np.ndarray:
         info = header[name]
         begin, end = info["data_offsets"]
-        return raw[data_start + begin : data_start + end].view(ml_dtypes.bfloat16).reshape(info["shape"])
+        return raw[data_start + begin : data_start + end].view(dtypes[info["dtype"]]).reshape(info["shape"])
 
     return read
 
@@ -85,11 +89,11 @@ def stream_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     for path in files:
         try:
             with safe_open(path, framework="numpy") as f:
-                bf16 = None
+                raw = None
                 for name in f.keys():
-                    if f.get_slice(name).get_dtype() == "BF16":
-                        bf16 = bf16 or _bf16_reader(path)
-                        yield name, bf16(name)
+                    if f.get_slice(name).get_dtype() in RAW_DTYPES:
+                        raw = raw or _raw_reader(path)
+                        yield name, raw(name)
                     else:
                         yield name, f.get_tensor(name)
         except (SafetensorError, OSError, ValueError, struct.error) as e:

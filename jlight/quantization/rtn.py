@@ -1,12 +1,16 @@
-"""Round-to-nearest int8: the linear weights of a params tree as QuantizedWeight or W8A8Weight
-(jlight/core/quantization.py), per output column, symmetric."""
-from jlight.core.quantization import LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, QuantizedWeight, W8A8Weight, quantize_int8
+"""Round-to-nearest int8 or fp8: the linear weights of a params tree as QuantizedWeight, W8A8Weight or
+Fp8Weight (jlight/core/quantization.py), per output column, symmetric."""
+import jax
+
+from jlight.core.quantization import (
+    LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, Fp8Weight, QuantizedWeight, W8A8Weight, quantize_fp8, quantize_int8)
 
 
 def quantize_params(params: dict, mode: str, keep=()) -> dict:
-    """Return a copy of a Llama-family params tree with its linear weights in int8.
+    """Return a copy of a Llama-family params tree with its linear weights in int8 or fp8.
 
-    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight.
+    mode "int8": weight-only QuantizedWeight (W8A16); "w8a8": W8A8Weight; "fp8": Fp8Weight (e4m3 values,
+    scale = the column's amax / 448, saturated at +-448). MoE experts stay as they are in every mode.
     Stacked layer weights [L, in, out] become values [L, in, out], scales [L, out], so
     lax.scan slices both per layer. Norms, biases and the embedding table stay as they are.
 
@@ -25,14 +29,14 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
     unknown = [name for name in keep if name not in QUANTIZABLE]
     if unknown:
         raise ValueError(f"keep={keep!r}: {', '.join(map(repr, unknown))} not in {', '.join(QUANTIZABLE)}")
-    weight_type = QuantizedWeight if mode == "int8" else W8A8Weight
+    quantizer = {"int8": quantize_int8, "w8a8": lambda w: W8A8Weight(*quantize_int8(w)), "fp8": quantize_fp8}[mode]
 
     def quantize(name, w):
         if isinstance(w, QuantizedWeight):
             raise ValueError(f"params[{name!r}] is already quantized; pass the unquantized params")
         if w.ndim < 2:
             raise ValueError(f"params[{name!r}] has shape {w.shape}; expected [..., in, out]")
-        return weight_type(*quantize_int8(w))
+        return quantizer(w)
 
     def quantize_layers(layers: dict) -> dict:
         layers = dict(layers)
@@ -51,3 +55,25 @@ def quantize_params(params: dict, mode: str, keep=()) -> dict:
     if "lm_head" in params and "lm_head" not in keep:
         out["lm_head"] = quantize("lm_head", params["lm_head"])
     return out
+
+
+def stored_quantization(params) -> str | None:
+    """The quantization mode of already-quantized weights ("int8", "w8a8" or "fp8": a converted checkpoint,
+    a HF FP8 checkpoint), or None for float ones."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    first = next((w for w in leaves if isinstance(w, QuantizedWeight)), None)
+    if first is None:
+        return None
+    return "w8a8" if isinstance(first, W8A8Weight) else "fp8" if isinstance(first, Fp8Weight) else "int8"
+
+
+def quantize_unless_stored(params: dict, mode: str | None, field: str = "quantization") -> dict:
+    """params quantized in `mode` (None: as they are); weights already stored quantized in `mode` are
+    taken as stored, in another mode a ValueError naming `field`."""
+    stored = stored_quantization(params)
+    if mode is None or stored == mode:
+        return params
+    if stored is not None:
+        raise ValueError(f"{field}={mode!r}: the checkpoint's weights are already quantized as {stored!r}; drop the "
+                         f"option (or pass {stored!r}), or convert the original weights again")
+    return quantize_params(params, mode)
