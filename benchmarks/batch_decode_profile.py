@@ -49,7 +49,18 @@ def decode_step_inputs(engine: LLMEngine, calls: list, batch: int, context: int,
     while len(generated) < batch or min(generated.values()) < 2:  # every sequence past its first decode step
         for out in engine.step():
             generated[out.request_id] = generated.get(out.request_id, 0) + len(out.outputs[0].token_ids_delta)
-    return calls[-1][0]
+    inp = calls[-1][0]
+    rows = int(np.count_nonzero(np.asarray(inp.md.context_lens)))
+    if rows != batch:
+        raise RuntimeError(f"the last step decodes {rows} sequences, not {batch}: some finished during the others' "
+                           f"prefill (max_tokens={max_tokens} is too small)")
+    return inp
+
+
+def prefill_steps(batch: int, context: int, chunk: int) -> int:
+    """Steps the batch's prefill takes, chunk tokens a step: the first sequence decodes about that many
+    tokens before the last one starts."""
+    return -(-batch * context // chunk) + 1
 
 
 def engine_steps(engine: LLMEngine, calls: list, steps: int) -> dict:
@@ -68,6 +79,7 @@ def engine_steps(engine: LLMEngine, calls: list, steps: int) -> dict:
 
 
 def roofline(cfg, params, batch: int, context: int, copy_bw: float) -> dict:
+    """context: the step's mean context length."""
     kv_bytes = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
     w_bytes = weight_bytes(params)
     flops = 2 * w_bytes / 2 * batch + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
@@ -95,17 +107,19 @@ def main(argv=None):
     result = dict(result_header(), xla_flags=os.environ.get("XLA_FLAGS", ""),
                   step_compiler_options=model_runner.STEP_COMPILER_OPTIONS, copy_bw_tb_s=copy_bw and copy_bw / 1e12, rows={})
     for batch in (int(b) for b in a.batches.split(",")):
-        max_len = a.context + a.engine_steps + 64
+        chunk = max(a.max_num_batched_tokens, batch)
+        max_len = a.context + prefill_steps(batch, a.context, chunk) + a.engine_steps + 64
         engine = LLMEngine(EngineConfig(
-            model=None, max_num_seqs=batch, max_num_batched_tokens=max(a.max_num_batched_tokens, batch), max_model_len=max_len,
+            model=None, max_num_seqs=batch, max_num_batched_tokens=chunk, max_model_len=max_len,
             num_pages=batch * (-(-max_len // 16)) + 2, warmup=False, attention_impl=a.attention_impl), loaded=loaded)
         calls = _spy_on_steps(engine.runner)  # (inputs, host seconds of the launch) of every step
         t0 = time.perf_counter()
         inp = decode_step_inputs(engine, calls, batch, a.context, max_len - a.context, a.temperature, a.top_p)
-        row = dict(batch=batch, context=a.context, fill_s=time.perf_counter() - t0,
+        mean_context = float(np.asarray(inp.md.context_lens).sum()) / batch  # the prompt and what each decoded since
+        row = dict(batch=batch, context=a.context, mean_context=mean_context, fill_s=time.perf_counter() - t0,
                    step_ms=back_to_back_ms(engine.runner, inp, reps=20))
         if copy_bw:
-            row["roofline"] = roofline(engine.model_config, engine.runner.params, batch, a.context, copy_bw)
+            row["roofline"] = roofline(engine.model_config, engine.runner.params, batch, mean_context, copy_bw)
         if a.kernel_breakdown and gpu:
             row["kernels"] = kernel_breakdown(engine.runner, (inp, None), top=16)
         row["engine"] = engine_steps(engine, calls, a.engine_steps)

@@ -57,8 +57,8 @@ CONFIGS = [
     ("int8 weights, GPTQ, lm_head bf16", dict(dtype="bfloat16", quantization="int8", gptq=True, keep=("lm_head",))),
     # fp8 (e4m3) weights: teacher-forced steps are prefill chunks of >= 64 rows, so W8A8-FP8 (activations
     # e4m3 per token) unless fp8_w8a8_min_rows sends them to the weight-only path (what decode steps run).
-    ("fp8 weights (W8A8-FP8)", dict(dtype="bfloat16", quantization="fp8")),
-    ("fp8 weights, weight-only", dict(dtype="bfloat16", quantization="fp8", fp8_w8a8_min_rows=1 << 30)),
+    ("fp8 weights (W8A8-FP8), lm_head fp8", dict(dtype="bfloat16", quantization="fp8", keep=())),
+    ("fp8 weights, weight-only, lm_head fp8", dict(dtype="bfloat16", quantization="fp8", keep=(), fp8_w8a8_min_rows=1 << 30)),
     ("fp8 weights (W8A8-FP8), lm_head bf16", dict(dtype="bfloat16", quantization="fp8", keep=("lm_head",))),
     ("fp8 weights, weight-only, lm_head bf16",
      dict(dtype="bfloat16", quantization="fp8", keep=("lm_head",), fp8_w8a8_min_rows=1 << 30)),
