@@ -88,34 +88,52 @@ def test_no_spare_items_means_one_item_a_block():
         split_kv.work_items(jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.int32), 2)
 
 
-def test_combine_equals_a_softmax_over_the_whole_row():
-    """Rows of scores cut into items: the kernel's and the reference's merge of per-item (acc, l, m)
-    equal softmax(scores) @ values over the whole row."""
-    rng = np.random.default_rng(0)
-    kv_heads, rows, head_dim = 2, 8, 64
-    begin, end = np.array([0, 0, 0, 2]), np.array([7, 0, 3, 11])  # steps per block; block 1 has none
-    items = split_kv.work_items(jnp.asarray(begin, jnp.int32), jnp.asarray(end, jnp.int32), 9, min_steps=2)
+def _partials(rng, items, num_blocks, kv_heads, rows, head_dim, steps):
+    """Random scores and values cut into the items' (acc, l, m) (unused items NaN: never read) and the
+    softmax over each whole row computed in numpy from the same scores."""
     block, first, last = (np.asarray(a) for a in items[:3])
-    steps = 16  # positions per step
-    scores = rng.standard_normal((4, kv_heads, rows, 11 * steps)) * 3
-    values = rng.standard_normal((4, kv_heads, 11 * steps, head_dim))
-    acc = np.full((9, kv_heads, rows, head_dim), np.nan, np.float32)  # unused items: never read
-    l = np.full((9, kv_heads, rows), np.nan, np.float32)
-    m = np.full((9, kv_heads, rows), np.nan, np.float32)
-    for i in range(int(np.asarray(items.block_num_items).sum())):
+    num_items = block.shape[0]
+    begin = np.asarray(first)[np.asarray(items.block_first_item)]
+    count = np.asarray(items.block_num_items)
+    width = int(np.max(last)) * steps
+    scores = rng.standard_normal((num_blocks, kv_heads, rows, width)) * 3
+    values = rng.standard_normal((num_blocks, kv_heads, width, head_dim))
+    acc = np.full((num_items, kv_heads, rows, head_dim), np.nan, np.float32)
+    l = np.full((num_items, kv_heads, rows), np.nan, np.float32)
+    m = np.full((num_items, kv_heads, rows), np.nan, np.float32)
+    for i in range(int(count.sum())):
         b, cols = block[i], slice(first[i] * steps, last[i] * steps)
-        s = scores[block[i], :, :, cols] * np.log2(np.e)  # log2 units, as the kernels keep m
+        s = scores[b, :, :, cols] * np.log2(np.e)  # log2 units, as the kernels keep m
         m[i] = s.max(-1)
         p = np.exp2(s - m[i][..., None])
         l[i], acc[i] = p.sum(-1), np.einsum("hrp,hpd->hrd", p, values[b, :, cols])
-    want = np.zeros((4, kv_heads, rows, head_dim))
-    for b in range(4):
-        if end[b] > begin[b]:
-            s = scores[b, :, :, begin[b] * steps:end[b] * steps]
+    want = np.zeros((num_blocks, kv_heads, rows, head_dim))
+    for b in range(num_blocks):
+        if count[b]:
+            lo, hi = first[items.block_first_item[b]] * steps, last[items.block_first_item[b] + count[b] - 1] * steps
+            s = scores[b, :, :, lo:hi]
             p = np.exp(s - s.max(-1, keepdims=True))
-            want[b] = np.einsum("hrp,hpd->hrd", p / p.sum(-1, keepdims=True), values[b, :, begin[b] * steps:end[b] * steps])
-    args = (items, jnp.asarray(acc), jnp.asarray(l), jnp.asarray(m))
+            want[b] = np.einsum("hrp,hpd->hrd", p / p.sum(-1, keepdims=True), values[b, :, lo:hi])
+    return (items, jnp.asarray(acc), jnp.asarray(l), jnp.asarray(m)), want
+
+
+@pytest.mark.parametrize("case", [
+    # (steps a block begins and ends at, items): block 1 has none; a block of 70 items (two of the
+    # kernel's 64-item loads); batch-1 decode's 8 blocks, one used, on 33 items; 5 query rows (group 5).
+    ([0, 0, 0, 2], [7, 0, 3, 11], 9, 8),
+    ([0, 0, 5], [140, 0, 6], 80, 8),
+    ([0] * 8, [512] + [0] * 7, 33, 8),
+    ([0, 3], [40, 9], 20, 5),
+])
+def test_combine_equals_a_softmax_over_the_whole_row(case):
+    """Rows of scores cut into items: the kernel's and the reference's merge of per-item (acc, l, m)
+    equal softmax(scores) @ values over the whole row."""
+    begin, end, num_items, rows = case
+    rng = np.random.default_rng(num_items)
+    items = split_kv.work_items(jnp.asarray(begin, jnp.int32), jnp.asarray(end, jnp.int32), num_items, min_steps=2)
+    assert int(np.max(np.asarray(items.block_num_items))) == {9: 3, 80: 70, 33: 32, 20: 14}[num_items]
+    args, want = _partials(rng, items, len(begin), kv_heads=2, rows=rows, head_dim=64, steps=4)
     ref = np.asarray(split_kv.combine_reference(*args))
-    got = np.asarray(split_kv.combine(*args, out_dtype=jnp.float32, interpret=True))
+    got = np.asarray(split_kv.combine(*args, out_dtype=jnp.float32))  # compiled on a GPU, interpreted elsewhere
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
