@@ -103,7 +103,7 @@ def plot(paths: list[str], vllm: str | None, vllm_fp8: str | None, out: str, cop
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Llama-3-8B shape, random bf16 weights, one {base['device']} ({base['date'][:10]})")
+    fig.suptitle(f"Llama-3-8B shape, random bf16 weights, {base['device']} ({base['date'][:10]})")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
