@@ -56,6 +56,10 @@ class Kernels(NamedTuple):
     ssm_update: Callable = mamba_reference.ssm_update
     delta_rule: Callable = delta_rule_reference.chunked_delta_rule
     delta_rule_update: Callable = delta_rule_reference.delta_rule_update
+    # (tokens, rows, KV heads) of a step -> a page-table width in positions at or under which the attention
+    # runs a cheaper path for that step (0: none); the runner gives steps whose rows all fit it a table that
+    # narrow. None: the attention has no such path.
+    short_table_span: Callable | None = None
 
 
 def _check(name, impl, allowed=IMPLS):
@@ -84,13 +88,16 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
     matmul = matmul_reference.matmul
     backend = attention_impl if attention_impl in ("mosaic", "triton") else "triton" if sharded else PALLAS_ATTENTION
+    short_table_span = None
     if attention_impl in ("mosaic", "triton") or _use_pallas(attention_impl):
         # GPU kernel modules load only when chosen.
-        from jlight.pallas_kernels import paged_attention_pallas
+        from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
         if backend == "mosaic":
             attention = mosaic_or_triton_attention
+            # short contexts skip flash-decoding's combine
+            short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
     # "auto" on GPU keeps XLA's matmuls but for W8A8: end to end on the H200 (Llama-3-8B shape,
     # int8 weights, batch-1 decode) XLA's fused dequantize-dot takes 4.49 ms per token against
@@ -113,7 +120,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import grouped_matmul_pallas
 
         grouped = GroupedMatmul(grouped_matmul_pallas.grouped_matmul, grouped_matmul_pallas.fits)
-    return Kernels(write_kv, attention, matmul, moe_impl, grouped_matmul=grouped)
+    return Kernels(write_kv, attention, matmul, moe_impl, grouped_matmul=grouped, short_table_span=short_table_span)
 
 
 def fp8_or(matmul, fp8_w8a8_min_rows: int, x, w, out_dtype=None):

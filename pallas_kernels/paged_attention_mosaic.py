@@ -15,7 +15,8 @@ P from registers). Two stages of 64 positions keep a program at 80 KB of shared 
 run on each SM. Inputs and outputs are token-major ([blocks, KVH, rows, D]): a decode step needs
 no gather or transpose around the kernel.
 
-Decode steps with few blocks (split_kv.use_work_items) run as work items (flash-decoding,
+Decode steps with few blocks over tables wider than split_kv.SHORT_SPAN positions (split_kv.use_work_items)
+run as work items (flash-decoding,
 split_kv.py): each block's K/V steps are cut into equal chunks computed on the device from the real
 context lengths, a program takes one (item, KV head) and writes its unnormalised softmax state (through
 the slots' shared memory, so two programs still fit an SM), and split_kv.combine merges each block's
@@ -296,7 +297,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     kv_per_step = pages_per_step * page_size
     num_steps = -(-max_pages // pages_per_step)
     if num_items is None:
-        few = block_q == 1 and split_kv.use_work_items(num_blocks, num_kv_heads)
+        few = block_q == 1 and split_kv.use_work_items(num_blocks, num_kv_heads, max_pages * page_size)
         num_items = split_kv.num_work_items(num_blocks, num_kv_heads) if few else 0
     elif num_items and num_items < num_blocks:
         raise ValueError(f"num_items={num_items} must be 0 or at least the step's {num_blocks} query blocks")
@@ -401,6 +402,13 @@ def _block_steps(positions, start, end, page_size: int, pages_per_step: int, sli
     if sliding_window is not None:
         step_begin = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step, step_end)
     return step_begin.astype(jnp.int32), step_end.astype(jnp.int32)
+
+
+def short_table_span(num_tokens: int, num_rows: int, num_kv_heads: int) -> int:
+    """The page-table width (positions) at or under which a step of num_tokens tokens over num_rows rows
+    runs without flash-decoding's items and their combine (split_kv.short_span), 0 where the width
+    changes nothing (Kernels.short_table_span)."""
+    return 0 if uses_prefill_blocks(num_tokens, num_rows) else split_kv.short_span(num_tokens, num_kv_heads)
 
 
 def uses_prefill_blocks(num_tokens: int, num_rows: int) -> bool:

@@ -24,7 +24,10 @@ The cost rule sizes the grid from static shapes only (`num_work_items`): one wav
 PROGRAMS_PER_SM on every SM, even when one block holds all the work (batch 1); more items than
 one wave would leave a second, partial wave (measured on the H200: batch-1 decode at 32k context
 took 73 us with 41 items of 8 KV heads, 1.2 waves). Steps whose blocks alone make more than a wave
-run without items (`use_work_items`).
+run without items, and so do steps whose page table spans at most SHORT_SPAN positions: there a
+block's few programs are done before the combine, one more launch a layer, pays for itself
+(`use_work_items`). A caller that knows its rows' contexts can hand such steps a table that narrow
+(`short_span`; the engine's runner compiles those buckets twice).
 """
 import functools
 from typing import NamedTuple
@@ -54,10 +57,28 @@ def num_work_items(num_blocks: int, num_kv_heads: int) -> int:
     return max(num_blocks, PROGRAMS_PER_SM * NUM_SMS // num_kv_heads)
 
 
-def use_work_items(num_blocks: int, num_kv_heads: int) -> bool:
-    """Whether a decode step's (block, KV head) programs fit in one wave: then its blocks, of which the
-    smallest bucket's are mostly padding (batch 1 runs 8 blocks), get their contexts split."""
+# The widest page table (in positions) whose steps run without work items. On the H200 batch-1 decode at 128
+# tokens of context took 4.715 ms a step with work items and 4.599 without (the combine: 3.6 us a layer),
+# while at 1k and beyond the items win by far (docs/BENCHMARKS.md).
+SHORT_SPAN = 512
+
+
+def fills_one_wave(num_blocks: int, num_kv_heads: int) -> bool:
+    """Whether a step's (block, KV head) programs fit in one wave of the grid."""
     return num_blocks * num_kv_heads <= PROGRAMS_PER_SM * NUM_SMS
+
+
+def use_work_items(num_blocks: int, num_kv_heads: int, span: int) -> bool:
+    """Whether a decode step's blocks get their contexts split: their (block, KV head) programs fit in one
+    wave (the smallest bucket's blocks are mostly padding: batch 1 runs 8), and its page table spans more
+    than SHORT_SPAN positions."""
+    return fills_one_wave(num_blocks, num_kv_heads) and span > SHORT_SPAN
+
+
+def short_span(num_blocks: int, num_kv_heads: int) -> int:
+    """The page-table span (positions) at or under which a decode step of num_blocks one-token blocks runs
+    without work items, where that spares it the combine; 0 where it never takes items."""
+    return SHORT_SPAN if fills_one_wave(num_blocks, num_kv_heads) else 0
 
 
 def work_items(step_begin, step_end, num_items: int, *, min_steps: int = 2, max_items_per_block: int | None = None) -> WorkItems:

@@ -76,9 +76,9 @@ def test_equal_rows_get_equal_items():
 
 def test_the_rule_splits_small_decode_steps_of_any_head_count():
     for kv_heads in (1, 2, 8, 32):  # MQA to MHA: batch-1 decode (8 blocks) always gets a wave of programs
-        assert split_kv.use_work_items(8, kv_heads)
+        assert split_kv.use_work_items(8, kv_heads, 32768)
         assert split_kv.num_work_items(8, kv_heads) * kv_heads >= 256
-    assert not split_kv.use_work_items(64, 8) and not split_kv.use_work_items(16, 32)  # these fill the GPU as they are
+    assert not split_kv.use_work_items(64, 8, 32768) and not split_kv.use_work_items(16, 32, 32768)  # these fill the GPU as they are
 
 
 def test_no_spare_items_means_one_item_a_block():

@@ -87,5 +87,5 @@ def test_warmup_packs_to_the_layouts_serving_uses(tiny_model):
         engine.run_to_completion()
     assert sorted(served) == runner.buckets
     for T in runner.buckets:
-        warm = _pad_to_bucket(real_prepare(SchedulePlan([], []), {})[0], T, min(T, runner.max_num_seqs), runner.num_samples(T), runner)
+        warm = _pad_to_bucket(real_prepare(SchedulePlan([], []), {})[0], T, min(T, runner.max_num_seqs), runner.num_samples(T), runner.max_pages_per_seq, runner)
         assert served[T] == {step_packing.pack(warm)[2]}, f"bucket {T}"

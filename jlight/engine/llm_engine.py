@@ -212,12 +212,13 @@ class LLMEngine:
         logger.info("compiling %s%s, %d at a time", startup.describe_buckets(buckets), what, threads)
         store = self.runner.executable_store
         stored_before = store.loaded if store is not None else 0
-        with Progress(len(buckets), "compiling step buckets", "bucket") as bar:
+        variants = self.runner.num_step_variants(buckets)
+        with Progress(variants, "compiling step buckets", "bucket") as bar:
             seconds = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets, threads=threads)
         if self.block_manager.host_tier is not None:
             self.block_manager.host_tier.warmup(self.runner)
         phases = self.startup_seconds
-        stored = f", {store.loaded - stored_before} of {len(buckets)} loaded compiled" if store is not None else ""
+        stored = f", {store.loaded - stored_before} of {variants} loaded compiled" if store is not None else ""
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
                     time.perf_counter() - self._start_time, phases["load"], phases["prepare"], phases["setup"],
                     seconds, stored)

@@ -1,7 +1,9 @@
 """ModelRunner: owns the weights, the KV pools and the jitted step; runs what the scheduler planned.
 
 One jitted step per token-count bucket (rows are bucketed with it), all compiled at
-start-up. The step embeds, runs the model over the ragged batch, samples on device and
+start-up; a bucket whose attention runs a cheaper path over a narrow page table
+(Kernels.short_table_span: short contexts skip flash-decoding's combine) compiles a second
+variant, which the steps whose rows all fit that table run. The step embeds, runs the model over the ragged batch, samples on device and
 returns only the sampled ids (plus logprobs when asked). Decode tokens sampled by the
 previous step never visit the host: the step reads them from the previous step's output
 (`from_prev`), so the host can launch step N+1 before it has seen step N's tokens.
@@ -125,6 +127,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket)
+        # bucket -> the narrower page-table width (pages) of its second variant, where the kernels offer one
+        self.short_tables = {}
+        if kernels.short_table_span is not None:
+            for T in self.buckets:
+                pages = kernels.short_table_span(T, min(T, max_num_seqs), config.num_kv_heads) // page_size
+                if 0 < pages < self.max_pages_per_seq:
+                    self.short_tables[T] = pages
         self.num_kv_groups = 1 if kv_layout is None else kv_layout.num_groups
         self.group_windows = (None,) if kv_layout is None else kv_layout.windows
         if kv_layout is None:
@@ -232,6 +241,19 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.buckets[-1]}")
 
+    def table_width(self, T: int, plan: SchedulePlan) -> int:
+        """The page table's width (pages) for a step of the T-token bucket: the bucket's narrow variant
+        where it has one and every row's pages fit it, else max_model_len's."""
+        short = self.short_tables.get(T)
+        if short is not None and all(len(r.seq.pages) <= short and all(len(t) <= short for t in (r.seq.group_pages or ()))
+                                     for r in plan.rows):
+            return short
+        return self.max_pages_per_seq
+
+    def num_step_variants(self, buckets) -> int:
+        """Compiled steps that `buckets` make (a bucket with a narrow-table variant makes two)."""
+        return sum(1 + (T in self.short_tables) for T in set(buckets))
+
     def write_history(self, slot: int, token_ids: list[int]) -> None:
         row = np.zeros((self.max_model_len + 1,), np.int32)
         row[: len(token_ids)] = token_ids
@@ -245,19 +267,20 @@ class ModelRunner:
         num_tokens = plan.num_tokens
         T = self.bucket_for(max(num_tokens, 1))
         B, S = min(T, self.max_num_seqs), self.num_samples(T)
+        width = self.table_width(T, plan)
         tokens = np.zeros(T, np.int32)
         from_prev = np.full(T, -1, np.int32)
         positions = np.zeros(T, np.int32)
         slot_mapping = np.zeros(T, np.int32)  # padding writes to scratch page 0
         token_seq = np.zeros(T, np.int32)
         next_token = np.full(T, -1, np.int32)
-        page_table = np.zeros((B, self.max_pages_per_seq), np.int32)
+        page_table = np.zeros((B, width), np.int32)
         context_lens = np.zeros(B, np.int32)
         query_start = np.full(B + 1, num_tokens, np.int32)
         row_sample = np.zeros(B, np.int32)
         state_slots = np.zeros(B, np.int32) if self.stateful else None  # padding rows: the scratch slot
         G = self.num_kv_groups
-        group_tables = np.zeros((G - 1, B, self.max_pages_per_seq), np.int32) if G > 1 else None
+        group_tables = np.zeros((G - 1, B, width), np.int32) if G > 1 else None
         group_slots = np.zeros((G - 1, T), np.int32) if G > 1 else None
         sp = _SampledPositions(S, self.history_dummy_slot)
         want_plp = False
@@ -373,15 +396,15 @@ class ModelRunner:
         by side. `launch` then runs the compiled executables themselves (`_executables`, by layout),
         whatever the arrays' commitment: no jit cache key can miss. A bucket the executable store holds
         is loaded instead (no tracing), and each one compiled here is saved to it. progress(T) follows
-        each bucket."""
+        each compiled step (num_step_variants of them)."""
         t0 = time.perf_counter()
         order = self.buckets if buckets is None else sorted(set(buckets))
         store = self.executable_store
         pending = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-compile") as pool:
-            for T in order:
+            for T, width in [(T, w) for T in order for w in (self.max_pages_per_seq, self.short_tables.get(T)) if w]:
                 inp, _ = self.prepare(SchedulePlan([], []), {})
-                inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), self)
+                inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), width, self)
                 ints, floats, layout = step_packing.pack(inp)
                 args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
                         self.unconstrained_mask(inp))
@@ -472,10 +495,10 @@ class _SampledPositions:
             np.bool_(self.want_lp), np.bool_(guided), self.draft, np.bool_(bool((self.draft >= 0).any())))
 
 
-def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, runner: ModelRunner) -> StepInputs:
-    """An all-padding batch of exactly T tokens, B rows and S sampled positions (for warm-up). Its leaves
-    have the shapes and dtypes of `prepare`'s for the bucket, so it packs to the same layout: the same
-    compiled step."""
+def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, width: int, runner: ModelRunner) -> StepInputs:
+    """An all-padding batch of exactly T tokens, B rows, S sampled positions and page tables `width` pages
+    wide (for warm-up). Its leaves have the shapes and dtypes of `prepare`'s for the bucket, so it packs to
+    the same layout: the same compiled step."""
     def tok(a, fill=0):
         return np.full((T,) + a.shape[1:], fill, a.dtype)
 
@@ -486,10 +509,10 @@ def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, runner: ModelRunner)
         return np.full((S,) + a.shape[1:], fill, a.dtype)
 
     md = inp.md
-    md = BatchMetadata(tok(md.positions), tok(md.slot_mapping), tok(md.token_seq), row(md.page_table), row(md.context_lens),
-                       np.zeros(B + 1, np.int32), pos(md.logits_indices),
+    md = BatchMetadata(tok(md.positions), tok(md.slot_mapping), tok(md.token_seq), np.zeros((B, width), np.int32),
+                       row(md.context_lens), np.zeros(B + 1, np.int32), pos(md.logits_indices),
                        None if md.state_slots is None else row(md.state_slots),
-                       None if md.group_page_tables is None else np.zeros((md.group_page_tables.shape[0], B) + md.group_page_tables.shape[2:], np.int32),
+                       None if md.group_page_tables is None else np.zeros((md.group_page_tables.shape[0], B, width), np.int32),
                        None if md.group_slot_mappings is None else np.zeros((md.group_slot_mappings.shape[0], T), np.int32))
     s = inp.sampling
     s = sampler.SamplingInputs(*(pos(a, 1 if i in (2, 4) else 0) if np.ndim(a) else a for i, a in enumerate(s)))

@@ -1,0 +1,83 @@
+"""Narrow page tables for short-context steps (ModelRunner.short_tables, Kernels.short_table_span).
+
+Where the attention runs a cheaper path over a narrow page table (the Mosaic GPU kernel skips
+flash-decoding's work items and their combine when the table spans at most split_kv.SHORT_SPAN
+positions), the runner compiles those buckets a second time with that table and runs every step whose
+rows fit it there. The CPU runs the XLA reference, which offers no such path, so the engine test hands
+the reference a made-up span: the tokens must not change, and the narrow variant must be the one that
+short steps run.
+"""
+import numpy as np
+import pytest
+
+from jlight.engine.engine_config import EngineConfig
+from jlight.engine.llm_engine import LLMEngine
+from jlight.engine.sampling_params import SamplingParams
+from jlight.pallas_kernels import dispatch, paged_attention_mosaic, split_kv
+
+SPAN = 32  # positions: 4 pages of 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+
+
+def _engine(model_dir, monkeypatch, span):
+    real = dispatch.get_kernels
+    if span is not None:
+        monkeypatch.setattr(dispatch, "get_kernels", lambda *a, **k: real(*a, **k)._replace(
+            short_table_span=lambda T, B, kv_heads: span if T <= 8 else 0))
+    config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, page_size=8,
+                          num_pages=120, max_model_len=256, compilation_cache_dir=None)
+    engine = LLMEngine(config)
+    monkeypatch.setattr(dispatch, "get_kernels", real)
+    return engine
+
+
+def _run(engine, prompts, max_tokens, widths=None):
+    if widths is not None:
+        real_prepare = engine.runner.prepare
+
+        def prepare(plan, *a, **k):
+            inp = real_prepare(plan, *a, **k)
+            T = engine.runner.bucket_for(max(plan.num_tokens, 1))
+            widths.append((T, max(len(r.seq.pages) for r in plan.rows), inp[0].md.page_table.shape[1]))
+            return inp
+
+        engine.runner.prepare = prepare
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids_delta)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_short_steps_run_the_narrow_variant_with_the_same_tokens(model_dir, monkeypatch):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 200, n).tolist() for n in (5, 9, 20)]  # contexts grow past 32 positions while decoding
+    plain = _run(_engine(model_dir, monkeypatch, None), prompts, 24)
+    engine = _engine(model_dir, monkeypatch, SPAN)
+    runner = engine.runner
+    small = [T for T in runner.buckets if T <= 8]  # the CPU's 1-token bucket and the 8-token one
+    assert runner.short_tables == {T: SPAN // 8 for T in small}  # 4 pages wide
+    assert len(runner._executables) == len(runner.buckets) + len(small)  # warm-up compiled the variants too
+    widths = []
+    assert _run(engine, prompts, 24, widths) == plain
+    full = runner.max_pages_per_seq
+    assert {w for _, pages, w in widths} == {SPAN // 8, full}  # both variants ran
+    for T, pages, w in widths:
+        assert w == (SPAN // 8 if pages <= SPAN // 8 and T <= 8 else full)
+
+
+def test_the_mosaic_kernel_offers_its_short_path_to_decode_steps_that_split():
+    assert paged_attention_mosaic.short_table_span(8, 8, 8) == split_kv.SHORT_SPAN  # batch-1 decode, 8 KV heads
+    assert paged_attention_mosaic.short_table_span(64, 64, 8) == 0  # fills the GPU without work items
+    assert paged_attention_mosaic.short_table_span(512, 4, 8) == 0  # prefill blocks never split
+    assert not split_kv.use_work_items(8, 8, split_kv.SHORT_SPAN)
+    assert split_kv.use_work_items(8, 8, split_kv.SHORT_SPAN + 16)
+    assert dispatch.get_kernels("mosaic").short_table_span is paged_attention_mosaic.short_table_span
+    assert dispatch.get_kernels("reference").short_table_span is None
