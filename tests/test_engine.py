@@ -404,3 +404,16 @@ def test_a_float32_step_multiplies_in_float32_and_a_bf16_step_as_xla_likes(llm, 
     bf16 = dots(jlight.LLM(model_dir, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, num_pages=8,
                            warmup=False).engine.runner)
     assert bf16 and not any("HIGHEST" in d for d in bf16), bf16
+
+
+def test_a_request_larger_than_the_whole_kv_cache_is_refused(model_dir):
+    """A request whose prompt and max_tokens need more pages than the pool holds could never run: alone in
+    the engine it preempted itself step after step, forever. It is refused naming the pages, and one that
+    fits runs beside it."""
+    small = jlight.LLM(model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, page_size=8, num_pages=12,
+                       compilation_cache_dir=None)  # 11 usable pages: 88 tokens
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with pytest.raises(jlight.PromptTooLongError, match="KV pages"):
+        small.generate([[5] * 50], params, use_tqdm=False)
+    out = small.generate([[5] * 40], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"

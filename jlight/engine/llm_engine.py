@@ -160,6 +160,11 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
                              "cache stays in the model dtype); use kv_cache_dtype='auto'")
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
+        whole = kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len, max_batched) + 1
+        if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
+            logger.warning("the KV cache (%d pages of %d tokens) cannot hold one sequence of max_model_len=%d tokens (%d "
+                           "pages): longer requests will be refused; raise num_pages or lower max_model_len", num_pages,
+                           cfg.page_size, self.max_model_len, whole)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         host_tier = self._make_host_tier(kv_dtype, max_batched) if cfg.kv_offloading_size else None
@@ -312,6 +317,7 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of"
                 f" {self.max_model_len} tokens; lower max_tokens or shorten the prompt")
+        self._check_fits_the_pool(len(prompt_token_ids), params.max_tokens)
         if len(params.logit_bias or {}) > 32:
             raise ValueError("logit_bias has more than 32 entries; jlight supports up to 32")
         if params.min_tokens > 0 and len(self._min_tokens_banned(params)) > NUM_BANNED:
@@ -321,6 +327,20 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         return prompt_token_ids, params
+
+    def _check_fits_the_pool(self, prompt_len: int, max_tokens: int | None) -> None:
+        """Refuse a request whose prompt and max_tokens need more KV pages than the whole pool holds: alone in
+        the engine it could still never run (it would preempt itself over and over)."""
+        tokens = prompt_len + (max_tokens or 1)
+        chunk = min(self.scheduler.max_num_batched_tokens, prompt_len)
+        need = kv_groups.pages_per_sequence(self.kv_layout.windows, self.config.page_size, tokens, chunk)
+        have = self.block_manager.num_pages - 1  # page 0 is scratch
+        if need > have:
+            what = f"prompt ({prompt_len} tokens)" + (f" + max_tokens ({max_tokens})" if max_tokens else "")
+            raise PromptTooLongError(
+                f"{what} needs {need} KV pages of {self.config.page_size} tokens, but the KV cache holds {have}; "
+                "lower max_tokens or shorten the prompt, or give the engine more pages (num_pages, "
+                "kv_cache_memory_fraction or gpu_memory_utilization)")
 
     def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
         """Token ids banned until min_tokens are out: EOS (unless ignore_eos) and the stop token ids."""
