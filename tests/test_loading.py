@@ -10,7 +10,7 @@ import pytest
 
 from jlight.core.errors import ModelLoadError, UnsupportedModelError
 from jlight.loading import load_model
-from jlight.loading.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+from jlight.loading.gguf_loader import _GEMMA_LAYER_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,7 @@ def test_place_callback_sees_every_tensor(llama_dir):
 
 _HF_TO_GGUF = {v: k for k, v in _GLOBAL_NAMES.items()}
 _HF_LAYER_TO_GGUF = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_GEMMA_LAYER_TO_GGUF = {v: k for k, v in _GEMMA_LAYER_NAMES.items()}
 
 
 def _llama_cpp_permute(w, num_heads):
@@ -111,7 +112,18 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:  # what llama.cpp's converter writes for Gemma (the local RoPE base and the layer pattern it implies)
+        w.add_sliding_window(cfg["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key):
+                w.add_float32(f"{arch}.{key}", cfg[key])
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(cfg["vocab_size"] - len(vocab))]
     w.add_tokenizer_model("gpt2")
@@ -123,15 +135,19 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
     w.add_chat_template("{{ messages[0]['content'] }}")
     qtype = gguf.GGMLQuantizationType[linear_qtype]
     for name, arr in sd.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue  # the converter writes no output.weight for tied embeddings
         if name.startswith("model.layers."):
             _, _, layer, suffix = name.split(".", 3)
-            gname = f"blk.{layer}.{_HF_LAYER_TO_GGUF[suffix]}"
+            gname = f"blk.{layer}.{(_HF_GEMMA_LAYER_TO_GGUF if gemma else _HF_LAYER_TO_GGUF)[suffix]}"
         else:
             gname = _HF_TO_GGUF[name]
         if arch == "llama" and "q_proj" in name:  # llama.cpp permutes Q/K rows of llama models only
             arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif arch == "llama" and "k_proj" in name:
             arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
+        elif gemma and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arr.ndim == 2:
             data = gguf.quants.quantize(arr, qtype)  # uint8 blocks, or a float16 array for F16
             w.add_tensor(gname, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
@@ -178,10 +194,39 @@ def test_gguf_qwen_architectures(tiny_model, tmp_path, arch, gguf_arch):
         np.testing.assert_allclose(np.asarray(got.params["layers"][key]), np.asarray(want), atol=1e-3 * float(np.abs(want).max()), err_msg=key)
 
 
+@pytest.mark.parametrize("arch, gguf_arch", [("Gemma2ForCausalLM", "gemma2"), ("Gemma3ForCausalLM", "gemma3")])
+def test_gguf_gemma_architectures(tiny_model, tmp_path, arch, gguf_arch):
+    """Gemma GGUFs as llama.cpp writes them (norms stored as 1 + w, four norms a layer, no
+    query_pre_attn_scalar, local RoPE base or layer pattern in the metadata) load as the HF directory
+    does: the same attention kinds and weights. The local RoPE base and the scale are llama.cpp's
+    (10,000; head_dim, here unlike hidden / heads), so the tiny model is made with those."""
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    extra = dict(query_pre_attn_scalar=16, num_attention_heads=2, num_key_value_heads=1)
+    if gguf_arch == "gemma3":
+        extra["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                    "sliding_attention": local}
+    path = tiny_model(arch, **extra)
+    ref = load_model(path)
+    write_tiny_gguf(tmp_path / "gemma.gguf", path, "F16", arch=gguf_arch)
+    got = load_model(str(tmp_path / "gemma.gguf"))
+    from jlight.models.attention_kinds import layer_types
+
+    c, r = got.config, ref.config
+    assert (c.architecture, c.sliding_window, c.rope_theta, c.rope_scaling, c.hidden_act) == \
+        (r.architecture, r.sliding_window, r.rope_theta, r.rope_scaling, r.hidden_act)
+    assert layer_types(c) == layer_types(r) and c.qk_norm == r.qk_norm and c.tie_word_embeddings
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq"):
+        assert c.extra.get(key) == r.extra.get(key), key
+    assert set(got.params["layers"]) == set(ref.params["layers"])
+    for key, want in ref.params["layers"].items():
+        np.testing.assert_allclose(np.asarray(got.params["layers"][key]), np.asarray(want), atol=1e-3 * float(np.abs(want).max()),
+                                   err_msg=key)
+
+
 def test_gguf_unsupported_quant_type(llama_dir, tmp_path):
-    path = tmp_path / "q5.gguf"
-    write_tiny_gguf(path, llama_dir, "Q5_0")
-    with pytest.raises(UnsupportedModelError, match="Q5_0"):
+    path = tmp_path / "mxfp4.gguf"
+    write_tiny_gguf(path, llama_dir, "MXFP4")
+    with pytest.raises(UnsupportedModelError, match="MXFP4"):
         load_model(str(path))
 
 

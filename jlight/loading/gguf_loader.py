@@ -1,12 +1,17 @@
 """Reads llama.cpp GGUF files: the model config from the metadata and the weights, dequantized.
 
 Tensors are yielded one at a time under their HF names, so `assemble_params` and
-`hf_names.py` serve GGUF and safetensors alike. Two llama.cpp conventions are undone here:
+`hf_names.py` serve GGUF and safetensors alike. The llama.cpp conventions undone here:
 - GGUF dims are listed fastest-first; the reader's numpy arrays already come out in HF's
   [out, in] row-major order, so no transpose is needed beyond the HF one.
 - llama.cpp's converter permutes the rows of Q and K of "llama" models so that RoPE pairs
   adjacent elements (GPT-J style); jlight's RoPE is HF's rotate-half, so the permutation is
-  inverted. Qwen2/Qwen3 GGUFs are not permuted by the converter and are left as they are.
+  inverted. Qwen2/Qwen3 and Gemma GGUFs are not permuted by the converter and are left as they are.
+- Gemma 2/3: the converter stores every RMSNorm weight plus one (llama.cpp's norm multiplies by
+  the weight; Gemma's by 1 + weight), so one is taken off again. The metadata carries no
+  query_pre_attn_scalar, local RoPE base or layer pattern: llama.cpp derives them from the
+  architecture, and so does `gguf_config` (scale head_dim, or hidden / heads for the 27B models;
+  local layers' RoPE base 10,000; Gemma 3 five local layers to one global, Gemma 2 alternating).
 """
 from __future__ import annotations
 
@@ -20,8 +25,15 @@ from jlight.core.errors import ModelLoadError, UnsupportedModelError
 from jlight.loading.gguf_file import GGUFFile
 
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# The types gguf-py's numpy dequantization reads (gguf.quants), K-quants included.
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_GEMMA = ("gemma2", "gemma3")
+# Gemma's 27B models scale scores by (hidden / heads)^-0.5 instead of head_dim^-0.5 (llama.cpp
+# tells them by their layer count).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # llama.cpp per-layer tensor name -> HF per-layer suffix.
 _LAYER_NAMES = {
@@ -39,6 +51,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's four norms a layer under HF's names (HF's post_attention_layernorm follows the attention).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -79,7 +98,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
 
     num_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
-    vocab = meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    num_layers = int(meta("block_count"))
     scaling_type = meta("rope.scaling.type")
     rope_scaling = None
     if scaling_type == "linear":
@@ -87,14 +106,17 @@ def gguf_config(reader, path: str) -> ModelConfig:
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF file {path} uses rope scaling {scaling_type!r}; jlight supports linear scaling in GGUF files")
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
+    eot = field_value(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    hf = dict(
+        architectures=[GGUF_ARCHITECTURES[arch]],
+        model_type={"gemma3": "gemma3_text"}.get(arch, arch),
+        vocab_size=int(meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
         head_dim=int(meta("attention.key_length", hidden // num_heads)),
         max_position_embeddings=int(meta("context_length", 4096)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -102,11 +124,23 @@ def gguf_config(reader, path: str) -> ModelConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        sliding_window=None,
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        eos_token_id=list(eos_ids),
     )
+    if arch in _GEMMA:
+        window = meta("attention.sliding_window")
+        hf.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(window) if window is not None else None,
+            query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else hf["head_dim"],
+            attn_logit_softcapping=meta("attn_logit_softcapping"),
+            final_logit_softcapping=meta("final_logit_softcapping"),
+        )
+        if arch == "gemma3":
+            hf.update(rope_local_base_freq=10000.0, sliding_window_pattern=int(meta("attention.sliding_window_pattern", 6)))
+    else:
+        hf.update(sliding_window=None, use_sliding_window=False)
+    return ModelConfig.from_hf_dict(hf)
 
 
 def check_quant_types(reader, path: str) -> None:
@@ -119,13 +153,14 @@ def check_quant_types(reader, path: str) -> None:
             )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> HF name, or None for tensors jlight does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     parts = gguf_name.split(".", 2)  # ["blk", N, suffix]
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}"
     return None
 
 
@@ -146,7 +181,7 @@ def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, 
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         # dequantize returns float32 [rows, cols] = HF's [out, in] (or [n] for vectors).
@@ -156,6 +191,8 @@ def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, 
             arr = unpermute_rows(arr, config.num_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_rows(arr, config.num_kv_heads)
+        elif arch in _GEMMA and name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)  # the converter stored 1 + w
         yield name, arr
 
 
