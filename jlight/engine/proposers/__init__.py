@@ -1,0 +1,24 @@
+"""Speculative proposers, one module each, behind the interface of base.py: n-gram prompt lookup on the
+host (ngram.py), and a draft model on the device (draft_model.py, over device.py's machinery)."""
+from __future__ import annotations
+
+from jlight.engine.engine_config import EngineConfig
+from jlight.engine.proposers.base import Proposer
+from jlight.engine.proposers.draft_model import load_draft_model
+from jlight.engine.proposers.ngram import NgramProposer
+from jlight.engine.speculative import SpeculativeConfig
+
+
+def make_proposer(spec: SpeculativeConfig | None, cfg: EngineConfig, model_config, tokenizer, kv_dtype, num_kv_groups: int,
+                  gpu: bool) -> Proposer | None:
+    """The proposer speculative_config names, for the target model `model_config` (its tokenizer, its
+    compute dtype, the number of its KV groups); None without speculative decoding."""
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    if num_kv_groups > 1:
+        raise ValueError(f"speculative_config.method={spec.method!r}: the proposer's K/V follow one page table, and "
+                         f"{model_config.architecture} keeps a table per attention kind; set "
+                         "disable_hybrid_kv_cache_manager=True (or use method 'ngram')")
+    return load_draft_model(spec, cfg, model_config, tokenizer, kv_dtype, gpu)
