@@ -36,7 +36,7 @@ import numpy as np
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
 from jlight.engine import step_packing
-from jlight.engine.model_runner import STEP_COMPILER_OPTIONS, StepInputs, StepOutputs, matmul_precision
+from jlight.engine.model_runner import STEP_COMPILER_OPTIONS, StepInputs, StepOutputs, Taps, matmul_precision
 from jlight.engine.proposers.base import Proposer
 from jlight.engine.scheduler import SchedulePlan, speculates
 from jlight.engine.sequence import Sequence
@@ -97,6 +97,7 @@ class DeviceProposer(Proposer):
     pass makes: 0 or 1) and `shifted`, and gives `pool_shapes`, `first_pass` and `chain_step`."""
     num_first_drafts = 0
     shifted = False  # the first pass reads each token's successor (a head), not the token (a draft model)
+    taps = Taps()  # the step's input tokens; a head asks for hidden states too
 
     def __init__(self, config: SpeculativeConfig, params, dtype):
         self.config = config
