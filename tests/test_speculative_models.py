@@ -11,13 +11,14 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file, save_file
 
 import jlight
 from jlight import SamplingParams
 
-# The pool and chunks of test_speculative.py: eight sequences of ~100 tokens preempt each other; chunks of 32 tokens.
-ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=64, min_token_bucket=8)
+# Eight sequences of ~100 tokens preempt each other in 47 pages of 8 tokens; chunks of 32 tokens.
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, page_size=8, num_pages=48, min_token_bucket=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
@@ -125,3 +126,186 @@ def test_a_draft_model_that_is_missing_or_of_another_vocabulary_is_refused(targe
         jlight.LLM(target_dir, **ENGINE, warmup=False, speculative_config={"method": "draft_model", "model": other})
     with pytest.raises(ValueError, match="mesh='tp=2' is invalid: speculative_config.method='draft_model' does not run"):
         jlight.LLM(target_dir, **ENGINE, mesh="tp=2", speculative_config={"method": "draft_model", "model": target_dir})
+
+
+# --- EAGLE heads ------------------------------------------------------------------------------
+
+def _hf_config(target_dir: str) -> dict:
+    with open(os.path.join(target_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def write_eagle_head(out_dir: str, target_dir: str, eagle3: bool, seed: int = 0, draft_vocab: int = 200,
+                     aux_layers=(0, 1, 2), exact: bool = False) -> str:
+    """An EAGLE-1 or EAGLE-3 head for the target at target_dir, in the published layout (safetensors names of
+    yuhuili/EAGLE-LLaMA3-Instruct-8B and yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), random weights.
+    exact (EAGLE-1): fc passes the token's embedding through and the layer adds nothing, so the head's logits are
+    the target's lm_head over the next token's embedding."""
+    t = _hf_config(target_dir)
+    E, F, V = t["hidden_size"], t["intermediate_size"], t["vocab_size"]
+    H, KV = t["num_attention_heads"], t["num_key_value_heads"]
+    D = E // H
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(0, 1, shape) / np.sqrt(shape[-1])).astype(np.float32)
+    cfg = dict(architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"], model_type="llama",
+               hidden_size=E, intermediate_size=F, num_attention_heads=H, num_key_value_heads=KV, num_hidden_layers=1,
+               rms_norm_eps=t["rms_norm_eps"], rope_theta=(t.get("rope_parameters") or t)["rope_theta"], max_position_embeddings=t["max_position_embeddings"],
+               vocab_size=V, tie_word_embeddings=False, torch_dtype="float32")
+    prefix = "midlayer." if eagle3 else "layers.0."
+    qkv_in = 2 * E if eagle3 else E
+    tensors = {prefix + "self_attn.q_proj.weight": w(H * D, qkv_in), prefix + "self_attn.k_proj.weight": w(KV * D, qkv_in),
+               prefix + "self_attn.v_proj.weight": w(KV * D, qkv_in), prefix + "self_attn.o_proj.weight": w(E, H * D),
+               prefix + "mlp.gate_proj.weight": w(F, E), prefix + "mlp.up_proj.weight": w(F, E),
+               prefix + "mlp.down_proj.weight": w(E, F),
+               prefix + "post_attention_layernorm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32),
+               "embed_tokens.weight": load_file(os.path.join(target_dir, "model.safetensors"))["model.embed_tokens.weight"]}
+    if eagle3:
+        cfg.update(draft_vocab_size=draft_vocab, eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layers)})
+        ids = np.sort(rng.choice(V, draft_vocab, replace=False))  # the draft vocabulary: target ids
+        t2d = np.zeros(V, bool)
+        t2d[ids] = True
+        tensors.update({"fc.weight": w(E, 3 * E), prefix + "input_layernorm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32),
+                        prefix + "hidden_norm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32),
+                        "norm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32), "lm_head.weight": w(draft_vocab, E),
+                        "d2t": (ids - np.arange(draft_vocab)).astype(np.int64), "t2d": t2d})
+    else:
+        tensors.update({"fc.weight": w(E, 2 * E), "fc.bias": (0.1 * rng.normal(size=E)).astype(np.float32)})
+        if exact:
+            tensors["fc.weight"] = np.concatenate([np.eye(E), np.zeros((E, E))], axis=1).astype(np.float32)
+            tensors["fc.bias"] = np.zeros(E, np.float32)
+            tensors[prefix + "self_attn.o_proj.weight"][:] = 0
+            tensors[prefix + "mlp.down_proj.weight"][:] = 0
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, positions, theta):
+    """HF Llama's rotate-half RoPE. x: [T, heads, D]."""
+    D = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = positions[:, None].double() * inv[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float(), torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
+    half = torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1)
+    return x * cos + half * sin
+
+
+class TorchEagleHead:
+    """The published EAGLE-1 / EAGLE-3 head computation written from its checkpoint's tensors alone (the
+    reference the engine's drafts are held to); keeps its K/V of every position it ran."""
+
+    def __init__(self, head_dir: str, target_dir: str, eagle3: bool):
+        self.t = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(head_dir, "model.safetensors")).items()}
+        self.target = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(target_dir, "model.safetensors")).items()}
+        self.cfg, self.eagle3 = _hf_config(head_dir), eagle3
+        self.p = "midlayer." if eagle3 else "layers.0."
+        self.keys, self.values = [], []
+
+    def layer(self, tokens, hidden, positions, from_target):
+        t, p, c = self.t, self.p, self.cfg
+        eps, H, KV = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
+        D = c["hidden_size"] // H
+        e = self.target["model.embed_tokens.weight"][tokens]
+        if self.eagle3:
+            if from_target:
+                hidden = hidden @ t["fc.weight"].T
+            normed = _rms(hidden, t[p + "hidden_norm.weight"], eps)
+            x, residual = torch.cat([_rms(e, t[p + "input_layernorm.weight"], eps), normed], -1), hidden
+        else:
+            x = torch.cat([e, hidden], -1) @ t["fc.weight"].T + t["fc.bias"]
+            residual = x
+        q = _rope((x @ t[p + "self_attn.q_proj.weight"].T).view(-1, H, D), positions, c["rope_theta"])
+        k = _rope((x @ t[p + "self_attn.k_proj.weight"].T).view(-1, KV, D), positions, c["rope_theta"])
+        self.keys.append(k)
+        self.values.append((x @ t[p + "self_attn.v_proj.weight"].T).view(-1, KV, D))
+        keys, values = torch.cat(self.keys).repeat_interleave(H // KV, 1), torch.cat(self.values).repeat_interleave(H // KV, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) / D ** 0.5
+        all_positions = torch.arange(keys.shape[0])  # every position so far, in order
+        scores = scores.masked_fill(all_positions[None, None, :] > positions[None, :, None], float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(len(tokens), -1)
+        h = residual + attn @ t[p + "self_attn.o_proj.weight"].T
+        m = _rms(h, t[p + "post_attention_layernorm.weight"], eps)
+        m = torch.nn.functional.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)
+        return h + m @ t[p + "mlp.down_proj.weight"].T
+
+    def draft(self, h):
+        if not self.eagle3:
+            return int((h @ self.target["lm_head.weight"].T).argmax())
+        best = int((_rms(h, self.t["norm.weight"], self.cfg["rms_norm_eps"]) @ self.t["lm_head.weight"].T).argmax())
+        return best + int(self.t["d2t"][best])
+
+    def drafts_after(self, prompt, first_token, features, k):
+        """The head's k drafts after a prompt whose target features are `features` and whose greedy next token is
+        first_token: the first pass over the prompt, then k - 1 chained drafts."""
+        tokens = torch.tensor(prompt[1:] + [first_token])
+        h = self.layer(tokens, features, torch.arange(len(prompt)), from_target=True)[-1:]
+        out = [self.draft(h[0])]
+        for i in range(1, k):
+            h = self.layer(torch.tensor(out[-1:]), h, torch.tensor([len(prompt) + i - 1]), from_target=False)
+            out.append(self.draft(h[0]))
+        return out
+
+
+def target_features(target_dir: str, prompt, eagle3: bool, aux_layers=(0, 1, 2)):
+    """(the target's greedy token after the prompt, its hidden states there as the head reads them: the final normed
+    ones for EAGLE-1, the residual streams entering aux_layers for EAGLE-3) from transformers."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    captured = []
+    hook = model.model.layers[-1].register_forward_hook(lambda mod, args, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), output_hidden_states=True)
+    hook.remove()
+    streams = list(out.hidden_states[:-1]) + [captured[0]]  # entering layer i; after the last, before the final norm
+    features = torch.cat([streams[i][0] for i in aux_layers], -1) if eagle3 else out.hidden_states[-1][0]
+    return int(out.logits[0, -1].argmax()), features
+
+
+def drafts_after_prefill(llm, prompt):
+    """The engine's first token after `prompt` and the drafts its proposer made in the same step."""
+    engine = llm.engine
+    rid = engine.add_request(None, None, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prompt_token_ids=prompt)
+    seq = engine.requests[rid].seqs[0]
+    while not seq.output_token_ids:
+        engine.step()
+    first, drafts = seq.output_token_ids[0], list(seq.draft_tokens)
+    engine.abort_request(rid)
+    engine.run_to_completion()
+    return first, drafts
+
+
+@pytest.fixture(scope="module")
+def eagle_engines(target_dir, tmp_path_factory):
+    """method -> (LLM with that head over the tiny target, the head's directory)."""
+    root = tmp_path_factory.mktemp("eagle_heads")
+    out = {}
+    for method in ("eagle", "eagle3"):
+        head = write_eagle_head(str(root / method), target_dir, eagle3=method == "eagle3", seed=len(method))
+        out[method] = jlight.LLM(target_dir, **ENGINE, speculative_config={"method": method, "model": head,
+                                                                           "num_speculative_tokens": 3}), head
+    return out
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_give_the_targets_greedy_tokens(eagle_engines, plain, method):
+    check_matches_plain(plain, eagle_engines[method][0], prompts_with_shared_prefixes(10, seed=2), kept_some=False)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_drafts_equal_the_published_heads_computation(eagle_engines, target_dir, method):
+    """A 40-token prompt (two prefill chunks: the first chunk's last token reads the second's first) and its
+    drafts: the head's first pass over the prompt's target features, then chained drafts reading the head's
+    K/V of every position before them. The torch reference reads the checkpoint's tensors by their names."""
+    llm, head_dir = eagle_engines[method]
+    prompt = np.random.default_rng(7).integers(3, 500, 40).tolist()
+    first, drafts = drafts_after_prefill(llm, prompt)
+    want_first, features = target_features(target_dir, prompt, method == "eagle3")
+    assert first == want_first
+    assert drafts == TorchEagleHead(head_dir, target_dir, method == "eagle3").drafts_after(prompt, first, features, 3)

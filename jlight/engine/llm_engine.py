@@ -160,8 +160,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
                              "cache stays in the model dtype); use kv_cache_dtype='auto'")
         spec = cfg.speculative
-        self.proposer = proposers.make_proposer(spec, cfg, mc, self.tokenizer, kv_dtype, self.kv_layout.num_groups,
-                                                dispatch.on_gpu())
+        self.proposer = proposers.make_proposer(spec, cfg, self.family, mc, params, self.tokenizer, kv_dtype,
+                                                self.kv_layout.num_groups, dispatch.on_gpu())
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
