@@ -300,12 +300,14 @@ def test_eagle_heads_give_the_targets_greedy_tokens(eagle_engines, plain, method
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_eagle_drafts_equal_the_published_heads_computation(eagle_engines, target_dir, method):
-    """A 40-token prompt (two prefill chunks: the first chunk's last token reads the second's first) and its
-    drafts: the head's first pass over the prompt's target features, then chained drafts reading the head's
-    K/V of every position before them. The torch reference reads the checkpoint's tensors by their names."""
+    """Prompts of two prefill chunks (a chunk's last token reads the next chunk's first) and their drafts: the
+    head's first pass over the prompt's target features, then chained drafts reading the head's K/V of every
+    position before them. The torch reference reads the checkpoint's tensors by their names."""
     llm, head_dir = eagle_engines[method]
-    prompt = np.random.default_rng(7).integers(3, 500, 40).tolist()
-    first, drafts = drafts_after_prefill(llm, prompt)
-    want_first, features = target_features(target_dir, prompt, method == "eagle3")
-    assert first == want_first
-    assert drafts == TorchEagleHead(head_dir, target_dir, method == "eagle3").drafts_after(prompt, first, features, 3)
+    rng = np.random.default_rng(7)
+    for length in (33, 36, 40):
+        prompt = rng.integers(3, 500, length).tolist()
+        first, drafts = drafts_after_prefill(llm, prompt)
+        want_first, features = target_features(target_dir, prompt, method == "eagle3")
+        assert first == want_first
+        assert drafts == TorchEagleHead(head_dir, target_dir, method == "eagle3").drafts_after(prompt, first, features, 3)
