@@ -38,14 +38,14 @@ def write_layer_skip_draft(target_dir: str, out_dir: str, num_layers: int) -> st
     return out_dir
 
 
-def prompts_with_shared_prefixes(n: int, seed: int) -> list[list[int]]:
-    """Random prompts, some repeating a phrase, and two that extend earlier ones (prefix-cache hits)."""
+def random_prompts(n: int, seed: int, vocab: int = 500) -> list[list[int]]:
+    """Random prompts of 5 to 60 tokens, two of three repeating a phrase."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        phrase = rng.integers(3, 500, int(rng.integers(4, 12))).tolist()
-        out.append(phrase * int(rng.integers(2, 4)) if i % 3 else rng.integers(3, 500, int(rng.integers(5, 60))).tolist())
-    return out + [out[1] + out[4][:9], out[2][:16] + [7, 7, 7]]
+        phrase = rng.integers(3, vocab, int(rng.integers(4, 12))).tolist()
+        out.append(phrase * int(rng.integers(2, 4)) if i % 3 else rng.integers(3, vocab, int(rng.integers(5, 60))).tolist())
+    return out
 
 
 def token_ids(outputs):
@@ -69,14 +69,16 @@ def plain(target_dir):
 
 
 def check_matches_plain(plain, spec, prompts, kept_some: bool = True):
-    """Greedy tokens of `prompts` (the last one with a repetition penalty: it never speculates) equal the
-    engine without speculation; the batch preempted, hit the prefix cache and verified drafts."""
-    params = [GREEDY] * (len(prompts) - 1) + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                                                             repetition_penalty=1.3)]
+    """Greedy tokens equal the engine's without speculation: for the first two prompts, then for a batch of the
+    others after two that extend those (prefix-cache hits), the last one with a repetition penalty (it never
+    speculates) and one with n=2. The batch preempted, hit the prefix cache and verified drafts."""
     before = spec.engine.stats()
-    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
-    got = token_ids(spec.generate(prompts, params, use_tqdm=False))
-    assert got == want
+    batch = [prompts[0] + prompts[3][:9], prompts[1][:16] + [7, 7, 7]] + prompts[2:]
+    params = [GREEDY] * (len(batch) - 2) + [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2),
+                                            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3)]
+    for prompts, params in ((prompts[:2], GREEDY), (batch, params)):
+        want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+        assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
     stats = spec.engine.stats()
     rows, drafts, accepted = spec_counts(spec, before)
     assert rows > 0 and accepted < drafts
@@ -92,7 +94,7 @@ def test_draft_model_identical_to_the_target_keeps_every_draft(target_dir):
     """Drafting right and its K/V in step with the target's: a draft that is the target keeps every draft."""
     spec = jlight.LLM(target_dir, **ENGINE, speculative_config={"method": "draft_model", "model": target_dir,
                                                                 "num_speculative_tokens": 3})
-    prompts = prompts_with_shared_prefixes(6, seed=5)
+    prompts = random_prompts(6, seed=5)
     before = spec.engine.stats()
     spec.generate(prompts, GREEDY, use_tqdm=False)
     rows, drafts, accepted = spec_counts(spec, before)
@@ -103,11 +105,13 @@ def test_layer_skip_draft_model_gives_the_targets_greedy_tokens(target_dir, plai
     draft = write_layer_skip_draft(target_dir, str(tmp_path / "draft"), num_layers=1)
     spec = jlight.LLM(target_dir, **ENGINE, speculative_config={"method": "draft_model", "model": draft,
                                                                 "num_speculative_tokens": 3})
-    check_matches_plain(plain, spec, prompts_with_shared_prefixes(10, seed=1))
+    check_matches_plain(plain, spec, random_prompts(10, seed=1))
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "medusa", "model": "x"}, "speculative_config.method='medusa' is not supported; supported: ngram, draft_model"),
+    ({"method": "medusa", "model": "x"},
+     "speculative_config.method='medusa' is not supported; supported: ngram, draft_model, eagle, eagle3, deepseek_mtp, mtp"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "speculative_config.model is missing: method 'eagle3'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is missing"),
     ({"method": "ngram", "model": "x"}, "speculative_config.model='x' is not used by method 'ngram'"),
 ])
@@ -126,6 +130,24 @@ def test_a_draft_model_that_is_missing_or_of_another_vocabulary_is_refused(targe
         jlight.LLM(target_dir, **ENGINE, warmup=False, speculative_config={"method": "draft_model", "model": other})
     with pytest.raises(ValueError, match="mesh='tp=2' is invalid: speculative_config.method='draft_model' does not run"):
         jlight.LLM(target_dir, **ENGINE, mesh="tp=2", speculative_config={"method": "draft_model", "model": target_dir})
+
+
+def test_heads_for_another_target_or_without_their_tensors_are_refused(target_dir, tmp_path):
+    wide = write_eagle_head(str(tmp_path / "wide"), target_dir, eagle3=True)
+    with open(os.path.join(wide, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(wide, "config.json"), "w") as f:
+        json.dump(dict(config, target_hidden_size=128), f)
+    with pytest.raises(ValueError, match="speculative_config.model=.*: it is a head for another target: vocabulary 512, hidden size 128"):
+        jlight.LLM(target_dir, **ENGINE, warmup=False, speculative_config={"method": "eagle3", "model": wide})
+    head = write_eagle_head(str(tmp_path / "eagle"), target_dir, eagle3=False)
+    tensors = load_file(os.path.join(head, "model.safetensors"))
+    del tensors["layers.0.mlp.down_proj.weight"]
+    save_file(tensors, os.path.join(head, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing its layer's \['w_down'\]; expected layers.0.\* tensors"):
+        jlight.LLM(target_dir, **ENGINE, warmup=False, speculative_config={"method": "eagle", "model": head})
+    with pytest.raises(ValueError, match="method='deepseek_mtp' runs DeepSeek-V3's MTP layer, and LlamaForCausalLM has none"):
+        jlight.LLM(target_dir, **ENGINE, warmup=False, speculative_config={"method": "deepseek_mtp"})
 
 
 # --- EAGLE heads ------------------------------------------------------------------------------
@@ -295,7 +317,7 @@ def eagle_engines(target_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_eagle_heads_give_the_targets_greedy_tokens(eagle_engines, plain, method):
-    check_matches_plain(plain, eagle_engines[method][0], prompts_with_shared_prefixes(10, seed=2), kept_some=False)
+    check_matches_plain(plain, eagle_engines[method][0], random_prompts(10, seed=2), kept_some=False)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -311,3 +333,112 @@ def test_eagle_drafts_equal_the_published_heads_computation(eagle_engines, targe
         want_first, features = target_features(target_dir, prompt, method == "eagle3")
         assert first == want_first
         assert drafts == TorchEagleHead(head_dir, target_dir, method == "eagle3").drafts_after(prompt, first, features, 3)
+
+
+# --- DeepSeek MTP -----------------------------------------------------------------------------
+
+MTP_NAMES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+             "embed_tokens.weight")
+
+
+def write_mtp_checkpoint(target_dir: str, out_dir: str, seed: int = 0) -> str:
+    """The tiny DeepSeek-V3 checkpoint with an MTP layer, as DeepSeek-V3 publishes it: num_nextn_predict_layers 1 and
+    model.layers.{num_hidden_layers}.* (enorm, hnorm, eh_proj, shared_head.{norm, head}, embed_tokens and a
+    decoder layer: here the last layer's tensors, perturbed)."""
+    shutil.copytree(target_dir, out_dir)
+    config = _hf_config(target_dir)
+    config["num_nextn_predict_layers"] = 1
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    L, E, V = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    rng = np.random.default_rng(seed)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    last = f"model.layers.{L - 1}."
+    for name, t in list(tensors.items()):
+        if name.startswith(last):
+            noise = rng.normal(0, 0.2 * (float(np.abs(t).mean()) or 1.0), t.shape) if t.dtype.kind == "f" else 0
+            tensors[f"model.layers.{L}." + name[len(last):]] = (t + noise).astype(t.dtype)
+    mtp = f"model.layers.{L}."
+    tensors.update({mtp + "enorm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32),
+                    mtp + "hnorm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32),
+                    mtp + "eh_proj.weight": (rng.normal(size=(E, 2 * E)) / np.sqrt(2 * E)).astype(np.float32),
+                    mtp + "shared_head.norm.weight": (1 + 0.2 * rng.normal(size=E)).astype(np.float32),
+                    mtp + "shared_head.head.weight": (rng.normal(size=(V, E)) / np.sqrt(E)).astype(np.float32),
+                    mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"]})
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def deepseek_engines(tiny_moe_model, tmp_path_factory):
+    """(checkpoint with an MTP layer, engine without speculation, engine with method deepseek_mtp)."""
+    target, _ = tiny_moe_model("DeepseekV3ForCausalLM")
+    path = write_mtp_checkpoint(target, str(tmp_path_factory.mktemp("mtp") / "deepseek"))
+    return (path, jlight.LLM(path, **ENGINE),
+            jlight.LLM(path, **ENGINE, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 3}))
+
+
+def test_a_deepseek_checkpoint_without_its_mtp_layer_is_refused(tiny_moe_model):
+    target, _ = tiny_moe_model("DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="method='mtp': .* has no MTP layer tensors .*model.layers.3.*num_nextn_predict_layers"):
+        jlight.LLM(target, **ENGINE, warmup=False, speculative_config={"method": "mtp"})
+
+
+def test_deepseek_mtp_gives_the_targets_greedy_tokens(deepseek_engines):
+    _, plain_ds, spec = deepseek_engines
+    check_matches_plain(plain_ds, spec, random_prompts(10, seed=3, vocab=256), kept_some=False)
+
+
+def reference_mtp_drafts(path: str, prompt, k: int):
+    """transformers' greedy token after the prompt and the MTP layer's k drafts, the layer run as a one-layer
+    DeepseekV3 model (its decoder layer, shared_head.norm as the final norm, shared_head.head as lm_head) over
+    inputs_embeds = eh_proj(concat(enorm(embed(next token)), hnorm(hidden))), the whole sequence at every draft."""
+    import transformers
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+    first, hidden = int(out.logits[0, -1].argmax()), out.hidden_states[-1][0]
+    config = _hf_config(path)
+    L = config["num_hidden_layers"]
+    t = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    mtp = f"model.layers.{L}."
+    layer = {"model.layers.0." + n[len(mtp):]: v for n, v in t.items() if n.startswith(mtp) and n[len(mtp):] not in MTP_NAMES}
+    one = dict(layer, **{"model.norm.weight": t[mtp + "shared_head.norm.weight"], "lm_head.weight": t[mtp + "shared_head.head.weight"],
+                         "model.embed_tokens.weight": t["model.embed_tokens.weight"]})
+    ref_dir = path + "_mtp_reference"
+    os.makedirs(ref_dir, exist_ok=True)
+    with open(os.path.join(ref_dir, "config.json"), "w") as f:
+        json.dump(dict(config, num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0), f)
+    save_file({n: v.numpy() for n, v in one.items()}, os.path.join(ref_dir, "model.safetensors"), metadata={"format": "pt"})
+    head = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    eps, embed = config["rms_norm_eps"], t["model.embed_tokens.weight"]
+
+    def x_of(token, h, position):
+        e = embed[token] * (position > 0)
+        return torch.cat([_rms(e, t[mtp + "enorm.weight"], eps), _rms(h, t[mtp + "hnorm.weight"], eps)]) @ t[mtp + "eh_proj.weight"].T
+
+    xs = [x_of(tok, hidden[i], i) for i, tok in enumerate(prompt[1:] + [first])]
+    captured = []
+    hook = head.model.layers[0].register_forward_hook(lambda mod, args, o: captured.append(o[0] if isinstance(o, tuple) else o))
+    drafts = []
+    with torch.no_grad():
+        for i in range(k):
+            captured.clear()
+            logits = head(inputs_embeds=torch.stack(xs)[None]).logits[0, -1]
+            drafts.append(int(logits.argmax()))
+            xs.append(x_of(drafts[-1], captured[0][0, -1], len(prompt) + i))
+    hook.remove()
+    return first, drafts
+
+
+def test_deepseek_mtp_drafts_equal_the_published_layers_computation(deepseek_engines):
+    """Prompts of two prefill chunks and their drafts against transformers' DeepSeek-V3 decoder layer run as the
+    MTP layer: the tensors load by their published names, the MLA cache of the first pass is what the chain reads."""
+    path, _, spec = deepseek_engines
+    rng = np.random.default_rng(11)
+    for length in (33, 40):
+        prompt = rng.integers(3, 256, length).tolist()
+        first, drafts = drafts_after_prefill(spec, prompt)
+        assert (first, drafts) == reference_mtp_drafts(path, prompt, 3)

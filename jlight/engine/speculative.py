@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 # Methods by vLLM's names; "mtp" is "deepseek_mtp" (the one MTP family jlight runs).
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "deepseek_mtp", "mtp")
 # Methods that run a model of their own and so need speculative_config.model (deepseek_mtp reads
 # the target's checkpoint when it is not given).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")

@@ -1,4 +1,5 @@
-"""Speculative heads' checkpoints: EAGLE-1 and EAGLE-3 head directories, by their published tensor names.
+"""Speculative heads' checkpoints, by their published tensor names: EAGLE-1 and EAGLE-3 head directories, and
+DeepSeek-V3's MTP layer inside the target's own checkpoint.
 
   EAGLE-1 (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B): fc.weight [embed, 2 * embed] (and fc.bias),
     layers.0.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, post_attention_layernorm}.weight; an
@@ -10,6 +11,9 @@
   Names may carry a "model." prefix, and EAGLE-3's layer "layers.0." instead of "midlayer.".
 config.json is a Llama config of the head's layer (EAGLE-3's architecture LlamaForCausalLMEagle3, with
 draft_vocab_size, target_hidden_size and eagle_config.eagle_aux_hidden_state_layer_ids where given).
+  DeepSeek MTP: model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj [embed, 2 * embed],
+    shared_head.norm, shared_head.head [vocab, embed], embed_tokens}.weight and a DeepSeek decoder
+    layer's tensors under the same prefix (config.json's num_nextn_predict_layers >= 1; the first is read).
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ import numpy as np
 from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.loading import safetensors_loader as st
-from jlight.models import eagle
+from jlight.loading.fp8_checkpoint import Fp8HostWeight, fp8_scheme, fp8_tensors
+from jlight.loading.hf_names_moe import deepseek_layer_tensor
+from jlight.models import deepseek_mtp, eagle
 
 # Tensors of the head's one layer, after its prefix: (params name, HF [out, in] linear weight).
 _LAYER_TENSORS = {
@@ -89,6 +95,11 @@ def load_eagle_head(model_dir: str, eagle3: bool, target_config: ModelConfig, dt
     head = eagle.EagleHead(eagle3=eagle3, target_hidden_size=int(hf.get("target_hidden_size") or config.hidden_size),
                            draft_vocab_size=int(hf.get("draft_vocab_size") or draft_vocab), fc_bias="fc_bias" in top and not eagle3,
                            norm_before_residual=bool(hf.get("norm_before_residual", False)))
+    if config.vocab_size != target_config.vocab_size or head.target_hidden_size != target_config.hidden_size or (
+            not eagle3 and config.hidden_size != target_config.hidden_size):
+        raise ValueError(f"it is a head for another target: vocabulary {config.vocab_size}, hidden size "
+                         f"{head.target_hidden_size}; the target's are {target_config.vocab_size} and "
+                         f"{target_config.hidden_size}; use the head trained for this model")
     if not eagle3:
         layer.pop("attn_norm", None)
         top.pop("embed", None)
@@ -116,6 +127,64 @@ def load_eagle_head(model_dir: str, eagle3: bool, target_config: ModelConfig, dt
 
 def _put(array: np.ndarray, shape: tuple, name: str, dtype):
     if tuple(array.shape) != tuple(shape):
-        raise ModelLoadError(f"EAGLE head tensor {name} has shape {tuple(array.shape)}, its config implies {tuple(shape)}; "
-                             "the head's config.json does not match its weights")
+        raise ModelLoadError(f"speculative head tensor {name} has shape {tuple(array.shape)}, its config implies "
+                             f"{tuple(shape)}; the config.json does not match the weights")
     return jax.device_put(array.astype(dtype))
+
+
+_MTP_TENSORS = {
+    "enorm.weight": ("enorm", False),
+    "hnorm.weight": ("hnorm", False),
+    "eh_proj.weight": ("eh_proj", True),
+    "shared_head.norm.weight": ("head_norm", False),
+    "shared_head.head.weight": ("lm_head", True),
+    "embed_tokens.weight": ("embed", False),
+}
+
+
+def load_mtp_layer(model_dir: str, config: ModelConfig, dtype) -> dict:
+    """The params tree (models/deepseek_mtp.py) of the first MTP layer in a DeepSeek checkpoint of `config`;
+    without `embed` when the layer holds no embed_tokens copy (it then shares the target's)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    if not hf.get("num_nextn_predict_layers"):
+        raise ValueError(f"{model_dir} has no MTP layer (config.json's num_nextn_predict_layers is "
+                         f"{hf.get('num_nextn_predict_layers', 'absent')}); use a checkpoint that keeps it (DeepSeek-V3/R1)")
+    prefix = f"model.layers.{config.num_layers}."
+    tensors = st.stream_safetensors(st.safetensors_files(model_dir), keep=lambda name: name.startswith(prefix))
+    scheme = fp8_scheme(hf)
+    if scheme is not None:
+        tensors = fp8_tensors(tensors, scheme)
+    top, layer, experts = {}, {}, {}
+    for name, tensor in tensors:
+        array = tensor.dequantize() if isinstance(tensor, Fp8HostWeight) else np.asarray(tensor)
+        suffix = name[len(prefix):]
+        if suffix in _MTP_TENSORS:
+            key, linear = _MTP_TENSORS[suffix]
+            top[key] = array.T if linear else array
+            continue
+        found = deepseek_layer_tensor(suffix)
+        if found is None:
+            continue
+        key, expert, linear = found
+        array = array.T if linear else array
+        if expert is None:
+            layer[key] = array
+        else:
+            experts.setdefault(key, {})[expert] = array
+    if not (top or layer or experts):
+        raise ValueError(f"{model_dir} has no MTP layer tensors ({prefix}*) although config.json's num_nextn_predict_layers "
+                         f"is {hf['num_nextn_predict_layers']} (transformers' save_pretrained drops them); use the "
+                         "checkpoint as DeepSeek publishes it")
+    shapes = deepseek_mtp.mtp_param_shapes(config)
+    for key, parts in experts.items():
+        missing = [e for e in range(shapes["layer"][key][0]) if e not in parts]
+        if missing:
+            raise ModelLoadError(f"{model_dir} is missing {prefix}mlp.experts.{missing[:5]} ({key}); the checkpoint is incomplete")
+        layer[key] = np.stack([parts[e] for e in range(len(parts))])
+    missing = sorted(set(shapes["layer"]) - set(layer)) + sorted(k for k in set(shapes) - set(top) - {"layer", "embed"})
+    if missing:
+        raise ModelLoadError(f"{model_dir} is missing the MTP layer's {missing} (tensors {prefix}*); the checkpoint is incomplete")
+    params = {"layer": {k: _put(layer[k], want, f"layer.{k}", dtype) for k, want in shapes["layer"].items()}}
+    params.update({k: _put(top[k], shapes[k], k, dtype) for k in top})
+    return params

@@ -60,11 +60,6 @@ def load_eagle(spec: SpeculativeConfig, cfg: EngineConfig, target_family, target
         head_config, head, layers, params = load_eagle_head(path, eagle3, target_config, dtype)
     except ValueError as e:
         raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from None
-    if head_config.vocab_size != target_config.vocab_size or head.target_hidden_size != target_config.hidden_size or (
-            not eagle3 and head_config.hidden_size != target_config.hidden_size):
-        raise ValueError(f"speculative_config.model={spec.model!r} is a head for another target: vocabulary "
-                         f"{head_config.vocab_size}, hidden size {head.target_hidden_size}; the target's are "
-                         f"{target_config.vocab_size} and {target_config.hidden_size}; use the head trained for this model")
     params.setdefault("embed", target_params["embed"])  # shared with the target (EAGLE-3 may have its own)
     params.setdefault("lm_head", target_params["lm_head"])  # EAGLE-1's logits are the target's
     taps = Taps(layers=layers) if eagle3 else Taps(hidden=True)
