@@ -442,3 +442,37 @@ def test_deepseek_mtp_drafts_equal_the_published_layers_computation(deepseek_eng
         prompt = rng.integers(3, 256, length).tolist()
         first, drafts = drafts_after_prefill(spec, prompt)
         assert (first, drafts) == reference_mtp_drafts(path, prompt, 3)
+
+
+# --- larger sweeps (extended) -------------------------------------------------------------------
+
+@pytest.mark.extended
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "deepseek_mtp"])
+def test_logprobs_stop_strings_and_seeded_sampling_with_each_proposer(method, target_dir, plain, eagle_engines,
+                                                                      deepseek_engines, tmp_path):
+    """Greedy logprobs and stop strings equal speculation off; seeded sampling gives the same tokens alone and
+    in a batch (the drafts a row verifies do not depend on its neighbours)."""
+    if method == "deepseek_mtp":
+        _, base, spec = deepseek_engines
+        vocab = 256
+    elif method == "draft_model":
+        draft = write_layer_skip_draft(target_dir, str(tmp_path / "draft"), num_layers=1)
+        base, vocab = plain, 500
+        spec = jlight.LLM(target_dir, **ENGINE, speculative_config={"method": method, "model": draft, "num_speculative_tokens": 3})
+    else:
+        base, spec, vocab = plain, eagle_engines[method][0], 500
+    prompts = random_prompts(6, seed=9, vocab=vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    want, got = (llm.generate(prompts, params, use_tqdm=False) for llm in (base, spec))
+    assert token_ids(got) == token_ids(want)
+    for w, g in zip(want, got):
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lw.keys() == lg.keys()
+            np.testing.assert_allclose(list(lg.values()), list(lw.values()), atol=1e-4)
+    text = want[0].outputs[0].text
+    stop = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[text[len(text) // 2: len(text) // 2 + 3]])
+    w, g = (llm.generate(prompts[:1], stop, use_tqdm=False)[0].outputs[0] for llm in (base, spec))
+    assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
+    seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=11)
+    alone = [spec.generate([p], seeded, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, seeded, use_tqdm=False)][:2] == alone
