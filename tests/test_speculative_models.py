@@ -1,10 +1,12 @@
-"""Speculative decoding with model proposers (jlight/engine/proposers/): a draft model, on tiny float32
-models. Greedy tokens equal speculation off through the whole engine (batched beside requests that do
-not speculate, chunked prefill, prefix caching, preemption); a draft identical to the target keeps
-every draft (drafting and its K/V are in step with the target); bad configs name their key and fix.
+"""Speculative decoding with model proposers (jlight/engine/proposers/): a draft model, EAGLE-1 and EAGLE-3
+heads and DeepSeek's MTP layer, on tiny float32 models. Greedy tokens equal speculation off through the whole
+engine (batched beside a request that does not speculate, chunked prefill, prefix caching, preemption, n=2);
+a draft identical to the target keeps every draft (drafting and its K/V are in step with the target); the
+heads' drafts equal a torch reference of their published computation; bad configs name their key and fix.
 
-The draft checkpoints are written here in their published layouts: a layer-skip draft is the target's
-HF checkpoint cut to its first layers (same tensor names, fewer layers)."""
+The checkpoints are written here in their published layouts: a layer-skip draft is the target's HF checkpoint
+cut to its first layers; EAGLE heads use the tensor names of yuhuili's EAGLE-1 / EAGLE-3 releases; the MTP
+layer is model.layers.{num_hidden_layers}.* inside the DeepSeek-V3 checkpoint."""
 import json
 import os
 import shutil
