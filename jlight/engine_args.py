@@ -50,7 +50,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--speculative-config", default=None, type=_json_object,
                    help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; methods ngram, draft_model, eagle, eagle3 '
+                        '(with "model": PATH) and deepseek_mtp')
     p.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "ragged_dot", "gathered", "dense"],
                    help="how MoE experts run (auto: the Pallas grouped matmul on GPU; gathered or ragged_dot elsewhere)")
 

@@ -191,7 +191,7 @@ class DeepSeek(llama.Llama):
         """
         c = self.config
         s = mla_settings(c)
-        step = Step(md, kernels, ops, _rope(c, s))
+        step = Step(md, kernels, ops, rope_table(c, s))
         final_norm = value(self, "final_norm")
         h = ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype)  # [T, embed]
         if s["num_dense"]:
@@ -210,7 +210,8 @@ def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int):
     return (config.num_layers, num_pages, page_size, 1, s["kv_lora_rank"] + s["rope_dim"]), (config.num_layers, 1, 1, 1, 1)
 
 
-def _rope(config: ModelConfig, s: dict):
+def rope_table(config: ModelConfig, s: dict):
+    """The MLA RoPE (inv_freq, attention factor) of the decoder's layers (and its MTP layer's)."""
     scaling = config.rope_scaling
     if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
         return yarn_inv_frequencies(s["rope_dim"], config.rope_theta, scaling, config.max_position_embeddings)

@@ -18,7 +18,8 @@ from jlight.models import attention_kinds
 # fuse_projections and unstack_layers are part of this family's interface: the engine unrolls the
 # layers and fuses q/k/v and gate/up with them (EngineConfig.layer_loop, fuse_projections).
 from jlight.models.layers import activation, column_projections, fuse_projections, rms_norm, unstack_layers  # noqa: F401
-from jlight.models.module import Layout, ParamMaker, Step, declare, family_functions, layer_group, run_layers, value
+from jlight.models.module import (Layout, ParamMaker, Step, declare, family_functions, layer_group, run_layers, run_layers_tapping,
+                                  tapping_forward, value)
 
 
 class LlamaAttention(nnx.Module):
@@ -119,15 +120,20 @@ class Llama(nnx.Module):
         self.final_norm = p((c.hidden_size,), ("embed_norm",))
         self.lm_head = p((c.hidden_size, c.vocab_size), ("embed", "vocab"))  # tied embeddings: a copy of embed.T
 
-    def __call__(self, tokens, k_cache, v_cache, md, kernels, ops):
-        """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache)."""
+    def __call__(self, tokens, k_cache, v_cache, md, kernels, ops, taps: tuple[int, ...] = ()):
+        """tokens: [T] int32 -> (hidden [T, embed] after the final norm, k_cache, v_cache); with `taps` (layer
+        indices) -> (hidden, the residual stream entering each of those layers concatenated, k_cache, v_cache)."""
         c = self.config
         step = Step(md, kernels, ops, attention_kinds.rope_tables(c), self.kv_groups)
         final_norm = value(self, "final_norm")
         h = self.scale_embedding(ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype))  # [T, embed]
-        h, k_cache, v_cache = run_layers(self.layers, (h, k_cache, v_cache), step)  # scanned or unrolled
+        if taps:
+            (h, k_cache, v_cache), tapped = run_layers_tapping(self.layers, (h, k_cache, v_cache), step, taps)
+        else:
+            h, k_cache, v_cache = run_layers(self.layers, (h, k_cache, v_cache), step)  # scanned or unrolled
         h = rms_norm(h, final_norm, c.rms_norm_eps, self.Layer.norm_offset)
-        return ops.gather_sequence(h), k_cache, v_cache  # whole [T, embed] again if split on tokens
+        h = ops.gather_sequence(h)  # whole [T, embed] again if split on tokens
+        return (h, tapped, k_cache, v_cache) if taps else (h, k_cache, v_cache)
 
     def scale_embedding(self, h):
         """The embedded tokens as the first layer reads them (Gemma scales them)."""
@@ -139,6 +145,7 @@ class Llama(nnx.Module):
 
 
 param_shapes, param_axes, init_params, forward, compute_logits = family_functions(Llama)
+forward_tapping = tapping_forward(Llama)  # EAGLE-3's target features (engine/proposers/eagle.py)
 
 
 def kv_layer_windows(config: ModelConfig) -> tuple[int | None, ...]:

@@ -171,6 +171,21 @@ def run_layers(layers, carry, step: Step, first: int = 0):
     return carry
 
 
+def run_layers_tapping(layers, carry, step: Step, taps: tuple[int, ...]):
+    """run_layers over unrolled layers, also returning the residual stream (carry[0]) entering each layer
+    of `taps` (len(layers): after the last), concatenated on the last axis in layer order."""
+    if not isinstance(layers, nnx.List):
+        raise ValueError("tapping hidden states between layers needs unrolled layers; set layer_loop='unroll'")
+    tapped = {}
+    for i, layer in enumerate(layers):
+        if i in taps:
+            tapped[i] = carry[0]
+        carry = layer(*carry, jnp.int32(i), step)
+    if len(layers) in taps:
+        tapped[len(layers)] = carry[0]
+    return carry, jnp.concatenate([tapped[i] for i in sorted(taps)], axis=-1)
+
+
 def layer_group(make_layer: Callable, num_layers: int, layout: Layout):
     """`num_layers` layers as the layout holds them: an nnx.List of `make_layer(None)`, or one
     `make_layer(num_layers)` whose weights are stacked."""
@@ -204,6 +219,17 @@ class FamilyFunctions(NamedTuple):
     init_params: Callable  # (config, key, dtype) -> random weights (benchmarks, tests)
     forward: Callable  # (params, config, tokens [T], k_cache, v_cache, md, kernels, ops) -> (hidden [T, E], k_cache, v_cache)
     compute_logits: Callable  # (params, config, hidden [N, E], kernels, ops) -> float32 logits [N, vocab]
+
+
+def tapping_forward(model_class) -> Callable:
+    """forward_tapping(params, config, tokens, k_cache, v_cache, md, kernels, ops, layers) -> (hidden, tapped
+    [T, len(layers) * embed], k_cache, v_cache): the forward of a model class whose __call__ takes `taps`
+    (run_layers_tapping), for a speculative head that reads the target's inner layers (EAGLE-3)."""
+
+    def forward_tapping(params: dict, config, tokens, k_cache, v_cache, md: BatchMetadata, kernels, ops: ParallelOps, layers):
+        return bind(model_class(config, Layout.of(params)), params)(tokens, k_cache, v_cache, md, kernels, ops, taps=layers)
+
+    return forward_tapping
 
 
 def family_functions(model_class) -> FamilyFunctions:

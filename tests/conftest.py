@@ -63,6 +63,7 @@ SLOW_FILES_FIRST = (
     "test_kv_cache_int8.py",  # ~59
     "test_mosaic_attention.py",  # ~55
     "test_server_chaos.py",  # ~47
+    "test_speculative_models.py",  # ~42 (a shared host)
     "test_gemma.py",  # ~40 (alone, on a loaded host)
     "test_convert.py",  # ~38
     "test_cli.py",  # ~33

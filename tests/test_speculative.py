@@ -10,7 +10,8 @@ import jax
 import jlight
 from jlight import SamplingParams
 from jlight.engine import sampler
-from jlight.engine.speculative import SpeculativeConfig, kept_tokens, propose_ngram
+from jlight.engine.proposers.ngram import propose_ngram
+from jlight.engine.speculative import SpeculativeConfig, kept_tokens
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # A pool small enough that eight sequences of ~100 tokens preempt each other; chunks of 32 tokens.

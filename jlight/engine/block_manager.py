@@ -144,6 +144,13 @@ class BlockManager:
             raise RuntimeError(f"out of KV pages: asked for {n}, {self.num_free_pages} free")
         return [self._take_page() for _ in range(n)]
 
+    def allocate_unused(self, n: int) -> list[int]:
+        """n pages that neither a sequence nor the prefix cache holds, or [] when fewer are unused (a
+        reservation that must not evict cached prefixes)."""
+        if n > len(self.free_pages):
+            return []
+        return [self._take_page() for _ in range(n)]
+
     def release(self, pages: list[int]) -> None:
         """Drop one reference on each page; unreferenced pages become free (or evictable if cached)."""
         for p in reversed(pages):  # later pages first, so a prefix's head is evicted last

@@ -81,8 +81,9 @@ class EngineConfig:
     # 1.46x slower at tp=4 (114.2 vs 78.2 ms; Llama-3-70B shape, docs/BENCHMARKS.md), compiling 7x longer.
     collective_matmul: bool = False
     int8_all_reduce: bool = False
-    # Speculative decoding (jlight/engine/speculative.py), vLLM's speculative_config: e.g.
-    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}. None: off.
+    # Speculative decoding (jlight/engine/speculative.py, proposers/), vLLM's speculative_config: e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or
+    # {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}. None: off.
     speculative_config: dict | None = None
     # Disaggregated prefill and decode (disaggregated.py): "prefill=N,decode=M", a prefill engine on the first N
     # devices and a decode engine on the next M, each tensor parallel over its group. None: one engine.
@@ -140,7 +141,15 @@ class EngineConfig:
             bad("max_model_len", "must be >= 2")
         if self.disaggregated is not None and self.mesh:
             bad("disaggregated", f"takes the devices of each role itself; leave mesh ({self.mesh!r}) unset")
-        SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+        spec = SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+        if spec is not None and spec.method != "ngram":
+            # A proposer's model runs on one device, its K/V in pages the host tier and the prefill/decode handover
+            # do not carry (proposers/device.py).
+            for field, what in (("mesh", "a mesh"), ("kv_offloading_size", "the host KV tier"),
+                                ("disaggregated", "disaggregated prefill/decode")):
+                if getattr(self, field):
+                    bad(field, f"speculative_config.method={spec.method!r} does not run with {what} yet; leave {field} "
+                        "unset or use method 'ngram'")
         return self
 
     @property

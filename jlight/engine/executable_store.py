@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 FORMAT = 1  # the entry layout below: pickle of (payload, in_tree, out_tree)
 
 # The packages whose source decides a compiled step (not the server's or the batch runner's).
-PROGRAM_PACKAGES = ("jlight", "jlight.core", "jlight.engine", "jlight.loading", "jlight.models", "jlight.pallas_kernels",
-                    "jlight.sharding", "jlight.quantization")
+PROGRAM_PACKAGES = ("jlight", "jlight.core", "jlight.engine", "jlight.engine.proposers", "jlight.loading", "jlight.models",
+                    "jlight.pallas_kernels", "jlight.sharding", "jlight.quantization")
 
 
 def _source_digest() -> str:

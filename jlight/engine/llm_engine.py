@@ -19,7 +19,7 @@ import numpy as np
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
-from jlight.engine import kv_groups, output_processor, speculative, startup, state_pool
+from jlight.engine import kv_groups, output_processor, proposers, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.executable_store import ExecutableStore
@@ -159,6 +159,9 @@ class LLMEngine:
         if cfg.kv_cache_dtype != "auto" and mc.family == "deepseek":
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
                              "cache stays in the model dtype); use kv_cache_dtype='auto'")
+        spec = cfg.speculative
+        self.proposer = proposers.make_proposer(spec, cfg, self.family, mc, params, self.tokenizer, kv_dtype,
+                                                self.kv_layout.num_groups, dispatch.on_gpu())
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
         whole = kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len, max_batched) + 1
         if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
@@ -171,9 +174,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
         self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
                          if kv_groups.keeps_window(self.kv_layout) else None)
-        spec = cfg.speculative
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
-                                   state_pool=self.state_pool, kv_groups=self.kv_pages)
+                                   state_pool=self.state_pool, kv_groups=self.kv_pages, proposer=self.proposer)
         draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
         self.runner = ModelRunner(
             self.family, mc, params,
@@ -186,7 +188,10 @@ class LLMEngine:
             guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
             executable_store=self._executable_store(cfg, mc),
-            kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None)
+            kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
+            taps=self.proposer.taps if self.proposer is not None else None)
+        if self.proposer is not None:
+            self.proposer.attach(self.runner)
         jax.block_until_ready((self.runner.k_cache, self.runner.v_cache))
         self.startup_seconds["setup"] = time.perf_counter() - self._start_time - sum(self.startup_seconds.values())
         self.requests: dict[str, Request] = {}
@@ -220,6 +225,8 @@ class LLMEngine:
         variants = self.runner.num_step_variants(buckets)
         with Progress(variants, "compiling step buckets", "bucket") as bar:
             seconds = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets, threads=threads)
+        if self.proposer is not None:
+            seconds += self.proposer.warmup(buckets)
         if self.block_manager.host_tier is not None:
             self.block_manager.host_tier.warmup(self.runner)
         phases = self.startup_seconds
@@ -278,6 +285,8 @@ class LLMEngine:
     def _size_kv_pool(self, kv_dtype, plan) -> int:
         cfg = self.config
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
+        if self.proposer is not None:  # a device proposer's K/V pool holds the same pages
+            bytes_per_page += self.proposer.kv_bytes_per_page(cfg.page_size)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
         wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len,
@@ -459,6 +468,7 @@ class LLMEngine:
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
             out = self.runner.launch(inp, guide_mask)
+            drafting = self.proposer.launch(plan, inp, out) if self.proposer is not None else None
             t1 = time.perf_counter()
             timing["launch"] += t1 - t2
             if self.state_pool is not None and self.state_pool.num_snapshots:
@@ -468,7 +478,7 @@ class LLMEngine:
                 if r.samples:
                     r.seq.num_pending_tokens += 1
                     r.seq.last_row = row
-            launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs))
+            launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs), drafting)
             self.num_steps += 1
         outputs = self._process(self._in_flight) if self._in_flight is not None else []
         timing["wait_and_process"] += time.perf_counter() - t1
@@ -508,7 +518,7 @@ class LLMEngine:
         self._release_slot(seq)
 
     def _process(self, launched) -> list[RequestOutput]:
-        plan, out, want_lp, want_plp = launched
+        plan, out, want_lp, want_plp, drafting = launched
         tokens = np.asarray(out.tokens)  # waits for the step; the next one is already queued
         accepted = np.asarray(out.accepted) if any(r.drafts for r in plan.rows) else None
         lp = top_ids = top_lps = None
@@ -545,6 +555,8 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
+        if self.proposer is not None:
+            self.proposer.collect(plan, drafting)
         outputs = []
         for req in touched.values():
             outputs.append(output_processor.make_request_output(req))

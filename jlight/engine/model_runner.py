@@ -14,6 +14,8 @@ table, the context lengths); a sampled position is a token whose logits the step
 ([S] arrays: the sampling parameters, the draft each position verifies, the sampled tokens).
 A row samples at its last token, or, verifying k drafts (speculative.py), at each of its k + 1
 tokens; S is B plus room for the drafts of the rows the engine speculates for (`draft_slots`).
+A device proposer (proposers/device.py) runs after the step on what the step `taps` for it: the step's
+input tokens and the target's hidden states at every token.
 """
 from __future__ import annotations
 
@@ -59,6 +61,17 @@ class StepOutputs(NamedTuple):
     prompt_logprob: jax.Array  # [T]
     prompt_top_ids: jax.Array  # [T, N]
     prompt_top_logprobs: jax.Array  # [T, N]
+    # What the step taps for a device proposer (Taps), else None:
+    input_tokens: jax.Array | None = None  # [T] int32, the tokens the step ran (from_prev ones resolved)
+    hidden: jax.Array | None = None  # [T, embed] the final normed hidden states, or [T, n * embed] the tapped layers'
+
+
+class Taps(NamedTuple):
+    """What a step returns beyond its samples for a device proposer: always its input tokens; with
+    `hidden` the final normed hidden state of every token; with `layers` instead the residual stream
+    entering each of those layers (num_layers: after the last), concatenated (EAGLE-3's fused features)."""
+    hidden: bool = False
+    layers: tuple[int, ...] = ()
 
 
 def padded_pages(pages: list[int]) -> np.ndarray:
@@ -112,8 +125,9 @@ class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
-                 num_state_slots=0, executable_store=None, kv_layout=None):
+                 num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
+        taps: what each step returns for a device proposer (Taps); None: nothing beyond its samples.
         num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots).
         executable_store: an executable_store.ExecutableStore the warm-up loads compiled buckets from and
         saves them to; None: every bucket is traced and compiled.
@@ -170,10 +184,17 @@ class ModelRunner:
             self._mask_sharding = jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec())
             self._no_guide = {B: jax.device_put(m, self._mask_sharding) for B, m in self._no_guide.items()}
 
+        self.taps = taps
+
         def model_fn(params, k_cache, v_cache, tokens, md, ops):
-            hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ops)
+            if taps is not None and taps.layers:
+                hidden, tapped, k_cache, v_cache = family.forward_tapping(params, config, tokens, k_cache, v_cache, md,
+                                                                          kernels, ops, taps.layers)
+            else:
+                hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ops)
+                tapped = hidden if taps is not None and taps.hidden else None
             logits = family.compute_logits(params, config, hidden[md.logits_indices], kernels, ops)  # [B, V] float32
-            return (hidden, logits), k_cache, v_cache
+            return (hidden, logits, tapped), k_cache, v_cache
 
         # The parallel ops reach the model as an argument: the plan's tensor-parallel ones under a mesh.
         if sharding_plan is not None:
@@ -204,7 +225,7 @@ class ModelRunner:
 
     def _step_impl(self, params, k_cache, v_cache, history, prev_sampled, inp: StepInputs, guide_mask):
         tokens = jnp.where(inp.from_prev >= 0, prev_sampled[jnp.maximum(inp.from_prev, 0)], inp.tokens)
-        (hidden, logits), k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
+        (hidden, logits, tapped), k_cache, v_cache = self._model_fn(params, k_cache, v_cache, tokens, inp.md)
         hist = (history[inp.history_slot], inp.prompt_len, inp.history_len)
         toks, lp, top_ids, top_lps, accepted = sampler.sample(logits, inp.sampling, history=hist, guide_mask=guide_mask)
         history = history.at[inp.history_slot, inp.history_len].set(toks)
@@ -222,7 +243,9 @@ class ModelRunner:
         p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)
         row_tokens = toks[inp.row_sample]  # [B]
         sampled_full = jnp.zeros((self.max_num_seqs,), jnp.int32).at[: row_tokens.shape[0]].set(row_tokens)
-        return k_cache, v_cache, history, sampled_full, StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals)
+        out = StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals,
+                          tokens if self.taps is not None else None, tapped)
+        return k_cache, v_cache, history, sampled_full, out
 
     # ---- host side ----------------------------------------------------------------------
     def copy_state_slot(self, src: int, dst: int) -> None:
@@ -252,7 +275,7 @@ class ModelRunner:
 
     def num_step_variants(self, buckets) -> int:
         """Compiled steps that `buckets` make (a bucket with a narrow-table variant makes two)."""
-        return sum(1 + (T in self.short_tables) for T in set(buckets))
+        return len(self.step_variants(buckets))
 
     def write_history(self, slot: int, token_ids: list[int]) -> None:
         row = np.zeros((self.max_model_len + 1,), np.int32)
@@ -402,9 +425,8 @@ class ModelRunner:
         store = self.executable_store
         pending = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-compile") as pool:
-            for T, width in [(T, w) for T in order for w in (self.max_pages_per_seq, self.short_tables.get(T)) if w]:
-                inp, _ = self.prepare(SchedulePlan([], []), {})
-                inp = _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), width, self)
+            for T, width in self.step_variants(order):
+                inp = self.padding_inputs(T, width)
                 ints, floats, layout = step_packing.pack(inp)
                 args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
                         self.unconstrained_mask(inp))
@@ -428,6 +450,16 @@ class ModelRunner:
         self.write_history(self.history_dummy_slot, [])
         jax.block_until_ready(self.history)
         return time.perf_counter() - t0
+
+    def step_variants(self, buckets) -> list[tuple[int, int]]:
+        """(bucket, page-table width) of every compiled step that `buckets` make."""
+        return [(T, w) for T in sorted(set(buckets)) for w in (self.max_pages_per_seq, self.short_tables.get(T)) if w]
+
+    def padding_inputs(self, T: int, width: int | None = None) -> StepInputs:
+        """An all-padding step of the T-token bucket with page tables `width` pages wide (default: max_model_len's):
+        the shapes and dtypes `prepare` gives that bucket."""
+        inp, _ = self.prepare(SchedulePlan([], []), {})
+        return _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), width or self.max_pages_per_seq, self)
 
     def _compile(self, lowered, key):
         start = time.perf_counter()

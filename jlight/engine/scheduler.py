@@ -18,7 +18,7 @@ import dataclasses
 from jlight.engine.block_manager import BlockManager
 from jlight.engine.kv_groups import KVGroupPages
 from jlight.engine.sequence import SeqStatus, Sequence
-from jlight.engine.speculative import SpeculativeConfig, propose_ngram
+from jlight.engine.speculative import SpeculativeConfig
 from jlight.engine.state_pool import StatePool
 
 
@@ -35,6 +35,7 @@ class ScheduledSeq:
 class SchedulePlan:
     rows: list[ScheduledSeq]
     preempted: list[Sequence]
+    speculating: bool = False  # the running batch was small enough to speculate (disable_by_batch_size)
 
     @property
     def num_tokens(self) -> int:
@@ -44,11 +45,13 @@ class SchedulePlan:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  speculative: SpeculativeConfig | None = None, state_pool: StatePool | None = None,
-                 kv_groups: KVGroupPages | None = None):
+                 kv_groups: KVGroupPages | None = None, proposer=None):
+        """speculative, proposer: speculative decoding's config and its proposer (proposers/base.Proposer), or None."""
         self.bm = block_manager
         self.kv_groups = kv_groups  # None: one page table a sequence, every page kept (no attention kinds)
         self.state_pool = state_pool  # hybrid models: a sequence holds a state slot while it runs
         self.speculative = speculative
+        self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -125,9 +128,12 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING or len(seq.pages) * self.bm.page_size < start + n:
                 continue
-            rows.append(ScheduledSeq(seq, start, n, start + n - len(drafts) == seq.num_tokens, drafts))
+            samples = start + n - len(drafts) == seq.num_tokens
+            rows.append(ScheduledSeq(seq, start, n, samples, drafts))
             scheduled_ids.add(seq.seq_id)
             budget -= n
+            if spec is not None and samples and speculates(seq):
+                self._reserve_lookahead(seq, start + n)
 
         # 2. Waiting sequences, first come first served; never preempt running ones for them.
         skipped: list[Sequence] = []
@@ -176,15 +182,27 @@ class Scheduler:
             rows.append(ScheduledSeq(seq, start, n, start + n == len(tokens)))
             scheduled_ids.add(seq.seq_id)
             budget -= n
+            if spec is not None and start + n == len(tokens) and speculates(seq):
+                self._reserve_lookahead(seq, start + n)
         self.waiting.extendleft(reversed(skipped))
-        return SchedulePlan(rows, preempted)
+        return SchedulePlan(rows, preempted, spec is not None)
 
     def _drafts(self, seq: Sequence, spec: SpeculativeConfig, budget: int) -> list[int]:
         """Drafts for a decoding sequence: as many as the step's budget, the context and max_tokens leave."""
-        room = min(budget, self.max_model_len - seq.num_tokens)
+        room = min(budget, spec.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)  # the row adds up to drafts + 1
-        return propose_ngram(seq.token_array(), spec, room) if room > 0 else []
+        return self.proposer.drafts(seq, room) if room > 0 else []
+
+    def _reserve_lookahead(self, seq: Sequence, end: int) -> None:
+        """Pages for the positions a device proposer drafts into after a sampling row that ends at `end`
+        (proposers/device.py), taken only from unused pages: without them its drafts are written to the
+        scratch page and come out worse, never wrong."""
+        lookahead = self.proposer.lookahead
+        if lookahead and self.kv_groups is None:
+            need = self.bm.pages_needed(min(end + lookahead, self.max_model_len)) - len(seq.pages)
+            if need > 0:
+                seq.pages.extend(self.bm.allocate_unused(need))
 
     def resume(self, seq: Sequence, pages: list[int], num_computed_tokens: int) -> None:
         """Run a waiting sequence at once whose first num_computed_tokens' K/V are already in `pages` (its

@@ -42,6 +42,10 @@ class Sequence:
         self.parent: Sequence | None = None  # for n > 1: samples after the first wait for its prompt
         self.eos_ids_for_min_tokens: list[int] = []  # banned until min_tokens are out (EOS + stop ids)
         self.matcher = None  # structured outputs: the grammar matcher of the tokens so far (llguidance)
+        # A device proposer's drafts (proposers/device.py), made in the step that sampled its last token: they
+        # continue its first `drafts_follow` known tokens (-1: none).
+        self.draft_tokens: list[int] = []
+        self.drafts_follow = -1
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []

@@ -1,20 +1,23 @@
-"""Speculative decoding: the configuration, the n-gram proposer, and reading a verified row.
+"""Speculative decoding: the configuration, and reading a verified row.
 
-A speculating sequence proposes k draft tokens on the host; its row in the next step computes
-k + 1 tokens (its last sampled token, then the drafts) and the sampler draws a token at each of
-those k + 1 positions (sampler.sample, with `draft_tokens`). Draft i + 1 stands at position i + 1
-and is kept while every draft before it was kept and the sampler accepted it at position i; the
-first position that rejects gives the sequence the sampler's token there instead, and a row
-that keeps all k drafts also gets the token sampled after the last one. So a verified row adds
-1 to k + 1 tokens, and its output follows the target model's distribution exactly (greedy:
-token for token).
+A speculating sequence carries k draft tokens from its proposer (jlight/engine/proposers/: n-gram
+prompt lookup on the host, or a draft model / EAGLE head / DeepSeek MTP layer run on the device);
+its row in the next step computes k + 1 tokens (its last sampled token, then the drafts) and the
+sampler draws a token at each of those k + 1 positions (sampler.sample, with `draft_tokens`). Draft
+i + 1 stands at position i + 1 and is kept while every draft before it was kept and the sampler
+accepted it at position i; the first position that rejects gives the sequence the sampler's token
+there instead, and a row that keeps all k drafts also gets the token sampled after the last one. So
+a verified row adds 1 to k + 1 tokens, and its output follows the target model's distribution
+exactly (greedy: token for token). Every proposer drafts greedily: a draft is a function of the
+tokens before it (a point-mass proposal), the case the sampler's acceptance rule is exact for.
 
 Invariants the engine keeps for a speculating sequence (llm_engine.py, scheduler.py):
 - it is scheduled only when the host knows all its tokens (no token pending on the device), so
-  the proposer sees the latest one;
+  the proposer's drafts follow the latest one;
 - the K/V its row wrote past the kept tokens (rejected drafts) lie beyond num_computed_tokens
   once the row is read back, so no attention reads them and the next step writes over them;
-  no page holding them is published to the prefix cache;
+  no page holding them is published to the prefix cache; a device proposer's own K/V pool holds
+  the same pages and keeps to the same rule (proposers/device.py);
 - penalties and structured outputs turn speculation off for a sequence (their per-position state
   would need the drafts), and so does a running batch larger than `disable_by_batch_size`; drafts
   only follow a finished prefill, so prompt logprobs are untouched.
@@ -25,14 +28,20 @@ import dataclasses
 
 import numpy as np
 
-METHODS = ("ngram",)
+# Methods by vLLM's names; "mtp" is "deepseek_mtp" (the one MTP family jlight runs).
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "deepseek_mtp", "mtp")
+# Methods that run a model of their own and so need speculative_config.model (deepseek_mtp reads
+# the target's checkpoint when it is not given).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` names: method "ngram" (prompt lookup) with num_speculative_tokens
-    drafts a step, matched on the last prompt_lookup_max .. prompt_lookup_min tokens."""
+    """vLLM's `speculative_config` names: `method` ("ngram": prompt lookup, matched on the last
+    prompt_lookup_max .. prompt_lookup_min tokens; "draft_model": a smaller model of the same vocabulary
+    at `model`) and num_speculative_tokens drafts a step."""
     method: str = "ngram"
+    model: str | None = None  # the draft model's (or head's) directory
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -65,30 +74,16 @@ class SpeculativeConfig:
                 bad(name, "must be an integer >= 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             bad("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.model is not None and not isinstance(self.model, str):
+            bad("model", "must be a path string")
+        if self.method in MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative_config.model is missing: method {self.method!r} runs a model of its own; "
+                             f"give its directory, e.g. {{'method': {self.method!r}, 'model': 'path/to/draft', "
+                             f"'num_speculative_tokens': {self.num_speculative_tokens}}}")
+        if self.method == "ngram" and self.model is not None:
+            bad("model", "is not used by method 'ngram' (prompt lookup runs no model); drop it, or pick "
+                "method 'draft_model'")
         return self
-
-
-def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int) -> list[int]:
-    """Prompt lookup: the longest suffix of `tokens` (prompt_lookup_max down to prompt_lookup_min
-    tokens) that occurred earlier in them, and the tokens that followed its latest earlier
-    occurrence, at most max_drafts of them. [] when no suffix recurs."""
-    n_tokens = len(tokens)
-    max_drafts = min(max_drafts, config.num_speculative_tokens)
-    if max_drafts <= 0 or n_tokens < 2:
-        return []
-    # One pass over the history finds where the last token recurred (the ends of every candidate
-    # occurrence, at most the second-to-last position); each suffix length then checks only those.
-    ends = np.flatnonzero(tokens[:n_tokens - 1] == tokens[-1])
-    for n in range(min(config.prompt_lookup_max, n_tokens - 1), config.prompt_lookup_min - 1, -1):
-        cand = ends[ends >= n - 1]
-        if not len(cand):
-            continue
-        windows = tokens[cand[:, None] + np.arange(1 - n, 1)]  # [candidates, n]
-        hits = cand[(windows == tokens[n_tokens - n:]).all(axis=1)]
-        if len(hits):
-            start = int(hits[-1]) + 1  # the tokens after the latest earlier occurrence
-            return tokens[start:start + max_drafts].tolist()
-    return []
 
 
 def kept_tokens(drafts: list[int], sampled: np.ndarray, accepted: np.ndarray) -> list[int]:

@@ -69,6 +69,18 @@ def map_sparse_moe_name(name: str):
     return map_hf_name(name)
 
 
+def deepseek_layer_tensor(suffix: str):
+    """A DeepSeek layer's tensor by its name within the layer -> (params key, expert index or None, transpose),
+    or None for one jlight does not read."""
+    e = _EXPERT_RE.match(suffix)
+    if e and e.group(2) in _EXPERT_TENSORS:
+        return _EXPERT_TENSORS[e.group(2)], int(e.group(1)), True
+    if suffix in _DEEPSEEK_TENSORS:
+        key, linear = _DEEPSEEK_TENSORS[suffix]
+        return key, None, linear
+    return None
+
+
 def deepseek_name_mapper(config: ModelConfig) -> Callable:
     """DeepSeek names; layers below first_k_dense_replace go to the "dense_layers" stack."""
     num_dense = config.extra.get("first_k_dense_replace", 0) or 0
@@ -81,13 +93,11 @@ def deepseek_name_mapper(config: ModelConfig) -> Callable:
         if layer >= config.num_layers:
             return None  # e.g. DeepSeek-V3's multi-token-prediction layer 61
         group, index = ("dense_layers", layer) if layer < num_dense else ("layers", layer - num_dense)
-        e = _EXPERT_RE.match(suffix)
-        if e and e.group(2) in _EXPERT_TENSORS:
-            return f"{group}.{_EXPERT_TENSORS[e.group(2)]}", (index, int(e.group(1))), True
-        if suffix in _DEEPSEEK_TENSORS:
-            key, linear = _DEEPSEEK_TENSORS[suffix]
-            return f"{group}.{key}", index, linear
-        return None
+        found = deepseek_layer_tensor(suffix)
+        if found is None:
+            return None
+        key, expert, linear = found
+        return f"{group}.{key}", index if expert is None else (index, expert), linear
 
     return mapper
 

@@ -78,8 +78,9 @@ def count_tensors(files: list[str]) -> int:
     return sum(len(_header(p)[0]) for p in files)
 
 
-def stream_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, numpy array) for every tensor of every file, one at a time.
+def stream_safetensors(files: list[str], keep=None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, numpy array) for every tensor of every file (those whose name `keep(name)` accepts, when
+    given), one at a time; a tensor not kept is not read.
 
     A truncated or corrupt file raises ModelLoadError naming it.
     """
@@ -91,6 +92,8 @@ def stream_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
             with safe_open(path, framework="numpy") as f:
                 raw = None
                 for name in f.keys():
+                    if keep is not None and not keep(name):
+                        continue
                     if f.get_slice(name).get_dtype() in RAW_DTYPES:
                         raw = raw or _raw_reader(path)
                         yield name, raw(name)

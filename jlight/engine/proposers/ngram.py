@@ -1,0 +1,39 @@
+"""N-gram prompt lookup: drafts copied from where the sequence's last tokens occurred before."""
+from __future__ import annotations
+
+import numpy as np
+
+from jlight.engine.proposers.base import Proposer
+from jlight.engine.sequence import Sequence
+from jlight.engine.speculative import SpeculativeConfig
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def drafts(self, seq: Sequence, max_drafts: int) -> list[int]:
+        return propose_ngram(seq.token_array(), self.config, max_drafts)
+
+
+def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int) -> list[int]:
+    """Prompt lookup: the longest suffix of `tokens` (prompt_lookup_max down to prompt_lookup_min
+    tokens) that occurred earlier in them, and the tokens that followed its latest earlier
+    occurrence, at most max_drafts of them. [] when no suffix recurs."""
+    n_tokens = len(tokens)
+    max_drafts = min(max_drafts, config.num_speculative_tokens)
+    if max_drafts <= 0 or n_tokens < 2:
+        return []
+    # One pass over the history finds where the last token recurred (the ends of every candidate
+    # occurrence, at most the second-to-last position); each suffix length then checks only those.
+    ends = np.flatnonzero(tokens[:n_tokens - 1] == tokens[-1])
+    for n in range(min(config.prompt_lookup_max, n_tokens - 1), config.prompt_lookup_min - 1, -1):
+        cand = ends[ends >= n - 1]
+        if not len(cand):
+            continue
+        windows = tokens[cand[:, None] + np.arange(1 - n, 1)]  # [candidates, n]
+        hits = cand[(windows == tokens[n_tokens - n:]).all(axis=1)]
+        if len(hits):
+            start = int(hits[-1]) + 1  # the tokens after the latest earlier occurrence
+            return tokens[start:start + max_drafts].tolist()
+    return []
