@@ -81,3 +81,24 @@ def test_the_mosaic_kernel_offers_its_short_path_to_decode_steps_that_split():
     assert split_kv.use_work_items(8, 8, split_kv.SHORT_SPAN + 16)
     assert dispatch.get_kernels("mosaic").short_table_span is paged_attention_mosaic.short_table_span
     assert dispatch.get_kernels("reference").short_table_span is None
+
+
+def test_a_draft_model_drafts_over_narrow_tables(model_dir, monkeypatch):
+    """The draft model's first pass and chain run over the step's page table, narrow or not: with a draft
+    identical to the target it still keeps (nearly) every draft, and the tokens are the target's."""
+    import jlight
+
+    real = dispatch.get_kernels
+    opts = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64, min_token_bucket=16,
+                compilation_cache_dir=None)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 25]  # the last one crosses the narrow table while drafting
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in jlight.LLM(model_dir, **opts).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(dispatch, "get_kernels", lambda *a, **k: real(*a, **k)._replace(
+        short_table_span=lambda T, B, kv_heads: 2 * SPAN if T <= 16 else 0))
+    spec = jlight.LLM(model_dir, **opts, speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3})
+    assert spec.engine.runner.short_tables == {16: 2 * SPAN // 8}
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    stats = spec.engine.stats()
+    assert got == want
+    assert stats.spec_num_draft_tokens > 20 and stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens > 0.97

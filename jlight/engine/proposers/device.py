@@ -82,9 +82,10 @@ def kept_rows(x: DraftInputs, sampled, accepted, max_drafts: int) -> KeptRows:
 
 def chain_metadata(page_table, position, wants, page_size: int, max_model_len: int) -> BatchMetadata:
     """One token a row at `position` over the row's pages. Rows that do not draft (and positions past
-    the context) write to the scratch page and are read by no one."""
+    the context or past the table, which a step of short rows narrows) write to the scratch page and are
+    read by no one."""
     num_rows, max_pages = page_table.shape
-    live = wants & (position < max_model_len)
+    live = wants & (position < max_model_len) & (position // page_size < max_pages)
     pos = jnp.where(live, position, 0).astype(jnp.int32)
     page = jnp.take_along_axis(page_table, jnp.minimum(pos // page_size, max_pages - 1)[:, None], axis=1)[:, 0]
     slot = jnp.where(live, page * page_size + pos % page_size, 0).astype(jnp.int32)
@@ -107,7 +108,7 @@ class DeviceProposer(Proposer):
         self.ops = ParallelOps()
         self.runner = self.kernels = None
         self._first_compiled: dict = {}  # step_packing.Layout -> the first pass compiled for that bucket
-        self._chain_compiled: dict = {}  # rows -> the chain compiled for them
+        self._chain_compiled: dict = {}  # (rows, page-table width) -> the chain compiled for them
 
     # ---- what a subclass gives ------------------------------------------------------------
     def pool_shapes(self, num_pages: int, page_size: int) -> tuple[tuple, tuple]:
@@ -147,7 +148,7 @@ class DeviceProposer(Proposer):
         self.k_cache, self.v_cache, start = compiled(*args) if compiled is not None else self._first(*args, layout)
         if not x.wants.any():
             return None
-        compiled = self._chain_compiled.get(len(x.wants))
+        compiled = self._chain_compiled.get((len(x.wants), x.md.page_table.shape[1]))
         self.k_cache, self.v_cache, drafts = (compiled or self._chain)(self.params, self.k_cache, self.v_cache, start)
         return drafts, x.wants
 
@@ -181,9 +182,9 @@ class DeviceProposer(Proposer):
             if layout not in self._first_compiled:
                 self._first_compiled[layout] = self._first.lower(*args, layout).compile()
             rows = len(x.wants)
-            if rows not in self._chain_compiled:
+            if (rows, width) not in self._chain_compiled:
                 _, _, start = jax.eval_shape(functools.partial(self._first_fn, layout=layout), *args)
-                self._chain_compiled[rows] = self._chain.lower(self.params, self.k_cache, self.v_cache, start).compile()
+                self._chain_compiled[rows, width] = self._chain.lower(self.params, self.k_cache, self.v_cache, start).compile()
         return time.perf_counter() - t0
 
     # ---- host inputs ----------------------------------------------------------------------
