@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from kernel_batches import random_batch  # noqa: E402
-from kernels import time_call  # noqa: E402
+from kernel_bench import time_call  # noqa: E402
 
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
 from jlight.core.quantization import to_fp8_kv  # noqa: E402

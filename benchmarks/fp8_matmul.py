@@ -1,9 +1,9 @@
 """The fp8 matmuls (quantization="fp8") against bf16's at the Llama-3-8B layer shapes, as the engine runs
 them: K-major Fp8WeightT weights (q/k/v and gate/up fused), matmul_reference.fp8_matmul's W8A8-FP8 path
 (per-token e4m3 activations, XLA's fp8 dot) and its weight-only path (the values upcast inside the dot),
-and the bf16 dot (matmul_reference.matmul). The `fp8` section of benchmarks/kernels.py:
+and the bf16 dot (matmul_reference.matmul). The `fp8` section of benchmarks/kernel_bench.py:
 
-  python benchmarks/kernels.py --skip-checks --sections fp8 --fp8-rows 1,8,64,256,2048,4096 --out DIR
+  python benchmarks/kernel_bench.py --skip-checks --sections fp8 --fp8-rows 1,8,64,256,2048,4096 --out DIR
 
 Each row prints the time, the FLOP rate against its ceiling (fp8 778 TFLOP/s for W8A8, bf16 645 for the
 others) and the bytes read and written (weights + activations + output) per second, and its relative
@@ -33,8 +33,8 @@ def _weights(key, k, n, sets):
 
 
 def bench_fp8(rng, quick, reps, trials, *, time_call, rel_err, rates, fp8_rows=DEFAULT_ROWS, shapes=None):
-    """Rows for kernels.py's print_table: kernel, impl, seconds, flops, rate, ceiling, bw (bytes/s), rel_err.
-    time_call, rel_err: kernels.py's; rates: (bf16 FLOP/s, fp8 FLOP/s) ceilings."""
+    """Rows for kernel_bench.py's print_table: kernel, impl, seconds, flops, rate, ceiling, bw (bytes/s), rel_err.
+    time_call, rel_err: kernel_bench.py's; rates: (bf16 FLOP/s, fp8 FLOP/s) ceilings."""
     bf16_rate, fp8_rate = rates
     shapes = shapes or ({"tiny": (128, 256)} if quick else LLAMA3_8B_SHAPES)
     row_counts = [1, 64] if quick else [int(r) for r in fp8_rows.split(",")]

@@ -24,7 +24,7 @@
 #               (needs .whl carried: bash benchmarks/fetch_server_wheels.sh); knobs below
 #   chaos       chaos.py run --scale 4 against chaos.py serve of the same checkpoint (the server's promises under
 #               abuse: benchmarks/chaos_cases.py; needs .whl carried too); knobs below
-#   kernels     kernels.py --trials 20: attention and int8 matmul kernels checked and timed against XLA
+#   kernels     kernel_bench.py --trials 20: attention and int8 matmul kernels checked and timed against XLA
 #   kv_int8     kv_int8_attention.py --impls triton,mosaic --page-sizes 16,32: the int8 KV pages
 #   attention   attention_engine_check.py: each attention kernel in the engine against the XLA reference
 #   decode_attention  attention_decode.py: decode attention alone across batch and context (work items or not,
@@ -121,7 +121,7 @@ suite_batch() {
 }
 
 suite_kernels() {
-  run kernels 480 python3 benchmarks/kernels.py --trials 20 --out "$OUT/kernels" "$@"
+  run kernels 480 python3 benchmarks/kernel_bench.py --trials 20 --out "$OUT/kernels" "$@"
 }
 
 suite_kv_int8() {

@@ -13,7 +13,7 @@ page 16 or 32) reads the whole K/V of every row once, so it is bound by memory: 
 fewer bytes turns into time. The prefill chunk is bound by compute and shows what the int8 ->
 bf16 conversion costs there.
 
-Timing as in benchmarks/kernels.py: `reps` input sets per jitted call (no host dispatch between
+Timing as in benchmarks/kernel_bench.py: `reps` input sets per jitted call (no host dispatch between
 launches), device time from CUPTI on a GPU (host clock elsewhere), median of `trials` calls.
 """
 import argparse
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from kernel_batches import random_batch, random_int8_pool  # noqa: E402
 
 from harness import result_header  # noqa: E402
-from kernels import attention_cases, rel_err, time_call  # noqa: E402  (benchmarks/kernels.py: CUPTI device timing)
+from kernel_bench import attention_cases, rel_err, time_call  # noqa: E402  (benchmarks/kernel_bench.py: CUPTI device timing)
 
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
 
@@ -63,7 +63,7 @@ def check(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_win
 
 
 def run_checks(rng, quick, impls, page_sizes):
-    """The same case grid as benchmarks/kernels.py's checks, on int8 pools, for each kernel and page size."""
+    """The same case grid as benchmarks/kernel_bench.py's checks, on int8 pools, for each kernel and page size."""
     return [dict(impl=impl, page_size=ps, case=name, dtype=jnp.dtype(dtype).name, group=group, head_dim=head_dim,
                  **check(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl, page_size=ps))
             for impl in impls for ps in page_sizes

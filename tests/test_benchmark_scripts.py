@@ -132,10 +132,10 @@ def test_batch_decode_profile_times_a_full_decode_batch(bench, tmp_path):
 
 
 def test_kernels_large_pool_section_checks_each_layer_against_the_reference(bench, tmp_path):
-    import kernels
+    import kernel_bench
 
-    kernels.main(["--quick", "--skip-checks", "--sections", "large_pool", "--check-impls", "triton", "--trials", "1",
-                  "--out", str(tmp_path)])
+    kernel_bench.main(["--quick", "--skip-checks", "--sections", "large_pool", "--check-impls", "triton", "--trials", "1",
+                      "--out", str(tmp_path)])
     rows = [r for r in json.loads((tmp_path / "kernels.json").read_text())["timings"] if "pool" in r["kernel"]]
     assert len(rows) == 2 and all(0 < r["rel_err"] < 1e-2 for r in rows), rows  # bf16 rounding; a wrong page is O(1)
 
@@ -189,7 +189,7 @@ def test_gpu_sh_gives_each_suite_its_own_arguments(tmp_path):
     assert commands[0].startswith("python3 benchmarks/decode_latency.py") and commands[0].endswith(
         "--variants int8-auto-b8 (timeout 400 s)")
     assert commands[1].startswith("python3 benchmarks/context_sweep.py") and "--lengths 1024 (" in commands[1]
-    assert commands[2].startswith("python3 benchmarks/kernels.py") and commands[2].endswith("--skip-checks (timeout 480 s)")
+    assert commands[2].startswith("python3 benchmarks/kernel_bench.py") and commands[2].endswith("--skip-checks (timeout 480 s)")
     # a suite name right after an option is that option's value, not a suite
     assert commands[3].startswith("python3 benchmarks/offline_throughput.py") and "--sections decode (" in commands[3]
     assert _gpu_sh("no-such-suite").returncode == 2

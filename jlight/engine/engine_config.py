@@ -28,7 +28,7 @@ class EngineConfig:
     # and multiply fp8 x fp8 (XLA's fp8 gemm, the fp8 tensor cores on Hopper); smaller ones (decode) upcast
     # the weights inside a bf16 dot. 0: W8A8-FP8 at every step; a value above max_num_batched_tokens:
     # weight-only always. The default (64) is a placeholder until the crossover is measured on the H200
-    # (benchmarks/kernels.py fp8).
+    # (benchmarks/kernel_bench.py fp8).
     fp8_w8a8_min_rows: int = FP8_W8A8_MIN_ROWS
     mesh: str | None = None  # e.g. "tp=2"; None: one device
     max_model_len: int | None = None  # default: the model's context length

@@ -1,9 +1,9 @@
 """Check and time the Pallas kernels against their XLA references, JAX's bundled Pallas
 paged_attention, and the roofline.
 
-  python benchmarks/kernels.py --out DIR          # GPU: correctness checks, then timings
-  python benchmarks/kernels.py --quick --out DIR  # CPU smoke run (interpret mode, tiny sizes)
-  python benchmarks/kernels.py --skip-checks --sections large_pool --out DIR   # attention on engine-sized pools
+  python benchmarks/kernel_bench.py --out DIR          # GPU: correctness checks, then timings
+  python benchmarks/kernel_bench.py --quick --out DIR  # CPU smoke run (interpret mode, tiny sizes)
+  python benchmarks/kernel_bench.py --skip-checks --sections large_pool --out DIR   # attention on engine-sized pools
 
 Timing: each measured executable runs the kernel on `reps` different input sets (unrolled
 in one jit, so no host dispatch between launches and the working set exceeds L2), timed
