@@ -335,6 +335,9 @@ class LLMEngine:
                              f" EOS ids at most {NUM_BANNED} can be held back; pass fewer stop_token_ids or min_tokens=0")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        if params.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params is for disaggregated serving: send it to a prefill or decode server "
+                             "(jlight serve --disaggregated-role), or leave it out")
         return prompt_token_ids, params
 
     def _check_fits_the_pool(self, prompt_len: int, max_tokens: int | None) -> None:
