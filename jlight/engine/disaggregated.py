@@ -207,7 +207,9 @@ class DisaggregatedEngine:
         return dataclasses.replace(
             s, num_waiting=s.num_waiting + len(half.handoffs),
             prompt_tokens_total=s.prompt_tokens_total - half.adopted_prompt_tokens,
-            generation_tokens_total=s.generation_tokens_total - half.adopted)
+            generation_tokens_total=s.generation_tokens_total - half.adopted,
+            kv_transfers_received=half.num_landed, kv_transfers_failed=half.num_transfer_failures,
+            kv_transfers_sent=half.num_landed)
 
 
 def hands_off(params: SamplingParams) -> bool:

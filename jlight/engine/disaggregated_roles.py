@@ -183,7 +183,7 @@ class PrefillRoleEngine(_RoleEngine):
         return dataclasses.asdict(remote)
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return dataclasses.replace(self.engine.stats(), kv_transfers_sent=self.sender.num_sent)
 
 
 class DecodeRoleEngine(_RoleEngine):
@@ -249,7 +249,9 @@ class DecodeRoleEngine(_RoleEngine):
 
     def stats(self) -> EngineStats:
         s = self.engine.stats()
-        return dataclasses.replace(s, num_waiting=s.num_waiting + len(self.half.handoffs))
+        return dataclasses.replace(s, num_waiting=s.num_waiting + len(self.half.handoffs),
+                                   kv_transfers_received=self.half.num_landed,
+                                   kv_transfers_failed=self.half.num_transfer_failures)
 
 
 def join_pair(role: str, coordinator_address: str, transfer_address: str | None = None) -> None:

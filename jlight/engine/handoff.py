@@ -106,8 +106,9 @@ class DecodeHalf:
         self.engine, self.mover = engine, mover
         self.queued: list[Handoff] = []  # waiting for room on the decode engine
         self.moving: list[Handoff] = []  # move dispatched, not landed
-        self.num_transfers = 0
-        self.num_transfer_failures = 0
+        self.num_transfers = 0  # moves started
+        self.num_transfer_failures = 0  # moves that failed (recomputed)
+        self.num_landed = 0
         self.adopted = self.adopted_prompt_tokens = 0
 
     @property
@@ -153,6 +154,7 @@ class DecodeHalf:
             if tier is not None:  # pages that reserving dest evicted go to host before they are overwritten
                 tier.sync(self.engine.runner)
             self.engine.runner.write_pages(padded_pages(h.dest), h.moved)
+            self.num_landed += 1
             self.mover.done(h)
             outputs.append(self._adopt(h, h.dest))
         return outputs

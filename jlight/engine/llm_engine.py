@@ -68,6 +68,11 @@ class EngineStats:
     host_cache_dropped_pages: int = 0
     host_cache_pages_used: int = 0
     host_cache_pages_total: int = 0
+    # Disaggregated prefill/decode (handoff.py): handoffs whose pages arrived here (decode side), handoffs recomputed
+    # here because their pages could not come (decode side), and handoffs whose pages went out (prefill side).
+    kv_transfers_received: int = 0
+    kv_transfers_failed: int = 0
+    kv_transfers_sent: int = 0
 
     @classmethod
     def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
