@@ -41,6 +41,7 @@ from jlight.engine.model_runner import padded_pages
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "jlight/pd"
+START_TIMEOUT_S = 600  # how long one process waits at start for the other to publish its layout (loading, compiling)
 
 
 class KVTransferError(RuntimeError):
@@ -87,7 +88,11 @@ class _Channel:
         self.store, self.engine, self.timeout_s, self.ns = store, engine, timeout_s, namespace
         self.layout = layout_record(engine)
         store.key_value_set(f"{namespace}/layout/{role}", json.dumps(self.layout))
-        peer = json.loads(store.blocking_key_value_get(f"{namespace}/layout/{peer_role}", int(timeout_s * 1000)))
+        try:
+            peer = json.loads(store.blocking_key_value_get(f"{namespace}/layout/{peer_role}", START_TIMEOUT_S * 1000))
+        except Exception as e:
+            raise ValueError(f"the {peer_role} process did not start within {START_TIMEOUT_S} s ({e}); start both roles "
+                             "with the same --coordinator-address") from None
         check_peer(self.layout, peer, peer_role)
         self.own_shardings = pool_shardings(engine)
         self.peer_shardings = jax.tree.map(lambda s: on_devices(s, peer["devices"]), self.own_shardings)
