@@ -17,7 +17,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import httpx
+import numpy as np
+import pytest
+
+from jlight.serve.metrics import parse_metrics
 from server_process import free_port
 
 SCRIPT = textwrap.dedent("""
@@ -172,3 +178,82 @@ def test_prefill_and_decode_processes_give_the_single_engine_tokens(tiny_model, 
     assert dec["transfers"] == 7 and dec["received"] == 3 and dec["failed"] == 3
     assert pre["sent"] == 5 and pre["not_sent"] == 2  # r0 r1 r5 r6 r7; r2 r8
     assert pre["used"] == 0 and pre["held"] == 0 and dec["used"] == 0  # r9's hold released after the timeout
+
+
+SERVE_OPTS = ["--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page-size", "8",
+              "--num-pages", "96", "--max-model-len", "256", "--log-level", "warning"]
+
+
+def _used_pages(url: str) -> float:
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)["jlight:kv_cache_pages_used"]
+
+
+@pytest.mark.extended  # three server processes (~90 s on two cores); the two-process test above covers the engines
+def test_router_over_prefill_and_decode_servers(tiny_model, tmp_path):
+    """`jlight serve --disaggregated-role prefill|decode|router` as three processes on loopback: each request through
+    the router gives the decode server's own answer for it alone (logprobs too), streamed or not; a client that leaves
+    mid-stream frees the pages on both sides; the pages moved (kv_transfers_total)."""
+    model = tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    coordinator, ports = free_port(), {role: free_port() for role in ("prefill", "decode", "router")}
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    serve = [sys.executable, "-m", "jlight.serve.cli"]
+    cmds = {role: serve + [model, *SERVE_OPTS, "--disaggregated-role", role, "--coordinator-address",
+                           f"127.0.0.1:{coordinator}", "--port", str(ports[role])] for role in ("prefill", "decode")}
+    cmds["router"] = serve + ["--disaggregated-role", "router", "--prefill", urls["prefill"], "--decode", urls["decode"],
+                              "--port", str(ports["router"]), "--log-level", "warning"]
+    procs = {role: subprocess.Popen(cmd, env=env, stdout=open(tmp_path / f"{role}.log", "w"), stderr=subprocess.STDOUT)
+             for role, cmd in cmds.items()}
+    try:
+        deadline = time.time() + 240
+        while True:  # the router's /health is both servers'
+            for role, p in procs.items():
+                assert p.poll() is None, f"{role} exited:\n{(tmp_path / f'{role}.log').read_text()[-3000:]}"
+            try:
+                if httpx.get(urls["router"] + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the servers did not come up"
+            time.sleep(0.5)
+        rng = np.random.default_rng(1)
+        bodies = [{"prompt": rng.integers(3, 500, size=n).tolist(), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                  for n in (7, 60, 130)]
+        bodies += [{"prompt": "hello there", "max_tokens": 6, "temperature": 0.9, "seed": 11, "ignore_eos": True},
+                   {"prompt": rng.integers(3, 500, size=20).tolist(), "max_tokens": 6, "temperature": 0, "logprobs": 2,
+                    "ignore_eos": True},
+                   {"prompt": "abc", "max_tokens": 1, "temperature": 0},
+                   {"prompt": "two samples", "max_tokens": 5, "n": 2, "temperature": 0.7, "seed": 2}]
+        with httpx.Client(timeout=120) as client:
+            def ask(url, body):
+                r = client.post(url + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return [(c["text"], c["logprobs"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            want = [ask(urls["decode"], b) for b in bodies]  # the decode server alone: one engine's answers
+            assert [ask(urls["router"], b) for b in bodies] == want
+            streamed = []
+            with client.stream("POST", urls["router"] + "/v1/completions", json={**bodies[1], "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed.append(json.loads(line[6:])["choices"][0]["text"])
+            assert "".join(streamed) == want[1][0][0]
+            # a client that leaves after the first chunk: both servers free the request's pages
+            long_body = {**bodies[1], "max_tokens": 150, "stream": True}
+            with client.stream("POST", urls["router"] + "/v1/completions", json=long_body) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: {"))
+        deadline = time.time() + 20
+        while (_used_pages(urls["prefill"]), _used_pages(urls["decode"])) != (0, 0):
+            assert time.time() < deadline, "pages still held after the client left"
+            time.sleep(0.2)
+        pre, dec = (parse_metrics(httpx.get(urls[r] + "/metrics").text) for r in ("prefill", "decode"))
+        moved = 5 + 2  # five handed-on requests with pages (not r5, whose first token ends it, nor n=2), the stream, the leaver
+        assert dec['jlight:kv_transfers_total{outcome="received"}'] == moved and pre['jlight:kv_transfers_total{outcome="sent"}'] == moved
+        assert dec['jlight:kv_transfers_total{outcome="failed"}'] == 0
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
