@@ -8,8 +8,10 @@ store (the coordination service's): nothing else is sent between the two.
 
 A cross-process device_put pairs the two processes' calls by order: each process numbers its cross-process
 transfers, and its k-th send meets the other's k-th receive. So the decode process, which knows when it has room,
-decides the order: it writes order k (`{ns}/order/{k}`: a transfer id and its page count, or a cancel), and the
-prefill process answers the orders in k order (`PageSender.serve`, from its engine loop).
+decides the order: it writes order k (`{ns}/order/{k}`: a transfer id and its page count, or a cancel) and then
+posts its receive, and the prefill process answers the orders in k order (`PageSender.serve`, from its engine
+loop). At start each process makes one move of the scratch page (`handshake`), which starts and connects JAX's
+transfer servers, so that no later receive waits for the peer's server to start.
 Invariants:
 - for each order both processes call device_put exactly once, or (a cancel) neither does;
 - the prefill process writes its answer (`{ns}/sent/{k}`: ok, or why not) before its device_put, and when it cannot
@@ -19,7 +21,8 @@ Invariants:
   that process writes `{ns}/broken`, and from then on neither moves pages (each later handoff is recomputed on the
   decode side, a cancel frees its prefill pages);
 - a transfer id the decode side never orders (its request never reached the decode side) is released by the
-  prefill process after `timeout_s`.
+  prefill process after `timeout_s`;
+- the decode process deletes order k's records only once the prefill process has answered it.
 Both processes publish their page layout (`{ns}/layout/{role}`) at start and refuse a peer whose pages differ.
 """
 from __future__ import annotations
@@ -121,8 +124,8 @@ class _Channel:
         except Exception:  # not there (yet): the store answers NOT_FOUND as an error
             return None
 
-    def set(self, key: str, value: dict) -> None:
-        self.store.key_value_set(f"{self.ns}/{key}", json.dumps(value))
+    def set(self, key: str, value: dict, overwrite: bool = False) -> None:
+        self.store.key_value_set(f"{self.ns}/{key}", json.dumps(value), allow_overwrite=overwrite)
 
     def delete(self, key: str) -> None:
         try:
@@ -140,7 +143,7 @@ class _Channel:
         logger.error("KV page transfers between the prefill and decode processes stop (%s); every later request is "
                      "recomputed on the decode side", why)
         self._broken = True
-        self.set("broken", {"why": why})
+        self.set("broken", {"why": why}, overwrite=True)  # both processes may find a failure
 
 
 class PageSender(_Channel):
@@ -290,8 +293,11 @@ class PageReceiver(_Channel):
         self._orphans = [o for o, done in zip(self._orphans, arrived) if not done]
 
     def _forget(self, k: int) -> None:
-        self.delete(f"order/{k}")
-        self.delete(f"sent/{k}")
+        """Delete order k's records once the prefill process has answered it (before that it still reads the order:
+        its answers go in k order, so a missing order would stop them)."""
+        if self.get(f"sent/{k}") is not None:
+            self.delete(f"order/{k}")
+            self.delete(f"sent/{k}")
 
 
 def _arrived(moved) -> bool:
