@@ -10,8 +10,8 @@ A cross-process device_put pairs the two processes' calls by order: each process
 transfers, and its k-th send meets the other's k-th receive. So the decode process, which knows when it has room,
 decides the order: it writes order k (`{ns}/order/{k}`: a transfer id and its page count, or a cancel) and then
 posts its receive, and the prefill process answers the orders in k order (`PageSender.serve`, from its engine
-loop). At start each process makes one move of the scratch page (`handshake`), which starts and connects JAX's
-transfer servers, so that no later receive waits for the peer's server to start.
+loop). At start the two processes move the scratch page once, which starts and connects JAX's transfer servers,
+so that no later receive waits for the peer's server to start.
 Invariants:
 - for each order both processes call device_put exactly once, or (a cancel) neither does;
 - the prefill process writes its answer (`{ns}/sent/{k}`: ok, or why not) before its device_put, and when it cannot
@@ -44,7 +44,6 @@ from jlight.engine.model_runner import padded_pages
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "jlight/pd"
-START_TIMEOUT_S = 600  # how long one process waits at start for the other to publish its layout (loading, compiling)
 
 
 class KVTransferError(RuntimeError):
@@ -87,36 +86,22 @@ def on_devices(sharding, device_ids: list[int]):
 class _Channel:
     """The key-value records both sides share, and the layouts exchanged at start."""
 
-    def __init__(self, store, engine: LLMEngine, role: str, peer_role: str, timeout_s: float, namespace: str):
+    def __init__(self, store, engine: LLMEngine, role: str, peer_role: str, timeout_s: float, namespace: str,
+                 start_timeout_s: float):
+        """start_timeout_s: how long to wait at start for the peer's layout (it may still be loading, compiling)."""
         self.store, self.engine, self.timeout_s, self.ns = store, engine, timeout_s, namespace
         self.layout = layout_record(engine)
         store.key_value_set(f"{namespace}/layout/{role}", json.dumps(self.layout))
         try:
-            peer = json.loads(store.blocking_key_value_get(f"{namespace}/layout/{peer_role}", START_TIMEOUT_S * 1000))
+            peer = json.loads(store.blocking_key_value_get(f"{namespace}/layout/{peer_role}", int(start_timeout_s * 1000)))
         except Exception as e:
-            raise ValueError(f"the {peer_role} process did not start within {START_TIMEOUT_S} s ({e}); start both roles "
-                             "with the same --coordinator-address") from None
+            raise ValueError(f"the {peer_role} process did not start within {start_timeout_s:.0f} s ({e}); start both "
+                             "roles with the same --coordinator-address") from None
         check_peer(self.layout, peer, peer_role)
         self.own_shardings = pool_shardings(engine)
         self.peer_shardings = jax.tree.map(lambda s: on_devices(s, peer["devices"]), self.own_shardings)
         self.next_order = 0
         self._broken = False
-
-    def handshake(self, transfer) -> None:
-        """One move of the scratch page before any order (both processes at start): it starts the transfer servers
-        and connects them, so that no receive later waits for the peer to start its own."""
-        if isinstance(self, PageSender):
-            transfer(device_put_tree(self.engine.runner.read_pages(np.zeros(1, np.int32)), self.own_shardings),
-                     self.peer_shardings)
-        else:
-            jax.block_until_ready(transfer(self._remote(1), self.own_shardings))
-
-    def _remote(self, num_pages: int):
-        """read_pages' result for num_pages padded pages as arrays on the peer's devices (no data here): the
-        source of a receive."""
-        shapes = self.engine.runner.page_shapes(len(padded_pages([0] * num_pages)))
-        return jax.tree.map(lambda s, src: jax.make_array_from_single_device_arrays(s.shape, src, [], dtype=s.dtype),
-                            shapes, self.peer_shardings)
 
     def get(self, key: str) -> str | None:
         try:
@@ -150,11 +135,14 @@ class PageSender(_Channel):
     """The prefill process's side: holds each handoff's pages under a transfer id and answers the decode side's
     orders, in order, from its engine loop (`serve`)."""
 
-    def __init__(self, store, engine: LLMEngine, timeout_s: float, namespace: str = NAMESPACE, transfer=device_put_tree):
+    def __init__(self, store, engine: LLMEngine, timeout_s: float, namespace: str = NAMESPACE, transfer=device_put_tree,
+                 start_timeout_s: float = 600.0):
         """transfer(data, shardings): the cross-process copy; read_pages(pages): the gather (tests inject failures)."""
-        super().__init__(store, engine, "prefill", "decode", timeout_s, namespace)
+        super().__init__(store, engine, "prefill", "decode", timeout_s, namespace, start_timeout_s)
         self.transfer, self.read_pages = transfer, engine.runner.read_pages
-        self.handshake(transfer)
+        # One move of the scratch page before any order (the receiver makes its own at start): it starts JAX's
+        # transfer servers and connects them, so that no later receive waits for the peer's server to start.
+        transfer(device_put_tree(engine.runner.read_pages(np.zeros(1, np.int32)), self.own_shardings), self.peer_shardings)
         self.held: dict[str, tuple[list[int], float]] = {}  # transfer id -> (its pages, when it was held)
         self.num_sent = self.num_not_sent = 0
 
@@ -232,12 +220,20 @@ class PageSender(_Channel):
 class PageReceiver(_Channel):
     """The decode process's side: a handoff.PageMover whose moves are orders to the prefill process (above)."""
 
-    def __init__(self, store, engine: LLMEngine, timeout_s: float, namespace: str = NAMESPACE, transfer=device_put_tree):
+    def __init__(self, store, engine: LLMEngine, timeout_s: float, namespace: str = NAMESPACE, transfer=device_put_tree,
+                 start_timeout_s: float = 600.0):
         """transfer(data, shardings): the cross-process copy (tests inject failures here)."""
-        super().__init__(store, engine, "decode", "prefill", timeout_s, namespace)
+        super().__init__(store, engine, "decode", "prefill", timeout_s, namespace, start_timeout_s)
         self.transfer = transfer
-        self.handshake(transfer)
+        jax.block_until_ready(transfer(self._remote(1), self.own_shardings))  # PageSender's first move
         self._orphans: list[tuple[int, object]] = []  # (order, data) of moves aborted in flight, until their data arrived
+
+    def _remote(self, num_pages: int):
+        """read_pages' result for num_pages padded pages as arrays on the prefill devices (no data here): the source
+        of a receive."""
+        shapes = self.engine.runner.page_shapes(len(padded_pages([0] * num_pages)))
+        return jax.tree.map(lambda s, src: None if s is None else jax.make_array_from_single_device_arrays(
+            s.shape, src, [], dtype=s.dtype), shapes, self.peer_shardings, is_leaf=lambda x: x is None)
 
     @property
     def in_flight(self) -> bool:
