@@ -156,3 +156,21 @@ def test_health_and_models(pd):
     url, _, _ = pd
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/v1/models", headers=HEADERS).json()["data"][0]["id"] == "fake-model"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--disaggregated-role", "prefill"], "needs --coordinator-address"),
+    (["--coordinator-address", "127.0.0.1:1"], "go with --disaggregated-role"),
+    (["--disaggregated-role", "router", "--prefill", "http://a"], "needs --prefill URL and --decode URL"),
+    (["m", "--disaggregated-role", "router", "--prefill", "http://a", "--decode", "http://b"], "loads no model"),
+    (["--prefill", "http://a"], "are the router's"),
+    (["--disaggregated-role", "decode", "--coordinator-address", "10.0.0.1:1"], "--kv-transfer-address"),
+    (["--disaggregated-role", "decode", "--coordinator-address", "nowhere"], "must be 'host:port'"),
+    (["--disaggregated-role", "decode", "--coordinator-address", "127.0.0.1:1", "--kv-transfer-address", "h:0"],
+     "a port other than 0"),
+])
+def test_role_flags_are_checked_before_anything_starts(argv, words, capsys):
+    from jlight.serve import cli
+
+    assert cli.main(argv) == 2
+    assert words in capsys.readouterr().err
