@@ -113,7 +113,7 @@ SCRIPT = textwrap.dedent("""
             if rid in DIRECT:
                 engine.add_request(rid, None, params[i], prompt_token_ids=prompts[i])
         pending = [r for r in handed if r != LOST]
-        got, aborted = {}, None
+        got, aborted, deltas = {}, None, {}
         deadline = time.time() + 150
         while time.time() < deadline and (pending or engine.has_unfinished_requests()):
             for rid in list(pending):
@@ -126,6 +126,8 @@ SCRIPT = textwrap.dedent("""
                                        prompt_token_ids=prompts[i])
                     pending.remove(rid)
             for o in engine.step():
+                for c in o.outputs:
+                    deltas.setdefault(o.request_id, {}).setdefault(c.index, []).extend(c.token_ids_delta)
                 if o.finished:
                     got[o.request_id] = [[c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]]
             if aborted is None and any(h.request_id == "r7" for h in engine.half.moving):
@@ -135,7 +137,8 @@ SCRIPT = textwrap.dedent("""
                                freed=before - engine.engine.block_manager.num_used_pages)
         put("done", 1)
         s = engine.stats()
-        result = dict(want=want, got=got, aborted=aborted, used=engine.engine.block_manager.num_used_pages,
+        streamed = {rid: [d[i] for i in sorted(d)] for rid, d in deltas.items() if rid in got}
+        result = dict(want=want, got=got, streamed=streamed, aborted=aborted, used=engine.engine.block_manager.num_used_pages,
                       received=s.kv_transfers_received, failed=s.kv_transfers_failed, devices=devices,
                       pending=pending, transfers=engine.half.num_transfers)
     print("RESULT" + json.dumps(result), flush=True)
@@ -167,6 +170,7 @@ def test_prefill_and_decode_processes_give_the_single_engine_tokens(tiny_model, 
     for rid in got:  # tokens, and logprobs (r2, recomputed after a failed read), exactly as one engine gives them
         assert got[rid][0] == want[rid][0], rid
     assert got["r2"][1] == want["r2"][1]
+    assert dec["streamed"] == {rid: got[rid][0] for rid in got}  # a stream hands out every token once, the first too
     assert [len(t) for t in got["r4"][0]] == [6, 6]
     # r3's first token ended it on the prefill side: nothing to move, the decode side only emits it
     assert pre["first_token_final"]["transfer_id"] is None and got["r3"][0] == [want["r3"][0][0]]
