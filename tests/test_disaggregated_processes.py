@@ -11,7 +11,8 @@ process first), while
   held;
 - one prefill's kv_transfer_params never reach the decode side (a client that left between the two): the prefill
   process releases its pages after kv_transfer_timeout_s;
-and at the end neither process holds a page."""
+and at the end neither process holds a page. The extended test runs `jlight serve` as the two roles and the router
+(serve/router.py), three processes, and checks the answers over HTTP."""
 import json
 import os
 import subprocess
