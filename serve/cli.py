@@ -15,6 +15,7 @@ import sys
 
 from jlight.api import LLM
 from jlight.engine.async_engine import AsyncLLM
+from jlight.engine.disaggregated_roles import join_pair
 from jlight.engine_args import add_engine_arguments, engine_options
 from jlight.loading.default_model import DEFAULT_MODEL_NAME
 from jlight.serve.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -57,6 +58,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the running requests have this many seconds to finish; then each ends with "
                              f"finish_reason \"abort\" (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    pd = parser.add_argument_group("disaggregated prefill and decode in separate processes (docs/ARCHITECTURE.md)")
+    pd.add_argument("--disaggregated-role", choices=["prefill", "decode", "router"], default=None,
+                    help="prefill / decode: this server's role in a pair joined by jax.distributed (the prefill process "
+                         "runs the coordination service at --coordinator-address), each over every device of its own "
+                         "process; router: no model, an OpenAI front that sends each request through --prefill and "
+                         "then --decode and streams the decode server's answer")
+    pd.add_argument("--coordinator-address", default=None,
+                    help="prefill / decode: host:port of the pair's coordination service (the prefill process's host), "
+                         "the same for both")
+    pd.add_argument("--kv-transfer-address", default=None,
+                    help="prefill / decode: host:port where this process serves the K/V pages the other pulls (JAX's "
+                         "socket transfers); default on one host: the coordinator's port + 1 (prefill) or + 2 (decode)")
+    pd.add_argument("--kv-transfer-timeout", type=_non_negative_float, default=None,
+                    help="prefill / decode: seconds a handoff's pages wait to be asked for, and to arrive, before the "
+                         "decode side recomputes the prompt (default 300)")
+    pd.add_argument("--prefill", default=None, help="router: the prefill server's URL, e.g. http://127.0.0.1:8001")
+    pd.add_argument("--decode", default=None, help="router: the decode server's URL, e.g. http://127.0.0.1:8002")
     tools = parser.add_argument_group("tool calls (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer tool_choice "auto" (the default with tools): the model chooses, and the calls '
@@ -92,7 +110,47 @@ def served_model_names(args: argparse.Namespace) -> list[str] | None:
     return None
 
 
+def disaggregated_options(args: argparse.Namespace) -> dict:
+    """The engine options of --disaggregated-role prefill|decode, having joined this process to the pair."""
+    role = getattr(args, "disaggregated_role", None)
+    pd_flags = ("coordinator_address", "kv_transfer_address", "kv_transfer_timeout")
+    if role not in ("prefill", "decode"):
+        given = [f"--{name.replace('_', '-')}" for name in pd_flags if getattr(args, name, None) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} go with --disaggregated-role prefill or decode; add the role or drop them")
+        return {}
+    if not args.coordinator_address:
+        raise ValueError(f"--disaggregated-role {role} needs --coordinator-address HOST:PORT (the prefill process's host, "
+                         "the same for both roles)")
+    join_pair(role, args.coordinator_address, args.kv_transfer_address)
+    options = {"disaggregated_role": role}
+    if args.kv_transfer_timeout is not None:
+        options["kv_transfer_timeout_s"] = args.kv_transfer_timeout
+    return options
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """--disaggregated-role router: the front of a prefill server and a decode server (serve/router.py)."""
+    import uvicorn
+
+    from jlight.serve.router import build_router_app
+
+    if not args.prefill or not args.decode:
+        raise ValueError("--disaggregated-role router needs --prefill URL and --decode URL (the two servers it joins)")
+    if args.model is not None:
+        raise ValueError("--disaggregated-role router loads no model (the prefill and decode servers do); drop MODEL")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_router_app(args.prefill, args.decode)
+    logger.info("routing on http://%s:%d: prefill %s, then decode %s", args.host, args.port, args.prefill, args.decode)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "disaggregated_role", None) == "router":
+        return run_router(args)
+    if getattr(args, "prefill", None) or getattr(args, "decode", None):
+        raise ValueError("--prefill and --decode are the router's (--disaggregated-role router); drop them")
     # The web stack (uvicorn, fastapi under serve.app) loads only when the server runs, not for every `jlight` command.
     import uvicorn
 
@@ -102,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = tool_call_parser(args)  # before the model loads: a bad flag pair fails at once
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, **engine_options(args), **disaggregated_options(args))
     host = HostWork()
     async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests, executor=host.pool)
     app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,

@@ -96,6 +96,9 @@ class GenerationHandlers:
     def _jobs(self, request_id: str, body, prompts: list[list[int]], max_tokens: int | None,
               prompt_param: str, max_tokens_param: str) -> list[EngineJob]:
         check_logit_bias_keys(body.logit_bias)
+        if body.kv_transfer_params is not None and (len(prompts) > 1 or body.n > 1):
+            raise RequestError("kv_transfer_params hands on one sequence: send one prompt with n=1",
+                               param="kv_transfer_params")
         structured_param = structured_outputs_param(body)
         jobs = []
         for i, ids in enumerate(prompts):

@@ -141,6 +141,11 @@ def _engine_lines(s) -> list[str]:
         + _metric("host_kv_cache_pages_capacity", "gauge", "KV pages the host tier can hold (0: no tier).",
                   [("", s.host_cache_pages_total)])
         + _metric("num_preemptions_total", "counter", "Requests preempted to free KV pages.", [("", s.num_preemptions)])
+        + _metric("kv_transfers_total", "counter",
+                  "Disaggregated prefill/decode handoffs: pages received (decode side), recomputed because they could "
+                  "not come (decode side), sent (prefill side).",
+                  [('{outcome="received"}', s.kv_transfers_received), ('{outcome="failed"}', s.kv_transfers_failed),
+                   ('{outcome="sent"}', s.kv_transfers_sent)])
         + _metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", s.prompt_tokens_total)])
         + _metric("generation_tokens_total", "counter", "Tokens generated.", [("", s.generation_tokens_total)])
         + _spec_lines(s)

@@ -197,6 +197,9 @@ class SamplingFields(OpenAIBody):
     guided_choice: Choices("guided_choice") | None = None
     guided_grammar: NonEmptyStr | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Disaggregated serving (vLLM's field): {"do_remote_decode": true} to a prefill server, what it answered to a
+    # decode server (jlight/engine/disaggregated_roles.py); serve/router.py sets it.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -382,4 +385,5 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, max_token
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured_outputs=asked[0][1] if asked else None,
+        kv_transfer_params=req.kv_transfer_params,
     )

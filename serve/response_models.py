@@ -45,6 +45,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's handoff (vLLM's field), else left out
 
 
 class TopLogprob(BaseModel):
@@ -92,6 +93,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's handoff (vLLM's field), else left out
 
 
 class ChatDeltaChoice(BaseModel):

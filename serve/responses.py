@@ -158,7 +158,11 @@ class ResponseBuilder:
                 else:
                     choices.append(self.completion_choice(index, p, out, c, c.text, pairs, 0, first=True))
         cls = ChatCompletionResponse if self.kind == "chat" else CompletionResponse
-        return cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage).model_dump()
+        body = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+                   kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None).model_dump()
+        if body["kv_transfer_params"] is None:  # only a prefill server's handoff carries the field
+            del body["kv_transfer_params"]
+        return body
 
     # ---- streaming ----
 

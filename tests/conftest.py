@@ -61,6 +61,7 @@ SLOW_FILES_FIRST = (
     "test_structured_output.py",  # ~60
     "test_engine_sharded.py",  # ~59
     "test_kv_cache_int8.py",  # ~59
+    "test_disaggregated_processes.py",  # ~50 (two processes)
     "test_mosaic_attention.py",  # ~55
     "test_server_chaos.py",  # ~47
     "test_speculative_models.py",  # ~42 (a shared host)

@@ -34,6 +34,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("jlight.serve.cli", "jlight.serve.app"): "the web stack (fastapi) loads only when the server runs",
     ("jlight.serve.cli", "jlight.serve.drain"): "the web stack (uvicorn) loads only when the server runs",
     ("jlight.serve.cli", "jlight.serve.host_work"): "the web stack (fastapi) loads only when the server runs",
+    ("jlight.serve.cli", "jlight.serve.router"): "the web stack (fastapi, httpx) loads only when the router runs",
 }
 
 # Libraries a module may import inside a function, and why they load only when used. The standard

@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode (jlight/engine/disaggregated.py) on 8 simulated CPU devices: a
 prefill engine tensor parallel over devices 0-3 and a decode engine over 4-7 give exactly the tokens of
 one engine for a batch of mixed requests, while one request is aborted mid-transfer (both sides' pages
-freed) and two transfers fail (one at dispatch, one when polled) and are recomputed on the decode side;
+freed) and two transfers fail (one at dispatch, one when polled) and are recomputed on the decode side, every
+output's token deltas joining into its tokens;
 and with a decode pool too small for the batch, whose preemptions recompute adopted requests."""
 import textwrap
 
@@ -30,12 +31,17 @@ SCRIPT = textwrap.dedent("""
               SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True),
               greedy, greedy]
 
+    deltas = {{}}  # request id -> the token deltas its outputs carried, joined (what a stream hands out)
+
     def collect(engine, abort_id=None):
         done, aborted = {{}}, None
+        deltas.clear()
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{{i}}", None, sp, prompt_token_ids=p)
         while engine.has_unfinished_requests():
             for o in engine.step():
+                for c in o.outputs:
+                    deltas.setdefault(o.request_id, {{}}).setdefault(c.index, []).extend(c.token_ids_delta)
                 if o.finished:
                     done[o.request_id] = [c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]
             if abort_id and aborted is None and any(h.request_id == abort_id for h in engine._moving):
@@ -68,6 +74,7 @@ SCRIPT = textwrap.dedent("""
     copies = lambda: [engine.prefill.runner._read_pages._cache_size(), engine.decode.runner._write_pages._cache_size()]  # jit fallbacks
     compiled = copies()
     got, aborted = collect(engine, abort_id="r7")
+    streamed = {{rid: [d[i] for i in sorted(d)] for rid, d in deltas.items() if rid in got}}
     s = engine.stats()
     # A decode pool of 23 pages, less than the batch needs: adopted requests are preempted there and
     # recomputed, and handoffs wait for room.
@@ -77,7 +84,7 @@ SCRIPT = textwrap.dedent("""
     print("RESULT" + json.dumps(dict(
         copies_compiled=[compiled, copies()], tight=tight, tight_preemptions=small.decode.stats().num_preemptions,
         tight_used=[small.prefill.block_manager.num_used_pages, small.decode.block_manager.num_used_pages],
-        want=want, got=got, aborted=aborted, groups=groups, failures=engine.num_transfer_failures,
+        want=want, got=got, streamed=streamed, aborted=aborted, groups=groups, failures=engine.num_transfer_failures,
         transfers=engine.num_transfers, used=[engine.prefill.block_manager.num_used_pages,
                                                engine.decode.block_manager.num_used_pages],
         prompt_tokens=s.prompt_tokens_total, generated=s.generation_tokens_total,
@@ -97,6 +104,8 @@ def test_prefill_on_0_3_decode_on_4_7_gives_the_single_engine_tokens(tiny_model)
     for rid in got:  # tokens, and logprobs (r2), exactly as one engine gives them
         assert got[rid][0] == want[rid][0], rid
     assert got["r2"][1] == want["r2"][1]
+    # a stream hands out every token once, the first one too, whether the transfer landed or failed (at dispatch too)
+    assert out["streamed"] == {rid: got[rid][0] for rid in got}
     assert [len(t) for t in got["r4"][0]] == [6, 6] and got["r3"][0] == [want["r3"][0][0]]
     # 6 requests handed over (r3 ended at its first token, r4 ran on the decode side): 2 failed and recomputed.
     assert out["transfers"] == 6 and out["failures"] == 2

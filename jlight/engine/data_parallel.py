@@ -15,6 +15,7 @@ import jax
 
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
 from jlight.engine.disaggregated import DisaggregatedEngine
+from jlight.engine.disaggregated_roles import make_role_engine
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import EngineStats, LLMEngine
 from jlight.engine.outputs import RequestOutput
@@ -29,7 +30,10 @@ def replica_mesh_spec(spec: str) -> tuple[int, str | None]:
 
 
 def make_engine(config: EngineConfig):
-    """An LLMEngine, a DataParallelEngine when the mesh has dp > 1, or a DisaggregatedEngine."""
+    """An LLMEngine, a DataParallelEngine when the mesh has dp > 1, a DisaggregatedEngine, or this process's role
+    engine of a disaggregated pair (disaggregated_roles.py)."""
+    if config.disaggregated_role:
+        return make_role_engine(config.validate())
     if config.disaggregated:
         return DisaggregatedEngine.from_config(config.validate())
     if config.mesh and replica_mesh_spec(config.mesh)[0] > 1:

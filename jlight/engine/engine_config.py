@@ -88,6 +88,13 @@ class EngineConfig:
     # Disaggregated prefill and decode (disaggregated.py): "prefill=N,decode=M", a prefill engine on the first N
     # devices and a decode engine on the next M, each tensor parallel over its group. None: one engine.
     disaggregated: str | None = None
+    # Disaggregated prefill and decode as two processes (disaggregated_roles.py): "prefill" or "decode", this process's
+    # role in a pair joined by jax.distributed (disaggregated_roles.join_pair first); its engine takes every device of
+    # this process. None: no role.
+    disaggregated_role: str | None = None
+    # Seconds the prefill process holds a handoff's pages for the decode side to ask for them, and the decode side
+    # waits for pages it asked for, before giving up (the decode side then recomputes the prompt).
+    kv_transfer_timeout_s: float = 300.0
     seed: int = 0
     warmup: bool = True
     # Step buckets compiled at once at start-up (XLA compiles outside Python's lock); None: one per CPU
@@ -141,12 +148,19 @@ class EngineConfig:
             bad("max_model_len", "must be >= 2")
         if self.disaggregated is not None and self.mesh:
             bad("disaggregated", f"takes the devices of each role itself; leave mesh ({self.mesh!r}) unset")
+        if self.disaggregated_role not in (None, "prefill", "decode"):
+            bad("disaggregated_role", "must be 'prefill' or 'decode' (or None)")
+        if self.disaggregated_role is not None and (self.mesh or self.disaggregated):
+            bad("disaggregated_role", "takes every device of its process itself; leave mesh and disaggregated unset")
+        if not self.kv_transfer_timeout_s > 0:
+            bad("kv_transfer_timeout_s", "must be > 0 seconds")
         spec = SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         if spec is not None and spec.method != "ngram":
             # A proposer's model runs on one device, its K/V in pages the host tier and the prefill/decode handover
             # do not carry (proposers/device.py).
             for field, what in (("mesh", "a mesh"), ("kv_offloading_size", "the host KV tier"),
-                                ("disaggregated", "disaggregated prefill/decode")):
+                                ("disaggregated", "disaggregated prefill/decode"),
+                                ("disaggregated_role", "disaggregated prefill/decode")):
                 if getattr(self, field):
                     bad(field, f"speculative_config.method={spec.method!r} does not run with {what} yet; leave {field} "
                         "unset or use method 'ngram'")

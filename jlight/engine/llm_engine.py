@@ -68,6 +68,11 @@ class EngineStats:
     host_cache_dropped_pages: int = 0
     host_cache_pages_used: int = 0
     host_cache_pages_total: int = 0
+    # Disaggregated prefill/decode (handoff.py): handoffs whose pages arrived here (decode side), handoffs recomputed
+    # here because their pages could not come (decode side), and handoffs whose pages went out (prefill side).
+    kv_transfers_received: int = 0
+    kv_transfers_failed: int = 0
+    kv_transfers_sent: int = 0
 
     @classmethod
     def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
@@ -335,6 +340,9 @@ class LLMEngine:
                              f" EOS ids at most {NUM_BANNED} can be held back; pass fewer stop_token_ids or min_tokens=0")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        if params.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params is for disaggregated serving: send it to a prefill or decode server "
+                             "(jlight serve --disaggregated-role), or leave it out")
         return prompt_token_ids, params
 
     def _check_fits_the_pool(self, prompt_len: int, max_tokens: int | None) -> None:

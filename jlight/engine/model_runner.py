@@ -373,6 +373,10 @@ class ModelRunner:
         compiled = self._page_copies.get(("read", len(pages)))
         return (compiled or self._read_pages)((self.k_cache, self.v_cache), pages)
 
+    def page_shapes(self, num_pages: int):
+        """read_pages' result for num_pages page ids, as ShapeDtypeStructs (None for a pool without pages)."""
+        return jax.eval_shape(self._read_pages, (self.k_cache, self.v_cache), jax.ShapeDtypeStruct((num_pages,), np.int32))
+
     def write_pages(self, pages: np.ndarray, data) -> None:
         """Write `data` (read_pages' form, on this runner's devices) into `pages` ([n] int32; repeats of the
         scratch page 0 are padding), before any step launched after this call."""

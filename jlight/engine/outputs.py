@@ -36,6 +36,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # A prefill process's handoff of this request to a decode process (disaggregated_roles.RemotePrefill as a dict)
+    kv_transfer_params: dict | None = None
 
 
 class PackedLogprobs(collections.abc.Sequence):

@@ -34,6 +34,9 @@ class SamplingParams:
     # Output held to a JSON schema, any JSON object, a regex, a choice or a grammar (structured_output.py):
     # a StructuredOutputParams or a dict of its fields, e.g. {"json": schema}.
     structured_outputs: StructuredOutputParams | dict | None = None
+    # Disaggregated serving (vLLM's field; disaggregated_roles.py): {"do_remote_decode": true} asks a prefill process to
+    # hand the request on; what it answers (a RemotePrefill) lets a decode process continue it. Only those take it.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +107,8 @@ class SamplingParams:
                 bad(name, f"must be an integer from 0 to {MAX_TOP_LOGPROBS}")
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputParams.coerce(self.structured_outputs)
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            bad("kv_transfer_params", "must be an object (what the prefill server answered) or None")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not isinstance(t, int) or not 0 <= t < vocab_size:
