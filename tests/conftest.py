@@ -66,6 +66,7 @@ SLOW_FILES_FIRST = (
     "test_server_chaos.py",  # ~47
     "test_speculative_models.py",  # ~42 (a shared host)
     "test_gemma.py",  # ~40 (alone, on a loaded host)
+    "test_short_tables.py",  # ~40 (a shared host)
     "test_convert.py",  # ~38
     "test_cli.py",  # ~33
     "test_qwen3_5.py",  # ~31 (alone, on a loaded host)
