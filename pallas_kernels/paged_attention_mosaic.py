@@ -35,6 +35,13 @@ fp8 (e4m3) pools are plain arrays with no scales (scale 1, as vLLM's uncalibrate
 their tiles are converted the same way, to float16 (exact; Mosaic GPU converts e4m3 to bfloat16 only
 through float32), and both products run in float16 (q converted once, P in float16).
 
+Attention kinds, as the reference: a static sliding window starts a block's steps at the first its
+first row's window reaches and masks `kv_pos > row_pos - window`; soft-capping turns the scaled
+scores into soft_cap * tanh(s / soft_cap) (the GPU's approximate tanh under approx_math, as
+FlashAttention's soft-capping); sink logits (one per query head, [KVH, 64] rows in log2 units,
+copied with the query) open each row's softmax as m = the sink, l = 1, with no value: in a
+block's first work item only, so the combine counts the sink once.
+
 Contract the kernel relies on: the tokens of a row in one step have consecutive positions
 (a prefill chunk or one decode token), so a block's row positions follow from its first token's.
 
