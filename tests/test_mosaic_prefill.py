@@ -61,18 +61,18 @@ def test_matches_reference(case):
 # (name, group, head_dim, q_lens, context_lens, num_tokens, page_size, kv_heads, pools, window, soft_cap, sinks,
 #  kv_per_step)
 KIND_CASES = [
-    # One head a KV head (128-token blocks, both warpgroups' rows), a window of 200 over steps of 64: the
-    # second warpgroup's window starts a step later than the first's (it skips it), each has unmasked
-    # steps inside its window between masked ones; fp8 pools (the memory warpgroup's conversions);
-    # sinks; a decode row and an empty row beside the chunk.
-    ("fp8_window_sinks_mha", 1, 64, [150, 1, 0], [400, 90, 0], 160, 16, 1, "fp8", 200, None, True, 64),
+    # Group 3 (42-token blocks; a warpgroup's rows are not a multiple of the group), a window of 200 over
+    # steps of 64 (two pages of 32): the first block's second warpgroup starts a step later than its
+    # first (it skips step 0), each has unmasked steps inside its window between masked ones; fp8 pools
+    # (the memory warpgroup's conversions); sinks; a decode row and an empty row beside the chunk.
+    ("fp8_window_sinks_gqa3", 3, 64, [100, 1, 0], [350, 90, 0], 104, 32, 1, "fp8", 200, None, True, 64),
     # A window narrower than a step (48 of 128) and soft-capping, GQA 4 over a chunk of earlier context,
     # a decode row, a 20-token prompt, padding tokens.
     ("window_softcap_gqa4", 4, 128, [40, 1, 20], [300, 65, 20], 64, 16, 1, "bf16", 48, 2.0, False, 128),
     # fp8 alone: SmolLM2's group 3 over pages of 32, two KV heads, an empty row.
     ("fp8_gqa3_pages32", 3, 64, [50, 0, 7], [50, 0, 130], 64, 32, 2, "fp8", None, None, False, 128),
-    # Every kind over fp8 pools at head_dim 128, group 8 (16-token blocks), pages of 64.
-    ("fp8_all_kinds_gqa8", 8, 128, [40, 1], [700, 200], 48, 64, 1, "fp8", 300, 5.0, True, 128),
+    # Every kind over fp8 pools at head_dim 128, group 8 (16-token blocks), two KV heads, pages of 64.
+    ("fp8_all_kinds_gqa8", 8, 128, [40, 1], [700, 200], 48, 64, 2, "fp8", 300, 5.0, True, 128),
 ]
 
 
