@@ -92,7 +92,7 @@ def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
     rng = np.random.default_rng(sum(map(ord, name)))
     q, k, v, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap,
-              sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2, jnp.float32) if sinks else None)
+              sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2 + 5, jnp.float32) if sinks else None)  # they matter
     assert paged_prefill_mosaic.takes(q, k, md, window)
     want = reference_attention(q.astype(jnp.float32), k, v, jnp.int32(1), md, **kw)  # the reference reads fp8 as float32
     got = paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, kv_per_step=kv_per_step, **kw)
