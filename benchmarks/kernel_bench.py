@@ -35,7 +35,7 @@ import fp8_matmul  # noqa: E402
 from jlight.pallas_kernels import attention_reference, matmul_reference  # noqa: E402
 from jlight.pallas_kernels import matmul_pallas, paged_attention_mosaic, paged_attention_pallas, paged_prefill_mosaic  # noqa: E402
 from jlight.core.quantization import (  # noqa: E402
-    QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv_pool, transpose_to_kmajor)
+    QuantizedWeight, W8A8Weight, quantize_int8, quantize_kv_pool, to_fp8_kv, transpose_to_kmajor)
 
 COPY_BW = 3.70e12
 BF16_RATE = 645e12
@@ -89,17 +89,24 @@ ATTENTION_KERNELS = dict(triton=paged_attention_pallas.paged_attention, mosaic=p
 
 
 def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None, impl="triton",
-                    page_size=16):
+                    page_size=16, soft_cap=None, sinks=False, pools=None):
+    """One kernel against the reference on random inputs: (relative error, every real output written).
+    pools="fp8": e4m3 K/V pools (the reference reads them as float32); sinks: random per-head sink logits."""
     num_kv_heads, num_layers = 2, 2
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 8
     md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
     shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
     k = jnp.asarray(rng.standard_normal(shape), dtype)
     v = jnp.asarray(rng.standard_normal(shape), dtype)
+    if pools == "fp8":
+        k, v = to_fp8_kv(k), to_fp8_kv(v)
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
     layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window)
-    want = attention_reference.paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), layer, md, **kw)
+    if soft_cap is not None or sinks:
+        kw.update(soft_cap=soft_cap, sinks=jnp.asarray(rng.standard_normal(num_kv_heads * group) * 2, jnp.float32) if sinks else None)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = attention_reference.paged_attention(f32(q), f32(k), f32(v), layer, md, **kw)
     got = ATTENTION_KERNELS[impl](q, k, v, layer, md, **kw)
     n = int(md.query_start[-1])
     finite = bool(np.all(np.isfinite(np.asarray(got[:n], np.float32))))
@@ -122,17 +129,40 @@ def attention_cases(quick):
     yield "sliding window 64", jnp.bfloat16, 4, 128, [1, 20], [500, 300], 24, 64
 
 
+def mosaic_kind_cases(quick):
+    """The Mosaic GPU kernels' extra check grid, bf16 q: the attention kinds (gpt-oss: sinks and a 128-token
+    window; Gemma 2: soft-capping at 50 and a 4096-token window) and fp8 pools. Tuples of
+    (case, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window, soft_cap, sinks, pools)."""
+    decode = ([1] * 6, [1, 16, 17, 0, 300, 2047 if not quick else 90], 6)
+    mixed = ([37, 1, 0, 16, 5], [37, 200, 0, 48, 700 if not quick else 70], 64)
+    chunk = ([256 if not quick else 40], [3000 if not quick else 100], 256 if not quick else 48)
+    return [
+        ("decode sinks w128", 8, 64, *decode, 128, None, True, None),
+        ("decode cap50 w4096", 2, 128, *decode, 4096, 50.0, False, None),
+        ("decode fp8 all kinds", 4, 128, *decode, 128, 50.0, True, "fp8"),
+        ("prefill+decode all kinds", 4, 128, *mixed, 128, 50.0, True, None),
+        ("long chunk w1000", 4, 128, *chunk, 1000 if not quick else 30, None, False, None),
+        ("long chunk fp8", 4, 128, *chunk, None, None, False, "fp8"),
+        ("long chunk fp8 sinks w128", 8, 64, *chunk, 128 if not quick else 30, None, True, "fp8"),
+        ("long chunk g1 cap50", 1, 128, *chunk, None, 50.0, False, None),
+    ]
+
+
 def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True, page_sizes=(16,)):
     rows = []
     for impl, page_size in ((impl, p) for impl in attention_impls for p in page_sizes):
-        for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick):
+        cases = [(name, dtype, group, head_dim, q_lens, ctx, t, window, None, False, None)
+                 for name, dtype, group, head_dim, q_lens, ctx, t, window in attention_cases(quick)]
+        if impl in ("mosaic", "prefill"):
+            cases += [(name, jnp.bfloat16, *rest) for name, *rest in mosaic_kind_cases(quick)]
+        for name, dtype, group, head_dim, q_lens, ctx, t, window, cap, sinks, pools in cases:
             if impl in ("mosaic", "prefill") and dtype != jnp.bfloat16:
                 continue  # wgmma takes 16-bit floats; float32 stays on the Triton kernel
-            if impl == "prefill" and (window is not None or t <= max(len(q_lens), 16)):
-                continue  # the prefill kernel takes prefill-shaped steps without a sliding window
+            if impl == "prefill" and t <= max(len(q_lens), 16):
+                continue  # the prefill kernel takes prefill-shaped steps
             try:
                 err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl,
-                                              page_size=page_size)
+                                              page_size=page_size, soft_cap=cap, sinks=sinks, pools=pools)
             except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed check, not a lost run
                 err, finite = float("nan"), False
                 print(f"check attention {impl} {name} failed: {e!r:.1500}", flush=True)
@@ -254,11 +284,26 @@ def prefill_shapes(quick):
         ("mixed: 1793-token chunk + 255 decode rows at 1k", [1793] + [1] * 255, [1793] + [1024] * 255, 2048)]
 
 
+def _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, window=None):
+    """Useful FLOPs of QK^T and PV: a new token at position p sees p + 1 positions, or min(p + 1, window)."""
+    total = 0
+    for n, c in zip(q_lens, ctx_lens):
+        seen = np.arange(c - n, c) + 1
+        total += 4 * int(np.minimum(seen, window or seen.max()).sum()) * num_heads * head_dim
+    return total
+
+
 def bench_prefill_attention(rng, quick, reps, trials):
-    """Prefill attention's rate (useful causal FLOPs over device time), Llama-3-8B heads (32 / 8, d = 128):
-    the Triton kernel, the decode kernel's prefill blocks and the warp-specialized prefill kernel."""
+    """Prefill attention's rate (useful FLOPs over device time), Llama-3-8B heads (32 / 8, d = 128):
+    the Triton kernel, the decode kernel's prefill blocks and the warp-specialized prefill kernel over
+    bf16 pools; the two Mosaic GPU paths over fp8 pools (kv_cache_dtype="fp8"); and, on the 4096-token
+    chunk and the chunk over earlier context, the attention kinds (a 4096-token window alone; Gemma 2's
+    soft-capping with that window; gpt-oss's sinks with a 128-token window)."""
     num_heads, num_kv_heads, head_dim, page_size = (32, 8, 128, 16) if not quick else (8, 2, 64, 16)
     scale = head_dim ** -0.5
+    sinks = jnp.asarray(rng.standard_normal(num_heads), jnp.float32)
+    kinds = {"window 4096": dict(sliding_window=4096), "gemma2 cap 50 + window 4096": dict(sliding_window=4096, soft_cap=50.0),
+             "gpt-oss sinks + window 128": dict(sliding_window=128, sinks=sinks)}
     rows = []
     for case, q_lens, ctx_lens, tokens in prefill_shapes(quick):
         num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
@@ -267,25 +312,42 @@ def bench_prefill_attention(rng, quick, reps, trials):
         key_k, key_v = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))))
         k = jax.random.normal(key_k, shape, jnp.bfloat16)  # on the device: host draws of 0.5 GB were slow
         v = jax.random.normal(key_v, shape, jnp.bfloat16)
+        k8, v8 = to_fp8_kv(k), to_fp8_kv(v)
         qs = [jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim)), jnp.bfloat16) for _ in range(reps)]
-        # causal QK^T and PV over each row's context: a new token at position p sees p + 1 positions
-        flops = sum(4 * (c * (c + 1) - (c - n) * (c - n + 1)) / 2 * num_heads * head_dim for n, c in zip(q_lens, ctx_lens))
-        variants = {"triton": lambda q: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale),
-                    "mosaic prefill blocks": lambda q: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)}
+        causal = _prefill_flops(q_lens, ctx_lens, num_heads, head_dim)
+        # name -> (fn of q, FLOPs, the variant its error is measured against)
+        variants = {"triton": (lambda q: paged_attention_pallas.paged_attention(q, k, v, jnp.int32(0), md, scale=scale), causal, None),
+                    "mosaic prefill blocks": (lambda q: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale),
+                                              causal, "triton")}
         for cfg in ([dict()] if quick else [dict(), dict(kv_per_step=64)]):
             variants[f"prefill kernel {cfg or 'default'}"] = (
-                lambda q, cfg=cfg: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg))
+                lambda q, cfg=cfg: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg), causal, "triton")
         if tokens <= 4096:
-            variants["xla reference"] = lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale)
-        want = None
-        for name, attn in variants.items():
+            variants["xla reference"] = (lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale),
+                                         causal, "triton")
+        variants["mosaic prefill blocks fp8 pools"] = (
+            lambda q: paged_attention_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale), causal, None)
+        variants["prefill kernel fp8 pools"] = (
+            lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale), causal,
+            "mosaic prefill blocks fp8 pools")
+        if quick or case in ("chunk T=4096", "chunk T=2048 over 14336"):
+            for kind, kw in kinds.items():
+                flops = _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, kw.get("sliding_window"))
+                variants[f"mosaic prefill blocks {kind}"] = (
+                    lambda q, kw=kw: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **kw), flops, None)
+                variants[f"prefill kernel {kind}"] = (
+                    lambda q, kw=kw: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **kw), flops,
+                    f"mosaic prefill blocks {kind}")
+        outputs = {}
+        for name, (attn, flops, versus) in variants.items():
             try:
                 fn = jax.jit(lambda qs, attn=attn: [attn(q) for q in qs])
                 t = time_call(fn, (qs,), reps, trials)
-                got = np.asarray(fn(qs)[0][:sum(q_lens)], np.float32)
-                want = got if want is None else want
-                rows.append(dict(kernel=f"prefill attention {case}", impl=name, seconds=t, flops=flops, rate=flops / t,
-                                 rel_err_vs_triton=rel_err(got, want)))
+                outputs[name] = got = np.asarray(fn(qs)[0][:sum(q_lens)], np.float32)
+                row = dict(kernel=f"prefill attention {case}", impl=name, seconds=t, flops=flops, rate=flops / t)
+                if versus in outputs:
+                    row[f"rel_err_vs_{versus}"] = rel_err(got, outputs[versus])
+                rows.append(row)
             except Exception as e:
                 traceback.print_exc()
                 rows.append(dict(kernel=f"prefill attention {case}", impl=name, error=repr(e)[:300]))

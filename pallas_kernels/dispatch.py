@@ -95,7 +95,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
         if backend == "mosaic":
-            attention = mosaic_or_triton_attention
+            # "mosaic" by name runs every path of the Mosaic GPU kernels; "auto"/"pallas" those measured on a GPU
+            attention = mosaic_or_triton_attention if attention_impl == "mosaic" else measured_mosaic_attention
             # short contexts skip flash-decoding's combine
             short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
@@ -139,38 +140,67 @@ def fp8_or(matmul, fp8_w8a8_min_rows: int, x, w, out_dtype=None):
 PALLAS_ATTENTION = "mosaic"
 
 
-def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw):
+def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None, sinks=None, **kw):
     """The Mosaic GPU kernels where they take the inputs, else the Triton kernel (float32, int8 pools
-    with pages of 8 or 16, other sizes): prefill-shaped steps over 16-bit pools without a sliding
-    window run the warp-specialized prefill kernel (paged_prefill_mosaic.takes; on the H200 a 4096-token
-    causal chunk at 486 TFLOP/s against the decode kernel's prefill blocks' 299, docs/BENCHMARKS.md), every other
+    with pages of 8 or 16, other sizes): prefill-shaped steps over 16-bit or fp8 pools run the
+    warp-specialized prefill kernel (paged_prefill_mosaic.takes; on the H200 a 4096-token causal chunk
+    at 486 TFLOP/s against the decode kernel's prefill blocks' 299, docs/BENCHMARKS.md), every other
     step the Mosaic GPU attention (paged_attention_mosaic.supports: 16-bit floats, head_dim 64/128,
-    pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64; fp8 pools)."""
+    pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64; fp8 pools). Both Mosaic
+    kernels take every attention kind (a static sliding window, soft-capping, sink logits); the
+    Triton kernel takes windows only, so a soft-capped or sink layer it would run goes to the XLA
+    reference instead."""
     # GPU kernel modules load only when chosen.
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas, paged_prefill_mosaic
 
+    kinds = dict(soft_cap=soft_cap, sinks=sinks)
     if paged_prefill_mosaic.takes(q, k_cache, md, kw.get("sliding_window")):
-        return paged_prefill_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+        return paged_prefill_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
     if paged_attention_mosaic.supports(q, k_cache):
+        return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
+    if soft_cap is None and sinks is None:
+        return paged_attention_pallas.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+    return attention_reference.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
+
+
+def measured_mosaic_attention(q, k_cache, v_cache, layer, md, **kw):
+    """mosaic_or_triton_attention as "auto" and "pallas" run it on a GPU: only over the paths checked and timed
+    on the H200. The prefill kernel's fp8 pools and sliding windows run the decode kernel's prefill blocks, as
+    before those paths were written, and soft-capped or sink layers the XLA reference (kernel_takes_kinds);
+    attention_impl="mosaic" runs them on the kernels, which so far have run interpreted and lowered on CPUs
+    only."""
+    # GPU kernel modules load only when chosen.
+    from jlight.pallas_kernels import paged_attention_mosaic, paged_prefill_mosaic
+
+    unmeasured = k_cache.dtype != q.dtype or kw.get("sliding_window") is not None
+    if unmeasured and paged_prefill_mosaic.takes(q, k_cache, md, kw.get("sliding_window")) \
+            and paged_attention_mosaic.supports(q, k_cache):
         return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
-    return paged_attention_pallas.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+    return mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw)
 
 
-def kernel_takes_kinds(sliding_window, soft_cap, sinks) -> bool:
-    """Whether the Pallas attention kernels take these attention kinds: a static sliding window
-    (a Python int or None) yes; logit soft-capping, sink logits and a traced window (a scanned
-    stack of layers whose windows differ) not yet."""
-    return soft_cap is None and sinks is None and (sliding_window is None or isinstance(sliding_window, int))
+def kernel_takes_kinds(kernel, sliding_window, soft_cap, sinks) -> bool:
+    """Whether `kernel` takes these attention kinds. Every Pallas kernel takes a static sliding window
+    (a Python int or None), none a traced one (a scanned stack of layers whose windows differ: the
+    kernels cut their K/V steps by the window while tracing). Logit soft-capping and sink logits:
+    mosaic_or_triton_attention (the Mosaic GPU kernels; it sends what the Triton kernel would run to
+    the reference), not the Triton kernel."""
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        return False
+    return kernel is mosaic_or_triton_attention or (soft_cap is None and sinks is None)
 
 
 def kernel_or_reference_attention(kernel, q, k_cache, v_cache, layer, md, *, scale, sliding_window=None,
                                   soft_cap=None, sinks=None):
     """`kernel` where it takes the layer's attention kinds (kernel_takes_kinds), else the XLA
     reference on the same pools, so no kind is silently dropped on the GPU."""
-    if kernel_takes_kinds(sliding_window, soft_cap, sinks):
+    if not kernel_takes_kinds(kernel, sliding_window, soft_cap, sinks):
+        return attention_reference.paged_attention(q, k_cache, v_cache, layer, md, scale=scale,
+                                                   sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    if soft_cap is None and sinks is None:  # the kernels' plain signature (the Triton kernel has no kinds)
         return kernel(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window)
-    return attention_reference.paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window,
-                                               soft_cap=soft_cap, sinks=sinks)
+    return kernel(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  sinks=sinks)
 
 
 def kmajor_weight_types(matmul_impl: str) -> tuple:

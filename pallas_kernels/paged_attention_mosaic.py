@@ -36,6 +36,13 @@ fp8 (e4m3) pools are plain arrays with no scales (scale 1, as vLLM's uncalibrate
 their tiles are converted the same way, to float16 (exact; Mosaic GPU converts e4m3 to bfloat16 only
 through float32), and both products run in float16 (q converted once, P in float16).
 
+Attention kinds, as the reference: a static sliding window starts a block's steps at the first its
+first row's window reaches and masks `kv_pos > row_pos - window`; soft-capping turns the scaled
+scores into soft_cap * tanh(s / soft_cap) (the GPU's approximate tanh under approx_math, as
+FlashAttention's soft-capping); sink logits (one per query head, [KVH, 64] rows in log2 units,
+copied with the query) open each row's softmax as m = the sink, l = 1, with no value: in a
+block's first work item only, so the combine counts the sink once.
+
 Contract the kernel relies on: the tokens of a row in one step have consecutive positions
 (a prefill chunk or one decode token), so a block's row positions follow from its first token's.
 
@@ -82,6 +89,28 @@ def wgmma_layouts(interpreting: bool):
             functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA),
             functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA.reduce(1)))
 
+
+def logits_log2(s, scale: float, soft_cap: float | None):
+    """Raw scores (q . k) as the reference's logits in log2 units (exp2 is the hardware's exponential):
+    scaled, then soft-capped to soft_cap * tanh(logit / soft_cap) where the layer has a cap (Gemma 2)."""
+    if soft_cap is None:
+        return s * (scale * _LOG2E)
+    return jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
+
+
+def sink_rows(sinks, num_kv_heads: int, rows: int):
+    """Each query row's sink logit in log2 units, [num_kv_heads, rows] float32: row r of a KV head's
+    tile is its query head r % group (token-major rows; a decode block's first `group` rows)."""
+    group = sinks.shape[0] // num_kv_heads
+    per_head = (sinks.astype(jnp.float32) * _LOG2E).reshape(num_kv_heads, group)
+    return per_head[:, jnp.arange(rows) % group]
+
+
+def row_values(smem, interpreting: bool):
+    """A shared-memory vector of one value per query row in the layout of the accumulator's rows."""
+    return smem[...] if interpreting else plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
 def supports(q, k_cache) -> bool:
     """Whether this kernel takes these inputs (else the Triton kernel does)."""
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -100,10 +129,13 @@ def supports(q, k_cache) -> bool:
 
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_items, item_base, table_base, table_width,
-            group, page_size, pages_per_step, num_stages, scale, sliding_window, convert, scaled, interpreting,
-            slot_types, partial_types):
+            group, page_size, pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, scaled,
+            interpreting, slot_types, partial_types):
     if scaled:  # int8 pools: their scales ([pages, kv_heads, page_size]) follow the values
         ks_ref, vs_ref, *refs = refs
+    if has_sinks:  # each query row's sink logit ([kv_heads, 64], log2 units)
+        sink_ref, *refs = refs
+        *refs, sink_smem = refs
     *out_refs, q_smem, q_bar, k_bar, v_bar = refs
     work = num_items > 0  # flash-decoding: program = (work item, KV head), partial states out
     head = lax.axis_index("head")
@@ -133,6 +165,8 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
     # the top of the tile; rows below them are never written and are masked out (row_ok).
     io_rows = q_ref.shape[2]
     plgpu.copy_gmem_to_smem(q_ref.at[block, head], q_smem.at[pl.ds(0, io_rows)], q_bar)
+    if has_sinks:
+        plgpu.copy_gmem_to_smem(sink_ref.at[head], sink_smem, q_bar)
 
     def stream(k_smem, v_smem, *more):
         """The K/V loop, in a scope of its own: the slots' shared memory is free again after it."""
@@ -201,8 +235,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
             mask = row_ok & (kv_pos <= row_pos)
             if sliding_window is not None:
                 mask = mask & (kv_pos > row_pos - sliding_window)
-            # Scores in log2 units: exp2 is the hardware's exponential.
-            s = jnp.where(mask, s * (scale * _LOG2E), _MASKED)
+            s = jnp.where(mask, logits_log2(s, scale, soft_cap), _MASKED)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
             alpha = jnp.exp2(m - m_new)
@@ -235,11 +268,18 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
             return acc, m_new, l
 
         head_dim = q_smem.shape[-1]
-        init = (
-            tile(jnp.zeros((_ROWS, head_dim), jnp.float32)),
-            row_vec(jnp.full((_ROWS,), _MASKED, jnp.float32)),
-            row_vec(jnp.zeros((_ROWS,), jnp.float32)),
-        )
+        m0, l0 = row_vec(jnp.full((_ROWS,), _MASKED, jnp.float32)), row_vec(jnp.zeros((_ROWS,), jnp.float32))
+        if has_sinks:
+            # The sink column opens the softmax (m = the sink, l = exp(0), no value), once per block: in
+            # its first work item, whose output the combine merges with the others'.
+            sink, one = row_values(sink_smem, interpreting), row_vec(jnp.ones((_ROWS,), jnp.float32))
+            if work:
+                first_item = (item == 0) | (meta_ref[item_base + jnp.maximum(item - 1, 0)] != block)
+                with_sink = first_item.astype(jnp.float32)  # arithmetic: no select on a scalar predicate
+                m0, l0 = sink + (1.0 - with_sink) * _MASKED, one * with_sink
+            else:
+                m0, l0 = sink, one
+        init = (tile(jnp.zeros((_ROWS, head_dim), jnp.float32)), m0, l0)
         return lax.fori_loop(first_step, last_step, body, init)
 
     acc, m, l = pl.run_scoped(stream, *slot_types)
@@ -267,13 +307,14 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
         pl.run_scoped(write_partials, *partial_types)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "num_items", "num_stages",
-                                             "kv_per_step", "min_steps_per_item"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "num_items",
+                                             "num_stages", "kv_per_step", "min_steps_per_item"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
-                    interpret: bool | None = None, num_items: int | None = None, num_stages: int = 2,
-                    kv_per_step: int = 64, min_steps_per_item: int = 2):
-    """Same contract as attention_reference.paged_attention; q: [T, num_heads, head_dim] in bf16/f16,
-    K/V pools of q's dtype, fp8 (e4m3) pools or int8 QuantizedKV pools (`supports`).
+                    soft_cap: float | None = None, sinks=None, interpret: bool | None = None, num_items: int | None = None,
+                    num_stages: int = 2, kv_per_step: int = 64, min_steps_per_item: int = 2):
+    """Same contract as attention_reference.paged_attention (every attention kind: a static sliding
+    window, soft_cap, sinks); q: [T, num_heads, head_dim] in bf16/f16, K/V pools of q's dtype, fp8
+    (e4m3) pools or int8 QuantizedKV pools (`supports`).
 
     num_items: decode steps' work items (split_kv): None picks by the cost rule, 0 runs one program
     per (block, KV head) with no combine, n >= the step's blocks forces n items."""
@@ -343,12 +384,13 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     slot_dtype = k_cache.dtype
     convert = slot_dtype != dtype
     copies_per_slot = pages_per_step * (2 if scaled else 1)  # int8: each page's values and scales
+    has_sinks = sinks is not None
     scratch = [
         swizzled_smem((_ROWS, head_dim), dtype),  # the query tile, then the output tile
-        plgpu.Barrier(),  # query copied
+        plgpu.Barrier(num_arrivals=2 if has_sinks else 1),  # query (and its rows' sinks) copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's K pages copied
         plgpu.Barrier(num_arrivals=copies_per_slot, num_barriers=num_stages),  # a slot's V pages copied
-    ]
+    ] + ([plgpu.SMEM((_ROWS,), jnp.float32)] if has_sinks else [])  # the rows' sink logits
     # Shared memory of the K/V loop's scope, then of the epilogue's (the same bytes, one after the other):
     # two programs of 80 KB (bf16, 2 stages of 64 positions) fit on an SM with an item's partial output too.
     slot_types = [swizzled_smem(kv_tile, slot_dtype), swizzled_smem(kv_tile, slot_dtype)]  # K, V slots
@@ -363,8 +405,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         _kernel, num_blocks=num_blocks, num_items=num_items, item_base=item_base,
         table_base=item_base + 3 * num_items, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step,
-        num_stages=num_stages, scale=scale, sliding_window=sliding_window, convert=convert, scaled=scaled,
-        interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types))
+        num_stages=num_stages, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks,
+        convert=convert, scaled=scaled, interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types))
     result = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -376,7 +418,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         kernel_name=kernel_name("jlight_paged_attention", out=repr(out_type), pools=repr([(p.shape, p.dtype) for p in pools]),
                                 q=repr((q_rows.shape, q_rows.dtype)), meta=meta.shape[0], **{
                                     k: v for k, v in kernel.keywords.items() if not k.endswith("_types")}),
-    )(meta, layer_offset, q_rows, *pools)
+    )(meta, layer_offset, q_rows, *pools, *([sink_rows(sinks, num_kv_heads, _ROWS)] if has_sinks else []))
 
     out = split_kv.combine(items, *result, out_dtype=q.dtype, interpret=interpret) if num_items else result.astype(q.dtype)
     # out: [blocks, KVH, rows, D]

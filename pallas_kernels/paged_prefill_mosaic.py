@@ -12,28 +12,42 @@ of up to 128 // group consecutive tokens of one row and one KV head with its `gr
 A schedule barrier between the compute warpgroups makes one's softmax run while the other's
 matmuls use the tensor cores (ping-pong).
 
-Causality: a warpgroup computes the steps up to its last row's position; steps wholly at or below
-its first row's position run without a mask. Steps past its last row (its rows end earlier than
-the block's) it does not compute but still waits for and releases, passing the schedule barrier
-twice each as a computing step does, so both warpgroups pass every barrier equally often. A warpgroup without
+Which positions a warpgroup computes: its K/V steps run from the first step its first row's window
+reaches (step 0 without a sliding window) through its last row's position; those wholly at or below
+its first row's position and wholly inside its last row's window (`kv_pos > row_pos - window`) run
+without a mask, the others masked (causal, window, rows past its real rows), where a row that sees
+nothing of a step takes no mass from it. The block's steps run from its first row's first step
+through its last row's; a step of the block that a warpgroup does not compute (before its rows'
+windows, or past its last row) it still waits for and releases, passing the schedule barrier twice
+as a computing step does, so both warpgroups pass every barrier equally often. A warpgroup without
 rows (a short block's second half, a decode row in a mixed step) computes nothing; an unused block
 does nothing. Rows past a block's tokens are computed on real positions and never read.
 
-Invariants the wrapper establishes: the K/V steps of a block start at position 0 (no sliding
-window: `takes` sends those to paged_attention_mosaic), the page table is padded to whole steps
-(padding points at scratch page 0), the kernel's integer inputs do not depend on the layer, and
-the output holds every real token's rows ([blocks, KVH, 128, D], gathered to [T, H, D]).
+The attention kinds, as the reference: scores scaled, then soft-capped (soft_cap * tanh(s / soft_cap),
+the GPU's approximate tanh under approx_math, as FlashAttention's soft-capping); sink logits (one per
+query head, log2 units, copied with the query) open each row's softmax (m = the sink, l = 1, no value).
 
-Shared memory: Q/O tiles 2 x 64 x D, K and V slots num_stages x kv_per_step x D each: 160 KB for
-bf16, D = 128, two stages of 128 positions; one program per SM.
+fp8 (e4m3) pools: the memory warpgroup TMAs a step's pages into one fp8 landing tile per K and V,
+converts them to float16 (exact) into the slots, 64 positions at a time, fences them for the wgmmas
+and arrives on the slot's barrier itself; then it fetches the next step's pages into the landing
+tile. Both products run in float16 (q converted once, P in float16), as paged_attention_mosaic's.
+
+Invariants the wrapper establishes: a static window (or none), so the kernel cuts steps while
+tracing; the page table is padded to whole steps (padding points at scratch page 0, as do a
+sliding-window group's pages that no window sees: only masked positions read them); the kernel's
+integer inputs do not depend on the layer; and the output holds every real token's rows
+([blocks, KVH, 128, D], gathered to [T, H, D]).
+
+Shared memory (D = 128, two stages of 128 positions): Q/O tiles 2 x 64 x D, K and V slots
+num_stages x kv_per_step x D each in the products' dtype: 160 KB over bf16 pools; fp8 pools add the
+two landing tiles (kv_per_step x D bytes each): 192 KB. One program per SM either way.
 
 CPU tests run it in Mosaic GPU's interpret mode, which runs the three warpgroups, the TMA copies
 and every barrier, but not wgmma on a transposed or a register operand: there the products are
 plain dots on the same tiles (`interpreting`), and the CUDA lowering of the wgmma path is checked
-separately (tests/test_mosaic_attention.py).
+separately (tests/test_mosaic_prefill.py).
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,20 +59,26 @@ from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.core.quantization import QuantizedKV
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem
-from jlight.pallas_kernels.paged_attention_mosaic import PAGE_SIZES, query_rows, uses_prefill_blocks, wgmma_layouts
+from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, logits_log2, query_rows, row_values,
+                                                          sink_rows, uses_prefill_blocks, wgmma_layouts)
 
 _MASKED = -1e30
 _WG_ROWS = 64  # query rows of one compute warpgroup: one wgmma tile
 _ROWS = 2 * _WG_ROWS  # query rows of a program
-_LOG2E = math.log2(math.e)
+# Registers per thread (memory warpgroup, each compute warpgroup), the SM's 64K over 3 x 128 threads:
+# over 16-bit pools, then over fp8 pools, where the memory warpgroup also converts (64 positions at a time).
+_REGISTERS = ((40, 232), (56, 224))
 
 
 def takes(q, k_cache, md: BatchMetadata, sliding_window) -> bool:
     """Whether this kernel runs the step: a prefill-shaped step (paged_attention_mosaic's prefill
-    blocks) over 16-bit pools of q's dtype, head_dim 64 or 128, no sliding window."""
+    blocks) over pools of q's dtype (16-bit) or fp8 (e4m3), head_dim 64 or 128, no sliding window
+    or a static one (a Python int)."""
     if q.dtype not in (jnp.bfloat16, jnp.float16) or isinstance(k_cache, QuantizedKV):
         return False
-    if not hasattr(k_cache, "dtype") or k_cache.dtype != q.dtype or sliding_window is not None:
+    if not hasattr(k_cache, "dtype") or k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        return False
+    if sliding_window is not None and not isinstance(sliding_window, int):
         return False
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[3], k_cache.shape[2]
@@ -66,9 +86,15 @@ def takes(q, k_cache, md: BatchMetadata, sliding_window) -> bool:
             and page_size in PAGE_SIZES and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _ROWS)
 
 
-def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_smem, q_bar, k_bar, v_bar,
-            k_free, v_free, schedule, *, num_blocks, table_base, table_width, group, page_size, pages_per_step,
-            num_stages, scale, interpreting):
+def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
+            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, interpreting):
+    if has_sinks:  # each query row's sink logit ([kv_heads, 128], log2 units)
+        sink_ref, *refs = refs
+    o_ref, qo_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, schedule, *refs = refs
+    if convert:  # fp8 pools: the pages land here and the memory warpgroup converts them into the slots
+        k_land, v_land, k_landed, v_landed, *refs = refs
+    if has_sinks:
+        (sink_smem,) = refs
     # Blocks in reverse: unused blocks (the last ones) exit first, then a row's later blocks, which see
     # the most positions, start before its earlier ones (the longest programs first: a shorter tail).
     block = num_blocks - 1 - lax.axis_index("block")
@@ -81,16 +107,31 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
     first_pos = meta_ref[3 * num_blocks + start]
     block_rows = num_tokens * group
 
+    def window_start(pos):  # the first step that a row at pos still sees
+        return 0 if sliding_window is None else lax.div(jnp.maximum(pos - sliding_window + 1, 0), kv_per_step)
+
+    first_step = window_start(first_pos)  # the block's steps: [first_step, num_steps)
+
     def wg_steps(w):
-        """Warpgroup w's rows as (first row, real rows) and its K/V steps: (unmasked, computed)."""
+        """Warpgroup w's rows (first row, real rows) and its K/V steps: it computes [begin, end), and
+        [clear_begin, clear_end) without a mask (every position of such a step is at or below its first
+        row's position and inside its last row's window). A warpgroup without rows computes none."""
         r0 = w * _WG_ROWS
         rows = jnp.clip(block_rows - r0, 0, _WG_ROWS)
-        first_tok, last_tok = lax.div(r0, group), lax.div(r0 + rows - 1, group)
-        computed = jnp.where(rows > 0, lax.div(first_pos + last_tok + kv_per_step, kv_per_step), 0)
-        unmasked = jnp.minimum(lax.div(first_pos + first_tok + 1, kv_per_step), computed)
-        return r0, rows, unmasked, computed
+        low_pos, high_pos = first_pos + lax.div(r0, group), first_pos + lax.div(r0 + rows - 1, group)
+        end = jnp.where(rows > 0, lax.div(high_pos + kv_per_step, kv_per_step), first_step)
+        begin = jnp.where(rows > 0, window_start(low_pos), first_step)
+        clear_begin = begin
+        if sliding_window is not None:  # the first step wholly inside the last row's window
+            clear_begin = lax.div(jnp.maximum(high_pos - sliding_window + 1, 0) + kv_per_step - 1, kv_per_step)
+            clear_begin = jnp.clip(clear_begin, begin, end)
+        clear_end = jnp.clip(lax.div(low_pos + 1, kv_per_step), clear_begin, end)
+        return r0, rows, (begin, clear_begin, clear_end, end)
 
-    num_steps = jnp.maximum(wg_steps(0)[3], wg_steps(1)[3])  # the block's steps: its last row's
+    num_steps = jnp.maximum(wg_steps(0)[2][3], wg_steps(1)[2][3])  # through the block's last row's position
+
+    def slot_of(step):
+        return lax.rem(step - first_step, num_stages)
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -100,47 +141,65 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
     def _():
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGISTERS[convert][0], action="decrease")
 
-            def issue(step, slot, pool_ref, slots, bar):  # TMA the step's pages of this KV head into the slot
+            def issue(step, pool_ref, dst, bar):  # TMA the step's pages of this KV head into dst
                 for i in range(pages_per_step):
                     page = page_offset + meta_ref[table_base + row * table_width + step * pages_per_step + i]
-                    plgpu.copy_gmem_to_smem(pool_ref.at[page, :, head], slots.at[slot, pl.ds(i * page_size, page_size)],
-                                            bar.at[slot])
+                    plgpu.copy_gmem_to_smem(pool_ref.at[page, :, head], dst.at[pl.ds(i * page_size, page_size)], bar)
+
+            def fill(step, pool_ref, slots, ready, free, land=None, landed=None):
+                """The step's K or V into its slot, once both compute warpgroups have released the slot."""
+                slot = slot_of(step)
+
+                @pl.when(step - first_step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+                if not convert:
+                    issue(step, pool_ref, slots.at[slot], ready.at[slot])
+                    return
+                # fp8: the landed pages converted to float16 (exact), 64 positions at a time (few registers),
+                # then the next step's pages fetched into the landing tile.
+                plgpu.barrier_wait(landed)
+                for c in range(kv_per_step // _WG_ROWS):
+                    chunk = pl.ds(c * _WG_ROWS, _WG_ROWS)
+                    slots.at[slot, chunk][...] = land.at[chunk][...].astype(slots.dtype)
+                plgpu.commit_smem()  # visible to the wgmmas; the landing tile's reads ordered before its refill
+                plgpu.barrier_arrive(ready.at[slot])
+
+                @pl.when(step + 1 < num_steps)
+                def _():
+                    issue(step + 1, pool_ref, land, landed)
+
+            if convert:
+                issue(first_step, k_ref, k_land, k_landed)
+                issue(first_step, v_ref, v_land, v_landed)
 
             def body(step, _):
-                slot = lax.rem(step, num_stages)
-                refill = step >= num_stages
-
-                @pl.when(refill)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-                issue(step, slot, k_ref, k_smem, k_bar)
-
-                @pl.when(refill)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-                issue(step, slot, v_ref, v_smem, v_bar)
-            lax.fori_loop(0, num_steps, body, None)
+                if convert:
+                    fill(step, k_ref, k_smem, k_bar, k_free, k_land, k_landed)
+                    fill(step, v_ref, v_smem, v_bar, v_free, v_land, v_landed)
+                else:
+                    fill(step, k_ref, k_smem, k_bar, k_free)
+                    fill(step, v_ref, v_smem, v_bar, v_free)
+            lax.fori_loop(first_step, num_steps, body, None)
 
             def drain(step, _):  # the last releases: every phase of a barrier that a thread waits on is waited
-                plgpu.barrier_wait(k_free.at[lax.rem(step, num_stages)])
-                plgpu.barrier_wait(v_free.at[lax.rem(step, num_stages)])
-            lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, None)
+                plgpu.barrier_wait(k_free.at[slot_of(step)])
+                plgpu.barrier_wait(v_free.at[slot_of(step)])
+            lax.fori_loop(jnp.maximum(num_steps - num_stages, first_step), num_steps, drain, None)
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            r0, rows, unmasked, computed = wg_steps(wg)
+            plgpu.set_max_registers(_REGISTERS[convert][1], action="increase")
+            r0, rows, (begin, clear_begin, clear_end, end) = wg_steps(wg)
             q_smem = qo_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[block, head, pl.ds(r0, _WG_ROWS)], q_smem, q_bar.at[wg])
+            if has_sinks:
+                plgpu.copy_gmem_to_smem(sink_ref.at[head, pl.ds(r0, _WG_ROWS)], sink_smem.at[wg], q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             iota, tile, row_vec = wgmma_layouts(interpreting)
             shape = (_WG_ROWS, kv_per_step)
-
-            @pl.when(computed > 0)
-            def _():
-                plgpu.barrier_wait(k_bar.at[0])
 
             def release(slot_free, slot):
                 if interpreting:
@@ -152,7 +211,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
 
             def step_body(step, carry, masked):
                 acc, m, l = carry
-                slot = lax.rem(step, num_stages)
+                slot = slot_of(step)
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
                 if interpreting:
                     s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
@@ -164,14 +223,18 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
                         return acc_ref[...]  # reading the accumulator waits for the wgmma
                     s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
                 release(k_free, slot)
-                s = s * (scale * _LOG2E)  # log2 units: exp2 is the hardware's exponential
+                s = logits_log2(s, scale, soft_cap)
                 if masked:
                     r, c = iota(shape, 0), iota(shape, 1)
-                    row_pos = first_pos + lax.div(r0 + r, group)
-                    ok = (step * kv_per_step + c <= row_pos) & (r < rows)
+                    row_pos, kv_pos = first_pos + lax.div(r0 + r, group), step * kv_per_step + c
+                    ok = (kv_pos <= row_pos) & (r < rows)
+                    if sliding_window is not None:
+                        ok = ok & (kv_pos > row_pos - sliding_window)
                     s = jnp.where(ok, s, _MASKED)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
+                if masked:  # a row may see nothing of this step (before its window): no mass from it
+                    p = jnp.where(ok, p, 0.0)
                 alpha = jnp.exp2(m - m_new)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
@@ -182,9 +245,9 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
                 plgpu.barrier_wait(schedule)  # the other warpgroup's matmuls are issued: the tensor cores are free
 
                 def wait_next_k():
-                    @pl.when(step + 1 < computed)
+                    @pl.when(step + 1 < end)
                     def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(step + 1, num_stages)])
+                        plgpu.barrier_wait(k_bar.at[slot_of(step + 1)])
                 if interpreting:
                     acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
                     wait_next_k()
@@ -196,8 +259,8 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
                 release(v_free, slot)
                 return acc, m_new, l
 
-            def skipped(step, _):  # a step past this warpgroup's rows: its slots waited for and released
-                slot = lax.rem(step, num_stages)
+            def skipped(step, _):  # a step this warpgroup's rows do not see: its slots waited for and released
+                slot = slot_of(step)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 schedule_barrier()
@@ -206,13 +269,21 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
                 schedule_barrier()
 
             head_dim = q_smem.shape[-1]
-            carry = (tile(jnp.zeros((_WG_ROWS, head_dim), jnp.float32)),
-                     row_vec(jnp.full((_WG_ROWS,), _MASKED, jnp.float32)),
-                     row_vec(jnp.zeros((_WG_ROWS,), jnp.float32)))
+            m0, l0 = row_vec(jnp.full((_WG_ROWS,), _MASKED, jnp.float32)), row_vec(jnp.zeros((_WG_ROWS,), jnp.float32))
+            if has_sinks:  # the sink column opens the softmax: m = the sink, l = exp(0), no value
+                m0, l0 = row_values(sink_smem.at[wg], interpreting), row_vec(jnp.ones((_WG_ROWS,), jnp.float32))
+            carry = (tile(jnp.zeros((_WG_ROWS, head_dim), jnp.float32)), m0, l0)
             pl.when(wg == 1)(schedule_barrier)  # warpgroup 0 leads
-            carry = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), carry)
-            carry = lax.fori_loop(unmasked, computed, functools.partial(step_body, masked=True), carry)
-            lax.fori_loop(computed, num_steps, skipped, None)
+            lax.fori_loop(first_step, begin, skipped, None)
+
+            @pl.when(begin < end)
+            def _():
+                plgpu.barrier_wait(k_bar.at[slot_of(begin)])
+            masked_step, clear_step = (functools.partial(step_body, masked=m) for m in (True, False))
+            carry = lax.fori_loop(begin, clear_begin, masked_step, carry)
+            carry = lax.fori_loop(clear_begin, clear_end, clear_step, carry)
+            carry = lax.fori_loop(clear_end, end, masked_step, carry)
+            lax.fori_loop(end, num_steps, skipped, None)
             pl.when(wg == 0)(schedule_barrier)
             acc, _, l = carry
 
@@ -224,9 +295,11 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, qo_smem, k_smem, v_
                 plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "kv_per_step", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "kv_per_step",
+                                             "num_stages"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
-                    interpret: bool | None = None, kv_per_step: int = 128, num_stages: int = 2):
+                    soft_cap: float | None = None, sinks=None, interpret: bool | None = None, kv_per_step: int = 128,
+                    num_stages: int = 2):
     """Same contract as attention_reference.paged_attention, for the inputs `takes` accepts."""
     if not takes(q, k_cache, md, sliding_window):
         raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} with pools "
@@ -234,6 +307,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
                          f"{sliding_window} and {md.page_table.shape[0]} rows; use paged_attention_mosaic")
     if kv_per_step % 64 or kv_per_step > 256 or kv_per_step % k_cache.shape[2]:
         raise ValueError(f"kv_per_step={kv_per_step} must be 64, 128, 192 or 256 and a multiple of the page size")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must be pools of one dtype")
     interpreting = pallas_mode.resolve(interpret)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -247,29 +322,46 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     layer_offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
     pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
     row, start, end = query_blocks(md.query_start, num_blocks, block_q)
-    q_rows = query_rows(q, num_kv_heads, block_q, start, end, rows=_ROWS)  # [blocks, KVH, 128, D]
+    # The products' dtype: q's, but float16 over fp8 pools (as paged_attention_mosaic: e4m3 converts to
+    # float16 exactly).
+    dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
+    convert = k_cache.dtype != dtype
+    q_rows = query_rows(q, num_kv_heads, block_q, start, end, rows=_ROWS).astype(dtype)  # [blocks, KVH, 128, D]
     positions = jnp.pad(md.positions, (0, 1))  # keeps an unused block's read in range when T = 0
     meta = jnp.concatenate([row, start, end, positions, table.reshape(-1)])  # one aligned array (see the decode kernel)
 
+    has_sinks = sinks is not None
     kv_tile = (num_stages, kv_per_step, head_dim)
+    # A slot is written by TMA (16-bit pools: pages_per_step copies) or by the memory warpgroup (fp8: one arrival).
+    slot_arrivals = 1 if convert else pages_per_step
     scratch = [
-        swizzled_smem((2, _WG_ROWS, head_dim), q.dtype),  # each compute warpgroup's query tile, then its output
-        swizzled_smem(kv_tile, q.dtype),  # K slots
-        swizzled_smem(kv_tile, q.dtype),  # V slots
-        plgpu.Barrier(num_barriers=2),  # a warpgroup's query copied
-        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's K pages copied
-        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),  # a slot's V pages copied
+        swizzled_smem((2, _WG_ROWS, head_dim), dtype),  # each compute warpgroup's query tile, then its output
+        swizzled_smem(kv_tile, dtype),  # K slots
+        swizzled_smem(kv_tile, dtype),  # V slots
+        plgpu.Barrier(num_arrivals=2 if has_sinks else 1, num_barriers=2),  # a warpgroup's query (and sinks) copied
+        plgpu.Barrier(num_arrivals=slot_arrivals, num_barriers=num_stages),  # a K slot filled
+        plgpu.Barrier(num_arrivals=slot_arrivals, num_barriers=num_stages),  # a V slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a K slot released by both warpgroups
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a V slot released by both warpgroups
         plgpu.Barrier(num_arrivals=2),  # the schedule barrier
     ]
+    if convert:
+        scratch += [
+            swizzled_smem(kv_tile[1:], k_cache.dtype),  # K pages landed (fp8)
+            swizzled_smem(kv_tile[1:], k_cache.dtype),  # V pages landed (fp8)
+            plgpu.Barrier(num_arrivals=pages_per_step),  # K pages landed
+            plgpu.Barrier(num_arrivals=pages_per_step),  # V pages landed
+        ]
+    if has_sinks:
+        scratch.append(plgpu.SMEM((2, _WG_ROWS), jnp.float32))  # each compute warpgroup's rows' sink logits
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert,
         interpreting=interpreting)
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, _ROWS, head_dim), q.dtype),
+        out_type=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, _ROWS, head_dim), dtype),
         scratch_types=scratch,
         grid=(num_blocks, num_kv_heads),
         grid_names=("block", "head"),
@@ -279,11 +371,11 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         interpret=interpret_params() if interpreting else None,
         kernel_name=kernel_name("jlight_paged_prefill", pools=repr([(p.shape, p.dtype) for p in pools]),
                                 q=repr((q_rows.shape, q_rows.dtype)), meta=meta.shape[0], **kernel.keywords),
-    )(meta, layer_offset, q_rows, *pools)
+    )(meta, layer_offset, q_rows, *pools, *([sink_rows(sinks, num_kv_heads, _ROWS)] if has_sinks else []))
 
     # token t is rows (t - start) * group + [0, group) of its block
     token_block, token_offset = token_blocks(md, num_tokens, num_blocks, block_q)
     out = out[:, :, :block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
     out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
-    return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
+    return jnp.where(is_real_token[:, None, None], out.astype(q.dtype), jnp.zeros((), q.dtype))

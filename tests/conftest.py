@@ -7,6 +7,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import tiny_models`
 
+# Mosaic GPU's interpreter runs each warpgroup of a program as an XLA execution of its own, and the
+# warpgroups wait on one another at the kernel's barriers. XLA's CPU client runs such executions on a
+# thread pool of one thread per core unless NPROC says otherwise, and the interpreted kernel's own
+# callback holds one of them: on a 2-core host a program whose warpgroups go to the pool can leave
+# one of them queued behind the others' barrier waits, for ever (the warp-specialized prefill kernel
+# over fp8 pools hung in most runs). Four threads hold the callback and a program's three warpgroups.
+# Set before any test starts JAX's CPU client.
+os.environ.setdefault("NPROC", "4")
+
 from tiny_models import TinyModelCache  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

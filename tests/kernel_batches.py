@@ -19,7 +19,7 @@ def _reference_attention(*args, **kwargs):
         return attention_reference.paged_attention(*args, **kwargs)
 
 
-reference_attention = jax.jit(_reference_attention, static_argnames=("scale", "sliding_window"))
+reference_attention = jax.jit(_reference_attention, static_argnames=("scale", "sliding_window", "soft_cap"))
 # The same for the int8 pools' quantization (elementwise, and a max: the same values either way).
 quantize_pool = jax.jit(quantize_kv_pool)
 dequantize_pool = jax.jit(dequantize_kv_pool)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernel_batches import check_attention_output, random_batch, random_int8_pool, reference_attention
-from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_attention_pallas
+from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_attention_pallas, split_kv
 from jlight.core.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
 
 PAGE_SIZE = 16
@@ -52,6 +52,31 @@ def test_matches_reference(case):
     kw = dict(scale=head_dim ** -0.5, sliding_window=window)
     f32 = lambda a: a.astype(jnp.float32)
     want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)  # the reference, jitted (kernel_batches)
+    got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_items=num_items, **kw)
+    check_attention_output(got, want, md, jnp.bfloat16)
+
+
+# (name, group, head_dim, q_lens, context_lens, num_tokens, sliding_window, soft_cap, num_items)
+KIND_CASES = [
+    # decode over work items (the long rows cut into several: the sink joins a block's first item only),
+    # a window, soft-capping, sinks; an empty row and a row at a page boundary
+    ("decode_items_all_kinds", 4, 128, [1, 1, 1, 0, 1], [1, 17, 300, 0, 700], 5, 128, 3.0, 12),
+    # prefill blocks (group 8: 8 tokens a block) with sinks and soft-capping over earlier context, padding tokens
+    ("mixed_sinks_softcap_gqa8", 8, 64, [37, 1, 0, 16, 5], [37, 200, 0, 48, 70], 64, None, 2.0, None),
+]
+
+
+@pytest.mark.parametrize("case", KIND_CASES, ids=[c[0] for c in KIND_CASES])
+def test_soft_cap_and_sinks_match_reference(case):
+    """Logit soft-capping (Gemma 2) and sink logits (gpt-oss), one learned logit per query head in the
+    softmax's denominator, against the reference."""
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, window, cap, num_items = case
+    rng = np.random.default_rng(sum(map(ord, name)))
+    q, k, v, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens)
+    sinks = jnp.asarray(rng.standard_normal(NUM_KV_HEADS * group) * 2, jnp.float32)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap, sinks=sinks)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
     got = paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, num_items=num_items, **kw)
     check_attention_output(got, want, md, jnp.bfloat16)
 
@@ -122,6 +147,10 @@ S = jax.ShapeDtypeStruct
     ("decode", {}, 8, "bf16"), ("prefill", {}, 64, "bf16"),
     ("decode", {}, 32, "int8"), ("decode", dict(num_items=0), 64, "int8"), ("prefill", {}, 32, "int8"),
     ("decode", {}, 32, "int8-d64"),  # int8 rows of 64 bytes: a 64-byte swizzle
+    # the attention kinds: soft-capping and sinks (gpt-oss's 128-token window; Gemma 2's cap of 50)
+    ("decode", dict(sliding_window=128, sinks=True), PAGE_SIZE, "bf16"),
+    ("decode", dict(num_items=0, soft_cap=50.0, sinks=True), PAGE_SIZE, "bf16"),
+    ("prefill", dict(sliding_window=4096, soft_cap=50.0, sinks=True), 32, "fp8"),
 ])
 def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size, kv):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
@@ -131,7 +160,11 @@ def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size, kv):
                       num_tokens=num_tokens)
     head_dim = 64 if kv.endswith("d64") else 128
     shape = (2, num_pages, page_size, 8, head_dim)
-    pool = S(shape, jnp.bfloat16) if kv == "bf16" else QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
+    if kv in ("bf16", "fp8"):
+        pool = S(shape, jnp.bfloat16 if kv == "bf16" else paged_attention_mosaic.FP8_DTYPE)
+    else:
+        pool = QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
+    cfg = dict(cfg, sinks=jnp.zeros(32, jnp.float32) if cfg.get("sinks") else None)
     fn = lambda q, k, v, md: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
                                                                      interpret=False, **cfg)
     text = jax.jit(fn).trace(S((num_tokens, 32, head_dim), jnp.bfloat16), pool, pool, md).lower(
@@ -164,6 +197,22 @@ def test_dispatch_names_the_backend():
     assert dispatch.get_kernels("mosaic", sharded=True).paged_attention.args[0] is dispatch.mosaic_or_triton_attention
     with pytest.raises(ValueError, match="attention_impl='cuda'"):
         dispatch.get_kernels("cuda")
+
+
+def test_dispatch_runs_soft_cap_and_sinks_on_the_mosaic_kernel(monkeypatch):
+    """get_kernels("mosaic") gives a sink, soft-capped layer to the Mosaic GPU kernel (run here, interpreted);
+    the same layer in float32, which the Triton kernel would run, goes to the XLA reference instead."""
+    q, k, v, md = _inputs(np.random.default_rng(4), 4, 64, [1, 1], [40, 17], 2)
+    kw = dict(scale=0.125, sliding_window=None, soft_cap=2.0, sinks=jnp.asarray(np.linspace(-2, 2, 8), jnp.float32))
+    f32 = lambda a: a.astype(jnp.float32)
+    want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
+    kernels = dispatch.get_kernels("mosaic")
+    attention = jax.jit(lambda q, k, v: kernels.paged_attention(q, k, v, jnp.int32(1), md, **kw))  # one compile, as in a step
+    triton = lambda *a, **k: pytest.fail("the Triton kernel has no soft-capping or sinks")
+    monkeypatch.setattr(paged_attention_pallas, "paged_attention", triton)
+    monkeypatch.setattr(split_kv, "use_work_items", lambda *a: False)  # one program per (block, KV head): quick to interpret
+    check_attention_output(attention(q, k, v), want, md, jnp.bfloat16)
+    check_attention_output(attention(f32(q), f32(k), f32(v)), want, md, jnp.float32)
 
 
 def test_mosaic_or_triton_routes_float32_to_triton(monkeypatch):

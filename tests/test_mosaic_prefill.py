@@ -6,7 +6,8 @@ buffers start as NaN, so a row the kernel forgets to write fails), its race dete
 slot protocol between the memory and the compute warpgroups, and the wgmma path is lowered for CUDA
 at the H200's shapes. The cases cover a block split across both compute warpgroups and one that
 fills only the first, decode rows and empty rows in a mixed step, causal masks that cross K/V steps
-and pages, a chunk over earlier context, GQA groups that do not divide the 128 rows, padding tokens.
+and pages, a chunk over earlier context, GQA groups that do not divide the 128 rows, padding tokens;
+then the same over fp8 pools and with the attention kinds (sliding windows, soft-capping, sinks).
 """
 import numpy as np
 import jax
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from kernel_batches import check_attention_output, random_batch, reference_attention
-from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic
+from jlight.core.quantization import FP8_KV_DTYPE, to_fp8_kv
+from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic, pallas_mode
 
 S = jax.ShapeDtypeStruct
 
@@ -29,11 +31,15 @@ CASES = [
 ]
 
 
-def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, num_layers=2):
+def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, num_layers=2, pools="bf16"):
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 4
     md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
     shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    if pools == "fp8":  # magnitudes that vary by token, so some values sit in e4m3's subnormal range
+        k, v = (to_fp8_kv(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.005, 4, shape[:-1] + (1,)), jnp.float32))
+                for _ in range(2))
+    else:
+        k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.bfloat16)
     return q, k, v, md
 
@@ -52,6 +58,48 @@ def test_matches_reference(case):
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
+# (name, group, head_dim, q_lens, context_lens, num_tokens, page_size, kv_heads, pools, window, soft_cap, sinks,
+#  kv_per_step)
+KIND_CASES = [
+    # Group 3 (42-token blocks; a warpgroup's rows are not a multiple of the group), a window of 200 over
+    # steps of 64 (two pages of 32): the first block's second warpgroup starts a step later than its
+    # first (it skips step 0), each has unmasked steps inside its window between masked ones; fp8 pools
+    # (the memory warpgroup's conversions); sinks; a decode row and an empty row beside the chunk.
+    ("fp8_window_sinks_gqa3", 3, 64, [100, 1, 0], [350, 90, 0], 104, 32, 1, "fp8", 200, None, True, 64),
+    # A window narrower than a step (48 of 128) and soft-capping, GQA 4 over a chunk of earlier context,
+    # a decode row, a 20-token prompt, padding tokens.
+    ("window_softcap_gqa4", 4, 128, [40, 1, 20], [300, 65, 20], 64, 16, 1, "bf16", 48, 2.0, False, 128),
+    # fp8 alone: SmolLM2's group 3 over pages of 32, two KV heads, an empty row.
+    ("fp8_gqa3_pages32", 3, 64, [50, 0, 7], [50, 0, 130], 64, 32, 2, "fp8", None, None, False, 128),
+    # Every kind over fp8 pools at head_dim 128, group 8 (16-token blocks), two KV heads, pages of 64.
+    ("fp8_all_kinds_gqa8", 8, 128, [40, 1], [700, 200], 48, 64, 2, "fp8", 300, 5.0, True, 128),
+]
+
+
+# The first two run by default (fp8, windows, sinks and soft-capping between them); the others with -m extended.
+@pytest.mark.parametrize("case", KIND_CASES[:2] + [pytest.param(c, marks=pytest.mark.extended) for c in KIND_CASES[2:]],
+                         ids=[c[0] for c in KIND_CASES])
+def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
+    """Against the reference; interpreted, under the race detector too: over fp8 pools the memory
+    warpgroup also writes the slots (its conversions) and refills the landing tiles, and a window
+    starts a block's steps past 0 (other slots than step 0's first). On a GPU: the compiled kernel."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
+
+    interpreting = pallas_mode.default_interpret()
+    if interpreting:
+        monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools, window, cap, sinks, kv_per_step = case
+    rng = np.random.default_rng(sum(map(ord, name)))
+    q, k, v, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap,
+              sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2 + 5, jnp.float32) if sinks else None)  # they matter
+    assert paged_prefill_mosaic.takes(q, k, md, window)
+    want = reference_attention(q.astype(jnp.float32), k, v, jnp.int32(1), md, **kw)  # the reference reads fp8 as float32
+    got = paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, kv_per_step=kv_per_step, **kw)
+    check_attention_output(got, want, md, jnp.bfloat16)
+    assert not (interpreting and interpret_pallas_call.get_races().races_found)
+
+
 def test_no_races_between_the_warpgroups(monkeypatch):
     """The interpreter's race detector over the K/V slots that the memory warpgroup refills once both
     compute warpgroups have released them (three steps through two slots)."""
@@ -63,15 +111,22 @@ def test_no_races_between_the_warpgroups(monkeypatch):
     assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("page_size,head_dim,group", [(16, 128, 4), (64, 128, 4), (8, 128, 1), (16, 64, 3)])
-def test_cuda_lowering_at_h200_shapes(page_size, head_dim, group):
+@pytest.mark.parametrize("page_size,head_dim,group,pools,kinds", [
+    (16, 128, 4, "bf16", {}), (64, 128, 4, "bf16", {}), (8, 128, 1, "bf16", {}), (16, 64, 3, "bf16", {}),
+    (16, 128, 4, "fp8", {}), (64, 64, 3, "fp8", dict(sliding_window=1000)),
+    (16, 128, 4, "bf16", dict(sliding_window=512, soft_cap=50.0, sinks=True)),
+    (32, 128, 8, "fp8", dict(sliding_window=128, sinks=True)),  # gpt-oss's local layers over an fp8 cache
+])
+def test_cuda_lowering_at_h200_shapes(page_size, head_dim, group, pools, kinds):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
     q_lens, ctx_lens, num_tokens = [256, 1], [3000, 700], 264
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
     md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
                       num_tokens=num_tokens)
-    pool = S((2, num_pages, page_size, 8, head_dim), jnp.bfloat16)
-    fn = lambda q, k, v, md: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088, interpret=False)
+    pool = S((2, num_pages, page_size, 8, head_dim), FP8_KV_DTYPE if pools == "fp8" else jnp.bfloat16)
+    kw = dict(kinds, sinks=jnp.zeros(8 * group, jnp.float32) if kinds.get("sinks") else None)
+    fn = lambda q, k, v, md: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
+                                                                  interpret=False, **kw)
     text = jax.jit(fn).trace(S((num_tokens, 8 * group, head_dim), jnp.bfloat16), pool, pool, md).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -83,16 +138,33 @@ def test_takes_prefill_steps_and_dispatch_routes_them(monkeypatch):
     decode = _inputs(rng, 4, 64, [1, 1], [300, 1], 8, 16, 2)  # one token a block: the decode kernel
     q, k, _, md = prefill
     assert paged_prefill_mosaic.takes(q, k, md, None)
-    assert not paged_prefill_mosaic.takes(q, k, md, 64)  # sliding windows: the decode kernel's prefill blocks
-    assert not paged_prefill_mosaic.takes(q, k.astype(jnp.float8_e4m3fn), md, None)  # fp8 pages likewise
+    assert paged_prefill_mosaic.takes(q, k, md, 64)  # a static sliding window
+    assert not paged_prefill_mosaic.takes(q, k, md, jnp.int32(64))  # a traced one: its steps are cut while tracing
+    assert paged_prefill_mosaic.takes(q, k.astype(FP8_KV_DTYPE), md, None)  # fp8 pages
+    assert not paged_prefill_mosaic.takes(q, k.astype(jnp.float16), md, None)  # 16-bit pages of another dtype
     assert not paged_prefill_mosaic.takes(q.astype(jnp.float32), k.astype(jnp.float32), md, None)
     assert not paged_prefill_mosaic.takes(*decode[:2], decode[3], None)
     with pytest.raises(ValueError, match="paged_attention_mosaic"):
         paged_prefill_mosaic.paged_attention(*decode[:3], jnp.int32(0), decode[3], scale=0.1)
     calls = []
-    monkeypatch.setattr(paged_prefill_mosaic, "paged_attention", lambda *a, **kw: calls.append("prefill"))
-    monkeypatch.setattr(paged_attention_mosaic, "paged_attention", lambda *a, **kw: calls.append("mosaic"))
+    monkeypatch.setattr(paged_prefill_mosaic, "paged_attention", lambda *a, **kw: calls.append(("prefill", kw)))
+    monkeypatch.setattr(paged_attention_mosaic, "paged_attention", lambda *a, **kw: calls.append(("mosaic", kw)))
+    sinks = jnp.zeros(8, jnp.float32)
+    attention = dispatch.get_kernels("mosaic").paged_attention  # through kernel_or_reference_attention
     for q_, k_, v_, md_ in (prefill, decode):
-        dispatch.mosaic_or_triton_attention(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=None)
-    dispatch.mosaic_or_triton_attention(*prefill[:3], jnp.int32(0), prefill[3], scale=0.125, sliding_window=64)
-    assert calls == ["prefill", "mosaic", "mosaic"]
+        attention(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=None)
+    attention(*prefill[:3], jnp.int32(0), prefill[3], scale=0.125, sliding_window=64, soft_cap=30.0, sinks=sinks)
+    attention(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=64, sinks=sinks)
+    assert [c[0] for c in calls] == ["prefill", "mosaic", "prefill", "mosaic"]
+    assert calls[2][1]["soft_cap"] == 30.0 and calls[2][1]["sinks"] is sinks and calls[2][1]["sliding_window"] == 64
+    assert calls[3][1]["sinks"] is sinks and calls[3][1]["soft_cap"] is None
+    # "pallas" (and "auto" on a GPU) keep the paths not yet run on a GPU off: fp8 pools and windows prefill in the
+    # decode kernel's blocks, soft-capped and sink layers run the XLA reference
+    calls.clear()
+    measured = dispatch.get_kernels("pallas").paged_attention
+    q_, k_, v_, md_ = prefill
+    measured(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=None)
+    measured(q_, k_.astype(FP8_KV_DTYPE), v_.astype(FP8_KV_DTYPE), jnp.int32(0), md_, scale=0.125, sliding_window=None)
+    measured(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=64)
+    measured(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=None, sinks=sinks)
+    assert [c[0] for c in calls] == ["prefill", "mosaic", "mosaic"]
