@@ -9,14 +9,11 @@ Extended (`python -m pytest -m extended tests/test_gemma3_gguf.py`): it download
 three minutes on two cores; tests/test_loading.py's tiny Gemma GGUFs check the same conventions in the
 default run.
 """
-import os
 
 import numpy as np
 import pytest
 
-from direct_forward import SingleSequenceRunner, hf_greedy, hf_logits
-from test_smollm2 import _one_gguf_reader_per_file
-from jlight.loading import load_model
+from direct_forward import SingleSequenceRunner, gguf_and_transformers, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.extended
 
@@ -32,15 +29,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def models(gemma3_270m_gguf):
     """(jlight LoadedModel float32, transformers model, transformers tokenizer) for the same GGUF."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = load_model(gemma3_270m_gguf, dtype="float32")
-    directory, name = os.path.split(gemma3_270m_gguf)
-    with _one_gguf_reader_per_file():
-        hf_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return loaded, hf, hf_tok
+    return gguf_and_transformers(gemma3_270m_gguf)
 
 
 def test_config_from_gguf_metadata(models):

@@ -316,12 +316,12 @@ def hf_model():
     """transformers' own model of the GGUF the server runs (float32, as jlight on the CPU): the
     reference for the echoed prompt logprobs."""
     torch = pytest.importorskip("torch")
-    from test_smollm2 import _one_gguf_reader_per_file
+    from direct_forward import one_gguf_reader_per_file
     from transformers import AutoModelForCausalLM
 
     from jlight.loading.default_model import default_gguf_path
     directory, name = os.path.split(default_gguf_path())
-    with _one_gguf_reader_per_file(), _gguf_name_map_built_once():
+    with one_gguf_reader_per_file(), _gguf_name_map_built_once():
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
 
 

@@ -59,14 +59,14 @@ def _run(engine, prompts, max_tokens, widths=None):
 def test_short_steps_run_the_narrow_variant_with_the_same_tokens(model_dir, monkeypatch):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 200, n).tolist() for n in (5, 9, 20)]  # contexts grow past 32 positions while decoding
-    plain = _run(_engine(model_dir, monkeypatch, None), prompts, 24)
+    plain = _run(_engine(model_dir, monkeypatch, None), prompts, 20)
     engine = _engine(model_dir, monkeypatch, SPAN)
     runner = engine.runner
     small = [T for T in runner.buckets if T <= 8]  # the CPU's 1-token bucket and the 8-token one
     assert runner.short_tables == {T: SPAN // 8 for T in small}  # 4 pages wide
     assert len(runner._executables) == len(runner.buckets) + len(small)  # warm-up compiled the variants too
     widths = []
-    assert _run(engine, prompts, 24, widths) == plain
+    assert _run(engine, prompts, 20, widths) == plain
     full = runner.max_pages_per_seq
     assert {w for _, pages, w in widths} == {SPAN // 8, full}  # both variants ran
     for T, pages, w in widths:
@@ -83,9 +83,11 @@ def test_the_mosaic_kernel_offers_its_short_path_to_decode_steps_that_split():
     assert dispatch.get_kernels("reference").short_table_span is None
 
 
+@pytest.mark.extended
 def test_a_draft_model_drafts_over_narrow_tables(model_dir, monkeypatch):
     """The draft model's first pass and chain run over the step's page table, narrow or not: with a draft
-    identical to the target it still keeps (nearly) every draft, and the tokens are the target's."""
+    identical to the target it still keeps (nearly) every draft, and the tokens are the target's. Extended
+    (24 s on two cores): the narrow tables themselves are the default run's first test."""
     import jlight
 
     real = dispatch.get_kernels

@@ -3,16 +3,13 @@
 Covers dequantization, llama.cpp's Q/K row permutation being undone, the config built from
 GGUF metadata, and the tokenizer / chat template built from GGUF metadata.
 """
-import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from direct_forward import SingleSequenceRunner, hf_greedy, hf_logits
-from jlight.loading import load_model
+from direct_forward import SingleSequenceRunner, gguf_and_transformers, hf_greedy, hf_logits
 
 CHAT_QUESTION = "What is the capital of France?"
 OTHER_PROMPTS = [
@@ -34,40 +31,10 @@ TOKENIZER_TEXTS = [
 ]
 
 
-@contextlib.contextmanager
-def _one_gguf_reader_per_file():
-    """transformers opens the GGUF three times to build its tokenizer, config and weights, each time
-    parsing all of its metadata with gguf.GGUFReader (~3.5 s each here): hand it one reader per file.
-    The reader only reads (memory-mapped); transformers' own loading code runs as it is."""
-    import gguf
-
-    real, readers = gguf.GGUFReader, {}
-
-    def shared(path, *args, **kwargs):
-        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
-
-
 @pytest.fixture(scope="module")
 def models(smollm2_gguf):
     """(jlight LoadedModel float32, transformers model, transformers tokenizer) for the same GGUF."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = load_model(smollm2_gguf, dtype="float32")
-    directory, name = os.path.split(smollm2_gguf)
-    with _one_gguf_reader_per_file():
-        hf_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return loaded, hf, hf_tok
+    return gguf_and_transformers(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

@@ -59,10 +59,10 @@ def test_constrained_greedy_matches_transformers_with_the_grammar_applied_by_han
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from test_smollm2 import _one_gguf_reader_per_file
+    from direct_forward import one_gguf_reader_per_file
 
     directory, name = os.path.split(smollm2_gguf)
-    with _one_gguf_reader_per_file():
+    with one_gguf_reader_per_file():
         hf_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     prompt = hf_tok.encode(chat(llm, "Describe a made-up person as JSON with a name and an age."), add_special_tokens=False)
