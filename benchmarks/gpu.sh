@@ -19,6 +19,8 @@
 #               (default "bf16-b8 int8-auto-b8"; with --variants in ARGS, those in one process): batch-1
 #               ms/token, the step back to back, CUPTI's kernel list
 #   context     context_sweep.py: TTFT and batch-1 / batch-16 decode vs context (vllm_growth.py's measurements)
+#   spec        spec_decode.py: batch-1 verify steps of k = 0..8 drafts at 128 and 2048 tokens of context, and n-gram
+#               speculation off / on over a repetitive prompt (its vLLM peer: .peerN/device.sh ../benchmarks/vllm_spec.py)
 #   batch       batch_decode_profile.py --batches 64,256 --context 1024 --kernel-breakdown
 #   serving     `jlight serve` on a random checkpoint (make_random_checkpoint.py), then `jlight bench serve`
 #               (needs .whl carried: bash benchmarks/fetch_server_wheels.sh); knobs below
@@ -56,7 +58,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }
 
-SUITES=" throughput steps decode context batch serving chaos kernels kv_int8 attention decode_attention moe mesh load structured tests peer "
+SUITES=" throughput steps decode context spec batch serving chaos kernels kv_int8 attention decode_attention moe mesh load structured tests peer "
 is_suite() { [[ "$SUITES" == *" $1 "* ]]; }
 
 run() {  # NAME DEFAULT_TIMEOUT COMMAND...: the command's output to $OUT/NAME.txt, its end here
@@ -113,6 +115,10 @@ suite_decode() {
 
 suite_context() {
   run context 540 python3 benchmarks/context_sweep.py --out "$OUT/context" "$@"
+}
+
+suite_spec() {
+  run spec 300 python3 benchmarks/spec_decode.py --model-config "$MODEL" --out "$OUT/spec" "$@"
 }
 
 suite_batch() {

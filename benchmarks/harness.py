@@ -4,7 +4,8 @@ JSON result writer.
 
 Models (benchmarks/model_configs.py holds the shapes):
   make_config(name, ...) -> ModelConfig; random_loaded_model(name, dtype, ...) -> LoadedModel (random
-  weights, no tokenizer); random_engine(name, dtype=..., **EngineConfig fields) -> LLMEngine;
+  weights, no tokenizer); random_engine(name, dtype=..., loaded=..., **EngineConfig fields) -> LLMEngine (several
+  engines of one script share one LoadedModel through `loaded`);
   write_random_checkpoint(dir, shape) -> bytes written (a servable HF directory, make_random_checkpoint.py).
 
 The peer's requests, copied call for call from ../shared/peer/vllm_bench.py and vllm_growth.py (a
@@ -15,6 +16,8 @@ jlight run that builds its requests with these measures the same work as the vLL
   bs1_prompt()               random.seed(1), 128 ids randint(0, 10000); bs1_ms_per_token() times it greedy:
                              (t(256 tokens) - t(1 token)) / 255, median of 3.
   growth_ttft_prompt(n)      [(7 * i + n) % 10000 for i in range(n)]: TTFT = wall time of 1 greedy token.
+  ngram_prompt()             vllm_spec.py's repetitive prompt: random.seed(3), 64 ids randint(0, 10000), that
+                             pattern repeated to 1024 ids (n-gram prompt lookup finds its drafts in it).
   growth_decode_prompts(n, b) row j = [(11 * i + n + j) % 10000 for i in range(n)]; growth_decode_ms_per_step()
                              = (t(66 tokens) - t(2 tokens)) / 64, greedy; (n, b) with b * n > 300,000 skipped.
   GROWTH_ENGINE              the growth run's engine settings (32k context, 64 sequences, prefix caching off:
@@ -76,13 +79,16 @@ def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings
     return model_configs.random_loaded_model(name, dtype, seed=seed, max_position_embeddings=max_position_embeddings)
 
 
-def random_engine(name: str, dtype: str = "bfloat16", *, max_model_len: int = 4096, seed: int = 0, **engine_fields):
+def random_engine(name: str, dtype: str = "bfloat16", *, max_model_len: int = 4096, seed: int = 0, loaded=None,
+                  **engine_fields):
     """An LLMEngine over random weights of a named shape (no tokenizer: requests give prompt_token_ids).
+    loaded: a LoadedModel from random_loaded_model to build on (name, dtype and seed then unused), else one is made.
     engine_fields go to EngineConfig as they are (max_num_seqs, quantization, attention_impl, mesh ...)."""
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
 
-    loaded = random_loaded_model(name, jnp.dtype(dtype), seed=seed, max_position_embeddings=max_model_len)
+    if loaded is None:
+        loaded = random_loaded_model(name, jnp.dtype(dtype), seed=seed, max_position_embeddings=max_model_len)
     return LLMEngine(EngineConfig(model=None, max_model_len=max_model_len, **engine_fields), loaded=loaded)
 
 
@@ -138,6 +144,14 @@ def bs1_ms_per_token(generate, prompt: list[int], tokens: int = 256, repeats: in
         tn, _ = generate([Request(prompt, tokens)])
         runs.append((tn - t1) / (tokens - 1) * 1e3)
     return statistics.median(runs)
+
+
+def ngram_prompt(length: int = 1024, pattern: int = 64, seed: int = 3) -> list[int]:
+    """vllm_spec.py's prompt for n-gram speculation: `pattern` ids randint(0, 10000) from random.seed(seed),
+    repeated (and cut) to `length` ids."""
+    rng = random.Random(seed)
+    unit = [rng.randint(0, 10000) for _ in range(pattern)]
+    return (unit * -(-length // pattern))[:length]
 
 
 GROWTH_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32000)

@@ -225,3 +225,69 @@ def test_attention_decode_times_the_kernel_variants(bench, tmp_path):
     assert [r["layout"] for r in rows if "layout" in r] == [
         "small pool, 1 layer", "engine pool, pages in order", "engine pool, pages scattered"]
     assert all(r["max_abs_diff_vs_small"] == 0.0 for r in rows if "layout" in r)
+
+
+def test_ngram_prompt_is_the_peers_and_gpu_sh_runs_the_spec_suite(bench, tmp_path):
+    random.seed(3)  # vllm_spec.py's calls, on the global generator
+    unit = [random.randint(0, 10000) for _ in range(64)]
+    assert bench.ngram_prompt() == (unit * 16)[:1024] and bench.ngram_prompt(100) == (unit * 2)[:100]
+    out = subprocess.run(["bash", os.path.join(BENCH, "gpu.sh"), "spec", "--ks", "0,3"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, DRY_RUN="1", OUT=str(tmp_path)))
+    assert out.returncode == 0 and "benchmarks/spec_decode.py --model-config llama3-8b" in out.stdout, out.stdout
+    assert "--ks 0,3 (timeout 300 s)" in out.stdout
+
+
+_FAKE_VLLM = '''
+import time
+__version__ = "fake"
+class SamplingParams:
+    def __init__(self, **kw): self.kw = kw
+class Metric:
+    def __init__(self, name, value=None, values=None): self.name, self.value, self.values = name, value, values
+class LLM:
+    def __init__(self, **kw): self.kw, self.tokens = kw, 0
+    def generate(self, prompts, params, use_tqdm=False):
+        assert prompts[0]["prompt_token_ids"] == PROMPT, "not harness.ngram_prompt's ids"
+        time.sleep(1e-4 * params.kw["max_tokens"])
+        self.tokens += params.kw["max_tokens"]
+    def get_metrics(self):
+        n = self.tokens
+        return [] if self.kw["speculative_config"] is None else [
+            Metric("vllm:spec_decode_num_drafts", n), Metric("vllm:spec_decode_num_draft_tokens", 2 * n),
+            Metric("vllm:spec_decode_num_accepted_tokens", n), Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[n, 0])]
+'''
+
+
+def test_vllm_spec_runs_off_then_on_and_reads_the_acceptance_counters(bench, tmp_path):
+    # vLLM and numba stand-ins: the script's own logic (its two processes, prompt, timing and counters) runs as on the GPU.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(f"PROMPT = {bench.ngram_prompt(100)}\n" + _FAKE_VLLM)
+    (tmp_path / "numba.py").write_text("")
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "vllm_spec.py"), "--prompt-len", "100", "--max-tokens", "8",
+                          "--num-speculative-tokens", "2"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    off, on = [r["ngram"] for r in records if "ngram" in r]
+    assert (off["spec"], on["spec"]) == ("off", "on") and off["ms_per_token"] > 0 and "ngram_speedup" in records[-1]
+    assert off["acceptance"]["drafts"] is None  # no counter: no figure, and the timing stands
+    assert on["speculative_config"]["num_speculative_tokens"] == 2
+    assert on["acceptance"]["drafts"] == 3 * (8 + 1)  # the timed calls' growth only: 3 pairs of 1 + 8 tokens
+    assert on["acceptance"]["mean_acceptance_length"] == 2.0 and on["acceptance"]["draft_acceptance_rate"] == 0.5
+
+
+@pytest.mark.extended  # a GPU script's CPU smoke run (~50 s, compiles dominate)
+def test_spec_decode_times_verify_steps_and_ngram_speculation(bench, tmp_path):
+    import spec_decode
+
+    result = spec_decode.main(["--model-config", "tiny", "--contexts", "32", "--ks", "1,3", "--trials", "1", "--reps", "2",
+                               "--prompt-len", "96", "--max-tokens", "12", "--repeats", "1", "--max-model-len", "256",
+                               "--out", str(tmp_path)])
+    rows = result["verify"]["32"]["rows"]
+    assert list(rows) == ["0", "1", "3"] and all(r["step_ms"] > 0 and r["synced_step_ms"] > 0 for r in rows.values())
+    assert [r["query_tokens"] for r in rows.values()] == [1, 2, 4] and rows["0"]["ratio_to_k0"] == 1.0
+    assert "speedup_at_eagle3_acceptance" in rows["3"] and "speedup_at_eagle3_acceptance" not in rows["1"]
+    ngram = result["ngram"]
+    assert ngram["off"]["acceptance"]["drafts"] == 0 and ngram["on"]["speculative_config"]["method"] == "ngram"
+    assert ngram["off"]["ms_per_token"] > 0 and ngram["on"]["ms_per_token"] > 0 and ngram["speedup"] > 0
+    assert json.loads((tmp_path / "spec_decode.json").read_text())["ngram"]["on"] == ngram["on"]
