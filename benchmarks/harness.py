@@ -16,7 +16,7 @@ jlight run that builds its requests with these measures the same work as the vLL
   bs1_prompt()               random.seed(1), 128 ids randint(0, 10000); bs1_ms_per_token() times it greedy:
                              (t(256 tokens) - t(1 token)) / 255, median of 3.
   growth_ttft_prompt(n)      [(7 * i + n) % 10000 for i in range(n)]: TTFT = wall time of 1 greedy token.
-  ngram_prompt()             vllm_spec.py's repetitive prompt: random.seed(3), 64 ids randint(0, 10000), that
+  ngram_prompt()             benchmarks/vllm_spec.py's repetitive prompt: random.seed(3), 64 ids randint(0, 10000), that
                              pattern repeated to 1024 ids (n-gram prompt lookup finds its drafts in it).
   growth_decode_prompts(n, b) row j = [(11 * i + n + j) % 10000 for i in range(n)]; growth_decode_ms_per_step()
                              = (t(66 tokens) - t(2 tokens)) / 64, greedy; (n, b) with b * n > 300,000 skipped.

@@ -137,7 +137,7 @@ def run_verify(loaded, a) -> dict:
         for k in ks:
             rid, inp = verify_step_inputs(engine, calls, prompt, k)
             trials = [back_to_back_ms(runner, inp, a.reps) for _ in range(a.trials)]
-            row = dict(context=int(np.asarray(inp.md.context_lens)[0]), k=k, query_tokens=k + 1,
+            row = dict(prompt_tokens=context, kv_len_after_step=int(np.asarray(inp.md.context_lens)[0]), k=k, query_tokens=k + 1,
                        bucket=int(inp.tokens.shape[0]), step_ms=statistics.median(trials), trials_ms=trials,
                        synced_step_ms=synced_step_ms(runner, inp, a.reps))
             engine.abort_request(rid)
