@@ -18,7 +18,7 @@ TTFT is the engine's first-token time minus its arrival time (the turn's submiss
 counted); output tok/s is every reply token over the wall time of the whole run.
 
 The device pool is small on purpose: by default (--num-pages) it holds the running turns at the last turn
-(concurrency x pages of S + T x (U + R) tokens, + 25%), and no more: round-robin over C conversations touches
+(concurrency x pages of S + T x (U + R) tokens, + 25%, + the scratch page), and no more: round-robin over C conversations touches
 about (C - 1) x a whole context of pages between two turns of one conversation, far more than that pool, so
 under the pool's LRU a conversation's history is gone from the device by its next turn (only the shared system
 prompt stays): the host tier (sized by default to hold every conversation's history, + 25%) is where it can
@@ -29,8 +29,8 @@ history of all conversations is S + C x T x (U + R) = 99,328 tokens (6,208 pages
 default pool is 3,200 pages (6.25 GiB, ~half the history: the running turns' floor; a smaller share would
 need more conversations and a longer run, and changes nothing measured, the device keeping no conversation's
 history between its turns either way). The run is 256 turns: 32,768 reply tokens in ~2,048 decode steps of
-16 rows, and with the tier off ~213k prompt tokens computed again; both runs, each engine's start (~45-60 s
-each) included, fit in ~4 minutes.
+16 rows, and ~213k prompt tokens computed with the tier off (everything but the system prompt) against ~68k
+with it on (the user messages); both runs, each engine's start (~45-60 s each) included, fit in ~4 minutes.
 
 Runs: --tier off (kv_offloading_size None), on, or both (the default: one subprocess each, so the first
 engine's device memory is gone before the second starts; --in-process runs them one after the other here,
