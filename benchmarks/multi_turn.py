@@ -66,8 +66,8 @@ import harness  # noqa: E402
 PCIE_GEN5_X16_BYTES_PER_S = 64e9  # per direction
 TIERS = ("off", "on")
 # A tiny CPU run (--smoke): the tiny shape, a pool of 2 running turns, the tier exercised in seconds.
-SMOKE = dict(model_config="tiny", dtype="float32", conversations=8, turns=3, system_len=16, user_len=8, reply_len=6, concurrency=2,
-             page_size=8, max_num_batched_tokens=64, min_token_bucket=64)
+SMOKE = dict(model_config="tiny", dtype="float32", conversations=8, turns=3, system_len=16, user_len=8, reply_len=6,
+             concurrency=2, page_size=8, max_num_batched_tokens=64, min_token_bucket=64)
 
 
 # ------------------------------------------------------------------ the workload
