@@ -36,6 +36,9 @@
 #               --meshes tp=1 tp=<GPUs>
 #   load        load_time.py --no-smollm2: safetensors against an orbax checkpoint of the same weights
 #   structured  structured_output.py on a tiny random Llama (needs llguidance in .whl)
+#   multiturn   multi_turn.py: 64 conversations x 4 turns (system 1024, user 256, reply 128 tokens), 16 at once, over a
+#               device pool of ~half their history, the host KV tier off then on (one process each): TTFT median /
+#               P99 / by turn, output tok/s, hits by tier, pages copied each way, host copy rate beside PCIe Gen5 x16
 #   tests       pytest on the GPU: tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py
 #               tests/test_split_kv.py tests/test_kv_cache_fp8.py
 #               (ARGS replace the file list)
@@ -58,7 +61,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }
 
-SUITES=" throughput steps decode context spec batch serving chaos kernels kv_int8 attention decode_attention moe mesh load structured tests peer "
+SUITES=" throughput steps decode context spec batch serving chaos kernels kv_int8 attention decode_attention moe mesh load structured multiturn tests peer "
 is_suite() { [[ "$SUITES" == *" $1 "* ]]; }
 
 run() {  # NAME DEFAULT_TIMEOUT COMMAND...: the command's output to $OUT/NAME.txt, its end here
@@ -164,6 +167,10 @@ suite_structured() {
   tiny=$(python3 -c "import sys; sys.path.insert(0, 'tests'); from tiny_models import make_tiny_model; print(make_tiny_model('/tmp/tiny', 'LlamaForCausalLM'))" 2>> "$LOG" | tail -1)
   run structured 200 python3 benchmarks/structured_output.py --model "$tiny" --num-requests 32 --max-tokens 48 \
     --mask-rows 1 32 --out "$OUT/structured" "$@"
+}
+
+suite_multiturn() {
+  run multiturn 420 python3 benchmarks/multi_turn.py --model-config "$MODEL" --out "$OUT/multiturn" "$@"
 }
 
 suite_tests() {

@@ -95,8 +95,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
         if backend == "mosaic":
-            # "mosaic" by name runs every path of the Mosaic GPU kernels; "auto"/"pallas" those measured on a GPU
-            attention = mosaic_or_triton_attention if attention_impl == "mosaic" else measured_mosaic_attention
+            attention = mosaic_or_triton_attention
             # short contexts skip flash-decoding's combine
             short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
@@ -161,22 +160,6 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None,
     if soft_cap is None and sinks is None:
         return paged_attention_pallas.paged_attention(q, k_cache, v_cache, layer, md, **kw)
     return attention_reference.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
-
-
-def measured_mosaic_attention(q, k_cache, v_cache, layer, md, **kw):
-    """mosaic_or_triton_attention as "auto" and "pallas" run it on a GPU: only over the paths checked and timed
-    on the H200. The prefill kernel's fp8 pools and sliding windows run the decode kernel's prefill blocks, as
-    before those paths were written, and soft-capped or sink layers the XLA reference (kernel_takes_kinds);
-    attention_impl="mosaic" runs them on the kernels, which so far have run interpreted and lowered on CPUs
-    only."""
-    # GPU kernel modules load only when chosen.
-    from jlight.pallas_kernels import paged_attention_mosaic, paged_prefill_mosaic
-
-    unmeasured = k_cache.dtype != q.dtype or kw.get("sliding_window") is not None
-    if unmeasured and paged_prefill_mosaic.takes(q, k_cache, md, kw.get("sliding_window")) \
-            and paged_attention_mosaic.supports(q, k_cache):
-        return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
-    return mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw)
 
 
 def kernel_takes_kinds(kernel, sliding_window, soft_cap, sinks) -> bool:

@@ -291,3 +291,23 @@ def test_spec_decode_times_verify_steps_and_ngram_speculation(bench, tmp_path):
     assert ngram["off"]["acceptance"]["drafts"] == 0 and ngram["on"]["speculative_config"]["method"] == "ngram"
     assert ngram["off"]["ms_per_token"] > 0 and ngram["on"]["ms_per_token"] > 0 and ngram["speedup"] > 0
     assert json.loads((tmp_path / "spec_decode.json").read_text())["ngram"]["on"] == ngram["on"]
+
+
+def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on(bench, tmp_path):
+    # The smoke run's device pool holds less than the round-robin touches between two turns of one conversation:
+    # with the tier on, histories come back from the host (hits > 0) and the greedy replies are the recomputed ones.
+    import multi_turn
+
+    result = multi_turn.main(["--smoke", "--in-process", "--out", str(tmp_path)])
+    off, on = result["runs"]["off"], result["runs"]["on"]
+    assert result["comparison"]["same_tokens"] and off["reply_digests"] == on["reply_digests"]
+    assert off["host_cache_hit_tokens"] == 0 and "host_tier" not in off
+    assert on["host_cache_hit_tokens"] > 0 and on["host_tier"]["pages_to_host"] > 0
+    assert on["host_tier"]["pages_to_device"] * 8 == on["host_cache_hit_tokens"]  # 8-token pages
+    assert on["cached_prompt_tokens"] == on["device_cache_hit_tokens"] + on["host_cache_hit_tokens"] > off["cached_prompt_tokens"]
+    for run in (off, on):
+        assert run["turns"] == 8 * 3 and run["output_tokens"] == 8 * 3 * 6 and run["preemptions"] == 0
+        assert len(run["ttft_ms_median_by_turn"]) == 3 and 0 < run["ttft_ms"]["median"] <= run["ttft_ms"]["p99"]
+    assert result["host_copy_bytes_per_s"]["device_to_host"] > 0 and result["pcie_gen5_x16_bytes_per_s"] == 64e9
+    saved = json.loads((tmp_path / "multi_turn.json").read_text())
+    assert saved["comparison"] == result["comparison"] and "git_commit" in saved

@@ -68,6 +68,6 @@ def test_rejects_page_size_not_power_of_two():
 
 def test_dispatch_selects_pallas_kernels():
     kernels = dispatch.get_kernels("pallas", "pallas")
-    assert kernels.paged_attention.args[0] is dispatch.measured_mosaic_attention  # the Mosaic GPU kernel where it applies
+    assert kernels.paged_attention.args[0] is dispatch.mosaic_or_triton_attention  # the Mosaic GPU kernel where it applies
     assert kernels.matmul.func is dispatch.fp8_or  # fp8 weights to XLA's fp8 dot, every other weight to:
     assert kernels.matmul.args[0].__module__ == "jlight.pallas_kernels.matmul_pallas"

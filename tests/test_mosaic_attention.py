@@ -205,14 +205,16 @@ def test_dispatch_runs_soft_cap_and_sinks_on_the_mosaic_kernel(monkeypatch):
     q, k, v, md = _inputs(np.random.default_rng(4), 4, 64, [1, 1], [40, 17], 2)
     kw = dict(scale=0.125, sliding_window=None, soft_cap=2.0, sinks=jnp.asarray(np.linspace(-2, 2, 8), jnp.float32))
     f32 = lambda a: a.astype(jnp.float32)
-    want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
+    with jax.default_matmul_precision("highest"):  # a GPU's float32 dots default to TF32
+        want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, **kw)
     kernels = dispatch.get_kernels("mosaic")
     attention = jax.jit(lambda q, k, v: kernels.paged_attention(q, k, v, jnp.int32(1), md, **kw))  # one compile, as in a step
     triton = lambda *a, **k: pytest.fail("the Triton kernel has no soft-capping or sinks")
     monkeypatch.setattr(paged_attention_pallas, "paged_attention", triton)
     monkeypatch.setattr(split_kv, "use_work_items", lambda *a: False)  # one program per (block, KV head): quick to interpret
     check_attention_output(attention(q, k, v), want, md, jnp.bfloat16)
-    check_attention_output(attention(f32(q), f32(k), f32(v)), want, md, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        check_attention_output(attention(f32(q), f32(k), f32(v)), want, md, jnp.float32)
 
 
 def test_mosaic_or_triton_routes_float32_to_triton(monkeypatch):

@@ -158,13 +158,11 @@ def test_takes_prefill_steps_and_dispatch_routes_them(monkeypatch):
     assert [c[0] for c in calls] == ["prefill", "mosaic", "prefill", "mosaic"]
     assert calls[2][1]["soft_cap"] == 30.0 and calls[2][1]["sinks"] is sinks and calls[2][1]["sliding_window"] == 64
     assert calls[3][1]["sinks"] is sinks and calls[3][1]["soft_cap"] is None
-    # "pallas" (and "auto" on a GPU) keep the paths not yet run on a GPU off: fp8 pools and windows prefill in the
-    # decode kernel's blocks, soft-capped and sink layers run the XLA reference
+    # "pallas" (and "auto" on a GPU) run the same kernels
     calls.clear()
-    measured = dispatch.get_kernels("pallas").paged_attention
+    pallas = dispatch.get_kernels("pallas").paged_attention
     q_, k_, v_, md_ = prefill
-    measured(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=None)
-    measured(q_, k_.astype(FP8_KV_DTYPE), v_.astype(FP8_KV_DTYPE), jnp.int32(0), md_, scale=0.125, sliding_window=None)
-    measured(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=64)
-    measured(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=None, sinks=sinks)
-    assert [c[0] for c in calls] == ["prefill", "mosaic", "mosaic"]
+    pallas(q_, k_.astype(FP8_KV_DTYPE), v_.astype(FP8_KV_DTYPE), jnp.int32(0), md_, scale=0.125, sliding_window=None)
+    pallas(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=64, soft_cap=30.0)
+    pallas(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=None, sinks=sinks)
+    assert [c[0] for c in calls] == ["prefill", "prefill", "mosaic"]

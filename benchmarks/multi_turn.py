@@ -1,0 +1,299 @@
+"""Multi-turn chat with and without the host-memory KV tier (host_tier.py): TTFT, throughput, the tier's hits
+and copies, and the device <-> host copy rate against PCIe's.
+
+The workload (deterministic; random.Random(--seed) draws every id, randint(0, 9999), taken modulo the vocabulary
+on shapes with 10,000 ids or fewer, as harness.engine_generate does):
+  - one system prompt of S ids (--system-len), shared by every conversation, drawn first;
+  - C conversations (--conversations) of T turns (--turns); then, conversation by conversation and turn by turn,
+    a user message of U ids (--user-len);
+  - turn t's prompt = the system prompt + every earlier user message and reply of its conversation, in order
+    + its own user message; it generates R tokens (--reply-len; EOS ignored; greedy, or --temperature with
+    the request seed Random(f"{seed}-{c}-{t}").randrange(2**31)), and those R tokens are the reply the next
+    turn's prompt carries;
+  - at most --concurrency turns are in the engine at once (max_num_seqs is the same); conversations wait in one
+    first-in first-out queue, all C in order at the start, and a conversation whose turn finished joins its back
+    with its next turn. Each conversation's turns thus run strictly one after the other, and between two turns
+    of one conversation the C - 1 others each run one turn (round-robin: a user's think time).
+TTFT is the engine's first-token time minus its arrival time (the turn's submission; the queue before it not
+counted); output tok/s is every reply token over the wall time of the whole run.
+
+The device pool is small on purpose: by default (--num-pages) it holds the running turns at the last turn
+(concurrency x pages of S + T x (U + R) tokens, + 25%, + the scratch page), and no more: round-robin over C conversations touches
+about (C - 1) x a whole context of pages between two turns of one conversation, far more than that pool, so
+under the pool's LRU a conversation's history is gone from the device by its next turn (only the shared system
+prompt stays): the host tier (sized by default to hold every conversation's history, + 25%) is where it can
+come back from; with the tier off it is computed again.
+
+The H200 defaults (llama3-8b, bf16): C=64, T=4, S=1024, U=256, R=128, concurrency 16, 16-token pages. The
+history of all conversations is S + C x T x (U + R) = 99,328 tokens (6,208 pages of 2 MiB, 12 GiB); the
+default pool is 3,200 pages (6.25 GiB, ~half the history: the running turns' floor; a smaller share would
+need more conversations and a longer run, and changes nothing measured, the device keeping no conversation's
+history between its turns either way). The run is 256 turns: 32,768 reply tokens in ~2,048 decode steps of
+16 rows, and ~213k prompt tokens computed with the tier off (everything but the system prompt) against ~68k
+with it on (the user messages); both runs, each engine's start (~45-60 s each) included, fit in ~4 minutes.
+
+Runs: --tier off (kv_offloading_size None), on, or both (the default: one subprocess each, so the first
+engine's device memory is gone before the second starts; --in-process runs them one after the other here,
+for CPU smoke runs). Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by
+tier (device / host), the tier's pages copied each way (to host, back to the device) and the seconds those
+bytes take at the measured copy rate; with both runs, whether their replies agree token for token (greedy runs
+compute the same prefixes two ways, so on bf16 a near-tie can differ: the work, the lengths, is the same).
+With the tier on, harness.host_copy_bytes_per_s() once, beside PCIe Gen5 x16's 64 GB/s per direction.
+
+  python benchmarks/multi_turn.py --out DIR                       (the H200 run: both tiers)
+  python benchmarks/multi_turn.py --smoke --in-process            (a tiny CPU run: seconds)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+PCIE_GEN5_X16_BYTES_PER_S = 64e9  # per direction
+TIERS = ("off", "on")
+# A tiny CPU run (--smoke): the tiny shape, a pool of 2 running turns, the tier exercised in seconds.
+SMOKE = dict(model_config="tiny", dtype="float32", conversations=8, turns=3, system_len=16, user_len=8, reply_len=6,
+             concurrency=2, page_size=8, max_num_batched_tokens=64, min_token_bucket=64)
+
+
+# ------------------------------------------------------------------ the workload
+
+
+def make_workload(conversations: int, turns: int, system_len: int, user_len: int, vocab: int, seed: int):
+    """(system prompt ids, user[c][t] ids) of the module docstring's workload."""
+    rng = random.Random(seed)
+    fit = (lambda t: t) if vocab > 10000 else (lambda t: t % vocab)
+    draw = lambda n: [fit(rng.randint(0, 9999)) for _ in range(n)]  # noqa: E731
+    system = draw(system_len)
+    return system, [[draw(user_len) for _ in range(turns)] for _ in range(conversations)]
+
+
+def sizes(a) -> dict:
+    """The workload's token and page counts, and the device pool and host tier it runs with."""
+    pages = lambda n: -(-n // a.page_size)  # noqa: E731
+    context = a.system_len + a.turns * (a.user_len + a.reply_len)  # the last turn's prompt + reply
+    history = a.system_len + a.conversations * a.turns * (a.user_len + a.reply_len)
+    running = a.concurrency * pages(context)
+    num_pages = a.num_pages or running * 5 // 4 + 1
+    cfg = harness.make_config(a.model_config)
+    page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * a.page_size * np.dtype(a.dtype).itemsize
+    tier_gib = a.kv_offloading_size or pages(history) * page_bytes * 5 / 4 / 2**30
+    return dict(max_model_len=pages(context) * a.page_size, history_tokens=history, history_pages=pages(history),
+                running_pages=running, num_pages=num_pages, pool_share_of_history=(num_pages - 1) / pages(history),
+                page_bytes=page_bytes, kv_offloading_size_gib=tier_gib)
+
+
+# ------------------------------------------------------------------ one run
+
+
+def run_conversations(engine, system: list[int], user: list[list[list[int]]], a) -> list[dict]:
+    """The workload through the engine: one record per turn (conversation, turn, prompt tokens, cached tokens,
+    TTFT, reply), in the order they finished."""
+    from jlight.engine.sampling_params import SamplingParams
+
+    turns = len(user[0])
+    history = [list(system) for _ in user]
+    next_turn = [0] * len(user)
+    ready = collections.deque(range(len(user)))
+    in_flight: dict[str, tuple[int, int, list[int]]] = {}
+    records = []
+    while ready or in_flight:
+        while ready and len(in_flight) < a.concurrency:
+            c = ready.popleft()
+            t = next_turn[c]
+            prompt = history[c] + user[c][t]
+            seed = random.Random(f"{a.seed}-{c}-{t}").randrange(2**31)
+            params = SamplingParams(temperature=a.temperature, max_tokens=a.reply_len, ignore_eos=True, seed=seed)
+            rid = engine.add_request(f"conv{c}-turn{t}", None, params, prompt_token_ids=prompt)
+            in_flight[rid] = (c, t, prompt)
+        for out in engine.step():
+            if not out.finished:
+                continue
+            c, t, prompt = in_flight.pop(out.request_id)
+            reply = list(out.outputs[0].token_ids)
+            records.append(dict(conversation=c, turn=t, prompt_tokens=len(prompt), cached_tokens=out.num_cached_tokens,
+                                ttft_s=out.first_token_time - out.arrival_time, reply=reply))
+            history[c] = prompt + reply
+            next_turn[c] += 1
+            if next_turn[c] < turns:
+                ready.append(c)
+    return records
+
+
+def reply_digest(reply: list[int]) -> str:
+    return hashlib.sha1(json.dumps(reply).encode()).hexdigest()[:12]
+
+
+def run_tier(a, tier: str) -> dict:
+    """One engine (host tier on or off) through the workload: its result dict (each reply's digest under
+    "reply_digests": {"c-t": digest})."""
+    size = sizes(a)
+    t0 = time.perf_counter()
+    engine = harness.random_engine(
+        a.model_config, a.dtype, max_model_len=size["max_model_len"], seed=a.seed,
+        max_num_seqs=a.concurrency, num_pages=size["num_pages"], page_size=a.page_size,
+        max_num_batched_tokens=a.max_num_batched_tokens, min_token_bucket=a.min_token_bucket,
+        kv_offloading_size=size["kv_offloading_size_gib"] if tier == "on" else None)
+    init_s = time.perf_counter() - t0
+    print(f"[tier {tier}] engine ready in {init_s:.1f} s ({engine.block_manager.num_pages} device pages"
+          + (f", host tier of {engine.block_manager.host_tier.capacity} pages" if tier == "on" else "") + ")", flush=True)
+    harness.engine_generate(engine, [harness.Request([1] * 8, 4)])  # the first call's own costs out of the run
+    system, user = make_workload(a.conversations, a.turns, a.system_len, a.user_len, engine.model_config.vocab_size, a.seed)
+    before = engine.stats()
+    tier_obj = engine.block_manager.host_tier
+    restored0 = tier_obj.restored_pages if tier_obj is not None else 0
+    t0 = time.perf_counter()
+    records = run_conversations(engine, system, user, a)
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    delta = lambda name: getattr(after, name) - getattr(before, name)  # noqa: E731
+
+    ttft_ms = [r["ttft_s"] * 1e3 for r in records]
+    output_tokens = sum(len(r["reply"]) for r in records)
+    prompt_tokens = sum(r["prompt_tokens"] for r in records)
+    result = dict(
+        tier=tier, init_s=init_s, wall_s=wall, turns=len(records), output_tokens=output_tokens,
+        output_tok_s=output_tokens / wall, prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=sum(r["cached_tokens"] for r in records),
+        ttft_ms=dict(median=statistics.median(ttft_ms), p99=float(np.percentile(ttft_ms, 99)), mean=statistics.fmean(ttft_ms)),
+        ttft_ms_median_by_turn=[statistics.median(r["ttft_s"] * 1e3 for r in records if r["turn"] == t) for t in range(a.turns)],
+        device_cache_hit_tokens=delta("device_cache_hit_tokens"), host_cache_hit_tokens=delta("host_cache_hit_tokens"),
+        preemptions=delta("num_preemptions"), steps=delta("num_steps"),
+        reply_digests={f"{r['conversation']}-{r['turn']}": reply_digest(r["reply"]) for r in records})
+    if tier_obj is not None:
+        to_host, to_device = delta("host_cache_offloaded_pages"), tier_obj.restored_pages - restored0
+        result["host_tier"] = dict(pages_to_host=to_host, pages_to_device=to_device,
+                                   dropped_pages=delta("host_cache_dropped_pages"), pages_total=after.host_cache_pages_total,
+                                   bytes_to_host=to_host * size["page_bytes"], bytes_to_device=to_device * size["page_bytes"])
+        result["host_copy_bytes_per_s"] = copy_rates()
+        rates = result["host_copy_bytes_per_s"]
+        result["host_tier"]["copy_s_at_measured_rate"] = (result["host_tier"]["bytes_to_host"] / rates["device_to_host"]
+                                                          + result["host_tier"]["bytes_to_device"] / rates["host_to_device"])
+    print_run(result, a.page_size)
+    return result
+
+
+def copy_rates() -> dict:
+    """harness.host_copy_bytes_per_s: 1 GiB copies on an accelerator, 1 MiB on the CPU (a smoke run)."""
+    import jax
+    return harness.host_copy_bytes_per_s() if jax.default_backend() != "cpu" else harness.host_copy_bytes_per_s(1 << 20, 2)
+
+
+def print_run(r: dict, page_size: int) -> None:
+    t = r["ttft_ms"]
+    print(f"[tier {r['tier']}] {r['turns']} turns in {r['wall_s']:.1f} s: {r['output_tok_s']:.0f} output tok/s; TTFT median "
+          f"{t['median']:.1f} ms, P99 {t['p99']:.1f} ms; by turn " + ", ".join(f"{x:.1f}" for x in r["ttft_ms_median_by_turn"])
+          + f" ms; prompt tokens {r['prompt_tokens']}, cached {r['cached_prompt_tokens']} (device hits "
+          f"{r['device_cache_hit_tokens']}, host hits {r['host_cache_hit_tokens']}); preemptions {r['preemptions']}", flush=True)
+    if "host_tier" in r:
+        h, c = r["host_tier"], r["host_copy_bytes_per_s"]
+        print(f"[tier on] pages to host {h['pages_to_host']}, back to the device {h['pages_to_device']}, dropped "
+              f"{h['dropped_pages']} ({h['bytes_to_host'] / 2**30:.2f} / {h['bytes_to_device'] / 2**30:.2f} GiB: "
+              f"{h['copy_s_at_measured_rate']:.2f} s at the measured rates); copies ({c['memory_kind']}) device->host "
+              f"{c['device_to_host'] / 1e9:.1f} GB/s, host->device {c['host_to_device'] / 1e9:.1f} GB/s "
+              f"(PCIe Gen5 x16: {PCIE_GEN5_X16_BYTES_PER_S / 1e9:.0f} GB/s a direction)", flush=True)
+
+
+# ------------------------------------------------------------------ both runs
+
+
+def run_in_subprocess(argv: list[str], tier: str, out_dir: str) -> dict:
+    """This script with `--tier TIER --out OUT_DIR` in a fresh process (its output shown here): its result."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--tier", tier, "--out", out_dir, "--name", f"multi_turn_{tier}"]
+    subprocess.run(cmd, check=True)
+    with open(os.path.join(out_dir, f"multi_turn_{tier}.json")) as f:
+        return json.load(f)["run"]
+
+
+def compare(runs: dict) -> dict:
+    """The two runs side by side: TTFT and throughput ratios, and whether their replies agree."""
+    off, on = runs["off"], runs["on"]
+    same = [off["reply_digests"][k] == on["reply_digests"].get(k) for k in off["reply_digests"]]
+    return dict(ttft_median_off_over_on=off["ttft_ms"]["median"] / on["ttft_ms"]["median"],
+                ttft_p99_off_over_on=off["ttft_ms"]["p99"] / on["ttft_ms"]["p99"],
+                output_tok_s_on_over_off=on["output_tok_s"] / off["output_tok_s"],
+                same_tokens=all(same), replies_matching=sum(same) / len(same))
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-config", default="llama3-8b", choices=sorted(harness.NAMED_CONFIGS),
+                    help="random weights of this Llama shape (benchmarks/model_configs.py)")
+    ap.add_argument("--dtype", default="bfloat16", help="weights and KV pages")
+    ap.add_argument("--conversations", type=int, default=64, help="C")
+    ap.add_argument("--turns", type=int, default=4, help="T")
+    ap.add_argument("--system-len", type=int, default=1024, help="S: the shared system prompt's ids")
+    ap.add_argument("--user-len", type=int, default=256, help="U: each user message's ids")
+    ap.add_argument("--reply-len", type=int, default=128, help="R: tokens each turn generates")
+    ap.add_argument("--concurrency", type=int, default=16, help="turns in the engine at once (max_num_seqs)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with a fixed seed a turn")
+    ap.add_argument("--seed", type=int, default=0, help="the workload's ids, the weights and the sampling seeds")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="device KV pages (EngineConfig.num_pages); default: the running turns' at the last turn + 25%%")
+    ap.add_argument("--kv-offloading-size", type=float, default=None,
+                    help="GiB of host tier when on; default: every conversation's history + 25%%")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--min-token-bucket", type=int, default=None)
+    ap.add_argument("--tier", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--in-process", action="store_true",
+                    help="--tier both: the two engines one after the other in this process (CPU smoke runs)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny CPU run: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
+    ap.add_argument("--out", default=None, help="directory for the JSON result")
+    ap.add_argument("--name", default="multi_turn", help="file stem of the JSON result")
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        ap.set_defaults(**SMOKE)  # options given still win
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    size = sizes(a)
+    print(f"{a.model_config}: {a.conversations} conversations x {a.turns} turns (system {a.system_len}, user {a.user_len}, "
+          f"reply {a.reply_len}), concurrency {a.concurrency}; history {size['history_tokens']} tokens "
+          f"({size['history_pages']} pages), device pool {size['num_pages']} pages ({size['pool_share_of_history']:.2f} "
+          f"of the history; the running turns need {size['running_pages']}), host tier "
+          f"{size['kv_offloading_size_gib']:.3g} GiB when on", flush=True)
+    result = dict(model=a.model_config, dtype=a.dtype, args=vars(a), workload=size)
+    if a.tier != "both":
+        result["run"] = run_tier(a, a.tier)
+        if a.tier == "on":
+            result["host_copy_bytes_per_s"] = result["run"]["host_copy_bytes_per_s"]
+    else:
+        if a.in_process:
+            runs = {tier: run_tier(a, tier) for tier in TIERS}
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                runs = {tier: run_in_subprocess(argv, tier, a.out or tmp) for tier in TIERS}
+        result["runs"] = runs
+        result["host_copy_bytes_per_s"] = runs["on"]["host_copy_bytes_per_s"]
+        result["comparison"] = compare(runs)
+        c = result["comparison"]
+        print(f"tier off / on: TTFT median {c['ttft_median_off_over_on']:.2f}x, P99 {c['ttft_p99_off_over_on']:.2f}x; "
+              f"output tok/s on / off {c['output_tok_s_on_over_off']:.2f}x; replies matching {c['replies_matching']:.2%}",
+              flush=True)
+    if "host_copy_bytes_per_s" in result:
+        result["pcie_gen5_x16_bytes_per_s"] = PCIE_GEN5_X16_BYTES_PER_S
+    path = harness.write_result(a.out, a.name, result)
+    if path:
+        print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
