@@ -20,7 +20,7 @@ from jlight import loading  # loading.load_model is looked up at each call (test
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import kv_groups, output_processor, proposers, speculative, startup, state_pool
-from jlight.engine.block_manager import BlockManager
+from jlight.engine.block_manager import BlockManager, prefix_key
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.executable_store import ExecutableStore
 from jlight.engine.host_tier import HostTier
@@ -374,14 +374,10 @@ class LLMEngine:
         seqs = []
         banned = self._min_tokens_banned(params)
         for i in range(params.n):
-            seq = Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now)
-            seq.eos_ids_for_min_tokens = banned
-            seq.detokenizer = output_processor.make_detokenizer(self.tokenizer, params)
-            if params.structured_outputs is not None:
-                seq.matcher = self.grammars.matcher(params.structured_outputs)
-            if i > 0:
-                seq.parent = seqs[0]
-            seqs.append(seq)
+            matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+            seqs.append(Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now, eos_ids_for_min_tokens=banned,
+                                 detokenizer=output_processor.make_detokenizer(self.tokenizer, params), matcher=matcher,
+                                 parent=seqs[0] if i > 0 else None))
         req = Request(request_id, prompt, prompt_token_ids, params, seqs, now)
         self.requests[request_id] = req
         for seq in seqs:
@@ -402,7 +398,7 @@ class LLMEngine:
         seq = req.seqs[0]
         self._append(seq, first_token, 0, None, None, None, False, time.time())
         if logprobs:
-            seq.logprobs, seq.cumulative_logprob = list(logprobs), cumulative_logprob
+            seq.take_logprobs(logprobs, cumulative_logprob)
         if pages is not None:
             self.scheduler.resume(seq, pages, len(prompt_token_ids))
         req.first_token_time = seq.first_token_time
@@ -422,9 +418,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.finished:
-                if seq.detokenizer is not None:  # as at every finish: text == decode(token_ids)
-                    seq.text += seq.detokenizer.flush()
-                seq.finish_reason = "abort"
+                output_processor.abort(seq)
                 self._finish(seq)
             self._seq_request.pop(seq.seq_id, None)
         return output_processor.make_request_output(req)
@@ -471,7 +465,7 @@ class LLMEngine:
                 self._ensure_slot(r.seq)
                 if r.seq.restore_from:  # a prefix-cache hit of a hybrid model: its saved state into its slot first
                     self.runner.copy_state_slot(r.seq.restore_from, r.seq.state_slot)
-                    r.seq.restore_from = 0
+                    r.seq.state_restored()
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
@@ -482,10 +476,7 @@ class LLMEngine:
             if self.state_pool is not None and self.state_pool.num_snapshots:
                 self._save_states(plan)
             for row, r in enumerate(plan.rows):
-                r.seq.num_computed_tokens = r.start + r.num_tokens
-                if r.samples:
-                    r.seq.num_pending_tokens += 1
-                    r.seq.last_row = row
+                r.seq.launched(r.start + r.num_tokens, row if r.samples else None)
             launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs), drafting)
             self.num_steps += 1
         outputs = self._process(self._in_flight) if self._in_flight is not None else []
@@ -501,7 +492,7 @@ class LLMEngine:
             seq = r.seq
             point = self.state_pool.snapshot_point(len(seq.prompt_token_ids), ps)
             if point and r.start + r.num_tokens == point:
-                slot = self.state_pool.snapshot_slot(state_pool.prefix_key(seq.prompt_token_ids, point // ps, ps))
+                slot = self.state_pool.snapshot_slot(prefix_key(seq.prompt_token_ids, point // ps, ps))
                 if slot:
                     self.runner.copy_state_slot(seq.state_slot, slot)
 
@@ -543,7 +534,7 @@ class LLMEngine:
                 self._register_full_pages(seq)
                 continue
             first, j = j, j + len(r.drafts) + 1
-            seq.num_pending_tokens -= 1
+            seq.fetched()
             if seq.finished or seq.seq_id not in self._seq_request:
                 continue  # aborted, or finished by an earlier token: this one was a wasted step
             new_tokens = [int(tokens[first])]
@@ -551,7 +542,7 @@ class LLMEngine:
                 new_tokens = speculative.kept_tokens(r.drafts, tokens[first:j], accepted[first:j])
                 self._count_drafts(len(r.drafts), len(new_tokens) - 1)
                 # The K/V past the kept drafts are the rejected drafts': not part of the sequence.
-                seq.num_computed_tokens = r.start + len(new_tokens)
+                seq.roll_back_to(r.start + len(new_tokens))
             for i, token in enumerate(new_tokens):
                 if seq.finish_reason is not None:
                     break
@@ -579,14 +570,12 @@ class LLMEngine:
         # A token the grammar refuses is not kept: grammar_accepts finished the sequence with "error".
         if seq.matcher is not None and not output_processor.grammar_accepts(seq, token):
             return
-        seq.output_token_ids.append(token)
-        self.generation_tokens_total += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         if want_lp and seq.params.logprobs is not None:
-            seq.logprobs.append(output_processor.logprob_dict(token, lp[position], top_ids[position], top_lps[position],
-                                                              seq.params.logprobs))
-            seq.cumulative_logprob += float(lp[position])
+            entry = output_processor.logprob_dict(token, lp[position], top_ids[position], top_lps[position], seq.params.logprobs)
+            seq.append_token(token, now, entry, float(lp[position]))
+        else:
+            seq.append_token(token, now)
+        self.generation_tokens_total += 1
         output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
         if seq.matcher is not None and seq.finish_reason is None and seq.matcher.is_stopped():
             output_processor.finish_grammar(seq)
@@ -606,7 +595,7 @@ class LLMEngine:
             if self.kv_pages is not None:
                 self.kv_pages.publish(seq, num_full)
             else:
-                self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice, num_full)
+                seq.add_page_keys(self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice, num_full))
 
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
