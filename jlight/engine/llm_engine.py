@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import uuid
 
@@ -22,7 +21,6 @@ from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import kv_groups, output_processor, proposers, speculative, startup, state_pool
 from jlight.engine.block_manager import BlockManager, prefix_key
 from jlight.engine.engine_config import EngineConfig
-from jlight.engine.executable_store import ExecutableStore
 from jlight.engine.host_tier import HostTier
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
@@ -144,7 +142,7 @@ class LLMEngine:
         self.family = get_model_family(self.model_config)
         stateful = hasattr(self.family, "state_shapes")  # a hybrid model: recurrent layers with state slots
         if stateful:
-            self._check_hybrid(cfg)
+            startup.check_hybrid(cfg, self.model_config.architecture)
         # A hybrid model's recurrent-state slots: one a running sequence, and as many snapshot slots for the
         # prefix cache (state_pool.py: one saved state a prompt).
         self.state_pool = StatePool(cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0) if stateful else None
@@ -175,7 +173,7 @@ class LLMEngine:
                            cfg.page_size, self.max_model_len, whole)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        host_tier = self._make_host_tier(kv_dtype, max_batched) if cfg.kv_offloading_size else None
+        host_tier = startup.host_tier(cfg, self.kv_bytes_per_page(kv_dtype), max_batched) if cfg.kv_offloading_size else None
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
         self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
                          if kv_groups.keeps_window(self.kv_layout) else None)
@@ -192,7 +190,7 @@ class LLMEngine:
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
             guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
-            executable_store=self._executable_store(cfg, mc),
+            executable_store=startup.executable_store(cfg, mc),
             kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
             taps=self.proposer.taps if self.proposer is not None else None)
         if self.proposer is not None:
@@ -250,59 +248,26 @@ class LLMEngine:
         return self._warmup({self.runner.bucket_for(t) for t in steps}, " for this request")
 
     # ---- set-up helpers ---------------------------------------------------------------------
-    def _executable_store(self, cfg: EngineConfig, model_config) -> ExecutableStore | None:
-        """The compiled-step store under the compilation cache, keyed by this engine's whole configuration."""
-        wanted = dispatch.on_gpu() if cfg.store_executables is None else cfg.store_executables
-        if not (wanted and cfg.compilation_cache_dir):
-            return None
-        return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((cfg, model_config)))
-
     def kv_bytes_per_page(self, kv_dtype) -> int:
         """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""
         k_shape, v_shape = kv_groups.pool_shapes(self.family, self.model_config, 1, self.config.page_size, self.kv_layout)
         return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
-
-    def _check_hybrid(self, cfg: EngineConfig) -> None:
-        """Refuse what a hybrid model's engine does not do yet, naming the option."""
-        if cfg.mesh and cfg.collective_matmul:
-            raise ValueError(f"collective_matmul: {self.model_config.architecture}'s recurrent layers read every token of "
-                             "the step, which sequence parallelism splits over tp; drop collective_matmul")
-        if cfg.speculative_config:
-            raise ValueError(f"speculative_config: {self.model_config.architecture}'s recurrent state cannot take back "
-                             "rejected drafts; drop speculative_config")
-        if cfg.kv_offloading_size:
-            raise ValueError(f"kv_offloading_size: the host tier holds K/V pages, not {self.model_config.architecture}'s "
-                             "recurrent state; leave it unset")
 
     def state_pool_bytes(self) -> int:
         """Bytes of a hybrid model's recurrent-state pools (0 for other models), taken from the KV budget."""
         fn = getattr(self.family, "state_shapes", None)
         return state_pool.bytes_for(fn, self.model_config, self.state_pool.total_slots) if fn else 0
 
-    def _make_host_tier(self, kv_dtype, max_batched: int) -> HostTier:
-        page_bytes = self.kv_bytes_per_page(kv_dtype)
-        capacity = int(self.config.kv_offloading_size * 2**30) // page_bytes
-        if capacity < 1:
-            raise ValueError(f"kv_offloading_size={self.config.kv_offloading_size} GiB holds no page of {page_bytes} bytes; "
-                             "raise it or leave it unset")
-        return HostTier(capacity, max_batch=-(-max_batched // self.config.page_size))
-
     def _size_kv_pool(self, kv_dtype, plan) -> int:
-        cfg = self.config
+        """The pool's pages (startup.kv_pool_pages) for one page's bytes on one device: the model's K/V, a
+        device proposer's K/V pool (it holds the same pages), split over the mesh."""
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
-        if self.proposer is not None:  # a device proposer's K/V pool holds the same pages
-            bytes_per_page += self.proposer.kv_bytes_per_page(cfg.page_size)
+        if self.proposer is not None:
+            bytes_per_page += self.proposer.kv_bytes_per_page(self.config.page_size)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
-        wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len,
-                                                                 cfg.max_num_batched_tokens or 512) + 1
-        stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-        state_bytes = self.state_pool_bytes()  # allocated with the pages, so taken out of their budget first
-        if stats and "bytes_limit" in stats:
-            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
-                                    state_bytes)
-        # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
-        return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
+        return startup.kv_pool_pages(self.config, bytes_per_page, self.kv_layout.windows, self.max_model_len,
+                                     self.state_pool_bytes())
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,
@@ -600,23 +565,6 @@ class LLMEngine:
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()
-
-
-def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
-                     gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
-    """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
-    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
-    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
-    state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
-    and counted as in use before them."""
-    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
-    if gpu_memory_utilization is None:
-        return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
-    budget = int(limit * gpu_memory_utilization) - in_use
-    if budget < 2 * bytes_per_page:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
-                         f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
-    return budget // bytes_per_page
 
 
 def _host_tier_stats(tier: HostTier) -> dict:
