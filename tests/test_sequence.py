@@ -128,8 +128,6 @@ def test_drafts_and_borrowed_logprobs():
     assert seq.draft_tokens == [4, 5] and seq.drafts_follow == 3
     seq.set_drafts(None)
     assert seq.draft_tokens == [] and seq.drafts_follow == -1
-    with pytest.raises(SequenceStateError, match="logprobs"):
-        seq.take_logprobs([{1: -1.0}], -1.0)
     seq.append_token(1, now=0.0)
     seq.take_logprobs([{1: -1.0}], -1.0)
     assert seq.logprobs == [{1: -1.0}] and seq.cumulative_logprob == -1.0

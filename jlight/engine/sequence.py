@@ -275,9 +275,7 @@ class Sequence:
             self.cumulative_logprob += logprob
 
     def take_logprobs(self, logprobs: list[dict[int, float]], cumulative_logprob: float) -> None:
-        """The logprobs of its output tokens so far, computed by another engine (disaggregated.py)."""
-        if len(logprobs) > len(self.output_token_ids):
-            raise SequenceStateError(f"seq {self.seq_id}: {len(logprobs)} logprobs for {len(self.output_token_ids)} tokens")
+        """The logprobs of the tokens another engine sampled for it (disaggregated.py)."""
         self.logprobs, self.cumulative_logprob = list(logprobs), cumulative_logprob
 
     def stop(self, reason: str, stop_reason: str | int | None = None) -> None:
