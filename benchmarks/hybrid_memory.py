@@ -1,4 +1,4 @@
-"""How many 32k-token sequences fit at once, by the engine's own pool sizing (llm_engine.pages_for_memory).
+"""How many 32k-token sequences fit at once, by the engine's own pool sizing (startup.pages_for_memory).
 No device and no weights: shapes only.
 
   --model qwen3-next (the default): a Qwen3-Next-80B-A3B-shaped hybrid model (gated DeltaNet in three layers
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jlight.core.config import ModelConfig
 from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import kv_groups, state_pool
-from jlight.engine.llm_engine import pages_for_memory
+from jlight.engine.startup import pages_for_memory
 from jlight.models import get_model_family
 
 # transformers' Qwen3NextConfig defaults, the Qwen3-Next-80B-A3B shape.

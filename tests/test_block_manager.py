@@ -8,9 +8,9 @@ def test_published_pages_serve_the_same_prefix_and_only_it():
     tokens = list(range(100, 114))  # three full pages and two tokens
     pages = bm.allocate(bm.pages_needed(len(tokens)))
     keys: list[bytes] = []
-    bm.publish_full_pages(pages, keys, lambda a, b: tokens[a:b], num_full=2)  # two pages computed so far
+    keys += bm.publish_full_pages(pages, keys, lambda a, b: tokens[a:b], num_full=2)  # two pages computed so far
     assert len(keys) == 2
-    bm.publish_full_pages(pages, keys, lambda a, b: tokens[a:b], num_full=3)
+    keys += bm.publish_full_pages(pages, keys, lambda a, b: tokens[a:b], num_full=3)
     assert len(keys) == 3 and len(set(keys)) == 3
     matched, matched_keys = bm.match_prefix(tokens[:12] + [7, 7, 7])
     assert matched == pages[:3] and matched_keys == keys
@@ -18,5 +18,5 @@ def test_published_pages_serve_the_same_prefix_and_only_it():
     assert bm.match_prefix(other + [1])[0] == pages[:1]
     off = BlockManager(num_pages=16, page_size=4, enable_prefix_caching=False)
     off_keys: list[bytes] = []
-    off.publish_full_pages(off.allocate(4), off_keys, lambda a, b: tokens[a:b], num_full=3)
+    off_keys += off.publish_full_pages(off.allocate(4), off_keys, lambda a, b: tokens[a:b], num_full=3)
     assert off_keys == [] and off.match_prefix(tokens)[0] == []

@@ -6,7 +6,7 @@ import pytest
 
 from jlight import engine_args
 from jlight.engine.engine_config import EngineConfig
-from jlight.engine.llm_engine import pages_for_memory
+from jlight.engine.startup import pages_for_memory
 
 GIB = 2 ** 30
 STATS = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB}  # 20 GiB of weights loaded

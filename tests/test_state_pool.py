@@ -2,11 +2,11 @@
 sequence of a hybrid model (admission takes one, finishing and preemption give it back)."""
 import pytest
 
-from jlight.engine.block_manager import BlockManager
+from jlight.engine.block_manager import BlockManager, prefix_key
 from jlight.engine.sampling_params import SamplingParams
 from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
-from jlight.engine.state_pool import StatePool, prefix_key
+from jlight.engine.state_pool import StatePool
 
 
 def test_slots_are_unique_never_zero_and_come_back():

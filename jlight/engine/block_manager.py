@@ -5,7 +5,8 @@ a sliding-window group's table: kv_groups.py keeps the tables of a pool grouped 
 over one BlockManager, each group's pages cached under its own tag of the prefix key).
 
 Prefix caching: a page that is full is keyed by a hash chained over all tokens up to its
-end, so equal keys mean equal prefixes. A new sequence reuses the pages of its longest
+end, so equal keys mean equal prefixes. This module is the only one that computes keys (`page_keys`,
+`prefix_key`): the KV groups and the state pool key their pages and snapshots through it. A new sequence reuses the pages of its longest
 cached prefix. Pages whose reference count drops to zero keep their key and sit in an LRU
 list; they are reused by a later match or evicted (least recently used first) when the free
 list runs dry.
@@ -23,11 +24,19 @@ import hashlib
 import struct
 
 
-def page_hash(parent: bytes, tokens) -> bytes:
+def _page_hash(parent: bytes, tokens) -> bytes:
     """Key of a full page: a digest of the parent page's key and this page's tokens."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(struct.pack(f"<{len(tokens)}i", *tokens))
     return h.digest()
+
+
+def prefix_key(tokens, num_pages: int, page_size: int) -> bytes:
+    """The prefix key of page num_pages - 1 of `tokens` (b"" for none): the key that page is cached under."""
+    key = b""
+    for i in range(num_pages):
+        key = _page_hash(key, tokens[i * page_size:(i + 1) * page_size])
+    return key
 
 
 class BlockManager:
@@ -62,6 +71,14 @@ class BlockManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def page_keys(self, token_slice, num_pages: int, keys=()):
+        """Yield the prefix keys of pages len(keys) .. num_pages - 1, chained on `keys` (those of the pages
+        before); token_slice(start, end) gives the tokens. Lazy: a prefix match stops at its first miss."""
+        ps, parent = self.page_size, keys[-1] if keys else b""
+        for i in range(len(keys), num_pages):
+            parent = _page_hash(parent, token_slice(i * ps, (i + 1) * ps))
+            yield parent
+
     # ---- allocation ------------------------------------------------------------------------
     def _take_page(self) -> int:
         if self.free_pages:
@@ -82,12 +99,10 @@ class BlockManager:
 
         Returns (pages, keys) without taking references.
         """
-        pages, keys, parent = [], [], b""
+        pages, keys = [], []
         if not self.enable_prefix_caching:
             return pages, keys
-        max_pages = (len(tokens) - 1) // self.page_size
-        for i in range(max_pages):
-            key = page_hash(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+        for key in self.page_keys(lambda a, b: tokens[a:b], (len(tokens) - 1) // self.page_size):
             page = self.cached.get(key)
             if page is None and self.host_tier is not None and key in self.host_tier:
                 page = self._restore(key, pages)
@@ -95,7 +110,6 @@ class BlockManager:
                 break
             pages.append(page)
             keys.append(key)
-            parent = key
         return pages, keys
 
     def _restore(self, key: bytes, matched: list[int]) -> int | None:
@@ -162,18 +176,16 @@ class BlockManager:
                 else:
                     self.free_pages.append(p)
 
-    def publish_full_pages(self, pages: list[int], page_keys: list[bytes], token_slice, num_full: int) -> None:
-        """Key and publish a sequence's pages up to `num_full` (full, computed, tokens known on the host):
-        page_keys (the sequence's keys so far, one per published page) grows to min(num_full, len(pages));
+    def publish_full_pages(self, pages: list[int], page_keys: list[bytes], token_slice, num_full: int) -> list[bytes]:
+        """Key and publish a sequence's pages up to `num_full` (full, computed, tokens known on the host),
+        past the len(page_keys) it has published; returns the new keys (the sequence appends them).
         token_slice(start, end) gives the sequence's tokens."""
         if not self.enable_prefix_caching:
-            return
-        ps = self.page_size
-        while len(page_keys) < min(num_full, len(pages)):
-            i = len(page_keys)
-            key = page_hash(page_keys[-1] if page_keys else b"", token_slice(i * ps, (i + 1) * ps))
+            return []
+        new = list(self.page_keys(token_slice, min(num_full, len(pages)), page_keys))
+        for i, key in enumerate(new, len(page_keys)):
             self.register_full_page(pages[i], key)
-            page_keys.append(key)
+        return new
 
     def register_full_page(self, page: int, key: bytes) -> None:
         """Publish a page whose tokens are all computed under its prefix key."""

@@ -31,7 +31,7 @@ of every group for the first chunk.
 from __future__ import annotations
 
 from jlight.core.kv_layout import NULL_PAGE, group_layers
-from jlight.engine.block_manager import BlockManager, page_hash
+from jlight.engine.block_manager import BlockManager
 
 
 def tag(group: int) -> bytes:
@@ -77,13 +77,7 @@ class KVGroupPages:
             if end == 0 or table[end - 1] == NULL_PAGE:
                 continue
             self._publish(seq, end)  # their tokens are computed and known: they stay cached, evictable
-            freed = []
-            for i in range(end - 1, -1, -1):  # the null entries are a leading run
-                if table[i] == NULL_PAGE:
-                    break
-                freed.append(table[i])
-                table[i] = NULL_PAGE
-            self.bm.release(freed)
+            self.bm.release(seq.drop_window_pages(g, end))
 
     def ensure_pages(self, seq, start: int, upto_tokens: int) -> bool:
         """Pages in every group for tokens up to upto_tokens, after giving back what the window of `start`
@@ -94,14 +88,13 @@ class KVGroupPages:
             return True
         if self.bm.num_free_pages < grow * self.num_groups:
             return False
-        for table in self.tables(seq):
-            table.extend(self.bm.allocate(grow))
+        seq.add_pages(self.bm.allocate(grow), [self.bm.allocate(grow) for _ in self.windows[1:]])
         return True
 
     def release(self, seq) -> None:
+        """Drop one reference on every page of the sequence's tables (it forgets them next: preempt, finish)."""
         for table in self.tables(seq):
             self.bm.release([p for p in table if p != NULL_PAGE])
-        seq.pages, seq.group_pages, seq.page_keys = [], [[] for _ in self.windows[1:]], []
 
     def publish(self, seq, num_full: int) -> None:
         """Key and publish every group's pages up to num_full (full, computed, their tokens known)."""
@@ -111,14 +104,13 @@ class KVGroupPages:
         bm = self.bm
         if not bm.enable_prefix_caching:
             return
-        keys, ps, tables = seq.page_keys, self.page_size, self.tables(seq)
-        while len(keys) < num_pages:
-            i = len(keys)
-            key = page_hash(keys[-1] if keys else b"", seq.token_slice(i * ps, (i + 1) * ps))
+        tables, first = self.tables(seq), len(seq.page_keys)
+        keys = list(bm.page_keys(seq.token_slice, num_pages, seq.page_keys))
+        for i, key in enumerate(keys, first):
             for g, table in enumerate(tables):
                 if table[i] != NULL_PAGE:
                     bm.register_full_page(table[i], key + self.tags[g])
-            keys.append(key)
+        seq.add_page_keys(keys)
 
     # ---- admission ------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> PrefixHit:
@@ -129,11 +121,8 @@ class KVGroupPages:
         if not bm.enable_prefix_caching:
             return PrefixHit([[] for _ in self.windows], keys)
         cached = bm.cached
-        limit = (len(tokens) - 1) // ps
-        while len(keys) < limit:  # as far as every full-attention group holds the chain
-            i = len(keys)
-            key = page_hash(keys[-1] if keys else b"", tokens[i * ps:(i + 1) * ps])
-            if any(key + self.tags[g] not in cached for g in self.full):
+        for key in bm.page_keys(lambda a, b: tokens[a:b], (len(tokens) - 1) // ps):
+            if any(key + self.tags[g] not in cached for g in self.full):  # as far as every full-attention group holds the chain
                 break
             keys.append(key)
         n = len(keys)
@@ -177,8 +166,7 @@ class KVGroupPages:
         self.bm.device_hit_pages += hit.num_pages  # counted in tokens of the prompt, not pages of every group
         grow = self.bm.pages_needed(upto_tokens) - hit.num_pages
         tables = [table + self.bm.allocate(grow) for table in hit.tables]
-        seq.pages, seq.group_pages = tables[0], tables[1:]
-        seq.page_keys = list(hit.keys)
+        seq.admit(tables[0], hit.num_pages * self.page_size, hit.keys, group_pages=tables[1:])
 
 
 

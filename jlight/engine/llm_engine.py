@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import uuid
 
@@ -20,9 +19,8 @@ from jlight import loading  # loading.load_model is looked up at each call (test
 from jlight.core.errors import PromptTooLongError
 from jlight.core.quantization import kv_pool_bytes
 from jlight.engine import kv_groups, output_processor, proposers, speculative, startup, state_pool
-from jlight.engine.block_manager import BlockManager
+from jlight.engine.block_manager import BlockManager, prefix_key
 from jlight.engine.engine_config import EngineConfig
-from jlight.engine.executable_store import ExecutableStore
 from jlight.engine.host_tier import HostTier
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.outputs import RequestOutput
@@ -144,7 +142,7 @@ class LLMEngine:
         self.family = get_model_family(self.model_config)
         stateful = hasattr(self.family, "state_shapes")  # a hybrid model: recurrent layers with state slots
         if stateful:
-            self._check_hybrid(cfg)
+            startup.check_hybrid(cfg, self.model_config.architecture)
         # A hybrid model's recurrent-state slots: one a running sequence, and as many snapshot slots for the
         # prefix cache (state_pool.py: one saved state a prompt).
         self.state_pool = StatePool(cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0) if stateful else None
@@ -175,7 +173,7 @@ class LLMEngine:
                            cfg.page_size, self.max_model_len, whole)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        host_tier = self._make_host_tier(kv_dtype, max_batched) if cfg.kv_offloading_size else None
+        host_tier = startup.host_tier(cfg, self.kv_bytes_per_page(kv_dtype), max_batched) if cfg.kv_offloading_size else None
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
         self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
                          if kv_groups.keeps_window(self.kv_layout) else None)
@@ -192,7 +190,7 @@ class LLMEngine:
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
             guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
-            executable_store=self._executable_store(cfg, mc),
+            executable_store=startup.executable_store(cfg, mc),
             kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
             taps=self.proposer.taps if self.proposer is not None else None)
         if self.proposer is not None:
@@ -250,59 +248,26 @@ class LLMEngine:
         return self._warmup({self.runner.bucket_for(t) for t in steps}, " for this request")
 
     # ---- set-up helpers ---------------------------------------------------------------------
-    def _executable_store(self, cfg: EngineConfig, model_config) -> ExecutableStore | None:
-        """The compiled-step store under the compilation cache, keyed by this engine's whole configuration."""
-        wanted = dispatch.on_gpu() if cfg.store_executables is None else cfg.store_executables
-        if not (wanted and cfg.compilation_cache_dir):
-            return None
-        return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((cfg, model_config)))
-
     def kv_bytes_per_page(self, kv_dtype) -> int:
         """Bytes of one page of the K and V pools together (all layers; int8 scales included)."""
         k_shape, v_shape = kv_groups.pool_shapes(self.family, self.model_config, 1, self.config.page_size, self.kv_layout)
         return sum(kv_pool_bytes(shape, self.config.kv_cache_dtype, kv_dtype) for shape in (k_shape, v_shape))
-
-    def _check_hybrid(self, cfg: EngineConfig) -> None:
-        """Refuse what a hybrid model's engine does not do yet, naming the option."""
-        if cfg.mesh and cfg.collective_matmul:
-            raise ValueError(f"collective_matmul: {self.model_config.architecture}'s recurrent layers read every token of "
-                             "the step, which sequence parallelism splits over tp; drop collective_matmul")
-        if cfg.speculative_config:
-            raise ValueError(f"speculative_config: {self.model_config.architecture}'s recurrent state cannot take back "
-                             "rejected drafts; drop speculative_config")
-        if cfg.kv_offloading_size:
-            raise ValueError(f"kv_offloading_size: the host tier holds K/V pages, not {self.model_config.architecture}'s "
-                             "recurrent state; leave it unset")
 
     def state_pool_bytes(self) -> int:
         """Bytes of a hybrid model's recurrent-state pools (0 for other models), taken from the KV budget."""
         fn = getattr(self.family, "state_shapes", None)
         return state_pool.bytes_for(fn, self.model_config, self.state_pool.total_slots) if fn else 0
 
-    def _make_host_tier(self, kv_dtype, max_batched: int) -> HostTier:
-        page_bytes = self.kv_bytes_per_page(kv_dtype)
-        capacity = int(self.config.kv_offloading_size * 2**30) // page_bytes
-        if capacity < 1:
-            raise ValueError(f"kv_offloading_size={self.config.kv_offloading_size} GiB holds no page of {page_bytes} bytes; "
-                             "raise it or leave it unset")
-        return HostTier(capacity, max_batch=-(-max_batched // self.config.page_size))
-
     def _size_kv_pool(self, kv_dtype, plan) -> int:
-        cfg = self.config
+        """The pool's pages (startup.kv_pool_pages) for one page's bytes on one device: the model's K/V, a
+        device proposer's K/V pool (it holds the same pages), split over the mesh."""
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
-        if self.proposer is not None:  # a device proposer's K/V pool holds the same pages
-            bytes_per_page += self.proposer.kv_bytes_per_page(cfg.page_size)
+        if self.proposer is not None:
+            bytes_per_page += self.proposer.kv_bytes_per_page(self.config.page_size)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
-        wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len,
-                                                                 cfg.max_num_batched_tokens or 512) + 1
-        stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-        state_bytes = self.state_pool_bytes()  # allocated with the pages, so taken out of their budget first
-        if stats and "bytes_limit" in stats:
-            return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
-                                    state_bytes)
-        # CPU: no memory statistics; hold what max_num_seqs full-length sequences need, within 2 GiB.
-        return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
+        return startup.kv_pool_pages(self.config, bytes_per_page, self.kv_layout.windows, self.max_model_len,
+                                     self.state_pool_bytes())
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,
@@ -374,14 +339,10 @@ class LLMEngine:
         seqs = []
         banned = self._min_tokens_banned(params)
         for i in range(params.n):
-            seq = Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now)
-            seq.eos_ids_for_min_tokens = banned
-            seq.detokenizer = output_processor.make_detokenizer(self.tokenizer, params)
-            if params.structured_outputs is not None:
-                seq.matcher = self.grammars.matcher(params.structured_outputs)
-            if i > 0:
-                seq.parent = seqs[0]
-            seqs.append(seq)
+            matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+            seqs.append(Sequence(request_id, i, prompt_token_ids, params, base_seed + i, now, eos_ids_for_min_tokens=banned,
+                                 detokenizer=output_processor.make_detokenizer(self.tokenizer, params), matcher=matcher,
+                                 parent=seqs[0] if i > 0 else None))
         req = Request(request_id, prompt, prompt_token_ids, params, seqs, now)
         self.requests[request_id] = req
         for seq in seqs:
@@ -402,7 +363,7 @@ class LLMEngine:
         seq = req.seqs[0]
         self._append(seq, first_token, 0, None, None, None, False, time.time())
         if logprobs:
-            seq.logprobs, seq.cumulative_logprob = list(logprobs), cumulative_logprob
+            seq.take_logprobs(logprobs, cumulative_logprob)
         if pages is not None:
             self.scheduler.resume(seq, pages, len(prompt_token_ids))
         req.first_token_time = seq.first_token_time
@@ -422,9 +383,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.finished:
-                if seq.detokenizer is not None:  # as at every finish: text == decode(token_ids)
-                    seq.text += seq.detokenizer.flush()
-                seq.finish_reason = "abort"
+                output_processor.abort(seq)
                 self._finish(seq)
             self._seq_request.pop(seq.seq_id, None)
         return output_processor.make_request_output(req)
@@ -471,7 +430,7 @@ class LLMEngine:
                 self._ensure_slot(r.seq)
                 if r.seq.restore_from:  # a prefix-cache hit of a hybrid model: its saved state into its slot first
                     self.runner.copy_state_slot(r.seq.restore_from, r.seq.state_slot)
-                    r.seq.restore_from = 0
+                    r.seq.state_restored()
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
@@ -482,10 +441,7 @@ class LLMEngine:
             if self.state_pool is not None and self.state_pool.num_snapshots:
                 self._save_states(plan)
             for row, r in enumerate(plan.rows):
-                r.seq.num_computed_tokens = r.start + r.num_tokens
-                if r.samples:
-                    r.seq.num_pending_tokens += 1
-                    r.seq.last_row = row
+                r.seq.launched(r.start + r.num_tokens, row if r.samples else None)
             launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs), drafting)
             self.num_steps += 1
         outputs = self._process(self._in_flight) if self._in_flight is not None else []
@@ -501,7 +457,7 @@ class LLMEngine:
             seq = r.seq
             point = self.state_pool.snapshot_point(len(seq.prompt_token_ids), ps)
             if point and r.start + r.num_tokens == point:
-                slot = self.state_pool.snapshot_slot(state_pool.prefix_key(seq.prompt_token_ids, point // ps, ps))
+                slot = self.state_pool.snapshot_slot(prefix_key(seq.prompt_token_ids, point // ps, ps))
                 if slot:
                     self.runner.copy_state_slot(seq.state_slot, slot)
 
@@ -543,7 +499,7 @@ class LLMEngine:
                 self._register_full_pages(seq)
                 continue
             first, j = j, j + len(r.drafts) + 1
-            seq.num_pending_tokens -= 1
+            seq.fetched()
             if seq.finished or seq.seq_id not in self._seq_request:
                 continue  # aborted, or finished by an earlier token: this one was a wasted step
             new_tokens = [int(tokens[first])]
@@ -551,7 +507,7 @@ class LLMEngine:
                 new_tokens = speculative.kept_tokens(r.drafts, tokens[first:j], accepted[first:j])
                 self._count_drafts(len(r.drafts), len(new_tokens) - 1)
                 # The K/V past the kept drafts are the rejected drafts': not part of the sequence.
-                seq.num_computed_tokens = r.start + len(new_tokens)
+                seq.roll_back_to(r.start + len(new_tokens))
             for i, token in enumerate(new_tokens):
                 if seq.finish_reason is not None:
                     break
@@ -579,14 +535,12 @@ class LLMEngine:
         # A token the grammar refuses is not kept: grammar_accepts finished the sequence with "error".
         if seq.matcher is not None and not output_processor.grammar_accepts(seq, token):
             return
-        seq.output_token_ids.append(token)
-        self.generation_tokens_total += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         if want_lp and seq.params.logprobs is not None:
-            seq.logprobs.append(output_processor.logprob_dict(token, lp[position], top_ids[position], top_lps[position],
-                                                              seq.params.logprobs))
-            seq.cumulative_logprob += float(lp[position])
+            entry = output_processor.logprob_dict(token, lp[position], top_ids[position], top_lps[position], seq.params.logprobs)
+            seq.append_token(token, now, entry, float(lp[position]))
+        else:
+            seq.append_token(token, now)
+        self.generation_tokens_total += 1
         output_processor.append_token(seq, token, self.eos_token_ids, self.max_model_len)
         if seq.matcher is not None and seq.finish_reason is None and seq.matcher.is_stopped():
             output_processor.finish_grammar(seq)
@@ -606,28 +560,11 @@ class LLMEngine:
             if self.kv_pages is not None:
                 self.kv_pages.publish(seq, num_full)
             else:
-                self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice, num_full)
+                seq.add_page_keys(self.block_manager.publish_full_pages(seq.pages, seq.page_keys, seq.token_slice, num_full))
 
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()
-
-
-def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
-                     gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
-    """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
-    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
-    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
-    state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
-    and counted as in use before them."""
-    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
-    if gpu_memory_utilization is None:
-        return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
-    budget = int(limit * gpu_memory_utilization) - in_use
-    if budget < 2 * bytes_per_page:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
-                         f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
-    return budget // bytes_per_page
 
 
 def _host_tier_stats(tier: HostTier) -> dict:

@@ -41,11 +41,11 @@ def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None
     # token that will not come) are flushed, as decode gives them (U+FFFD), so text == decode(token_ids).
     if past_min and not p.ignore_eos and token in eos_ids:
         seq.text += seq.detokenizer.flush()
-        seq.finish_reason, seq.stop_reason = "stop", None
+        seq.stop("stop")
         return
     if past_min and token in p.stop_token_ids:
         seq.text += seq.detokenizer.flush()
-        seq.finish_reason, seq.stop_reason = "stop", token
+        seq.stop("stop", token)
         return
     seq.text += seq.detokenizer.add([token])
     at_length = (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.prompt_token_ids) + n_out >= max_model_len
@@ -56,7 +56,7 @@ def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None
         if seq.finish_reason is not None:
             return
     if at_length:
-        seq.finish_reason = "length"
+        seq.stop("length")
 
 
 def grammar_accepts(seq, token: int) -> bool:
@@ -69,14 +69,21 @@ def grammar_accepts(seq, token: int) -> bool:
                    "finish_reason='error'", seq.request_id,
                    (seq.matcher.get_error().strip().splitlines() or [f"token {token} refused"])[0][:300])
     seq.text += seq.detokenizer.flush()
-    seq.finish_reason, seq.stop_reason = "error", None
+    seq.stop("error")
     return False
+
+
+def abort(seq) -> None:
+    """The request is aborted: flush the text (as at every finish: text == decode(token_ids)) and stop."""
+    if seq.detokenizer is not None:
+        seq.text += seq.detokenizer.flush()
+    seq.stop("abort")
 
 
 def finish_grammar(seq) -> None:
     """The constraint is complete (only EOS could follow): finish now, saving the EOS step."""
     seq.text += seq.detokenizer.flush()
-    seq.finish_reason, seq.stop_reason = "stop", None
+    seq.stop("stop")
 
 
 def _check_stop_strings(seq) -> None:
@@ -92,7 +99,7 @@ def _check_stop_strings(seq) -> None:
     if best is not None:
         i, s = best
         seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
-        seq.finish_reason, seq.stop_reason = "stop", s
+        seq.stop("stop", s)
 
 
 def logprob_dict(token, token_lp, top_ids, top_lps, num_top: int) -> dict[int, float]:

@@ -80,16 +80,13 @@ class Scheduler:
             return True
         if self.bm.num_free_pages < need:
             return False
-        seq.pages.extend(self.bm.allocate(need))
+        seq.add_pages(self.bm.allocate(need))
         return True
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release_pages(seq)
-        self._release_state(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        seq.last_row = None
+        self._release(seq)
+        seq.preempt()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -145,6 +142,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             tokens = seq.all_token_ids
+            first_admission = not seq.admitted_once
             wants_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.admitted_once
             if self.kv_groups is not None:
                 hit = self.kv_groups.match_prefix([] if wants_prompt_logprobs else tokens)
@@ -166,18 +164,13 @@ class Scheduler:
                 if not self.bm.can_allocate(need, cached_pages):
                     break
                 self.waiting.popleft()
-                if self.state_pool is not None:
-                    seq.state_slot = self.state_pool.allocate(seq.seq_id)  # never short: one per max_num_seqs
-                    seq.restore_from = restore  # the engine copies the snapshot into the slot before the step
+                # A hybrid model's slot is never short (one per max_num_seqs); the engine copies the snapshot
+                # `restore` into it before the step.
+                slot = self.state_pool.allocate(seq.seq_id) if self.state_pool is not None else 0
                 self.bm.acquire(cached_pages)
-                seq.pages = cached_pages + self.bm.allocate(need)
-                seq.page_keys = list(cached_keys)
-            seq.num_computed_tokens = start
-            if not seq.admitted_once:
-                seq.num_cached_tokens = start
+                seq.admit(cached_pages + self.bm.allocate(need), start, cached_keys, state_slot=slot, restore_from=restore)
+            if first_admission:
                 self.bm.record_prefix_query(len(tokens), start)
-                seq.admitted_once = True
-            seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             rows.append(ScheduledSeq(seq, start, n, start + n == len(tokens)))
             scheduled_ids.add(seq.seq_id)
@@ -202,15 +195,13 @@ class Scheduler:
         if lookahead and self.kv_groups is None:
             need = self.bm.pages_needed(min(end + lookahead, self.max_model_len)) - len(seq.pages)
             if need > 0:
-                seq.pages.extend(self.bm.allocate_unused(need))
+                seq.add_pages(self.bm.allocate_unused(need))
 
     def resume(self, seq: Sequence, pages: list[int], num_computed_tokens: int) -> None:
         """Run a waiting sequence at once whose first num_computed_tokens' K/V are already in `pages` (its
         references; another engine computed them: disaggregated.py)."""
         self.waiting.remove(seq)
-        seq.pages, seq.num_computed_tokens = pages, num_computed_tokens
-        seq.admitted_once = True
-        seq.status = SeqStatus.RUNNING
+        seq.resume(pages, num_computed_tokens)
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -219,9 +210,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release_pages(seq)
-        self._release_state(seq)
-        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+        seq.finish()
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> int:
         """n, or less so that a hybrid model's prompt chunk ends where its state is saved (state_pool.py)."""
@@ -229,17 +219,14 @@ class Scheduler:
             return n
         return self.state_pool.stop_at_snapshot(len(seq.prompt_token_ids), self.bm.page_size, start, n)
 
-    def _release_pages(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Drop the sequence's page references and its state slot (the sequence forgets them next)."""
         if self.kv_groups is not None:
             self.kv_groups.release(seq)
-            return
-        self.bm.release(seq.pages)
-        seq.pages, seq.page_keys = [], []
-
-    def _release_state(self, seq: Sequence) -> None:
+        else:
+            self.bm.release(seq.pages)
         if self.state_pool is not None:
             self.state_pool.release(seq.state_slot)
-        seq.state_slot = seq.restore_from = 0
 
 
 def speculates(seq: Sequence) -> bool:

@@ -1,11 +1,15 @@
-"""An engine's start-up as its user sees it: the persistent compilation cache, how many step buckets
-compile at once, and the lines that say what it is doing and what memory it planned.
+"""An engine's set-up apart from its step loop: the persistent compilation cache and the compiled-step
+store, the options a hybrid model refuses, the KV pool's size and the host tier's, how many step
+buckets compile at once, and the lines that say what it is doing and what memory it planned.
 
 Invariants:
 - The compilation cache directory is the EngineConfig's (`compilation_cache_dir`, by default
   $JLIGHT_CACHE/xla; $JLIGHT_COMPILATION_CACHE_DIR overrides it, "" switches it off). JAX reads it at
   its first compile that looks for the cache, so it is set before the engine compiles anything; a
   process keeps the first directory it used.
+- The KV pool holds, on a device whose allocator reports its memory, the share of it the config gives
+  (`pages_for_memory`); on the CPU, what max_num_seqs full-length sequences need, within 2 GiB. A hybrid
+  model's recurrent-state pools come out of the same budget first.
 - The memory plan names the bytes of one device (the first of the engine's): its share of the
   weights, its share of the K/V pools, and what its allocator has left (the host's available memory
   on the CPU, whose allocator keeps no statistics).
@@ -16,6 +20,11 @@ import logging
 import os
 
 import jax
+
+from jlight.engine import kv_groups
+from jlight.engine.executable_store import ExecutableStore
+from jlight.engine.host_tier import HostTier
+from jlight.pallas_kernels import dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +97,62 @@ def memory_plan(params, k_cache, v_cache, num_pages: int, page_size: int) -> str
         return f"{line}, {fmt_bytes(left)} left of the {fmt_bytes(stats['bytes_limit'])} JAX manages"
     host = _host_memory_available()
     return f"{line}, {fmt_bytes(host)} of host memory left" if host is not None else line
+
+
+def check_hybrid(cfg, architecture: str) -> None:
+    """Refuse what a hybrid model's engine does not do yet, naming the option."""
+    if cfg.mesh and cfg.collective_matmul:
+        raise ValueError(f"collective_matmul: {architecture}'s recurrent layers read every token of "
+                         "the step, which sequence parallelism splits over tp; drop collective_matmul")
+    if cfg.speculative_config:
+        raise ValueError(f"speculative_config: {architecture}'s recurrent state cannot take back "
+                         "rejected drafts; drop speculative_config")
+    if cfg.kv_offloading_size:
+        raise ValueError(f"kv_offloading_size: the host tier holds K/V pages, not {architecture}'s "
+                         "recurrent state; leave it unset")
+
+
+def executable_store(cfg, model_config) -> ExecutableStore | None:
+    """The compiled-step store under the compilation cache, keyed by the engine's whole configuration."""
+    wanted = dispatch.on_gpu() if cfg.store_executables is None else cfg.store_executables
+    if not (wanted and cfg.compilation_cache_dir):
+        return None
+    return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((cfg, model_config)))
+
+
+def host_tier(cfg, page_bytes: int, max_batched: int) -> HostTier:
+    """The host tier of kv_offloading_size GiB for pages of page_bytes (host_tier.py)."""
+    capacity = int(cfg.kv_offloading_size * 2**30) // page_bytes
+    if capacity < 1:
+        raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB holds no page of {page_bytes} bytes; "
+                         "raise it or leave it unset")
+    return HostTier(capacity, max_batch=-(-max_batched // cfg.page_size))
+
+
+def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int) -> int:
+    """Pages of bytes_per_page (on one device) the KV pool holds, after state_bytes of recurrent-state pools
+    (allocated with the pages, so taken out of their budget first)."""
+    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
+                                state_bytes)
+    wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(windows, cfg.page_size, max_model_len,
+                                                             cfg.max_num_batched_tokens or 512) + 1
+    return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
+
+
+def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
+                     gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
+    """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
+    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
+    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
+    state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
+    and counted as in use before them."""
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
+    if gpu_memory_utilization is None:
+        return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
+    budget = int(limit * gpu_memory_utilization) - in_use
+    if budget < 2 * bytes_per_page:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
+                         f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
+    return budget // bytes_per_page

@@ -10,7 +10,7 @@ Prefix caching: a cached KV page says nothing about the recurrent state after it
 be reused only up to a point whose state was saved. One snapshot a prompt is saved, at its last page
 boundary before its final token (`snapshot_point`): the scheduler ends a prefill chunk there, and
 the engine copies the sequence's slot into a snapshot slot keyed by the prefix key of that page
-(block_manager.page_hash's chain, the key the page itself is cached under). A new sequence whose
+(block_manager.prefix_key, the key the page itself is cached under). A new sequence whose
 cached pages reach a snapshotted key restores it into its own slot and computes only the rest: the
 n > 1 samples of a request (the first sample's snapshot), a preempted sequence re-admitted, a prompt
 repeated or extended past a saved prompt. The granularity is one snapshot a prompt rather than one a
@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 
 from jlight.core.recurrent_state import state_bytes_per_slot
-from jlight.engine.block_manager import page_hash
 
 
 class StatePool:
@@ -101,14 +100,6 @@ class StatePool:
         slot = self.free_snapshot_slots.popleft() if self.free_snapshot_slots else self.snapshots.popitem(last=False)[1]
         self.snapshots[key] = slot
         return slot
-
-
-def prefix_key(tokens, num_pages: int, page_size: int) -> bytes:
-    """The prefix-cache key of page num_pages - 1 of `tokens` (block_manager.page_hash, chained)."""
-    key = b""
-    for i in range(num_pages):
-        key = page_hash(key, tokens[i * page_size:(i + 1) * page_size])
-    return key
 
 
 def bytes_for(state_shapes_fn, config, num_slots: int) -> int:

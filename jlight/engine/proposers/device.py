@@ -157,12 +157,7 @@ class DeviceProposer(Proposer):
         for row, r in enumerate(plan.rows):
             if not r.samples:
                 continue
-            seq = r.seq
-            if drafts is not None and launched[1][row]:
-                seq.draft_tokens = drafts[row].tolist()
-                seq.drafts_follow = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-            else:
-                seq.draft_tokens, seq.drafts_follow = [], -1
+            r.seq.set_drafts(drafts[row].tolist() if drafts is not None and launched[1][row] else None)
 
     def warmup(self, buckets) -> float:
         """Compile the first pass of each step bucket and the chain of its rows, ahead of time."""
