@@ -139,6 +139,14 @@ def fp8_or(matmul, fp8_w8a8_min_rows: int, x, w, out_dtype=None):
 PALLAS_ATTENTION = "mosaic"
 
 
+# The smallest sliding window the warp-specialized prefill kernel takes; smaller windows prefill in the
+# decode kernel's 64-row blocks. On the H200 (docs/BENCHMARKS.md, Kernels) a 4096-token chunk with a
+# 128-token window ran 125 us in the prefill kernel against 96 us in the blocks (a block's rows see two
+# K/V steps, too few to fill its pipeline), and with a 4096-token window 295 against 582 us; windows
+# between those are not measured.
+PREFILL_KERNEL_MIN_WINDOW = 512
+
+
 def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None, sinks=None, **kw):
     """The Mosaic GPU kernels where they take the inputs, else the Triton kernel (float32, int8 pools
     with pages of 8 or 16, other sizes): prefill-shaped steps over 16-bit or fp8 pools run the
@@ -153,7 +161,8 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None,
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas, paged_prefill_mosaic
 
     kinds = dict(soft_cap=soft_cap, sinks=sinks)
-    if paged_prefill_mosaic.takes(q, k_cache, md, kw.get("sliding_window")):
+    window = kw.get("sliding_window")
+    if paged_prefill_mosaic.takes(q, k_cache, md, window) and (window is None or window >= PREFILL_KERNEL_MIN_WINDOW):
         return paged_prefill_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
     if paged_attention_mosaic.supports(q, k_cache):
         return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)

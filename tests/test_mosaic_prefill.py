@@ -153,16 +153,18 @@ def test_takes_prefill_steps_and_dispatch_routes_them(monkeypatch):
     attention = dispatch.get_kernels("mosaic").paged_attention  # through kernel_or_reference_attention
     for q_, k_, v_, md_ in (prefill, decode):
         attention(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=None)
-    attention(*prefill[:3], jnp.int32(0), prefill[3], scale=0.125, sliding_window=64, soft_cap=30.0, sinks=sinks)
+    window = dispatch.PREFILL_KERNEL_MIN_WINDOW
+    attention(*prefill[:3], jnp.int32(0), prefill[3], scale=0.125, sliding_window=window, soft_cap=30.0, sinks=sinks)
     attention(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=64, sinks=sinks)
-    assert [c[0] for c in calls] == ["prefill", "mosaic", "prefill", "mosaic"]
-    assert calls[2][1]["soft_cap"] == 30.0 and calls[2][1]["sinks"] is sinks and calls[2][1]["sliding_window"] == 64
+    attention(*prefill[:3], jnp.int32(0), prefill[3], scale=0.125, sliding_window=window - 1)  # the decode kernel's blocks
+    assert [c[0] for c in calls] == ["prefill", "mosaic", "prefill", "mosaic", "mosaic"]
+    assert calls[2][1]["soft_cap"] == 30.0 and calls[2][1]["sinks"] is sinks and calls[2][1]["sliding_window"] == window
     assert calls[3][1]["sinks"] is sinks and calls[3][1]["soft_cap"] is None
     # "pallas" (and "auto" on a GPU) run the same kernels
     calls.clear()
     pallas = dispatch.get_kernels("pallas").paged_attention
     q_, k_, v_, md_ = prefill
     pallas(q_, k_.astype(FP8_KV_DTYPE), v_.astype(FP8_KV_DTYPE), jnp.int32(0), md_, scale=0.125, sliding_window=None)
-    pallas(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=64, soft_cap=30.0)
+    pallas(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=window, soft_cap=30.0)
     pallas(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=None, sinks=sinks)
     assert [c[0] for c in calls] == ["prefill", "prefill", "mosaic"]
