@@ -52,7 +52,8 @@ def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_d
     reference = small_engine(model_dir)  # device prefix cache only: evicted pages are recomputed
     tiered = small_engine(model_dir, host_pages=200)
     runner = tiered.runner
-    compiled = [f._cache_size() for f in (runner._step, runner._read_pages, runner._write_pages)]
+    copies = (runner._step, runner._read_pages, runner._write_pages, runner._read_page_list, runner._write_page_list)
+    compiled = [f._cache_size() for f in copies]
     want = run_one_by_one(reference, first + second)
     got = run_one_by_one(tiered, first + second)
     assert [t for t, _ in got] == [t for t, _ in want]
@@ -68,7 +69,7 @@ def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_d
     assert reference.stats().host_cache_hit_tokens == 0 and reference.stats().host_cache_pages_total == 0
     assert s.num_pages_used == 0
     # The steps and the copies (every power-of-two page count up to 8) compiled at warm-up: none since.
-    assert [f._cache_size() for f in (runner._step, runner._read_pages, runner._write_pages)] == compiled
+    assert [f._cache_size() for f in copies] == compiled
 
 
 def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
@@ -155,6 +156,14 @@ class _PoolRunner:
 
     def write_pages(self, pages, data):
         self.k_cache = self.k_cache.at[:, pages].set(data[0])
+
+    def read_page_list(self, pages):
+        return [(self.k_cache[:, p:p + 1], None) for p in pages]
+
+    def write_page_list(self, pages, data):
+        import jax.numpy as jnp
+
+        self.write_pages(pages, (jnp.concatenate([k for k, _ in data], axis=1), None))
 
     def page(self, p):
         return np.asarray(self.k_cache)[0, p].tolist()
