@@ -52,7 +52,8 @@ def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_d
     reference = small_engine(model_dir)  # device prefix cache only: evicted pages are recomputed
     tiered = small_engine(model_dir, host_pages=200)
     runner = tiered.runner
-    compiled = [f._cache_size() for f in (runner._step, runner._read_pages, runner._write_pages)]
+    copies = (runner._step, runner._read_pages, runner._write_pages, runner._read_page_list, runner._write_page_list)
+    compiled = [f._cache_size() for f in copies]
     want = run_one_by_one(reference, first + second)
     got = run_one_by_one(tiered, first + second)
     assert [t for t, _ in got] == [t for t, _ in want]
@@ -68,7 +69,10 @@ def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_d
     assert reference.stats().host_cache_hit_tokens == 0 and reference.stats().host_cache_pages_total == 0
     assert s.num_pages_used == 0
     # The steps and the copies (every power-of-two page count up to 8) compiled at warm-up: none since.
-    assert [f._cache_size() for f in (runner._step, runner._read_pages, runner._write_pages)] == compiled
+    assert [f._cache_size() for f in copies] == compiled
+    # The tier's scatters (one a power-of-two page count) write into the donated pools, not a copy of them.
+    writes = [c for (kind, _), c in runner._page_copies.items() if kind == "write_list"]
+    assert len(writes) == 4 and all("input_output_alias={ {0}: (0, {}, may-alias)" in c.as_text() for c in writes)
 
 
 def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
@@ -156,14 +160,23 @@ class _PoolRunner:
     def write_pages(self, pages, data):
         self.k_cache = self.k_cache.at[:, pages].set(data[0])
 
+    def read_page_list(self, pages):
+        return [(self.k_cache[:, p:p + 1], None) for p in pages]
+
+    def write_page_list(self, pages, data):
+        import jax.numpy as jnp
+
+        self.write_pages(pages, (jnp.concatenate([k for k, _ in data], axis=1), None))
+
     def page(self, p):
         return np.asarray(self.k_cache)[0, p].tolist()
 
 
-def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync():
+@pytest.mark.parametrize("pinned", [None, False], ids=["pinned_host", "numpy"])
+def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync(pinned):
     from jlight.engine.host_tier import HostTier
 
-    runner, tier = _PoolRunner(), HostTier(capacity=2, max_batch=2)
+    runner, tier = _PoolRunner(), HostTier(capacity=2, max_batch=2, pinned=pinned)
     tier.offload(1, b"A")
     tier.offload(2, b"B")
     tier.sync(runner)
@@ -183,3 +196,75 @@ def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync():
     tier.sync(runner)
     assert runner.page(6) == [4.0, 4.0] and tier.restored_pages == 2 and tier.num_used == 2
     assert runner.page(1) == runner.page(2) == [-1.0, -1.0] and runner.page(3) == [4.0, 4.0]
+
+
+class _BigPoolRunner:
+    """A runner's page interface (ModelRunner's four page copies, donated writes) over a K pool of 1 MiB pages
+    ([2 layers, pages, 2**17] float32, page p holding p) and a V pool without pages; counts its calls."""
+
+    def __init__(self, num_pages: int):
+        import jax
+        import jax.numpy as jnp
+
+        self.page_bytes = 2 * 2**17 * 4
+        self.k_cache = jnp.broadcast_to(jnp.arange(num_pages, dtype=jnp.float32)[None, :, None], (2, num_pages, 2**17)) + 0
+        self.v_cache = jnp.zeros((1, 1, 1))
+        self.calls = {}
+        self._write = jax.jit(lambda k, pages, d: k.at[:, pages].set(d), donate_argnums=(0,))
+        self._write_list = jax.jit(lambda k, pages, d: k.at[:, pages].set(jnp.concatenate(d, axis=1)), donate_argnums=(0,))
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def read_pages(self, pages):
+        self._count("read_pages")
+        return self.k_cache[:, pages], None
+
+    def write_pages(self, pages, data):
+        self._count("write_pages")
+        self.k_cache = self._write(self.k_cache, pages, data[0])
+
+    def read_page_list(self, pages):
+        self._count("read_page_list")
+        return [(self.k_cache[:, p:p + 1], None) for p in pages]
+
+    def write_page_list(self, pages, data):
+        self._count("write_page_list")
+        self.k_cache = self._write_list(self.k_cache, pages, [k for k, _ in data])
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_sync_moves_pages_in_a_fixed_number_of_calls_and_never_through_numpy(n, monkeypatch):
+    """Offloading n pages is one gather and one device_put to pinned_host memory; restoring them is one
+    device_put back and one scatter with the pool donated; whatever n, and no page byte is copied into or
+    out of a numpy array on the way (the host tier's pool is pinned_host memory, not numpy's)."""
+    import tracemalloc
+
+    import jax
+
+    from jlight.engine import host_tier
+
+    runner, tier = _BigPoolRunner(2 * n + 1), host_tier.HostTier(capacity=n, max_batch=n)
+    puts = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: puts.append(len(jax.tree.leaves(x))) or device_put(x, *a, **k))
+    jax.block_until_ready(runner.k_cache)
+    tracemalloc.start()
+    try:
+        for i in range(n):
+            tier.offload(1 + i, b"key%d" % i)
+        tier.sync(runner)
+        pool = runner.k_cache.unsafe_buffer_pointer()
+        for i in range(n):
+            tier.restore(b"key%d" % i, n + 1 + i)
+        tier.sync(runner)
+        jax.block_until_ready(runner.k_cache)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < runner.page_bytes / 2, f"{peak} bytes through numpy/Python for {n} pages of {runner.page_bytes}"
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(list(tier.pages.values()))} == {"pinned_host"}
+    assert runner.calls == {"read_page_list": 1, "write_page_list": 1} and puts == [n, n]
+    assert runner.k_cache.unsafe_buffer_pointer() == pool  # the scatter wrote into the donated pool
+    k = np.asarray(runner.k_cache)
+    assert (k[:, n + 1: 2 * n + 1] == k[:, 1: n + 1]).all() and k[0, n + 1:2 * n + 1, 0].tolist() == list(range(1, n + 1))

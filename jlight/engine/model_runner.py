@@ -214,7 +214,18 @@ class ModelRunner:
             lambda pools, pages, data: jax.tree.map(lambda a, d: a.at[:, pages].set(d) if paged(a) else a, pools, data,
                                                     is_leaf=lambda x: x is None),
             donate_argnums=(0,))
-        self._page_copies = {}  # ("read" | "write", page count) -> compiled ahead of time (warmup_page_copies)
+        # The same, one array per page (the host tier's unit of storage): the gather of n pages as n outputs,
+        # and the scatter of n such pages in one call, the pools donated.
+        self._read_page_list = jax.jit(
+            lambda pools, pages: [jax.tree.map(lambda a: a[:, pages[i:i + 1]] if paged(a) else None, pools)
+                                  for i in range(pages.shape[0])])
+        self._write_page_list = jax.jit(
+            lambda pools, pages, data: jax.tree.map(
+                lambda a, *d: a.at[:, pages].set(jnp.concatenate(d, axis=1)) if paged(a) else a, pools, *data,
+                is_leaf=lambda x: x is None),
+            donate_argnums=(0,))
+        # ("read" | "write" | "read_list" | "write_list", page count) -> compiled ahead of time (warmup_page_copies)
+        self._page_copies = {}
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
@@ -383,17 +394,35 @@ class ModelRunner:
         compiled = self._page_copies.get(("write", len(pages)))
         self.k_cache, self.v_cache = (compiled or self._write_pages)((self.k_cache, self.v_cache), pages, data)
 
+    def read_page_list(self, pages: np.ndarray) -> list:
+        """read_pages as one (k, v) pair a page (leaves [layers, 1, ...]): n device arrays a leaf, from one call."""
+        compiled = self._page_copies.get(("read_list", len(pages)))
+        return (compiled or self._read_page_list)((self.k_cache, self.v_cache), pages)
+
+    def write_page_list(self, pages: np.ndarray, data: list) -> None:
+        """write_pages from read_page_list's form (one pair a page, on this runner's devices): one call, the
+        pools donated."""
+        compiled = self._page_copies.get(("write_list", len(pages)))
+        self.k_cache, self.v_cache = (compiled or self._write_page_list)((self.k_cache, self.v_cache), pages, data)
+
     def warmup_page_copies(self, max_pages: int, kinds=("read", "write")) -> None:
-        """Compile read_pages / write_pages ahead of time for every power-of-two page count up to max_pages (as
-        the steps are: the pools a step gives back carry another form of the same sharding, a jit cache miss)."""
+        """Compile the page copies of `kinds` (read_pages / write_pages: "read", "write"; read_page_list /
+        write_page_list: "read_list", "write_list") ahead of time for every power-of-two page count up to
+        max_pages (as the steps are: the pools a step gives back carry another form of the same sharding, a
+        jit cache miss)."""
         pools, n = (self.k_cache, self.v_cache), 1
         while True:
             pages = np.zeros(n, np.int32)
-            read = self._page_copies.get(("read", n)) or self._read_pages.lower(pools, pages).compile()
-            if "read" in kinds:
-                self._page_copies["read", n] = read
-            if "write" in kinds and ("write", n) not in self._page_copies:
-                self._page_copies["write", n] = self._write_pages.lower(pools, pages, read(pools, pages)).compile()
+            for read_kind, write_kind, reader, writer in (("read", "write", self._read_pages, self._write_pages),
+                                                          ("read_list", "write_list", self._read_page_list,
+                                                           self._write_page_list)):
+                if read_kind not in kinds and write_kind not in kinds:
+                    continue
+                read = self._page_copies.get((read_kind, n)) or reader.lower(pools, pages).compile()
+                if read_kind in kinds:
+                    self._page_copies[read_kind, n] = read
+                if write_kind in kinds and (write_kind, n) not in self._page_copies:
+                    self._page_copies[write_kind, n] = writer.lower(pools, pages, read(pools, pages)).compile()
             if n >= max_pages:
                 return
             n *= 2
