@@ -187,7 +187,7 @@ def test_greedy_tokens_equal_speculation_off_batched_chunked_cached_and_preempte
     plain, spec = engines
     prompts = grounded_prompts(10, seed=1)
     prompts += [prompts[1] + prompts[4][:9], prompts[2][:16] + [7, 7, 7]]  # shared prefixes: prefix-cache hits
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     before = spec.engine.stats()
     want = token_ids(plain.generate(prompts, params, use_tqdm=False))
     got = token_ids(spec.generate(prompts, params, use_tqdm=False))
