@@ -253,3 +253,22 @@ def test_metrics_and_cli_carry_the_speculative_counters(engines):
     assert opts["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(SystemExit):
         p.parse_args(["--speculative-config", "ngram"])
+
+
+def test_a_speculating_sequence_launches_a_step_in_every_engine_step(engines):
+    """Its drafts need the token the step in flight samples: step() reads that step back, then launches the
+    next one in the same call, so no call only waits (the device would idle over it)."""
+    _, spec = engines
+    engine = spec.engine
+    launches, launch = [], engine.runner.launch
+    engine.runner.launch = lambda inp, guide_mask=None: launches.append(1) or launch(inp, guide_mask)
+    try:
+        engine.add_request("one", None, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                           prompt_token_ids=grounded_prompts(2, seed=5)[1])
+        calls = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            calls += 1
+    finally:
+        engine.runner.launch = launch
+    assert calls <= len(launches) + 1  # the last call reads the last step back

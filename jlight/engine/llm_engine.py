@@ -219,8 +219,9 @@ class LLMEngine:
         self.spec_counts = dict(drafts=0, draft_tokens=0, accepted=0)
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
-        # includes waiting for the device to finish the previous step.
-        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
+        # includes waiting for the device to finish the previous step; "wait" is that wait alone (a part
+        # of wait_and_process, not another phase).
+        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process", "wait"), 0.0)
         logger.info(startup.memory_plan(params, self.runner.k_cache, self.runner.v_cache, num_pages, cfg.page_size))
         self.warmup_seconds = self._warmup() if cfg.warmup and warmup else 0.0
 
@@ -509,10 +510,12 @@ class LLMEngine:
         """Wait for a launched step and take its tokens into their sequences (finishing those that end);
         returns the requests it touched, for _outputs."""
         plan, out, want_lp, want_plp, drafting = launched
+        t0 = time.perf_counter()
         if any(r.drafts for r in plan.rows):  # both arrays in one wait
             tokens, accepted = (np.asarray(a) for a in jax.device_get((out.tokens, out.accepted)))
         else:
             tokens, accepted = np.asarray(out.tokens), None  # waits for the step
+        self.step_seconds["wait"] += time.perf_counter() - t0
         lp = top_ids = top_lps = None
         if want_lp:
             lp, top_ids, top_lps = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
