@@ -21,8 +21,10 @@ ngram   harness.ngram_prompt() (64 random ids repeated to --prompt-len), greedy,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2} (K = --num-speculative-tokens), each engine after one
         untimed warm-up pair. With random weights the continuation is whatever the model makes, so each engine's
         acceptance (drafts, draft tokens, accepted tokens, mean acceptance length = 1 + accepted / drafts, from
-        engine.stats() over the timed calls) stands beside its ms/token. benchmarks/vllm_spec.py runs the same
-        prompt and method through vLLM.
+        engine.stats() over the timed calls) stands beside its ms/token, with the engine's steps per generated
+        token, its step() calls and model launches per step, and its host ms per step by phase
+        (LLMEngine.step_seconds: schedule with the proposer, prepare, launch, wait_and_process and the wait
+        for the device within it). benchmarks/vllm_spec.py runs the same prompt and method through vLLM.
 
 Prints one JSON line per measurement; --out DIR writes DIR/spec_decode.json (harness.write_result).
 """
@@ -180,6 +182,23 @@ def acceptance(before: dict, after: dict) -> dict:
     return d
 
 
+def count_calls(engine) -> dict:
+    """Counts of engine.step() calls and of the runner's model launches from now on (spies on both)."""
+    calls = dict(step=0, launch=0)
+    step, launch = engine.step, engine.runner.launch
+
+    def step_spy():
+        calls["step"] += 1
+        return step()
+
+    def launch_spy(inp, guide_mask=None):
+        calls["launch"] += 1
+        return launch(inp, guide_mask)
+
+    engine.step, engine.runner.launch = step_spy, launch_spy
+    return calls
+
+
 def run_ngram(loaded, a) -> dict:
     prompt = harness.ngram_prompt(a.prompt_len)
     result = {}
@@ -194,10 +213,16 @@ def run_ngram(loaded, a) -> dict:
         t0 = time.perf_counter()
         harness.bs1_ms_per_token(generate, prompt, a.max_tokens, repeats=1)  # warm-up: every step shape compiled
         warmup_s = time.perf_counter() - t0
-        before = spec_counts(engine)
+        calls = count_calls(engine)
+        before, seconds, tokens_before = spec_counts(engine), dict(engine.step_seconds), engine.generation_tokens_total
         ms = harness.bs1_ms_per_token(generate, prompt, a.max_tokens, a.repeats)
+        counts = acceptance(before, spec_counts(engine))
+        steps, tokens = max(counts["steps"], 1), engine.generation_tokens_total - tokens_before
+        loop = dict(steps_per_token=counts["steps"] / max(tokens, 1), step_calls_per_step=calls["step"] / steps,
+                    launches_per_step=calls["launch"] / steps,
+                    host_ms_per_step={k: 1e3 * (v - seconds[k]) / steps for k, v in engine.step_seconds.items()})
         row = dict(spec=name, speculative_config=spec, prompt_tokens=len(prompt), max_tokens=a.max_tokens,
-                   ms_per_token=ms, warmup_s=warmup_s, acceptance=acceptance(before, spec_counts(engine)))
+                   ms_per_token=ms, warmup_s=warmup_s, acceptance=counts, loop=loop)
         emit(dict(ngram=row))
         result[name] = row
         del engine, generate

@@ -32,17 +32,32 @@ def test_proposer_takes_the_longest_recurring_suffix_and_its_latest_occurrence()
     # A suffix shorter than prompt_lookup_min never matches; nothing recurs -> no drafts.
     assert propose_ngram(np.array([1, 2, 3, 1]), SpeculativeConfig(prompt_lookup_min=2), 8) == []
     assert propose_ngram(np.array([1, 2, 3, 4]), cfg, 8) == []
-    # A match at the very end leaves fewer tokens than asked.
-    assert propose_ngram(np.array([5, 6, 5]), cfg, 8) == [6, 5]
+    # A match near the end continues its period: [5] recurs 2 tokens back, so 6, 5, 6, ...
+    assert propose_ngram(np.array([5, 6, 5]), cfg, 8) == [6, 5, 6]
+    assert propose_ngram(np.array([5, 6, 5]), cfg, 2) == [6, 5]
+
+
+def test_a_periodic_history_gets_every_draft():
+    """A history that repeats one token, or a cycle of two, drafts num_speculative_tokens tokens that
+    continue the cycle (not only the tokens between the latest occurrence and the end)."""
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+    assert propose_ngram(np.full(40, 7, np.int32), cfg, max_drafts=4) == [7, 7, 7, 7]
+    assert propose_ngram(np.array([3, 9] * 20, np.int32), cfg, max_drafts=4) == [3, 9, 3, 9]
+    assert propose_ngram(np.array([1, 2, 3] + [3, 9] * 20 + [3], np.int32), cfg, max_drafts=4) == [9, 3, 9, 3]
+    assert propose_ngram(np.array([3, 9] * 20, np.int32), cfg, max_drafts=3) == [3, 9, 3]
 
 
 def _brute_force_ngram(tokens, config, max_drafts):
-    """The proposer's rule by exhaustive search: every window of every suffix length."""
+    """The proposer's rule by exhaustive search: every window of every suffix length, then a copy of what
+    followed the latest one that reads on into its own output (the drafts) where it reaches the end."""
     max_drafts = min(max_drafts, config.num_speculative_tokens)
     for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
         starts = [s for s in range(len(tokens) - n) if list(tokens[s:s + n]) == list(tokens[len(tokens) - n:])]
         if starts and max_drafts > 0:
-            return [int(t) for t in tokens[starts[-1] + n:starts[-1] + n + max_drafts]]
+            text = [int(t) for t in tokens]
+            for i in range(max_drafts):
+                text.append(text[starts[-1] + n + i])
+            return text[len(tokens):]
     return []
 
 
@@ -172,7 +187,7 @@ def test_greedy_tokens_equal_speculation_off_batched_chunked_cached_and_preempte
     plain, spec = engines
     prompts = grounded_prompts(10, seed=1)
     prompts += [prompts[1] + prompts[4][:9], prompts[2][:16] + [7, 7, 7]]  # shared prefixes: prefix-cache hits
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     before = spec.engine.stats()
     want = token_ids(plain.generate(prompts, params, use_tqdm=False))
     got = token_ids(spec.generate(prompts, params, use_tqdm=False))
@@ -238,3 +253,22 @@ def test_metrics_and_cli_carry_the_speculative_counters(engines):
     assert opts["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(SystemExit):
         p.parse_args(["--speculative-config", "ngram"])
+
+
+def test_a_speculating_sequence_launches_a_step_in_every_engine_step(engines):
+    """Its drafts need the token the step in flight samples: step() reads that step back, then launches the
+    next one in the same call, so no call only waits (the device would idle over it)."""
+    _, spec = engines
+    engine = spec.engine
+    launches, launch = [], engine.runner.launch
+    engine.runner.launch = lambda inp, guide_mask=None: launches.append(1) or launch(inp, guide_mask)
+    try:
+        engine.add_request("one", None, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                           prompt_token_ids=grounded_prompts(2, seed=5)[1])
+        calls = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            calls += 1
+    finally:
+        engine.runner.launch = launch
+    assert calls <= len(launches) + 1  # the last call reads the last step back

@@ -4,6 +4,13 @@ Steps are pipelined one deep: `step()` schedules and launches step N, then reads
 tokens of step N-1 (which the device finished while the host was preparing N). A sequence
 that finished in step N-1 therefore runs one wasted token in step N; its pages are freed
 after N is queued, which is safe because the device runs steps in order.
+
+A speculating sequence's next step needs the token the step in flight samples (its drafts follow
+it: speculative.py). While the running batch holds such a sequence (Scheduler.waits_for_step),
+`step()` reads the step in flight back first, then schedules and launches the next one, and only
+then builds the request outputs of the step it read, so every call launches a step (none runs
+empty, leaving the device idle over a call that only waits) and the outputs' host work runs while
+the device computes.
 """
 from __future__ import annotations
 
@@ -212,8 +219,9 @@ class LLMEngine:
         self.spec_counts = dict(drafts=0, draft_tokens=0, accepted=0)
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
-        # includes waiting for the device to finish the previous step.
-        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process"), 0.0)
+        # includes waiting for the device to finish the previous step; "wait" is that wait alone (a part
+        # of wait_and_process, not another phase).
+        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process", "wait"), 0.0)
         logger.info(startup.memory_plan(params, self.runner.k_cache, self.runner.v_cache, num_pages, cfg.page_size))
         self.warmup_seconds = self._warmup() if cfg.warmup and warmup else 0.0
 
@@ -416,6 +424,26 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         timing = self.step_seconds
+        if self._in_flight is not None and self.scheduler.waits_for_step():
+            t0 = time.perf_counter()
+            touched = self._read_back(self._in_flight)  # the drafts follow its tokens
+            self._in_flight = None
+            timing["wait_and_process"] += time.perf_counter() - t0
+            self._in_flight = self._schedule_and_launch()
+            t0 = time.perf_counter()
+            outputs = self._outputs(touched)
+            timing["wait_and_process"] += time.perf_counter() - t0
+            return outputs
+        launched = self._schedule_and_launch()
+        t1 = time.perf_counter()
+        outputs = self._outputs(self._read_back(self._in_flight)) if self._in_flight is not None else []
+        timing["wait_and_process"] += time.perf_counter() - t1
+        self._in_flight = launched
+        return outputs
+
+    def _schedule_and_launch(self):
+        """Schedule the next step and launch it; what _read_back needs of it, or None for an empty plan."""
+        timing = self.step_seconds
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.block_manager.host_tier is not None:  # evicted pages to host, hits back, before the launch
@@ -444,10 +472,7 @@ class LLMEngine:
                 r.seq.launched(r.start + r.num_tokens, row if r.samples else None)
             launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs), drafting)
             self.num_steps += 1
-        outputs = self._process(self._in_flight) if self._in_flight is not None else []
-        timing["wait_and_process"] += time.perf_counter() - t1
-        self._in_flight = launched
-        return outputs
+        return launched
 
     def _save_states(self, plan) -> None:
         """Snapshot the state of each row whose chunk ended at its prompt's snapshot point (state_pool.py),
@@ -481,10 +506,16 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._release_slot(seq)
 
-    def _process(self, launched) -> list[RequestOutput]:
+    def _read_back(self, launched) -> dict[str, Request]:
+        """Wait for a launched step and take its tokens into their sequences (finishing those that end);
+        returns the requests it touched, for _outputs."""
         plan, out, want_lp, want_plp, drafting = launched
-        tokens = np.asarray(out.tokens)  # waits for the step; the next one is already queued
-        accepted = np.asarray(out.accepted) if any(r.drafts for r in plan.rows) else None
+        t0 = time.perf_counter()
+        if any(r.drafts for r in plan.rows):  # both arrays in one wait
+            tokens, accepted = (np.asarray(a) for a in jax.device_get((out.tokens, out.accepted)))
+        else:
+            tokens, accepted = np.asarray(out.tokens), None  # waits for the step
+        self.step_seconds["wait"] += time.perf_counter() - t0
         lp = top_ids = top_lps = None
         if want_lp:
             lp, top_ids, top_lps = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
@@ -521,6 +552,10 @@ class LLMEngine:
             touched[req.request_id] = req
         if self.proposer is not None:
             self.proposer.collect(plan, drafting)
+        return touched
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The request outputs of the requests a read-back step touched; finished requests are dropped."""
         outputs = []
         for req in touched.values():
             outputs.append(output_processor.make_request_output(req))

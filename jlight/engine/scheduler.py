@@ -100,7 +100,7 @@ class Scheduler:
         #    prompt never holds back the sequences that are already generating.
         decoding = [s for s in self.running if s.prefill_done]
         prefilling = [s for s in self.running if not s.prefill_done]
-        spec = self.speculative if self.speculative and len(self.running) <= self.speculative.disable_by_batch_size else None
+        spec = self._speculation()
         for seq in decoding + prefilling:
             if seq.status is not SeqStatus.RUNNING or budget == 0 or len(rows) >= self.max_num_seqs:
                 continue
@@ -110,7 +110,7 @@ class Scheduler:
                 continue  # its allowed tokens depend on the one the device is still sampling (structured_output.py)
             speculating = spec is not None and seq.prefill_done and speculates(seq)
             if speculating and seq.num_pending_tokens:
-                continue  # its drafts follow the token the device is still sampling
+                continue  # its drafts follow the token the device is still sampling (waits_for_step)
             start = seq.num_computed_tokens
             n = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             drafts = self._drafts(seq, spec, budget - n) if speculating and n == 1 else []
@@ -179,6 +179,20 @@ class Scheduler:
                 self._reserve_lookahead(seq, start + n)
         self.waiting.extendleft(reversed(skipped))
         return SchedulePlan(rows, preempted, spec is not None)
+
+    def _speculation(self) -> SpeculativeConfig | None:
+        """The speculative config while the running batch is small enough to speculate, else None."""
+        spec = self.speculative
+        return spec if spec is not None and len(self.running) <= spec.disable_by_batch_size else None
+
+    def waits_for_step(self) -> bool:
+        """Whether a running sequence would speculate but for a token the device is still sampling: the
+        next schedule leaves it out until the host has read the step in flight back (the engine reads
+        that step first, llm_engine.py)."""
+        if self._speculation() is None:
+            return False
+        return any(seq.status is SeqStatus.RUNNING and seq.prefill_done and seq.num_pending_tokens and speculates(seq)
+                   for seq in self.running)
 
     def _drafts(self, seq: Sequence, spec: SpeculativeConfig, budget: int) -> list[int]:
         """Drafts for a decoding sequence: as many as the step's budget, the context and max_tokens leave."""

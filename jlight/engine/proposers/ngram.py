@@ -1,4 +1,11 @@
-"""N-gram prompt lookup: drafts copied from where the sequence's last tokens occurred before."""
+"""N-gram prompt lookup: drafts copied from where the sequence's last tokens occurred before.
+
+The copy reads on into the drafts it has made (an overlapping copy): where the tokens after the matched
+occurrence run into the end of the history, the drafts continue with the tokens after the occurrence again.
+An occurrence p tokens before the suffix says the text repeats with period p, and the copy predicts that
+the period goes on, so a sequence that repeats a short cycle (one token over and over, say) still gets
+the full num_speculative_tokens drafts a step.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +26,10 @@ class NgramProposer(Proposer):
 def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int) -> list[int]:
     """Prompt lookup: the longest suffix of `tokens` (prompt_lookup_max down to prompt_lookup_min
     tokens) that occurred earlier in them, and the tokens that followed its latest earlier
-    occurrence, at most max_drafts of them. [] when no suffix recurs."""
+    occurrence, max_drafts of them (at most num_speculative_tokens). Draft i is
+    tokens[start + i mod p], where start follows the occurrence and p = len(tokens) - start: the
+    tokens after the occurrence, repeated where they reach the end (the module docstring says why).
+    [] when no suffix recurs."""
     n_tokens = len(tokens)
     max_drafts = min(max_drafts, config.num_speculative_tokens)
     if max_drafts <= 0 or n_tokens < 2:
@@ -35,5 +45,6 @@ def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int
         hits = cand[(windows == tokens[n_tokens - n:]).all(axis=1)]
         if len(hits):
             start = int(hits[-1]) + 1  # the tokens after the latest earlier occurrence
-            return tokens[start:start + max_drafts].tolist()
+            period = n_tokens - start
+            return tokens[start + np.arange(max_drafts) % period].tolist()
     return []
