@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the drain's deadline: on SIGTERM or Ctrl-C, /health and new requests get 503 at once and "
                              "the running requests have this many seconds to finish; then each ends with "
                              f"finish_reason \"abort\" (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
+    server.add_argument("--host-workers", type=_positive_int, default=None,
+                        help="threads that parse, template, tokenize and render requests off the event loop "
+                             "(default: one per core this process may use)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     pd = parser.add_argument_group("disaggregated prefill and decode in separate processes (docs/ARCHITECTURE.md)")
     pd.add_argument("--disaggregated-role", choices=["prefill", "decode", "router"], default=None,
@@ -161,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = tool_call_parser(args)  # before the model loads: a bad flag pair fails at once
     llm = LLM(args.model, **engine_options(args), **disaggregated_options(args))
-    host = HostWork()
+    host = HostWork(args.host_workers)
     async_llm = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests, executor=host.pool)
     app = build_app(async_llm, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     max_body_bytes=args.max_body_bytes, served_model_names=served_model_names(args),

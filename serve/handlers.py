@@ -25,7 +25,7 @@ from jlight.serve.host_work import HostWork, parse_body
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from jlight.serve.request_runner import EngineJob, RequestRunner
 from jlight.serve.response_models import error_body
-from jlight.serve.responses import DONE, ResponseBuilder, sse
+from jlight.serve.responses import DONE, ResponseBuilder, TokenText, sse
 from jlight.serve.validation import (chat_prompt, check_logit_bias_keys, check_model_name, completion_prompts,
                                      resolve_max_tokens, structured_outputs_param, validate_sampling_params)
 
@@ -90,6 +90,7 @@ class GenerationHandlers:
         self.host, self.budget = host, budget
         self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is a 400
         self.tokenizer = async_llm.tokenizer
+        self.token_text = TokenText(self.tokenizer)  # every request's builder shares it (serve/responses.py)
         self.vocab_size = async_llm.model_config.vocab_size
         self.max_model_len = async_llm.max_model_len
 
@@ -138,7 +139,7 @@ class GenerationHandlers:
         jobs = self._jobs(request_id, body, prompts, max_tokens, "prompt", "max_tokens")
         builder = ResponseBuilder("completion", request_id, model, self.tokenizer, body.n,
                                   want_logprobs=body.logprobs is not None, num_top_logprobs=body.logprobs or 0,
-                                  echo=echo)
+                                  echo=echo, token_text=self.token_text)
         return await self._respond(request, body, jobs, builder)
 
     async def chat(self, request: Request) -> Response:
@@ -159,7 +160,7 @@ class GenerationHandlers:
         jobs = self._jobs(request_id, body, [ids], max_tokens, "messages", param)
         builder = ResponseBuilder("chat", request_id, model, self.tokenizer, body.n,
                                   want_logprobs=body.logprobs, num_top_logprobs=body.top_logprobs or 0,
-                                  forced_tool_call=forced, tool_parser=tool_parser)
+                                  forced_tool_call=forced, tool_parser=tool_parser, token_text=self.token_text)
         return await self._respond(request, body, jobs, builder)
 
     async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:

@@ -7,6 +7,12 @@ A stream's chunks are rendered one at a time, as the previous one is sent, and n
 than `piece_tokens` tokens' logprobs: a delta merged while the client read slowly goes out as
 logprobs-only pieces, then its text and finish_reason. So a stream whose client stops reading holds
 one small rendered chunk, besides its unsent tokens (packed, in AsyncLLM's mailbox).
+
+Token texts and bytes (logprobs name every token they list) are cached in one TokenText per server,
+shared by every request (serve/handlers.py): its size is bounded by the vocabulary, once. A cache per
+request grows with the distinct tokens that request has rendered, and a stream keeps its cache while
+its client does not read: with a 128k vocabulary and top_logprobs=20, one n=8 stream of 500 tokens
+renders ~60k distinct tokens, ~16 MB of cache, and a dozen silent readers held that many times over.
 """
 from __future__ import annotations
 
@@ -30,7 +36,9 @@ def sse(payload: dict) -> str:
 
 
 class TokenText:
-    """Token id -> its text and its bytes, cached (logprobs need them for every token)."""
+    """Token id -> its text and its bytes, cached (logprobs need them for every token). Shared by the
+    requests of a server, from the event loop and the host workers: a dict's get and set are atomic,
+    and two threads that miss the same token at once store the same value."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.cache, self.bytes_cache = tokenizer, {}, {}
@@ -42,11 +50,12 @@ class TokenText:
         return text
 
     def bytes(self, token_id: int) -> list[int]:
-        """The token's own bytes: for part of a multi-byte character its text is U+FFFD."""
+        """The token's own bytes: for part of a multi-byte character its text is U+FFFD. Cached as a
+        bytes object (a list of ints takes twice the memory); each call gives a fresh list."""
         raw = self.bytes_cache.get(token_id)
         if raw is None:
-            raw = self.bytes_cache[token_id] = list(self.tokenizer.token_bytes(token_id))
-        return raw
+            raw = self.bytes_cache[token_id] = bytes(self.tokenizer.token_bytes(token_id))
+        return list(raw)
 
 
 def _logprob_tokens(c: CompletionOutput) -> tuple[list[int], Sequence[dict[int, float]]]:
@@ -62,7 +71,7 @@ class ResponseBuilder:
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, n: int, want_logprobs: bool,
                  num_top_logprobs: int = 0, echo: Echo | None = None, forced_tool_call: ForcedToolCall | None = None,
-                 tool_parser: str | None = None, piece_tokens: int = 16):
+                 tool_parser: str | None = None, piece_tokens: int = 16, token_text: TokenText | None = None):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.piece_tokens = piece_tokens  # the most tokens' logprobs one stream chunk carries
         self.forced = forced_tool_call  # a chat request's forced tool call: its output is the call's JSON
@@ -71,7 +80,8 @@ class ResponseBuilder:
         self.tool_streams: dict = {}  # choice index -> its parser's stream state
         self.want_logprobs, self.num_top = want_logprobs, num_top_logprobs
         self.echo = echo
-        self.tokenizer, self.token_text = tokenizer, TokenText(tokenizer)
+        # the server's shared cache (see the module's docstring); a builder of its own without one
+        self.tokenizer, self.token_text = tokenizer, token_text or TokenText(tokenizer)
         self.created = int(time.time())
         # choice index -> (token ids, logprobs) taken from the stream but not sent yet (held back)
         self.unsent_logprobs: dict[int, tuple[list[int], PackedLogprobs]] = {}

@@ -11,10 +11,13 @@ module; the SIGTERM test stops it, so it runs last.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import random
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import chaos_cases  # noqa: E402
 from chaos_client import Target  # noqa: E402
 from jlight.engine.outputs import CompletionOutput, PackedLogprobs, RequestOutput  # noqa: E402
-from jlight.serve.responses import ResponseBuilder  # noqa: E402
+from jlight.serve.responses import ResponseBuilder, TokenText  # noqa: E402
 from server_process import free_port, server_process  # noqa: E402
 
 MAX_MODEL_LEN = 1024
@@ -114,6 +117,55 @@ def test_a_merged_delta_streams_in_small_pieces_rendered_one_at_a_time(kind):
             offsets = [o for c in mine for o in c["logprobs"]["text_offset"]]
             assert offsets == list(range(tokens))  # as one chunk would have them
             assert [v for c in mine for v in c["logprobs"]["token_logprobs"]] == [-0.5] * tokens
+
+
+class _WideTokenizer:
+    """A Llama-3-sized vocabulary, each token a few characters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" w{i:x}" for i in ids)
+
+    def token_bytes(self, token_id):
+        return f" w{token_id:x}".encode()
+
+
+def test_a_stream_holds_no_token_cache_of_its_own():
+    """A builder caching token texts for its own request held them while its client did not read: at a
+    128k vocabulary with top_logprobs=20, ~16 MB for one n=8 stream of 500 tokens; the server's builders
+    share one cache, bounded by the vocabulary."""
+    vocab, tokens, n, top = 128256, 200, 2, 20
+    rng = random.Random(0)
+    outs = []
+    for i in range(n):
+        ids = [rng.randrange(vocab) for _ in range(tokens)]
+        lps = PackedLogprobs({**{rng.randrange(vocab): -1.0 - k for k in range(top)}, t: -0.5} for t in ids)
+        outs.append(CompletionOutput(index=i, text="", token_ids=ids, finish_reason="length", logprobs=lps,
+                                     text_delta=_WideTokenizer().decode(ids), token_ids_delta=ids))
+    out = RequestOutput("r-0", None, [1, 2], outs, finished=True)
+
+    def held_after_rendering(token_text):
+        """(bytes the builder holds once its stream is rendered, the builder, its first chunk)"""
+        gc.collect()
+        tracemalloc.start()
+        try:
+            builder = ResponseBuilder("chat", "r", "m", _WideTokenizer(), n, want_logprobs=True, num_top_logprobs=top,
+                                      token_text=token_text)
+            first = None
+            for chunk in builder.stream_chunks(0, out):
+                first = first or json.loads(chunk[len("data: "):])
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0], builder, first
+        finally:
+            tracemalloc.stop()
+
+    shared = TokenText(_WideTokenizer())
+    held_after_rendering(shared)  # another request rendered these tokens before
+    own = held_after_rendering(None)[0]
+    alone, builder, first = held_after_rendering(shared)
+    assert builder.token_text is shared and len(shared.cache) > 5000
+    entry = first["choices"][0]["logprobs"]["content"][0]
+    assert entry["bytes"] == list(entry["token"].encode())
+    assert own > 2**20 and own > 4 * alone, (own, alone)
 
 
 def test_an_oversized_body_does_not_stall_a_stream(chaos_server):
