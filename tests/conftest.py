@@ -57,49 +57,57 @@ def smollm2_gguf():
     return default_gguf_path()
 
 
-# The files that take longest on a 2-core host (seconds each in a quiet full run of the default
-# selection), longest first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands
+# The files that take longest on a 2-core host (seconds each in a full run of the default selection,
+# 2026-12-04, less what the suite-time cuts of that day took out of them), longest first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands
 # files to the two workers in collection order, so the long ones start first and the short ones fill in
 # at the end, and both workers finish together (longest-processing-time-first). Without
 # --no-loadscope-reorder xdist sorts the files by their number of tests instead, which put several of
 # these single-test files last. The order only changes when a file runs, never what it runs.
 SLOW_FILES_FIRST = (
-    "test_server_e2e.py",  # ~110
-    "test_sharding.py",  # ~80
-    "test_smollm2.py",  # ~64
-    "test_structured_output.py",  # ~60
-    "test_engine_sharded.py",  # ~59
-    "test_kv_cache_int8.py",  # ~59
-    "test_disaggregated_processes.py",  # ~50 (two processes)
-    "test_mosaic_attention.py",  # ~55
-    "test_server_chaos.py",  # ~47
-    "test_speculative_models.py",  # ~42 (a shared host)
-    "test_gemma.py",  # ~40 (alone, on a loaded host)
-    "test_short_tables.py",  # ~40 (a shared host)
-    "test_convert.py",  # ~38
-    "test_cli.py",  # ~33
-    "test_qwen3_5.py",  # ~31 (alone, on a loaded host)
-    "test_moe.py",  # ~30
-    "test_server_app.py",  # ~29
-    "test_granite_hybrid.py",  # ~27 (alone, on a loaded host)
-    "test_tp_long_prefill.py",  # ~24
-    "test_families_sharded.py",  # ~24
-    "test_kv_cache_fp8.py",  # ~24
-    "test_host_tier.py",  # ~23
-    "test_qwen3_next.py",  # ~22 (alone, on a loaded host)
-    "test_nemotron_h.py",  # ~22 (alone, on a loaded host)
-    "test_fp8_weights.py",  # ~26 (a shared host)
-    "test_w8a8_engine.py",  # ~22
-    "test_fp8_checkpoints.py",  # ~21
-    "test_grouped_matmul.py",  # ~21
-    "test_fused_projections.py",  # ~21
-    "test_kernels_matmul.py",  # ~19
-    "test_benchmark_scripts.py",  # ~18
-    "test_disaggregated.py",  # ~18
-    "test_startup.py",  # ~18
-    "test_hybrid_sharded.py",  # ~17 (alone, on a loaded host)
-    "test_random_checkpoint.py",  # ~16
-    "test_mosaic_prefill.py",  # ~15
+    "test_server_e2e.py",  # ~90
+    "test_mosaic_prefill.py",  # ~72
+    "test_mosaic_attention.py",  # ~64
+    "test_structured_output.py",  # ~61
+    "test_smollm2.py",  # ~52
+    "test_sharding.py",  # ~48
+    "test_engine_sharded.py",  # ~42
+    "test_kv_cache_fp8.py",  # ~40
+    "test_cli.py",  # ~38
+    "test_kv_cache_int8.py",  # ~38
+    "test_convert.py",  # ~36
+    "test_server_chaos.py",  # ~35
+    "test_host_tier.py",  # ~35
+    "test_families_sharded.py",  # ~33
+    "test_granite_hybrid.py",  # ~33
+    "test_mla.py",  # ~31
+    "test_kernels_matmul.py",  # ~30
+    "test_server_app.py",  # ~30
+    "test_startup.py",  # ~29
+    "test_split_kv.py",  # ~29
+    "test_executable_store.py",  # ~29
+    "test_moe.py",  # ~28
+    "test_grouped_matmul.py",  # ~26
+    "test_gpt_oss.py",  # ~26
+    "test_reference_llama.py",  # ~25
+    "test_disaggregated_processes.py",  # ~25 (two processes)
+    "test_engine.py",  # ~25
+    "test_nemotron_h.py",  # ~23
+    "test_qwen3_next.py",  # ~23
+    "test_speculative.py",  # ~22
+    "test_speculative_models.py",  # ~21
+    "test_sharding_distributed.py",  # ~21 (two processes)
+    "test_attention_reference.py",  # ~21
+    "test_tp_long_prefill.py",  # ~19
+    "test_short_tables.py",  # ~17
+    "test_phi3_smollm3.py",  # ~16
+    "test_gptq.py",  # ~16
+    "test_hybrid_sharded.py",  # ~15
+    "test_gemma.py",  # ~14
+    "test_fp8_weights.py",  # ~13
+    "test_disaggregated.py",  # ~12
+    "test_benchmark_scripts.py",  # ~12
+    "test_kernels_attention.py",  # ~10
+    "test_qwen3_5.py",  # ~10
 )
 
 

@@ -158,16 +158,69 @@ def one_gguf_reader_per_file():
         gguf.GGUFReader = real
 
 
+@contextlib.contextmanager
+def gguf_name_map_built_once():
+    """transformers builds gguf's tensor-name map once per submodule of the model (~400 times,
+    ~5 s here). It depends only on its arguments and is only read, so build each one once."""
+    import gguf
+
+    real = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(real)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = real
+
+
+def transformers_from_gguf(path: str):
+    """(tokenizer, float32 model) as transformers builds them from a GGUF file (its own GGUF loading and
+    dequantization, ~24 s for SmolLM2 on a loaded 2-core host), saved in transformers' and safetensors'
+    formats under jlight's cache ($JLIGHT_CACHE) the first time, so the other test files (and pytest
+    processes) that compare against them read them back in ~3 s. The copy is keyed by the GGUF's name,
+    size and mtime and by transformers' version; a lock makes concurrent workers build it once."""
+    import fcntl
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from jlight.loading.default_model import cache_dir
+
+    st = os.stat(path)
+    key = f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}-transformers{transformers.__version__}"
+    saved = os.path.join(cache_dir(), "transformers_from_gguf", key)
+    os.makedirs(os.path.dirname(saved), exist_ok=True)
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(saved, "done")):
+            directory, name = os.path.split(path)
+            with one_gguf_reader_per_file(), gguf_name_map_built_once():
+                hf_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+                hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+            tmp = saved + ".partial"
+            os.makedirs(tmp, exist_ok=True)
+            hf.config.save_pretrained(tmp)
+            hf_tok.save_pretrained(tmp)
+            # clone: tied weights (lm_head = embed_tokens) are saved as two tensors, load_state_dict refills both
+            save_file({k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()},
+                      os.path.join(tmp, "weights.safetensors"))
+            open(os.path.join(tmp, "done"), "w").close()
+            if os.path.isdir(saved):
+                import shutil
+                shutil.rmtree(saved)
+            os.replace(tmp, saved)
+            return hf_tok, hf
+    hf_tok = AutoTokenizer.from_pretrained(saved)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(saved), dtype=torch.float32).eval()
+    hf.load_state_dict(load_file(os.path.join(saved, "weights.safetensors")), strict=True)
+    return hf_tok, hf
+
+
 def gguf_and_transformers(path: str):
     """(jlight LoadedModel float32, transformers model float32, transformers tokenizer) for the same GGUF file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from jlight.loading import load_model
 
     loaded = load_model(path, dtype="float32")
-    directory, name = os.path.split(path)
-    with one_gguf_reader_per_file():
-        hf_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    hf_tok, hf = transformers_from_gguf(path)
     return loaded, hf, hf_tok

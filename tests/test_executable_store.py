@@ -1,10 +1,11 @@
 """Compiled steps stored between engines (executable_store.py): a second engine with the same
 configuration loads every bucket instead of tracing it and gives the same tokens; another configuration
-or a damaged entry compiles instead."""
+or a damaged entry compiles instead (the separate damaged-entry test runs with -m extended)."""
 import glob
 import os
 
 import jax
+import pytest
 
 import jlight
 from jlight import SamplingParams
@@ -51,12 +52,24 @@ def test_a_second_engine_loads_every_bucket_and_gives_the_same_tokens(tiny_model
     assert _tokens(second) == want
 
     # Another configuration is another program: its steps compile and are stored beside the first's.
+    firsts = _entries(tmp_path)
     other = _engine(model_dir, str(tmp_path), max_num_seqs=3)
     assert other.engine.runner.executable_store.loaded == 0
     assert len(_entries(tmp_path)) == 2 * buckets
     assert _tokens(other) == want
 
+    # A damaged entry (truncated: as a crash mid-write would leave it without the rename) is compiled instead,
+    # the others loaded. Not the first's programs, which `second` loaded: XLA:CPU cannot run one serialized
+    # program loaded twice in a process once the first copy is freed ("Function ... not found").
+    others = sorted(set(_entries(tmp_path)) - set(firsts))
+    with open(others[0], "r+b") as f:
+        f.truncate(100)
+    again = _engine(model_dir, str(tmp_path), max_num_seqs=3)
+    assert again.engine.runner.executable_store.loaded == buckets - 1
+    assert _tokens(again) == want
 
+
+@pytest.mark.extended  # the test above damages an entry of its second configuration the same way
 def test_a_damaged_entry_is_compiled_instead(tiny_model, tmp_path):
     # Not the first test's program: XLA:CPU cannot run one serialized program loaded twice in a process
     # once the first copy is freed ("Function ... not found"), another reason the CPU stores nothing by default.

@@ -18,7 +18,7 @@ PAGE_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8-token pages, 2 KV he
 def small_engine(model_dir, host_pages=None):
     """40 device pages (39 usable, 312 tokens): less than the workload's prefixes need."""
     size = None if host_pages is None else host_pages * PAGE_BYTES / 2**30
-    return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=40,
+    return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, page_size=8, num_pages=40,
                       kv_offloading_size=size).engine
 
 

@@ -45,7 +45,16 @@ def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, num_layers=2, pa
     return q, k, v, md
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+# With -m extended only (each repeats paths the default cases run): batch-1 decode with the cost rule's items (264
+# programs to interpret; the same rule, grid and chunked combine run over fp8 pools in test_kv_cache_fp8's
+# decode_batch1_p64, and bf16 items in decode_items), group-8 prefill blocks (the same batch runs with sinks and
+# soft-capping in test_soft_cap_and_sinks_match_reference, and int8's prefill_gqa8_p32), a window over work items
+# (decode_items_all_kinds: a window of 128 over 12 items).
+EXTENDED_CASES = ("decode_batch1_items", "mixed_gqa8", "decode_window_items")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c[0] in EXTENDED_CASES else c
+                                  for c in CASES], ids=[c[0] for c in CASES])
 def test_matches_reference(case):
     name, group, head_dim, q_lens, ctx_lens, num_tokens, window, num_items = case
     q, k, v, md = _inputs(np.random.default_rng(sum(map(ord, name))), group, head_dim, q_lens, ctx_lens, num_tokens)
@@ -81,7 +90,9 @@ def test_soft_cap_and_sinks_match_reference(case):
     check_attention_output(got, want, md, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("page_size", [8, 32, 64])
+# Pages of 32 and 64 with -m extended: the int8 cases below walk the same tables (2 and 1 pages a step) over
+# pages of 32 (decode items and prefill) and 64 (a mixed step).
+@pytest.mark.parametrize("page_size", [8] + [pytest.param(p, marks=pytest.mark.extended) for p in (32, 64)])
 def test_other_page_sizes_match_reference(page_size):
     """Pages of 8, 32 and 64 tokens (a step's 64 positions are 8, 2 or 1 pages): decode rows at and
     across page boundaries, and a prefill chunk over earlier context."""

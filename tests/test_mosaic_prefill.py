@@ -47,7 +47,15 @@ def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_he
 # The first case runs by default; the others (two warpgroups' rows, group 3 with two KV heads) with -m extended.
 @pytest.mark.parametrize("case", [CASES[0]] + [pytest.param(c, marks=pytest.mark.extended) for c in CASES[1:]],
                          ids=[c[0] for c in CASES])
-def test_matches_reference(case):
+def test_matches_reference(case, monkeypatch):
+    """Against the reference; interpreted, under the race detector too: the K/V slots that the memory
+    warpgroup refills once both compute warpgroups have released them (the chunk's 300 positions are three
+    steps through two slots)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
+
+    interpreting = pallas_mode.default_interpret()
+    if interpreting:
+        monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
     name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads = case
     q, k, v, md = _inputs(np.random.default_rng(sum(map(ord, name))), group, head_dim, q_lens, ctx_lens, num_tokens,
                           page_size, kv_heads)
@@ -56,6 +64,7 @@ def test_matches_reference(case):
     want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, scale=head_dim ** -0.5)
     got = paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=head_dim ** -0.5)
     check_attention_output(got, want, md, jnp.bfloat16)
+    assert not (interpreting and interpret_pallas_call.get_races().races_found)
 
 
 # (name, group, head_dim, q_lens, context_lens, num_tokens, page_size, kv_heads, pools, window, soft_cap, sinks,
@@ -100,6 +109,7 @@ def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
     assert not (interpreting and interpret_pallas_call.get_races().races_found)
 
 
+@pytest.mark.extended  # test_matches_reference's default case runs the same slot protocol under the detector
 def test_no_races_between_the_warpgroups(monkeypatch):
     """The interpreter's race detector over the K/V slots that the memory warpgroup refills once both
     compute warpgroups have released them (three steps through two slots)."""

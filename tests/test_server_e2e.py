@@ -10,8 +10,6 @@ it, so it runs last.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import json
 import os
 import random
@@ -235,20 +233,6 @@ def test_bad_structured_outputs_openai_client(client, model_name):
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
 
 
-@contextlib.contextmanager
-def _gguf_name_map_built_once():
-    """transformers builds gguf's tensor-name map once per submodule of the model (~400 times,
-    ~5 s here). It depends only on its arguments and is only read, so build each one once."""
-    import gguf
-
-    real = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(real)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = real
-
-
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city",
     # Bounded lengths keep the call within the tests' few tokens.
@@ -315,14 +299,11 @@ def test_bad_tool_requests_openai_client(client, model_name, fields, param):
 def hf_model():
     """transformers' own model of the GGUF the server runs (float32, as jlight on the CPU): the
     reference for the echoed prompt logprobs."""
-    torch = pytest.importorskip("torch")
-    from direct_forward import one_gguf_reader_per_file
-    from transformers import AutoModelForCausalLM
+    pytest.importorskip("torch")
+    from direct_forward import transformers_from_gguf
 
     from jlight.loading.default_model import default_gguf_path
-    directory, name = os.path.split(default_gguf_path())
-    with one_gguf_reader_per_file(), _gguf_name_map_built_once():
-        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return transformers_from_gguf(default_gguf_path())[1]
 
 
 def _hf_logprobs(hf_model, ids):

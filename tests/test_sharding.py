@@ -4,6 +4,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before JAX starts
 checks run once in a subprocess (this file run as a script), which writes its measurements
 to JSON; the tests below assert on them. Tiny float32 Llama (init_params), vocab 250 so
 the vocab-padding path runs for every tp > 1, 2 KV heads so tp=4/8 replicate KV heads.
+EXTENDED_RUNS (combinations of what RUNS covers) run in a second subprocess with `-m extended`.
 """
 from __future__ import annotations
 
@@ -23,17 +24,22 @@ DECODE_STEPS = 4
 # (label, mesh spec, collective matmul, int8 all-reduce)
 RUNS = [
     ("tp=1", "tp=1", True, False),
-    ("tp=2", "tp=2", False, False),
     ("tp=2 cm", "tp=2", True, False),
     ("tp=4", "tp=4", False, False),
     ("tp=8 cm", "tp=8", True, False),
-    ("dp=2,tp=4", "dp=2,tp=4", False, False),
     ("dp=4,tp=2 cm", "dp=4,tp=2", True, False),
     ("tp=4 int8", "tp=4", False, True),
     # Mixtral-style MoE (4 experts, top-2): experts split on ep, their mlp dim on tp.
     ("moe ep=2,tp=2 cm", "ep=2,tp=2", True, False),
-    ("moe ep=4,tp=2", "ep=4,tp=2", False, False),
     ("moe tp=4 cm", "tp=4", True, False),
+]
+# Combinations of what RUNS already covers, run by a second worker with -m extended: tp=2 without collective
+# matmul (tp=2 with it and tp=4 without it run by default), dp=2 over tp=4 (data parallel: dp=4,tp=2 cm; KV
+# heads replicated to 4: tp=4), experts on ep=4 with tp=2 (ep: moe ep=2,tp=2 cm; ep=4: test_engine_sharded).
+EXTENDED_RUNS = [
+    ("tp=2", "tp=2", False, False),
+    ("dp=2,tp=4", "dp=2,tp=4", False, False),
+    ("moe ep=4,tp=2", "ep=4,tp=2", False, False),
 ]
 
 
@@ -166,7 +172,8 @@ def _hlo_counts(text):
     return {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in ops}
 
 
-def worker(out_path):
+def worker(out_path, labels=None):
+    """The RUNS (and the HLO, collective-matmul and int8 all-reduce checks), or with `labels` those runs only."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -194,7 +201,8 @@ def worker(out_path):
         ref_step = jax.jit(functools.partial(_model_fn(cfg, kernels, family), ops=ParallelOps()))
         references[name] = [_generate(ref_step, prm, cfg, [p], lambda xs: xs[0]) for p in prompts]
 
-    for label, spec, cm, int8 in RUNS:
+    runs = RUNS if labels is None else [r for r in RUNS + EXTENDED_RUNS if r[0] in labels]
+    for label, spec, cm, int8 in runs:
         family, cfg, prm = models["moe" if label.startswith("moe") else "llama"]
         reference = references["moe" if label.startswith("moe") else "llama"]
         sizes = dict(part.split("=") for part in spec.split(","))
@@ -213,6 +221,10 @@ def worker(out_path):
             "tokens": tokens, "reference_tokens": [reference[r][1][0] for r in range(dp)],
             "kv_heads": plan.config.num_kv_heads,
         }
+    if labels is not None:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+        return
 
     # Compiled HLO of a tp=4 prefill step with collective matmul on and off.
     mesh = make_mesh("tp=4", jax.devices()[:4])
@@ -264,24 +276,35 @@ def worker(out_path):
 
 # ---------------------------------------------------------------------------- tests ---
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding") / "results.json"
+def _run_worker(out, labels=None):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    args = [sys.executable, __file__, str(out)] + ([json.dumps(labels)] if labels is not None else [])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("label", [r[0] for r in RUNS if "int8" not in r[0]])
-def test_sharded_logits_and_greedy_tokens_match_unsharded(results, label):
-    r = results[label]
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _run_worker(tmp_path_factory.mktemp("sharding") / "results.json")
+
+
+@pytest.fixture(scope="module")
+def extended_results(tmp_path_factory):
+    return _run_worker(tmp_path_factory.mktemp("sharding") / "extended.json", [r[0] for r in EXTENDED_RUNS])
+
+
+@pytest.mark.parametrize("label", [r[0] for r in RUNS if "int8" not in r[0]]
+                         + [pytest.param(r[0], marks=pytest.mark.extended) for r in EXTENDED_RUNS])
+def test_sharded_logits_and_greedy_tokens_match_unsharded(request, label):
+    fixture = "extended_results" if label in [r[0] for r in EXTENDED_RUNS] else "results"
+    r = request.getfixturevalue(fixture)[label]
     assert r["max_abs_logit_diff"] < 1e-4, r
     assert r["tokens"] == r["reference_tokens"]
 
 
 def test_kv_heads_replicated_up_to_tp(results):
-    assert results["tp=2"]["kv_heads"] == 2
+    assert results["tp=2 cm"]["kv_heads"] == 2
     assert results["tp=4"]["kv_heads"] == 4
     assert results["tp=8 cm"]["kv_heads"] == 8
 
@@ -322,4 +345,4 @@ def test_int8_all_reduce_within_error_bound(results):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -42,7 +42,8 @@ def _check_items(begin, end, num_items, min_steps, max_per_block=None):
     return items, real
 
 
-@pytest.mark.parametrize("seed", range(6))
+# Three random cases by default (with and without max_per_block), three more with -m extended.
+@pytest.mark.parametrize("seed", [0, 1, 2] + [pytest.param(s, marks=pytest.mark.extended) for s in (3, 4, 5)])
 def test_work_items_cover_every_step_once(seed):
     rng = np.random.default_rng(seed)
     num_blocks = int(rng.integers(1, 20))

@@ -51,20 +51,14 @@ CONSTRAINTS = {"json": {"json": SCHEMA}, "json_object": {"json_object": True}, "
 def test_constrained_greedy_matches_transformers_with_the_grammar_applied_by_hand(llm, smollm2_gguf):
     """The reference: transformers' logits for the same GGUF, the allowed tokens from a matcher built here
     from transformers' own tokenizer, argmax over those; the engine must pick the same tokens."""
-    import os
-
     import llguidance
     import llguidance.hf
     import llguidance.numpy
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from direct_forward import one_gguf_reader_per_file
+    from direct_forward import transformers_from_gguf
 
-    directory, name = os.path.split(smollm2_gguf)
-    with one_gguf_reader_per_file():
-        hf_tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    hf_tok, hf = transformers_from_gguf(smollm2_gguf)
     prompt = hf_tok.encode(chat(llm, "Describe a made-up person as JSON with a name and an age."), add_special_tokens=False)
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA}),
                         use_tqdm=False)[0].outputs[0]
@@ -132,16 +126,16 @@ def test_n_samples_preemption_and_abort(llm, smollm2_gguf):
                                                                  structured_outputs={"choice": CHOICES}), use_tqdm=False)
     assert len(outs[0].outputs) == 4 and all(o.text in CHOICES for o in outs[0].outputs)
 
-    # A pool of 16 pages of 8 tokens holds two of these ~55-token sequences, not six: preemption must
+    # A pool of 16 pages of 8 tokens holds two of these ~55-token sequences, not four: preemption must
     # happen, and the constrained outputs must be those of the roomy engine. (One 64-token step bucket:
     # one compile.)
-    small = jlight.LLM(smollm2_gguf, dtype="float32", max_num_seqs=6, max_num_batched_tokens=64, min_token_bucket=64,
+    small = jlight.LLM(smollm2_gguf, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
                        max_model_len=512, page_size=8, num_pages=16, compilation_cache_dir=None)
-    prompts = [chat(llm, f"Make up person number {i} as JSON.") for i in range(6)]
+    prompts = [chat(llm, f"Make up person number {i} as JSON.") for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA})
     tight = {i: out.outputs[0].token_ids for i, out in enumerate(small.generate(prompts, params, use_tqdm=False))}
     assert small.engine.stats().num_preemptions > 0
-    assert [tight[i] for i in range(6)] == ids_of(llm.generate(prompts, params, use_tqdm=False))
+    assert [tight[i] for i in range(4)] == ids_of(llm.generate(prompts, params, use_tqdm=False))
 
     engine = llm.engine
     engine.add_request("to-abort", chat(llm, "JSON please."), SamplingParams(temperature=0.7, max_tokens=40,
