@@ -73,6 +73,7 @@ SLOW_FILES_FIRST = (
     "test_engine_sharded.py",  # ~42
     "test_kv_cache_fp8.py",  # ~40
     "test_cli.py",  # ~38
+    "test_fp8_weights.py",  # ~40
     "test_kv_cache_int8.py",  # ~38
     "test_convert.py",  # ~36
     "test_server_chaos.py",  # ~35
@@ -103,9 +104,10 @@ SLOW_FILES_FIRST = (
     "test_gptq.py",  # ~16
     "test_hybrid_sharded.py",  # ~15
     "test_gemma.py",  # ~14
-    "test_fp8_weights.py",  # ~13
     "test_disaggregated.py",  # ~12
     "test_benchmark_scripts.py",  # ~12
+    "test_random_checkpoint.py",  # ~20
+    "test_step_packing.py",  # ~12
     "test_kernels_attention.py",  # ~10
     "test_qwen3_5.py",  # ~10
 )
