@@ -150,3 +150,6 @@ runs.sort()
 print(json.dumps(dict(ngram=dict(spec=a.spec, speculative_config=spec, prompt_tokens=len(prompt), max_tokens=n,
                                  ms_per_token=round(runs[len(runs) // 2], 3), runs_ms=[round(r, 3) for r in runs],
                                  warmup_s=round(warmup_s, 1), acceptance=acceptance(before, after)))), flush=True)
+# vLLM's engine process can keep a finished run's interpreter from exiting; the result is printed, so the
+# process ends here.
+os._exit(0)
