@@ -12,7 +12,7 @@ Token texts and bytes (logprobs name every token they list) are cached in one To
 shared by every request (serve/handlers.py): its size is bounded by the vocabulary, once. A cache per
 request grows with the distinct tokens that request has rendered, and a stream keeps its cache while
 its client does not read: with a 128k vocabulary and top_logprobs=20, one n=8 stream of 500 tokens
-renders ~60k distinct tokens, ~16 MB of cache, and a dozen silent readers held that many times over.
+renders ~60k distinct tokens, ~16 MB of cache, and a dozen silent readers would hold that many times over.
 """
 from __future__ import annotations
 
