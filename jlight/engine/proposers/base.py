@@ -8,10 +8,12 @@ hands them out. Both kinds propose greedily (speculative.py says why the verific
 """
 from __future__ import annotations
 
+import abc
+
 from jlight.engine.sequence import Sequence
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """A proposer that runs nothing on the device; device proposers override the device hooks."""
     # Positions past a sampling row's last token that the proposer's own step writes K/V for (the
     # scheduler reserves their pages when it can).
@@ -19,9 +21,9 @@ class Proposer:
     # What the target step returns for the proposer (model_runner.Taps), or None.
     taps = None
 
+    @abc.abstractmethod
     def drafts(self, seq: Sequence, max_drafts: int) -> list[int]:
         """Up to max_drafts tokens to follow the sequence's known tokens ([] for none)."""
-        raise NotImplementedError
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         """Bytes the proposer's own K/V take per page of the target's pool (sized from the same budget)."""

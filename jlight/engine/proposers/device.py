@@ -25,6 +25,8 @@ max(0, p - q)).
 """
 from __future__ import annotations
 
+import abc
+
 import functools
 import time
 from typing import NamedTuple
@@ -111,16 +113,17 @@ class DeviceProposer(Proposer):
         self._chain_compiled: dict = {}  # (rows, page-table width) -> the chain compiled for them
 
     # ---- what a subclass gives ------------------------------------------------------------
+    @abc.abstractmethod
     def pool_shapes(self, num_pages: int, page_size: int) -> tuple[tuple, tuple]:
-        raise NotImplementedError
+        """The shapes of the proposer's own K and V pools."""
 
+    @abc.abstractmethod
     def first_pass(self, params, k_cache, v_cache, tokens, hidden, md: BatchMetadata, kept: KeptRows):
         """-> (k_cache, v_cache, first drafts [B] or None, chain hidden [B, embed] or None)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def chain_step(self, params, k_cache, v_cache, tokens, hidden, md: BatchMetadata):
         """One draft for every row: -> (k_cache, v_cache, drafts [B] int32, hidden [B, embed] or None)."""
-        raise NotImplementedError
 
     # ---- the Proposer interface -----------------------------------------------------------
     def drafts(self, seq: Sequence, max_drafts: int) -> list[int]:
