@@ -62,3 +62,17 @@ def check_engine(path: str, hf, num_pages: int = 24, **options):
     assert llm.engine.stats().num_preemptions > 0, "the pool was meant to be too small for the batch"
     assert llm.engine.block_manager.num_used_pages == 0
     return [first] + outs
+
+
+def engine_greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation (max_tokens, EOS ignored) through an LLMEngine's own step loop."""
+    from jlight.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids_delta)
+    return [got[f"r{i}"] for i in range(len(prompts))]

@@ -1,9 +1,11 @@
-"""`jlight serve` (or a wrapper of it) as a subprocess on 127.0.0.1, for the end-to-end server tests."""
+"""`jlight serve` (or a wrapper of it) as a subprocess on 127.0.0.1, for the end-to-end server tests, and an ASGI
+app served in a thread of the test process (serve_in_thread)."""
 from __future__ import annotations
 
 import contextlib
 import socket
 import subprocess
+import threading
 import time
 
 import httpx
@@ -37,3 +39,22 @@ def server_process(cmd: list[str], port: int, log_path: str, start_timeout_s: fl
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, start_timeout_s: float = 20):
+    """Serve the ASGI `app` with uvicorn on a free port in a daemon thread; yields its URL, then stops it."""
+    import uvicorn
+
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + start_timeout_s
+    while not srv.started:
+        assert time.time() < deadline, "the app's server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from direct_forward import SingleSequenceRunner, gguf_and_transformers, hf_greedy, hf_logits
+from families_common import engine_greedy_tokens
 
 pytestmark = pytest.mark.extended
 
@@ -59,7 +60,6 @@ def test_greedy_through_the_engine_matches_transformers(models):
     256-token prefill chunks, on the engine's windowed KV pool."""
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
-    from jlight.engine.sampling_params import SamplingParams
 
     loaded, hf, _ = models
     tok = loaded.tokenizer
@@ -69,15 +69,8 @@ def test_greedy_through_the_engine_matches_transformers(models):
     engine = LLMEngine(EngineConfig(model=None, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4, num_pages=600,
                                     compilation_cache_dir=None, warmup=False), loaded=loaded)
     assert engine.kv_pages is not None, "Gemma 3 runs on the windowed pool by default"
-    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
-    got = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids_delta)
-    for i, prompt in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(hf, prompt, GREEDY_TOKENS), tok.decode(prompt)[-80:]
+    for got, prompt in zip(engine_greedy_tokens(engine, prompts, GREEDY_TOKENS), prompts):
+        assert got == hf_greedy(hf, prompt, GREEDY_TOKENS), tok.decode(prompt)[-80:]
 
 
 def test_tokenizer_matches_transformers(models):

@@ -4,7 +4,6 @@ prefill server fails, and that a client leaving mid-stream aborts the decode ser
 prefill and decode processes: test_disaggregated_processes.py (extended)."""
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 
 from jlight.engine.outputs import RequestOutput
 from jlight.serve.router import build_router_app, handed_on
-from server_process import free_port
+from server_process import free_port, serve_in_thread
 from test_server_app import HEADERS, FakeAsyncLLM, _serve, post
 
 HANDOFF = {"transfer_id": "t1", "first_token_id": 120, "seed": 5, "num_prompt_tokens": 2, "num_pages": 1}
@@ -44,30 +43,13 @@ class FakeDecode(FakeAsyncLLM):
             yield out
 
 
-def _run_router(prefill_url: str, decode_url: str):
-    import uvicorn
-
-    app = build_router_app(prefill_url, decode_url)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "router did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", srv, thread
-
-
 @pytest.fixture(scope="module")
 def pd():
     prefill_gen, decode_gen = _serve(FakePrefill()), _serve(FakeDecode())
     (prefill_url, prefill), (decode_url, decode) = next(prefill_gen), next(decode_gen)
-    url, srv, thread = _run_router(prefill_url, decode_url)
     decode.url = decode_url
-    yield url, prefill, decode
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(build_router_app(prefill_url, decode_url)) as url:
+        yield url, prefill, decode
     for gen in (prefill_gen, decode_gen):
         gen.close()
 
@@ -126,17 +108,13 @@ def test_a_client_error_comes_back_from_the_prefill_server(fresh):
 def test_a_failed_prefill_loses_nothing(pd):
     _, _, decode = pd
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    url, srv, thread = _run_router(dead, decode.url)
-    try:
+    with serve_in_thread(build_router_app(dead, decode.url)) as url:
         decode.seen.clear()
         r = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert decode.seen == [None]  # computed whole on the decode server
         assert 'jlight_router_requests_total{route="prefill_failed"} 1' in httpx.get(url + "/metrics").text
         assert httpx.get(url + "/health").status_code == 503
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_leaving_mid_stream_aborts_the_decode_request(fresh):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -21,6 +19,7 @@ from jlight.engine.outputs import CompletionOutput, RequestOutput
 from jlight.core.errors import EngineOverloadedError
 from jlight.serve.metrics import parse_metrics
 from jlight.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from server_process import serve_in_thread
 
 API_KEY = "test-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -150,12 +149,6 @@ class FakeAsyncLLM:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     yield from _serve(FakeAsyncLLM())
@@ -163,22 +156,11 @@ def server():
 
 def _serve(llm, **app_options):
     """Serve `llm` on a free port in a thread; yields (url, llm) until the fixture ends."""
-    import uvicorn
-
     from jlight.serve.app import build_app
     app = build_app(llm, api_key=API_KEY, max_waiting_requests=8, max_body_bytes=4096, **app_options)
     llm.app = app  # tests reach the app's state (its drain) through the stand-in
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as url:
+        yield url, llm
 
 
 def post(url, path, body=None, content=None, headers=HEADERS, **kw):

@@ -14,6 +14,7 @@ from jlight.engine.engine_config import EngineConfig
 from jlight.engine.llm_engine import LLMEngine
 from jlight.engine.sampling_params import SamplingParams
 from jlight.pallas_kernels import dispatch, paged_attention_mosaic, split_kv
+from families_common import engine_greedy_tokens
 
 SPAN = 32  # positions: 4 pages of 8
 
@@ -46,14 +47,7 @@ def _run(engine, prompts, max_tokens, widths=None):
             return inp
 
         engine.runner.prepare = prepare
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids_delta)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return engine_greedy_tokens(engine, prompts, max_tokens)
 
 
 def test_short_steps_run_the_narrow_variant_with_the_same_tokens(model_dir, monkeypatch):
