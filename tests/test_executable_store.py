@@ -1,10 +1,13 @@
 """Compiled steps stored between engines (executable_store.py): a second engine with the same
 configuration loads every bucket instead of tracing it and gives the same tokens; another configuration
-or a damaged entry compiles instead (the separate damaged-entry test runs with -m extended)."""
+or a damaged entry compiles instead (the separate damaged-entry test runs with -m extended); a step that
+JAX's persistent cache could serve is still stored with its code, so a new process runs it."""
 import glob
 import os
+import subprocess
+import sys
+import textwrap
 
-import jax
 import pytest
 
 import jlight
@@ -18,9 +21,7 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 40))]
 def _engine(model_dir, cache, **kw):
     """An engine whose step buckets go through an ExecutableStore under `cache` that stores every compile
     (the tiny model's compile is well under the store's default 1 s). The pool size differs in every
-    pytest process, so JAX's own persistent cache (one directory a process, kept between runs) cannot
-    have served these programs: on the CPU the store is off by default because such executables do not
-    serialize whole."""
+    pytest process, so no two processes run these programs."""
     opts = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
                 num_pages=64 + os.getpid() % 1000, store_executables=False, warmup=False)
     llm = jlight.LLM(model_dir, **{**opts, **kw})
@@ -83,12 +84,55 @@ def test_a_damaged_entry_is_compiled_instead(tiny_model, tmp_path):
     assert _tokens(llm) == want
 
 
-def test_the_engine_stores_on_gpus_by_default_and_only_with_a_cache_directory(tiny_model, tmp_path):
+def test_the_engine_stores_by_default_and_only_with_a_cache_directory(tiny_model, tmp_path):
     model_dir = tiny_model("LlamaForCausalLM")
     opts = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32, warmup=False)
-    default = jlight.LLM(model_dir, compilation_cache_dir=str(tmp_path), **opts).engine.runner.executable_store
-    assert (default is not None) == (jax.default_backend() == "gpu")
-    assert jlight.LLM(model_dir, compilation_cache_dir=str(tmp_path), store_executables=True,
-                      **opts).engine.runner.executable_store is not None
+    assert jlight.LLM(model_dir, compilation_cache_dir=str(tmp_path), **opts).engine.runner.executable_store is not None
+    assert jlight.LLM(model_dir, compilation_cache_dir=str(tmp_path), store_executables=False,
+                      **opts).engine.runner.executable_store is None
     assert jlight.LLM(model_dir, compilation_cache_dir="", store_executables=True,
                       **opts).engine.runner.executable_store is None
+
+
+# One engine's start in a new process: a warm-up with JAX's persistent cache on for every compile (min time 0),
+# through the store if argv[3] == "store", then the greedy tokens of PROMPTS printed.
+START = textwrap.dedent("""
+    import json, os, sys
+    import jax
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    import jlight
+    from jlight.engine.executable_store import ExecutableStore
+    model_dir, cache, mode = sys.argv[1:4]
+    llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64,
+                     compilation_cache_dir=cache, store_executables=False, warmup=False)
+    runner = llm.engine.runner
+    if mode == "store":
+        runner.executable_store = ExecutableStore(os.path.join(cache, "executables"), "start", min_compile_seconds=0.0)
+    runner.warmup()
+    outs = llm.generate(json.loads(sys.argv[4]), jlight.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    store = runner.executable_store
+    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "loaded": store.loaded if store else None,
+                      "saved": store.saved if store else None}))
+""")
+
+
+def _start(model_dir, cache, mode):
+    import json
+    proc = subprocess.run([sys.executable, "-c", START, model_dir, str(cache), mode, json.dumps(PROMPTS)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_step_jax_cache_could_serve_is_stored_with_its_code(tiny_model, tmp_path):
+    # On the CPU a step JAX's persistent cache served serializes without its code; the store compiles around
+    # that cache, so what it saves runs in a new process.
+    model_dir = tiny_model("LlamaForCausalLM")
+    plain = _start(model_dir, tmp_path, "jax-cache-only")  # fills JAX's cache with every bucket
+    assert plain["loaded"] is None and len(glob.glob(os.path.join(str(tmp_path), "*-*"))) > 0
+    stored = _start(model_dir, tmp_path, "store")
+    assert stored["loaded"] == 0 and stored["saved"] == len(_entries(tmp_path)) > 0
+    loaded = _start(model_dir, tmp_path, "store")
+    assert loaded["loaded"] == stored["saved"] and loaded["saved"] == 0
+    assert plain["tokens"] == stored["tokens"] == loaded["tokens"]

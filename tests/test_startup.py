@@ -102,16 +102,17 @@ WARM_START = textwrap.dedent("""
     compiler_log.setLevel(logging.DEBUG)
     compiler_log.addHandler(Count())
     llm = jlight.LLM(sys.argv[1], dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
-                     min_token_bucket=8)
+                     min_token_bucket=8, store_executables=False)
     out = llm.generate([list(range(3, 23))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     print(Count.hits, Count.misses, out[0].outputs[0].token_ids)
 """)
 
 
 def test_a_warm_start_loads_every_step_from_the_compilation_cache(tiny_model, tmp_path):
-    """Two processes over one $JLIGHT_COMPILATION_CACHE_DIR: the first compiles both buckets and stores them,
-    the second finds both there and compiles none; the answers agree. (JAX stores only compiles of at
-    least jax_persistent_cache_min_compile_time_secs, 1 s by default; the tiny model's take less, hence 0.)"""
+    """Two processes over one $JLIGHT_COMPILATION_CACHE_DIR, without the executable store (test_executable_store.py):
+    the first compiles both buckets and JAX's cache keeps them, the second finds both there and compiles none;
+    the answers agree. (JAX stores only compiles of at least jax_persistent_cache_min_compile_time_secs, 1 s
+    by default; the tiny model's take less, hence 0.)"""
     model = tiny_model("LlamaForCausalLM")
     env = dict(os.environ, JLIGHT_COMPILATION_CACHE_DIR=str(tmp_path / "xla"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     runs = []

@@ -105,8 +105,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     # Keep each compiled step bucket under compilation_cache_dir/executables (executable_store.py): a warm
     # start loads them and skips tracing and lowering as well as compiling. Needs compilation_cache_dir.
-    # None: on GPUs only (on the CPU, executables JAX's cache served do not serialize whole).
-    store_executables: bool | None = None
+    store_executables: bool = True
 
     def validate(self) -> "EngineConfig":
         def bad(field, why):

@@ -15,10 +15,9 @@ Invariants:
   any reason (a corrupt or truncated file, a JAX that cannot deserialize it) is logged and the step is
   compiled instead: the store can only save time, never change what runs.
 - Only compiles that took at least min_compile_seconds are stored (1 s, as JAX's persistent cache).
-- The engine stores executables on GPUs only. On the CPU (JAX 0.10.2) an executable that JAX's persistent
-  cache served serializes without its code: the copy loads, then fails at its first run ("Function ...
-  not found"). The store cannot tell such an executable from a fresh compile, so the CPU keeps to JAX's
-  cache.
+- What the store saves runs when loaded: on the CPU (JAX 0.10.2) an executable that JAX's persistent cache
+  served serializes without its code (the copy loads, then fails at its first run: "Function ... not
+  found"), so there `compile` has XLA compile the step itself, around that cache.
 - Entries are only ever read by the process that asks for their exact key; the directory is the
   user's own cache (the engine's compilation cache directory), never shared input.
 """
@@ -30,8 +29,10 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 
 import jax
+from jax._src import config as jax_config  # enable_compilation_cache as a thread-local context; private in jax 0.10/0.11
 from jax.experimental import serialize_executable
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,18 @@ class ExecutableStore:
             logger.info("stored executable %s unusable (%s: %.200s); compiling it", path, type(e).__name__, e)
             return None
         self.loaded += 1
+        return compiled
+
+    def compile(self, key: str, lowered):
+        """Compile `lowered` (XLA's own compile on the CPU, not a copy from JAX's persistent cache: see the
+        invariants) and store the result under `key`."""
+        start = time.perf_counter()
+        if jax.default_backend() == "cpu":
+            with jax_config.enable_compilation_cache(False):
+                compiled = lowered.compile()
+        else:
+            compiled = lowered.compile()
+        self.save(key, compiled, time.perf_counter() - start)
         return compiled
 
     def save(self, key: str, compiled, compile_seconds: float) -> None:

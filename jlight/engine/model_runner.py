@@ -495,11 +495,7 @@ class ModelRunner:
         return _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), width or self.max_pages_per_seq, self)
 
     def _compile(self, lowered, key):
-        start = time.perf_counter()
-        compiled = lowered.compile()
-        if self.executable_store is not None:
-            self.executable_store.save(key, compiled, time.perf_counter() - start)
-        return compiled
+        return lowered.compile() if self.executable_store is None else self.executable_store.compile(key, lowered)
 
 
 class _SampledPositions:

@@ -24,7 +24,6 @@ import jax
 from jlight.engine import kv_groups
 from jlight.engine.executable_store import ExecutableStore
 from jlight.engine.host_tier import HostTier
-from jlight.pallas_kernels import dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +113,7 @@ def check_hybrid(cfg, architecture: str) -> None:
 
 def executable_store(cfg, model_config) -> ExecutableStore | None:
     """The compiled-step store under the compilation cache, keyed by the engine's whole configuration."""
-    wanted = dispatch.on_gpu() if cfg.store_executables is None else cfg.store_executables
-    if not (wanted and cfg.compilation_cache_dir):
+    if not (cfg.store_executables and cfg.compilation_cache_dir):
         return None
     return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((cfg, model_config)))
 
