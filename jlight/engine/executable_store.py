@@ -14,7 +14,8 @@ Invariants:
 - An entry is written whole or not at all (a temporary file renamed into place); a load that fails for
   any reason (a corrupt or truncated file, a JAX that cannot deserialize it) is logged and the step is
   compiled instead: the store can only save time, never change what runs.
-- Only compiles that took at least min_compile_seconds are stored (1 s, as JAX's persistent cache).
+- Only steps whose tracing, lowering and compiling took at least min_compile_seconds are stored (1 s, as
+  JAX's persistent cache for its compiles).
 - What the store saves runs when loaded: on the CPU (JAX 0.10.2) an executable that JAX's persistent cache
   served serializes without its code (the copy loads, then fails at its first run: "Function ... not
   found"), so there `compile` has XLA compile the step itself, around that cache.
@@ -104,10 +105,11 @@ class ExecutableStore:
         self.loaded += 1
         return compiled
 
-    def compile(self, key: str, lowered):
+    def compile(self, key: str, lowered, lower_seconds: float = 0.0):
         """Compile `lowered` (XLA's own compile on the CPU, not a copy from JAX's persistent cache: see the
-        invariants) and store the result under `key`."""
-        start = time.perf_counter()
+        invariants) and store the result under `key`. lower_seconds: what tracing and lowering it took, which
+        a load saves as well."""
+        start = time.perf_counter() - lower_seconds
         if jax.default_backend() == "cpu":
             with jax_config.enable_compilation_cache(False):
                 compiled = lowered.compile()
@@ -117,7 +119,7 @@ class ExecutableStore:
         return compiled
 
     def save(self, key: str, compiled, compile_seconds: float) -> None:
-        """Store `compiled` under `key` if its compile took at least min_compile_seconds; a backend that
+        """Store `compiled` under `key` if making it took at least min_compile_seconds; a backend that
         cannot serialize it is logged and skipped."""
         if compile_seconds < self.min_compile_seconds:
             return

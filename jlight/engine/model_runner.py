@@ -473,8 +473,9 @@ class ModelRunner:
                     if progress is not None:
                         progress(T)
                     continue
+                start = time.perf_counter()
                 lowered = self._step.lower(*args, layout)
-                pending[pool.submit(self._compile, lowered, key)] = (T, layout)
+                pending[pool.submit(self._compile, lowered, key, time.perf_counter() - start)] = (T, layout)
             for done in concurrent.futures.as_completed(pending):
                 T, layout = pending[done]
                 self._executables[layout] = done.result()
@@ -494,8 +495,10 @@ class ModelRunner:
         inp, _ = self.prepare(SchedulePlan([], []), {})
         return _pad_to_bucket(inp, T, min(T, self.max_num_seqs), self.num_samples(T), width or self.max_pages_per_seq, self)
 
-    def _compile(self, lowered, key):
-        return lowered.compile() if self.executable_store is None else self.executable_store.compile(key, lowered)
+    def _compile(self, lowered, key, lower_seconds: float):
+        if self.executable_store is None:
+            return lowered.compile()
+        return self.executable_store.compile(key, lowered, lower_seconds)
 
 
 class _SampledPositions:

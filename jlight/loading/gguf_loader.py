@@ -15,6 +15,8 @@ Tensors are yielded one at a time under their HF names, so `assemble_params` and
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 from typing import Iterator
 
@@ -176,14 +178,14 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, float32 array in HF layout), one tensor at a time."""
+    """Yield (HF name, float32 array in HF layout), one tensor at a time, in the file's order.
+
+    The dequantization (numpy, which releases Python's lock) runs on one thread per core, at most that
+    many tensors ahead of the one yielded, so the host holds a few dequantized tensors at a time."""
     # gguf loads only for GGUF checkpoints.
     from gguf.quants import dequantize
 
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name, arch)
-        if name is None:
-            continue
+    def convert(t, name):
         # dequantize returns float32 [rows, cols] = HF's [out, in] (or [n] for vectors).
         arr = dequantize(t.data, t.tensor_type)
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
@@ -193,7 +195,17 @@ def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, 
             arr = unpermute_rows(arr, config.num_kv_heads)
         elif arch in _GEMMA and name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
-        yield name, arr
+        return name, arr
+
+    wanted = [(t, name) for t in reader.tensors if (name := hf_tensor_name(t.name, arch)) is not None]
+    workers = os.cpu_count() or 1
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jlight-gguf") as pool:
+        ahead = collections.deque(pool.submit(convert, t, name) for t, name in wanted[:workers])
+        for t, name in wanted[workers:]:
+            yield ahead.popleft().result()
+            ahead.append(pool.submit(convert, t, name))
+        while ahead:
+            yield ahead.popleft().result()
 
 
 def load_gguf_model(path: str):
