@@ -226,7 +226,7 @@ def first_answer(env: dict) -> dict:
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"jlight generate failed: {proc.stderr[-2000:]}")
-    ready = re.search(r"ready in ([\d.]+) s \(loading ([\d.]+) s, compiling ([\d.]+) s\)", proc.stderr)
+    ready = re.search(r"ready in ([\d.]+) s \(loading ([\d.]+) s, .*compiling ([\d.]+) s", proc.stderr)
     rate = re.search(r"([\d.]+) tokens/s\]", proc.stderr)
     return {"wall_s": wall, "ready_s": float(ready[1]) if ready else None, "load_s": float(ready[2]) if ready else None,
             "compile_s": float(ready[3]) if ready else None, "tok_s": float(rate[1]) if rate else None,

@@ -241,7 +241,7 @@ class LLMEngine:
         if self.block_manager.host_tier is not None:
             self.block_manager.host_tier.warmup(self.runner)
         phases = self.startup_seconds
-        stored = f", {store.loaded - stored_before} of {variants} loaded compiled" if store is not None else ""
+        stored = f", {store.loaded - stored_before} of {variants} steps loaded compiled from the store" if store is not None else ""
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
                     time.perf_counter() - self._start_time, phases["load"], phases["prepare"], phases["setup"],
                     seconds, stored)
