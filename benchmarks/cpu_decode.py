@@ -11,6 +11,9 @@ transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run 
   transformers: the same GGUF dequantized to float32, eager, torch threads = the cores; llama.cpp: the same
   weights as a float32 GGUF (dequantized from the Q4_1 file, the numbers jlight runs), and the Q4_1 file
   itself (llama.cpp's own 4-bit kernels), threads = the cores.
+- f32-line: the physical line of jlight's float32 step, the model's matmuls alone (every weight once, batch 1,
+  one XLA program over random weights of the GGUF's shapes): tokens/s = 1 / its median time; with the read rate
+  it reaches and numpy's copy rate on the same host.
 - jlight-ngram (not in the default --engines): input-grounded prompts (GROUNDED: chat tasks, and completions
   that copy their prompt), batch 1, greedy, n-gram speculation off against on in one process: tokens/s per
   prompt, the ratio, the acceptance, and whether both gave the same tokens.
@@ -18,7 +21,7 @@ transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run 
   host's CPU use just before each is recorded: on a shared machine, quiet means "busy" near 0.
 
   python benchmarks/cpu_decode.py [--new-tokens 128] [--repeats 3] [--first-answers 3] [--out DIR]
-                                  [--engines jlight,transformers,llama.cpp-f32,llama.cpp-q4_1]
+                                  [--engines jlight,f32-line,transformers,llama.cpp-f32,llama.cpp-q4_1]
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import result_header  # noqa: E402
 
 PROMPT = "What is the capital of France?"
-ENGINES = ("jlight", "transformers", "llama.cpp-f32", "llama.cpp-q4_1", "jlight-ngram")
+ENGINES = ("jlight", "f32-line", "transformers", "llama.cpp-f32", "llama.cpp-q4_1", "jlight-ngram")
 
 
 def cpu_busy(window: float = 2.0) -> float:
@@ -90,6 +93,51 @@ def jlight_child(gguf: str, n_new: int, repeats: int) -> dict:
     return {"engine": f"jlight (jax {jax.__version__})", "start_s": start_s,
             "buckets": engine.runner.buckets, "dtype": str(jax.tree.leaves(engine.runner.params)[0].dtype),
             **decode_rate(generate, n_new, repeats)}
+
+
+def f32_line_child(gguf: str, n_new: int, repeats: int) -> dict:
+    """The physical line of a float32 decode step: the model's matmuls alone at batch 1 (per layer the fused
+    q/k/v, o, fused gate/up and down projections, then the LM head; the shapes of the GGUF's config) over
+    random float32 weights, one XLA program, as jlight's unrolled step reads them: every weight byte once.
+    Also the host's copy rate (numpy, read + write) beside it."""
+    import jax
+    import jax.numpy as jnp
+
+    from jlight.loading.gguf_loader import load_gguf_model
+
+    _, c, _ = load_gguf_model(gguf)
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    rng = np.random.default_rng(0)
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * c.intermediate_size), (c.intermediate_size, h)]
+    layers = [[jnp.asarray(rng.standard_normal(s, np.float32)) for s in shapes] for _ in range(c.num_layers)]
+    head = jnp.asarray(rng.standard_normal((h, c.vocab_size), np.float32))
+
+    @jax.jit
+    def step(x, layers, head):
+        for qkv, o, gate_up, down in layers:
+            x = x + (x @ qkv)[:, :q] @ o
+            g = x @ gate_up
+            x = x + (jax.nn.silu(g[:, : c.intermediate_size]) * g[:, c.intermediate_size:]) @ down
+        return x @ head
+
+    x = jnp.ones((1, h), jnp.float32)
+    step(x, layers, head).block_until_ready()
+    times = []
+    for _ in range(max(20, n_new // 4) * repeats):
+        t = time.perf_counter()
+        step(x, layers, head).block_until_ready()
+        times.append(time.perf_counter() - t)
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves((layers, head)))
+    a, b = np.ones(64 << 20, np.float32), np.empty(64 << 20, np.float32)
+    copies = []
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        copies.append(time.perf_counter() - t)
+    return {"engine": f"XLA float32 matmul chain (jax {jax.__version__}), {weight_bytes / 1e6:.0f} MB of weights a token",
+            "weight_bytes": weight_bytes, "step_ms": 1e3 * float(np.median(times)), "read_gb_s": weight_bytes / float(np.median(times)) / 1e9,
+            "numpy_copy_gb_s": 2 * a.nbytes / min(copies) / 1e9, "decode_tok_s": 1.0 / float(np.median(times)),
+            "decode_tok_s_all": [1.0 / t for t in times]}
 
 
 def transformers_child(gguf: str, n_new: int, repeats: int) -> dict:
@@ -212,7 +260,8 @@ def jlight_ngram_child(gguf: str, n_new: int, repeats: int) -> dict:
             "decode_tok_s": float(np.median([r["ngram_tok_s"] for r in table])), "prompts": table}
 
 
-CHILDREN = {"jlight": jlight_child, "jlight-ngram": jlight_ngram_child, "transformers": transformers_child, "llama.cpp-f32": llama_cpp_child,
+CHILDREN = {"jlight": jlight_child, "f32-line": f32_line_child, "jlight-ngram": jlight_ngram_child,
+            "transformers": transformers_child, "llama.cpp-f32": llama_cpp_child,
             "llama.cpp-q4_1": llama_cpp_child}
 
 
