@@ -63,7 +63,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import model_configs  # noqa: E402
-from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config  # noqa: E402,F401
+from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config, routed_fraction  # noqa: E402,F401
 
 # ------------------------------------------------------------------ models
 
@@ -261,14 +261,6 @@ def weight_bytes(params) -> int:
     """Bytes a decode step must read: every weight but the embedding table (a step gathers only its rows)."""
     return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params)
                if jax.tree_util.keystr(path) != "['embed']")
-
-
-def routed_fraction(config) -> float:
-    """top_k / num_experts of a MoE config (the share of its routed experts one token reads); 1.0 without experts."""
-    x = config.extra
-    experts = x.get("num_local_experts") or x.get("num_experts") or x.get("n_routed_experts")
-    top_k = x.get("num_experts_per_tok")
-    return top_k / experts if experts and top_k else 1.0
 
 
 def active_weight_bytes(params, config) -> int:

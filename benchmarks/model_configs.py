@@ -133,3 +133,45 @@ def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings
     config = make_config(name, max_position_embeddings)
     params = jax.jit(lambda k: get_model_family(config).init_params(config, k, dtype))(jax.random.PRNGKey(seed))
     return LoadedModel(config=config, params=params, tokenizer=None, generation_config={}, name=f"random-{name}", dtype=dtype)
+
+
+def routed_fraction(config: ModelConfig) -> float:
+    """top_k / num_experts of a MoE config (the share of its routed experts one token reads); 1.0 without experts."""
+    x = config.extra
+    experts = x.get("num_local_experts") or x.get("num_experts") or x.get("n_routed_experts")
+    top_k = x.get("num_experts_per_tok")
+    return top_k / experts if experts and top_k else 1.0
+
+
+def shape_sizes(name: str, dtype=None) -> dict:
+    """Parameters and bytes of a named shape's random weights in jlight's layout (no weights made: eval_shape).
+    jlight keeps tied embeddings as two tables (embed and lm_head), so hf_params counts the tied table once.
+    decode_bytes: what a decode step reads (every weight but the embedding); active_bytes: what batch-1 decode
+    reads of a MoE model (the routed experts at top_k / num_experts)."""
+    import math
+
+    import jax.numpy as jnp
+
+    from jlight.models import get_model_family
+
+    dtype = dtype or jnp.bfloat16
+    config = make_config(name)
+    leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(
+        lambda k: get_model_family(config).init_params(config, k, dtype), jax.random.PRNGKey(0)))
+    fraction = routed_fraction(config)
+    nbytes = lambda leaf: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize  # noqa: E731
+    keys = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
+    params = sum(math.prod(leaf.shape) for _, leaf in keys)
+    return dict(name=name, architecture=config.architecture, layers=config.num_layers, params=params,
+                hf_params=params - (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0),
+                bytes=sum(nbytes(leaf) for _, leaf in keys),
+                decode_bytes=sum(nbytes(leaf) for k, leaf in keys if k != "['embed']"),
+                active_bytes=int(sum(nbytes(leaf) * (fraction if "['experts_" in k else 1.0) for k, leaf in keys if k != "['embed']")))
+
+
+if __name__ == "__main__":  # python benchmarks/model_configs.py [NAME ...]: sizes of the named shapes in bf16
+    for name in sys.argv[1:] or sorted(family_shapes.SHAPES):
+        s = shape_sizes(name)
+        print(f"{name}: {s['architecture']}, {s['layers']} layers, {s['params'] / 1e9:.3f}B params ({s['hf_params']:,} in HF's "
+              f"count), {s['bytes'] / 1e9:.2f} GB bf16; a decode step reads {s['decode_bytes'] / 1e9:.2f} GB, batch-1 "
+              f"{s['active_bytes'] / 1e9:.2f} GB")
