@@ -13,7 +13,8 @@ offline_throughput.py's bs1). Each variant also reports the host's dispatch time
 breakdown of it (the transfer of the step's inputs as ~30 arrays or as two packed buffers, the
 jitted call alone, and the step run 50 times back to back: the device's wall time per step) and,
 with --kernel-breakdown on a GPU, the device time per kernel of one step (CUPTI). The roofline is
-the weight bytes a step must read over the copy rate measured in the same run (harness.py).
+the weight bytes a step must read over the copy rate measured in the same run (harness.py); for a MoE
+model also the active weights' line (harness.active_weight_bytes: the routed experts at top_k / num_experts).
 """
 import argparse
 import gc
@@ -27,13 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import copy_bytes_per_s, random_loaded_model, result_header, weight_bytes, write_result  # noqa: E402
+from harness import active_weight_bytes, copy_bytes_per_s, random_loaded_model, result_header, weight_bytes, write_result  # noqa: E402
 
-from jlight.engine import model_runner, step_packing  # noqa: E402
+from jlight.engine import kv_groups, model_runner, step_packing  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 from jlight.engine.sampling_params import SamplingParams  # noqa: E402
 from jlight.core.quantization import Fp8WeightT, QuantizedWeightT, W8A8WeightT  # noqa: E402
+from jlight.models import get_model_family  # noqa: E402
 
 KMAJOR_TYPES = (QuantizedWeightT, W8A8WeightT, Fp8WeightT)
 
@@ -217,7 +219,10 @@ def main(argv=None):
     step_tokens = [int(n) for n in a.step_tokens.split(",") if n]
     max_len = max([a.prompt_len + a.tokens + 16] + [n + 16 for n in step_tokens])
     max_batched = max([16] + step_tokens)  # a prefill of N tokens runs as one step
-    pages = -(-max_len // 16) + 2
+    # a page id holds one KV group's layers (engine/kv_groups.py: a windowed family's local and global layers
+    # are groups of their own), so a sequence takes pages in every group
+    kv_layout = kv_groups.layout_for(get_model_family(loaded.config), loaded.config)
+    pages = kv_layout.num_groups * (-(-max_len // 16) + 2)
     for name in names:
         try:
             engine = LLMEngine(EngineConfig(
@@ -231,6 +236,7 @@ def main(argv=None):
             kmajor = [w for w in jax.tree.leaves(engine.runner.params, is_leaf=lambda x: isinstance(x, KMAJOR_TYPES))
                       if isinstance(w, KMAJOR_TYPES)]
             row = dict(ms=seconds * 1e3, weight_bytes=weight_bytes(engine.runner.params), buckets=engine.runner.buckets,
+                       active_weight_bytes=active_weight_bytes(engine.runner.params, engine.runner.config),
                        kmajor_weights=len(kmajor),
                        dispatch_ms=dispatch_ms, greedy_tokens=greedy)
             print(f"  host time to dispatch one step (median of the later half): {dispatch_ms:.2f} ms; "
@@ -255,6 +261,10 @@ def main(argv=None):
             if bw:
                 row["roofline_ms"] = row["weight_bytes"] / bw * 1e3
                 line += f"  roofline {row['roofline_ms']:.2f} ms ({row['weight_bytes'] / 1e9:.2f} GB) -> {row['ms'] / row['roofline_ms']:.2f}x"
+                if row["active_weight_bytes"] != row["weight_bytes"]:  # MoE: one token reads top_k of the routed experts
+                    row["active_roofline_ms"] = row["active_weight_bytes"] / bw * 1e3
+                    line += (f"; active weights {row['active_roofline_ms']:.2f} ms ({row['active_weight_bytes'] / 1e9:.2f} GB)"
+                             f" -> {row['ms'] / row['active_roofline_ms']:.2f}x")
             del engine
         except Exception as e:  # noqa: BLE001 - one failed variant must not lose the others
             row = dict(error=f"{type(e).__name__}: {e}"[:400])

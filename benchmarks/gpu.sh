@@ -7,18 +7,31 @@
 #       bash benchmarks/gpu.sh decode --variants int8-auto-b8 context --lengths 1024,8192
 #       bash benchmarks/gpu.sh peer vllm_growth.py          (the vLLM peer, from a carried .peerN folder)
 #
+# Other model families (issues 31, 32): random bf16 weights of benchmarks/family_shapes.py's shapes, MODEL=gemma3-12b,
+# gpt-oss-20b or qwen3-next-16l (Qwen3-Next cut to 16 layers); one suite a call (the engine compiles every bucket):
+#       MODEL=gemma3-12b FIXED= SUITE_TIMEOUT=570 bash benchmarks/gpu.sh throughput   (nano-vllm workload and batch-1
+#                   decode, for MoE shapes also against the active weights' roofline; FIXED= drops the 1000 x 1000 run)
+#       MODEL=gpt-oss-20b VARIANTS=bf16-b8 bash benchmarks/gpu.sh decode              (batch-1 against its bandwidth line)
+#       MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000
+#                   (TTFT up to 32k: 32k context, 64 sequences, prefix caching off, as vllm_growth.py)
+# and their vLLM peer, benchmarks/vllm_families.py (the same shapes, load_format="dummy", vllm_bench.py's requests):
+#       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape gemma3-12b
+#       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape qwen3-next-16l --ttft 2048 8192 32000
+#
 # Words after a suite name go to that suite's script, after its defaults (argparse: the last value wins).
 # A suite name starts the next suite when it follows a word that is not an option (-x, --x); after an
 # option that takes no value, write `--` first (`kernels --skip-checks -- decode`).
 #
 # Suites, named after what they measure (the script and its defaults; MODEL=llama3-8b, random bf16 weights):
 #   throughput  offline_throughput.py: the peer's nano-vllm workload, batch-1 decode (the peer's method) and
-#               the peer's 1000 in / 1000 out x 1000 requests, one engine (vllm_bench.py's measurements)
+#               the peer's 1000 in / 1000 out x 1000 requests ($FIXED, default "1000 1000 1000"; FIXED= for
+#               none), one engine (vllm_bench.py's measurements)
 #   steps       offline_throughput.py --step-trace: every step of the nano workload against its own roofline
 #   decode      decode_latency.py --tokens 96 --kernel-breakdown, one process per variant in $VARIANTS
 #               (default "bf16-b8 int8-auto-b8"; with --variants in ARGS, those in one process): batch-1
 #               ms/token, the step back to back, CUPTI's kernel list
-#   context     context_sweep.py: TTFT and batch-1 / batch-16 decode vs context (vllm_growth.py's measurements)
+#   context     context_sweep.py --model-config $MODEL: TTFT and batch-1 / batch-16 decode vs context
+#               (vllm_growth.py's measurements)
 #   spec        spec_decode.py: batch-1 verify steps of k = 0..8 drafts at 128 and 2048 tokens of context, and n-gram
 #               speculation off / on over a repetitive prompt (its vLLM peer: .peerN/device.sh ../benchmarks/vllm_spec.py)
 #   batch       batch_decode_profile.py --batches 64,256 --context 1024 --kernel-breakdown
@@ -47,7 +60,7 @@
 # Results: $OUT (the device tool's output folder; ./bench_out when unset): SUITE.txt (the script's output)
 # and SUITE/ (its JSON) for each suite, gpu.log (this runner's log). The device tool brings back at most
 # 8 files, so when there are more, everything but gpu.log is packed into results.tgz.
-# Environment: MODEL, VARIANTS, SUITE_TIMEOUT (seconds per suite, else each suite's own default),
+# Environment: MODEL, VARIANTS, FIXED, SUITE_TIMEOUT (seconds per suite, else each suite's own default),
 # JLIGHT_GIT_COMMIT (the commit the results name where the tree travelled without .git), NO_INSTALL=1 (jlight is
 # importable already: skip `pip install -e .`), DRY_RUN=1 (print each suite's command, run none).
 # Carried wheels: a .whl folder in the tree is installed first (install_carried_wheels.py, into /tmp/site).
@@ -93,8 +106,10 @@ setup() {
 }
 
 suite_throughput() {
+  local fixed=()
+  [ -n "${FIXED-1000 1000 1000}" ] && read -ra fixed <<< "--fixed ${FIXED-1000 1000 1000}"
   run throughput 480 python3 benchmarks/offline_throughput.py --model-config "$MODEL" --dtype bfloat16 \
-    --fixed 1000 1000 1000 --out "$OUT/throughput" "$@"
+    "${fixed[@]}" --out "$OUT/throughput" "$@"
 }
 
 suite_steps() {
@@ -117,7 +132,7 @@ suite_decode() {
 }
 
 suite_context() {
-  run context 540 python3 benchmarks/context_sweep.py --out "$OUT/context" "$@"
+  run context 540 python3 benchmarks/context_sweep.py --model-config "$MODEL" --out "$OUT/context" "$@"
 }
 
 suite_spec() {

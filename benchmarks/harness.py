@@ -37,6 +37,8 @@ after a compiling call):
   host_copy_bytes_per_s() device -> host and host -> device copies of a 1 GiB buffer by jax.device_put between
                        memory kinds (pinned_host where the device has it), the path of the host KV tier's copies.
   weight_bytes(params) the bytes a decode step reads: every weight but the embedding table.
+  active_weight_bytes(params, config) the bytes one token's decode step reads in a MoE model: weight_bytes with
+                       the routed experts' weights (params named experts_*) counted at top_k / num_experts.
 
 Results: result_header() -> dict(date, device, backend, jax, python, host, command, git_commit);
 write_result(out_dir, name, result) writes OUT_DIR/NAME.json with that header first.
@@ -61,7 +63,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import model_configs  # noqa: E402
-from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config  # noqa: E402,F401
+from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config, routed_fraction  # noqa: E402,F401
 
 # ------------------------------------------------------------------ models
 
@@ -259,6 +261,19 @@ def weight_bytes(params) -> int:
     """Bytes a decode step must read: every weight but the embedding table (a step gathers only its rows)."""
     return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params)
                if jax.tree_util.keystr(path) != "['embed']")
+
+
+def active_weight_bytes(params, config) -> int:
+    """Bytes a batch-1 decode step must read: weight_bytes, the routed experts' weights (every param named
+    experts_*: their matrices and gpt-oss's down biases) counted at top_k / num_experts, since one token runs
+    top_k experts. Equal to weight_bytes for a dense model."""
+    fraction = routed_fraction(config)
+    total = 0.0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        key = jax.tree_util.keystr(path)
+        if key != "['embed']":
+            total += x.nbytes * (fraction if "['experts_" in key else 1.0)
+    return int(total)
 
 
 # ------------------------------------------------------------------ results

@@ -56,7 +56,7 @@ from jlight.sharding.mesh import make_mesh, parse_mesh_spec
 from jlight.sharding.plan import DEFAULT_COLLECTIVE_MATMUL_MIN_TOKENS, ShardingPlan
 from jlight.sharding.rules import logical_to_spec
 from harness import result_header
-from model_configs import CONFIG_NAMES, MOE_CONFIGS, make_config
+from model_configs import CONFIG_NAMES, HF_CONFIGS, make_config
 
 PAGE_SIZE = 16
 STEPS = ("decode_b1", "decode_batch", "ttft")
@@ -325,7 +325,7 @@ def main():
     if a.layer_loop == "auto":
         a.layer_loop = "unroll" if jax.default_backend() == "gpu" else "scan"
     # Llama shapes: positions up to the prompt; MoE shapes keep their HF max_position_embeddings (YaRN uses it).
-    config = make_config(a.model_config, None if a.model_config in MOE_CONFIGS else max(8192, a.prompt_len),
+    config = make_config(a.model_config, None if a.model_config in HF_CONFIGS else max(8192, a.prompt_len),
                          num_layers=a.num_layers, num_dense_layers=a.num_dense_layers)
     meshes = split_meshes(a.meshes)
     dtype = jnp.dtype(a.dtype)

@@ -6,12 +6,20 @@ all a speed measurement needs.
 NAMED_CONFIGS: Llama-family shapes (ModelConfig fields). MOE_CONFIGS: Mixtral- and
 DeepSeek-V3-shaped MoE models as HF config.json dicts, at the real models' layer counts;
 benchmarks cut the layers (`make_config(name, num_layers=...)`) so the weights fit a GPU.
+FAMILY_CONFIGS: Gemma-3-12B, gpt-oss-20b and Qwen3-Next (16 of its 48 layers) shapes as HF config.json
+dicts (family_shapes.py, which the vLLM peer vllm_families.py reads too), and tiny dims of each family.
 """
 from __future__ import annotations
+
+import os
+import sys
 
 import jax
 
 from jlight.core.config import ModelConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import family_shapes  # noqa: E402
 
 NAMED_CONFIGS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -60,21 +68,45 @@ MOE_CONFIGS = {
                                      topk_group=2),
 }
 
-CONFIG_NAMES = sorted(NAMED_CONFIGS) + sorted(MOE_CONFIGS)
+
+def _tiny(name: str, num_layers: int, **fields) -> dict:
+    """Tiny dims of a family_shapes config (CPU smoke runs): its layer pattern over num_layers layers."""
+    return dict(family_shapes.with_layers(family_shapes.SHAPES[name], num_layers), vocab_size=512, hidden_size=64,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, **fields)
+
+
+FAMILY_CONFIGS = {
+    **family_shapes.SHAPES,
+    # Gemma 3: 6 layers (5 local : 1 global), an 8-token window so short prompts pass it.
+    "tiny-gemma3": _tiny("gemma3-12b", 6, intermediate_size=128, sliding_window=8, query_pre_attn_scalar=16),
+    # gpt-oss: 2 layers (window, full), 8 experts top-2 with biases and sinks, YaRN.
+    "tiny-gpt-oss": _tiny("gpt-oss-20b", 2, intermediate_size=32, sliding_window=8, num_local_experts=8,
+                          num_experts_per_tok=2, experts_per_token=2),
+    # Qwen3-Next: 4 layers (3 DeltaNet : 1 gated attention), 16 experts top-4 and a shared expert.
+    "tiny-qwen3-next": _tiny("qwen3-next-16l", 4, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=16, num_experts_per_tok=4,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32),
+}
+
+# Named HF config.json dicts (make_config reads them through ModelConfig.from_hf_dict).
+HF_CONFIGS = {**MOE_CONFIGS, **FAMILY_CONFIGS}
+
+CONFIG_NAMES = sorted(NAMED_CONFIGS) + sorted(HF_CONFIGS)
 
 
 def make_config(name: str, max_position_embeddings: int | None = None, num_layers: int | None = None,
                 num_dense_layers: int | None = None) -> ModelConfig:
     """The ModelConfig of a named shape. max_position_embeddings: default 8192 for the Llama shapes,
-    the HF value for the MoE ones. num_layers cuts (or extends) the layer count; for DeepSeek the
+    the HF value for the others. num_layers cuts (or extends) the layer count (a config with layer_types
+    keeps its family's pattern of layer kinds); for DeepSeek the
     first num_dense_layers stay dense (default: the real model's first_k_dense_replace, at most
     num_layers - 1, so at least one MoE layer remains)."""
-    if name in MOE_CONFIGS:
-        cfg = dict(MOE_CONFIGS[name])
+    if name in HF_CONFIGS:
+        cfg = dict(HF_CONFIGS[name])
         if max_position_embeddings is not None:
             cfg["max_position_embeddings"] = max_position_embeddings
         if num_layers is not None:
-            cfg["num_hidden_layers"] = num_layers
+            cfg = family_shapes.with_layers(cfg, num_layers) if "layer_types" in cfg else dict(cfg, num_hidden_layers=num_layers)
         if "first_k_dense_replace" in cfg:
             if num_dense_layers is None:
                 num_dense_layers = min(cfg["first_k_dense_replace"], cfg["num_hidden_layers"] - 1)
@@ -101,3 +133,45 @@ def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings
     config = make_config(name, max_position_embeddings)
     params = jax.jit(lambda k: get_model_family(config).init_params(config, k, dtype))(jax.random.PRNGKey(seed))
     return LoadedModel(config=config, params=params, tokenizer=None, generation_config={}, name=f"random-{name}", dtype=dtype)
+
+
+def routed_fraction(config: ModelConfig) -> float:
+    """top_k / num_experts of a MoE config (the share of its routed experts one token reads); 1.0 without experts."""
+    x = config.extra
+    experts = x.get("num_local_experts") or x.get("num_experts") or x.get("n_routed_experts")
+    top_k = x.get("num_experts_per_tok")
+    return top_k / experts if experts and top_k else 1.0
+
+
+def shape_sizes(name: str, dtype=None) -> dict:
+    """Parameters and bytes of a named shape's random weights in jlight's layout (no weights made: eval_shape).
+    jlight keeps tied embeddings as two tables (embed and lm_head), so hf_params counts the tied table once.
+    decode_bytes: what a decode step reads (every weight but the embedding); active_bytes: what batch-1 decode
+    reads of a MoE model (the routed experts at top_k / num_experts)."""
+    import math
+
+    import jax.numpy as jnp
+
+    from jlight.models import get_model_family
+
+    dtype = dtype or jnp.bfloat16
+    config = make_config(name)
+    leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(
+        lambda k: get_model_family(config).init_params(config, k, dtype), jax.random.PRNGKey(0)))
+    fraction = routed_fraction(config)
+    nbytes = lambda leaf: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize  # noqa: E731
+    keys = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
+    params = sum(math.prod(leaf.shape) for _, leaf in keys)
+    return dict(name=name, architecture=config.architecture, layers=config.num_layers, params=params,
+                hf_params=params - (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0),
+                bytes=sum(nbytes(leaf) for _, leaf in keys),
+                decode_bytes=sum(nbytes(leaf) for k, leaf in keys if k != "['embed']"),
+                active_bytes=int(sum(nbytes(leaf) * (fraction if "['experts_" in k else 1.0) for k, leaf in keys if k != "['embed']")))
+
+
+if __name__ == "__main__":  # python benchmarks/model_configs.py [NAME ...]: sizes of the named shapes in bf16
+    for name in sys.argv[1:] or sorted(family_shapes.SHAPES):
+        s = shape_sizes(name)
+        print(f"{name}: {s['architecture']}, {s['layers']} layers, {s['params'] / 1e9:.3f}B params ({s['hf_params']:,} in HF's "
+              f"count), {s['bytes'] / 1e9:.2f} GB bf16; a decode step reads {s['decode_bytes'] / 1e9:.2f} GB, batch-1 "
+              f"{s['active_bytes'] / 1e9:.2f} GB")

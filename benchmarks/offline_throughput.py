@@ -9,11 +9,14 @@ with the peer's calls, so both engines do the same work):
          (schedule / prepare / launch / wait and process) and, with --step-trace, every step against its
          own roofline (step_trace.py);
   bs1    one 128-token request, greedy: (t(256 tokens) - t(1 token)) / 255 ms, median of 3, against the weight
-         roofline (weight bytes / the copy rate measured in the same run; on GPUs only);
+         roofline (weight bytes / the copy rate measured in the same run; on GPUs only) and, for a MoE model,
+         the active weights' roofline (harness.active_weight_bytes: the routed experts at top_k / num_experts);
   fixed  with --fixed IN OUT N: N requests of IN random tokens and OUT output tokens (the peer reports 1000 1000 1000).
 
   python benchmarks/offline_throughput.py --model-config llama3-8b --dtype bfloat16 --fixed 1000 1000 1000 --out DIR
   python benchmarks/offline_throughput.py --model-config tiny --num-requests 8 --input-len 10 40 --output-len 4 12 --bs1-tokens 8
+  python benchmarks/offline_throughput.py --model-config gemma3-12b --dtype bfloat16 --out DIR   (also gpt-oss-20b,
+         qwen3-next-16l: benchmarks/family_shapes.py; their vLLM peer is benchmarks/vllm_families.py)
 """
 from __future__ import annotations
 
@@ -69,9 +72,15 @@ def print_workload(name: str, r: dict) -> None:
     print("  host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()), flush=True)
 
 
+def kv_pages(runner):
+    """The runner's K pages: k_cache, or for a hybrid model (recurrent layers) the pages of its PagesAndState."""
+    return getattr(runner.k_cache, "pages", runner.k_cache)
+
+
 def trace_summary(engine: LLMEngine, trace: StepTrace, copy_bw: float, flops: float) -> list[dict]:
     runner = engine.runner
-    kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves((runner.k_cache, runner.v_cache)))
+    # the K/V pages only: a hybrid model's k_cache is PagesAndState, whose recurrent state is per sequence, not per token
+    kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves((kv_pages(runner), runner.v_cache)))
     return trace.summary(
         weight_bytes=harness.weight_bytes(runner.params), kv_bytes_per_token=kv_bytes // (runner.num_pages * runner.page_size),
         num_params=sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(runner.params)
@@ -119,7 +128,7 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     print(f"engine ready in {init_s:.1f} s (compile {engine.warmup_seconds:.1f} s, buckets {engine.runner.buckets}, "
           f"{engine.block_manager.num_pages} KV pages)", flush=True)
-    result = dict(model=a.model_config or engine.model_name, kv_dtype=str(engine.runner.k_cache.dtype), args=vars(a),
+    result = dict(model=a.model_config or engine.model_name, kv_dtype=str(kv_pages(engine.runner).dtype), args=vars(a),
                   init_s=init_s, compile_s=engine.warmup_seconds, buckets=engine.runner.buckets,
                   num_pages=engine.block_manager.num_pages)
     gpu = jax.default_backend() != "cpu"
@@ -143,12 +152,19 @@ def main(argv=None):
     if a.bs1_tokens:
         ms = harness.bs1_ms_per_token(generate, harness.bs1_prompt(), tokens=a.bs1_tokens)
         wbytes = harness.weight_bytes(engine.runner.params)
+        active = harness.active_weight_bytes(engine.runner.params, engine.runner.config)
         result["bs1"] = dict(ms_per_token=ms, tokens=a.bs1_tokens, weight_bytes=wbytes)
+        if active != wbytes:  # MoE: one token reads top_k of the routed experts
+            result["bs1"]["active_weight_bytes"] = active
         line = f"batch-1 decode: {ms:.3f} ms/token"
         if copy_bw:
             roof = wbytes / copy_bw * 1e3
             result["bs1"].update(roofline_ms=roof, ratio_to_roofline=ms / roof)
             line += f"; roofline {roof:.2f} ms ({wbytes / 1e9:.2f} GB at {copy_bw / 1e12:.2f} TB/s) -> {ms / roof:.2f}x"
+            if active != wbytes:
+                roof = active / copy_bw * 1e3
+                result["bs1"].update(active_roofline_ms=roof, ratio_to_active_roofline=ms / roof)
+                line += f"; the active weights' roofline {roof:.2f} ms ({active / 1e9:.2f} GB) -> {ms / roof:.2f}x"
         print(line, flush=True)
         harness.write_result(a.out, a.name, result)
 

@@ -136,3 +136,33 @@ def test_a_step_jax_cache_could_serve_is_stored_with_its_code(tiny_model, tmp_pa
     loaded = _start(model_dir, tmp_path, "store")
     assert loaded["loaded"] == stored["saved"] and loaded["saved"] == 0
     assert plain["tokens"] == stored["tokens"] == loaded["tokens"]
+
+
+LINALG = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from jlight.engine.executable_store import ExecutableStore
+    store = ExecutableStore(sys.argv[1], "linalg", min_compile_seconds=0.0)
+    a = jnp.tril(jnp.arange(1.0, 17.0).reshape(4, 4)) + 4 * jnp.eye(4)
+    b = jnp.arange(8.0).reshape(4, 2)
+    key = store.key((a, b), None)
+    if sys.argv[2] == "store":
+        f = jax.jit(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True))
+        compiled = store.compile(key, f.lower(a, b))
+    else:  # nothing lowered in this process: the loaded executable's LAPACK call must still find its function
+        compiled = store.load(key)
+    print(store.loaded, float(jnp.abs(a @ compiled(a, b) - b).max()))
+""")
+
+
+def test_a_loaded_step_with_a_lapack_call_runs(tmp_path):
+    # On the CPU solve_triangular (the gated DeltaNet reference's) lowers to a LAPACK custom call whose function
+    # JAX sets up while lowering; a step loaded in a new process was never lowered there (it segfaulted).
+    run = lambda mode: subprocess.run([sys.executable, "-c", LINALG, str(tmp_path), mode], capture_output=True,
+                                      text=True, timeout=120)
+    stored = run("store")
+    assert stored.returncode == 0, stored.stderr[-2000:]
+    loaded = run("load")
+    assert loaded.returncode == 0, (loaded.returncode, loaded.stderr[-2000:])
+    count, error = loaded.stdout.split()
+    assert int(count) == 1 and float(error) < 1e-4

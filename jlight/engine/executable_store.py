@@ -19,6 +19,10 @@ Invariants:
 - What the store saves runs when loaded: on the CPU (JAX 0.10.2) an executable that JAX's persistent cache
   served serializes without its code (the copy loads, then fails at its first run: "Function ... not
   found"), so there `compile` has XLA compile the step itself, around that cache.
+- A loaded executable runs without having been lowered in this process, so what JAX sets up while lowering
+  must be set up before it runs: on the CPU the LAPACK function pointers of the linalg custom calls (the gated
+  DeltaNet reference's solve_triangular lowers to one; unset, the step segfaults at its first run). `load`
+  initializes them, as JAX's own export does before it calls a deserialized module.
 - Entries are only ever read by the process that asks for their exact key; the directory is the
   user's own cache (the engine's compilation cache directory), never shared input.
 """
@@ -56,6 +60,16 @@ def _source_digest() -> str:
                     with open(os.path.join(directory, fname), "rb") as f:
                         h.update(f"{name}/{fname}\0".encode() + f.read())
     return h.hexdigest()
+
+
+def _initialize_lapack() -> None:
+    """Point the CPU's LAPACK custom calls (lapack_*_ffi) at their functions. JAX does it while lowering a
+    linalg op (jaxlib.lapack.prepare_lapack_call) and before calling an exported module
+    (jax._src.export._export._ensure_backends_initialized); an executable loaded here was lowered in another
+    process. Idempotent."""
+    from jax._src.lax import linalg  # private in jax 0.10/0.11, as jax_config above
+
+    linalg.initialize_lapack()
 
 
 def _leaf_signature(leaf) -> str:
@@ -99,6 +113,8 @@ class ExecutableStore:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            if jax.default_backend() == "cpu":
+                _initialize_lapack()
         except Exception as e:  # noqa: BLE001 - any failure means: compile instead
             logger.info("stored executable %s unusable (%s: %.200s); compiling it", path, type(e).__name__, e)
             return None
