@@ -94,8 +94,9 @@ def test_the_engine_stores_by_default_and_only_with_a_cache_directory(tiny_model
                       **opts).engine.runner.executable_store is None
 
 
-# One engine's start in a new process: a warm-up with JAX's persistent cache on for every compile (min time 0),
-# through the store if argv[3] == "store", then the greedy tokens of PROMPTS printed.
+# One engine's start in a new process, JAX's persistent cache on for every compile (min time 0): a warm-up without
+# the store ("jax-cache-only"), through it ("store"), or both, the second through the store after the first has
+# put steps JAX's cache served into JAX's in-memory caches ("cache-then-store"); then the greedy tokens of PROMPTS.
 START = textwrap.dedent("""
     import json, os, sys
     import jax
@@ -106,7 +107,10 @@ START = textwrap.dedent("""
     llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64,
                      compilation_cache_dir=cache, store_executables=False, warmup=False)
     runner = llm.engine.runner
-    if mode == "store":
+    if mode == "cache-then-store":
+        runner.warmup()
+        runner._executables.clear()
+    if mode in ("store", "cache-then-store"):
         runner.executable_store = ExecutableStore(os.path.join(cache, "executables"), "start", min_compile_seconds=0.0)
     runner.warmup()
     outs = llm.generate(json.loads(sys.argv[4]), jlight.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
@@ -127,11 +131,12 @@ def _start(model_dir, cache, mode):
 
 def test_a_step_jax_cache_could_serve_is_stored_with_its_code(tiny_model, tmp_path):
     # On the CPU a step JAX's persistent cache served serializes without its code; the store compiles around
-    # that cache, so what it saves runs in a new process.
+    # that cache and around JAX's in-memory caches (which hold such steps once the same runner compiled them
+    # without the store), so what it saves runs in a new process.
     model_dir = tiny_model("LlamaForCausalLM")
     plain = _start(model_dir, tmp_path, "jax-cache-only")  # fills JAX's cache with every bucket
     assert plain["loaded"] is None and len(glob.glob(os.path.join(str(tmp_path), "*-*"))) > 0
-    stored = _start(model_dir, tmp_path, "store")
+    stored = _start(model_dir, tmp_path, "cache-then-store")
     assert stored["loaded"] == 0 and stored["saved"] == len(_entries(tmp_path)) > 0
     loaded = _start(model_dir, tmp_path, "store")
     assert loaded["loaded"] == stored["saved"] and loaded["saved"] == 0

@@ -18,7 +18,10 @@ Invariants:
   JAX's persistent cache for its compiles).
 - What the store saves runs when loaded: on the CPU (JAX 0.10.2) an executable that JAX's persistent cache
   served serializes without its code (the copy loads, then fails at its first run: "Function ... not
-  found"), so there `compile` has XLA compile the step itself, around that cache.
+  found"), so there `compile` has XLA compile the step itself: around that cache, and around JAX's
+  in-memory caches, which hand back an executable compiled before in the process for the same lowered
+  program and options (served from disk, perhaps): the store's compiles carry an option of their own
+  (STORE_COMPILE_MARKER, set to its default value), so only another store compile can be handed back.
 - A loaded executable runs without having been lowered in this process, so what JAX sets up while lowering
   must be set up before it runs: on the CPU the LAPACK function pointers of the linalg custom calls (the gated
   DeltaNet reference's solve_triangular lowers to one; unset, the step segfaults at its first run). `load`
@@ -38,6 +41,7 @@ import time
 
 import jax
 from jax._src import config as jax_config  # enable_compilation_cache as a thread-local context; private in jax 0.10/0.11
+from jax._src.lax import linalg as jax_linalg  # initialize_lapack; private in jax 0.10/0.11
 from jax.experimental import serialize_executable
 
 logger = logging.getLogger(__name__)
@@ -62,14 +66,17 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+# A compiler option at its default value (no effect on the code), carried only by the store's CPU compiles,
+# so JAX's in-memory compile caches never answer one of them with an executable compiled otherwise.
+STORE_COMPILE_MARKER = {"xla_cpu_enable_fast_math": False}
+
+
 def _initialize_lapack() -> None:
     """Point the CPU's LAPACK custom calls (lapack_*_ffi) at their functions. JAX does it while lowering a
     linalg op (jaxlib.lapack.prepare_lapack_call) and before calling an exported module
     (jax._src.export._export._ensure_backends_initialized); an executable loaded here was lowered in another
     process. Idempotent."""
-    from jax._src.lax import linalg  # private in jax 0.10/0.11, as jax_config above
-
-    linalg.initialize_lapack()
+    jax_linalg.initialize_lapack()
 
 
 def _leaf_signature(leaf) -> str:
@@ -128,7 +135,7 @@ class ExecutableStore:
         start = time.perf_counter() - lower_seconds
         if jax.default_backend() == "cpu":
             with jax_config.enable_compilation_cache(False):
-                compiled = lowered.compile()
+                compiled = lowered.compile(compiler_options=STORE_COMPILE_MARKER)
         else:
             compiled = lowered.compile()
         self.save(key, compiled, time.perf_counter() - start)
