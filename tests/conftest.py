@@ -16,6 +16,16 @@ sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import tiny_model
 # Set before any test starts JAX's CPU client.
 os.environ.setdefault("NPROC", "4")
 
+# XLA:CPU compiles with LLVM at -O0 (its default is 3). CI starts with an empty persistent compilation
+# cache, and compiling the tests' thousands of small programs is about half of a cold run; at -O0 LLVM
+# compiles a tiny model's step buckets in about half the time, while the code it makes runs slower (1.1-1.7x
+# on SmolLM2-135M's steps), which only the few tests that run a real model for many tokens feel
+# (direct_forward.py compiles a real model's forward at XLA's default level for that reason).
+# Appended to the user's XLA_FLAGS, unless they name a level themselves; child processes that the tests
+# start inherit it (simulated_devices.simulated_env keeps it beside the device count).
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 from tiny_models import TinyModelCache  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,59 +67,62 @@ def smollm2_gguf():
     return default_gguf_path()
 
 
-# The files that take longest on a 2-core host (seconds each in a full run of the default selection,
-# 2026-12-04, less what the suite-time cuts of that day took out of them), longest first. With `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands
-# files to the two workers in collection order, so the long ones start first and the short ones fill in
-# at the end, and both workers finish together (longest-processing-time-first). Without
-# --no-loadscope-reorder xdist sorts the files by their number of tests instead, which put several of
-# these single-test files last. The order only changes when a file runs, never what it runs.
+# The files that take longest on a 2-core host, longest first: seconds each in a run of the default
+# selection from an empty $JLIGHT_CACHE (CI's case: every step compiles), one worker, 2026-12-05, with the
+# -O0 flag above; files under ~10 s follow in collection order. The two marked ones were cut after that
+# run (their figure is estimated from runs of the file alone). With `--dist loadfile
+# --no-loadscope-reorder` (.ci/run) pytest-xdist hands files to the two workers in collection order, so
+# the long ones start first and the short ones fill in at the end, and both workers finish together
+# (longest-processing-time-first). Without --no-loadscope-reorder xdist sorts the files by their number
+# of tests instead, which put several of these single-test files last. The order only changes when a
+# file runs, never what it runs.
 SLOW_FILES_FIRST = (
-    "test_server_e2e.py",  # ~90
-    "test_mosaic_prefill.py",  # ~72
-    "test_mosaic_attention.py",  # ~64
-    "test_structured_output.py",  # ~61
-    "test_smollm2.py",  # ~52
-    "test_sharding.py",  # ~48
-    "test_engine_sharded.py",  # ~42
-    "test_kv_cache_fp8.py",  # ~40
-    "test_cli.py",  # ~38
-    "test_fp8_weights.py",  # ~40
-    "test_kv_cache_int8.py",  # ~38
-    "test_convert.py",  # ~36
-    "test_server_chaos.py",  # ~35
-    "test_host_tier.py",  # ~35
-    "test_families_sharded.py",  # ~33
-    "test_granite_hybrid.py",  # ~33
-    "test_mla.py",  # ~31
-    "test_kernels_matmul.py",  # ~30
-    "test_server_app.py",  # ~30
-    "test_startup.py",  # ~29
-    "test_split_kv.py",  # ~29
-    "test_executable_store.py",  # ~29
+    "test_server_e2e.py",  # ~138
+    "test_structured_output.py",  # ~98 (after its 32-token engine)
+    "test_engine_sharded.py",  # ~73
+    "test_server_chaos.py",  # ~52
+    "test_mosaic_attention.py",  # ~49
+    "test_mosaic_prefill.py",  # ~48
+    "test_engine.py",  # ~42
+    "test_sharding.py",  # ~37
+    "test_kv_cache_int8.py",  # ~36
+    "test_benchmark_scripts.py",  # ~36
+    "test_speculative_models.py",  # ~36
+    "test_convert.py",  # ~35
+    "test_smollm2.py",  # ~35 (after direct_forward's -O3 for real models)
+    "test_gemma.py",  # ~35
+    "test_cli.py",  # ~33
+    "test_tp_long_prefill.py",  # ~32
     "test_moe.py",  # ~28
-    "test_grouped_matmul.py",  # ~26
-    "test_gpt_oss.py",  # ~26
-    "test_reference_llama.py",  # ~25
-    "test_disaggregated_processes.py",  # ~25 (two processes)
-    "test_engine.py",  # ~25
-    "test_nemotron_h.py",  # ~23
-    "test_qwen3_next.py",  # ~23
-    "test_speculative.py",  # ~22
-    "test_speculative_models.py",  # ~21
-    "test_sharding_distributed.py",  # ~21 (two processes)
-    "test_attention_reference.py",  # ~21
-    "test_tp_long_prefill.py",  # ~19
-    "test_short_tables.py",  # ~17
-    "test_phi3_smollm3.py",  # ~16
-    "test_gptq.py",  # ~16
-    "test_hybrid_sharded.py",  # ~15
-    "test_gemma.py",  # ~14
-    "test_disaggregated.py",  # ~12
-    "test_benchmark_scripts.py",  # ~12
-    "test_random_checkpoint.py",  # ~20
-    "test_step_packing.py",  # ~12
-    "test_kernels_attention.py",  # ~10
-    "test_qwen3_5.py",  # ~10
+    "test_kernels_matmul.py",  # ~24
+    "test_kv_cache_fp8.py",  # ~23
+    "test_server_app.py",  # ~23
+    "test_disaggregated_processes.py",  # ~23 (two processes)
+    "test_qwen3_next.py",  # ~22
+    "test_fp8_weights.py",  # ~21
+    "test_host_tier.py",  # ~21
+    "test_short_tables.py",  # ~20
+    "test_granite_hybrid.py",  # ~19
+    "test_nemotron_h.py",  # ~17
+    "test_startup.py",  # ~16
+    "test_qwen3_5.py",  # ~16
+    "test_families_sharded.py",  # ~16
+    "test_mla.py",  # ~15
+    "test_split_kv.py",  # ~14
+    "test_disaggregated.py",  # ~13
+    "test_grouped_matmul.py",  # ~13
+    "test_executable_store.py",  # ~13
+    "test_w8a8_engine.py",  # ~12
+    "test_fused_projections.py",  # ~12
+    "test_attention_reference.py",  # ~12
+    "test_phi3_smollm3.py",  # ~12
+    "test_gptq.py",  # ~12
+    "test_async_engine.py",  # ~12
+    "test_hybrid_sharded.py",  # ~11
+    "test_gpt_oss.py",  # ~11
+    "test_speculative.py",  # ~11
+    "test_batch.py",  # ~10
+    "test_reference_llama.py",  # ~10
 )
 
 

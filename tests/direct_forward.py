@@ -37,14 +37,21 @@ def _metadata(positions, slots, context_len, page_table, last_index) -> BatchMet
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
-def _run(params, config, tokens, positions, slots, context_len, page_table, last_index, k_cache, v_cache):
+def _forward(params, config, tokens, positions, slots, context_len, page_table, last_index, k_cache, v_cache):
     """All-position logits [T, vocab] of one (padded) chunk, and the updated caches."""
     family = get_model_family(config)
     kernels = get_kernels("reference", "reference")
     md = _metadata(positions, slots, context_len, page_table, last_index)
     hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ParallelOps())
     return family.compute_logits(params, config, hidden, kernels, ParallelOps()), k_cache, v_cache
+
+
+_JIT_OPTIONS = dict(static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
+_run = jax.jit(_forward, **_JIT_OPTIONS)
+# The suite compiles at -O0 (conftest.py): quick to compile, slow to run. A real model's runner (SmolLM2-135M's
+# greedy continuations: five prompts of 32 one-token steps) runs enough to pay for XLA's default level instead.
+_run_optimized = jax.jit(_forward, compiler_options={"xla_backend_optimization_level": 3}, **_JIT_OPTIONS)
+OPTIMIZED_MIN_PARAMS = 50_000_000  # a tiny test model has well under a million
 
 
 class SingleSequenceRunner:
@@ -62,6 +69,8 @@ class SingleSequenceRunner:
         self.v_cache = jnp.zeros(v_shape, self.dtype)
         self.page_table = jnp.arange(1, num_pages, dtype=jnp.int32)  # [max_pages]: pages 1.. in order
         self.max_len = max_len
+        num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
+        self._run = _run_optimized if num_params >= OPTIMIZED_MIN_PARAMS else _run
 
     def _step(self, tokens: list[int], start: int, pad_to: int) -> np.ndarray:
         n = len(tokens)
@@ -73,7 +82,7 @@ class SingleSequenceRunner:
         slots[:n] = PAGE_SIZE + pos[:n]  # page i+1 holds positions [i*PAGE_SIZE, (i+1)*PAGE_SIZE)
         toks = np.zeros(pad_to, np.int32)  # [T]
         toks[:n] = tokens
-        logits, self.k_cache, self.v_cache = _run(
+        logits, self.k_cache, self.v_cache = self._run(
             self.params, self.config, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(slots),
             jnp.int32(start + n), self.page_table, jnp.int32(n - 1), self.k_cache, self.v_cache,
         )

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from simulated_devices import simulated_env
 
 
 def jlight(*args, timeout=600):
@@ -59,7 +60,7 @@ def test_generate_over_two_processes_matches_one(tiny_model, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = simulated_env(1)
     procs = [subprocess.Popen([sys.executable, "-m", "jlight.cli", *common, "--mesh", "tp=2",
                                "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]

@@ -19,6 +19,7 @@ from jlight.convert import model_config_to_hf_dict, write_converted
 from jlight.core.errors import ModelLoadError
 from jlight.loading import orbax_loader
 from jlight.core.quantization import QuantizedWeight, quantize_int8
+from simulated_devices import simulated_env
 
 PROMPT = [3, 17, 250, 9, 9, 41, 128, 7, 64, 1, 200, 33, 5, 90, 11, 2, 77, 19]
 
@@ -196,7 +197,7 @@ def test_unsharded_checkpoint_restores_into_tp4_mesh(tiny_model_dir, loaded, tmp
     config, params = loaded
     out = str(tmp_path / "tp")
     write_converted(out, config, params, dtype="float32", quantization=None, source=tiny_model_dir)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = simulated_env(8)
     proc = subprocess.run(
         [sys.executable, "-c", _TP_SCRIPT, out, tiny_model_dir, os.path.dirname(__file__)],
         env=env, capture_output=True, text=True, timeout=300,

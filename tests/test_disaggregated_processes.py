@@ -14,7 +14,6 @@ process first), while
 and at the end neither process holds a page. The extended test runs `jlight serve` as the two roles and the router
 (serve/router.py), three processes, and checks the answers over HTTP."""
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ import pytest
 
 from jlight.serve.metrics import parse_metrics
 from server_process import free_port
+from simulated_devices import simulated_env
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys, time
@@ -148,7 +148,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_prefill_and_decode_processes_give_the_single_engine_tokens(tiny_model, tmp_path):
     model = tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = simulated_env(2)
     port = free_port()
     procs = {role: subprocess.Popen([sys.executable, "-c", SCRIPT, role, str(port), model], env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -199,7 +199,7 @@ def test_router_over_prefill_and_decode_servers(tiny_model, tmp_path):
     the router gives the decode server's own answer for it alone (logprobs too), streamed or not; a client that leaves
     mid-stream frees the pages on both sides; the pages moved (kv_transfers_total)."""
     model = tiny_model("LlamaForCausalLM", max_position_embeddings=1024)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = simulated_env(2)
     coordinator, ports = free_port(), {role: free_port() for role in ("prefill", "decode", "router")}
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     serve = [sys.executable, "-m", "jlight.serve.cli"]

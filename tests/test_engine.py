@@ -69,7 +69,9 @@ def test_preemption_keeps_outputs_identical(model_dir, llm):
     prompts = random_prompts(12, 20, 60, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    small = jlight.LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, page_size=8, num_pages=24)
+    # One 64-token step bucket (min_token_bucket): one compile, where all five buckets took most of the test's time.
+    small = jlight.LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, min_token_bucket=64, page_size=8,
+                       num_pages=24)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.engine.stats().num_preemptions > 0
     assert got == expected
@@ -284,8 +286,8 @@ def test_committed_weights_compile_nothing_after_warmup(model_dir, tmp_path):
     from jlight.convert import convert
 
     convert(model_dir, str(tmp_path / "converted"), dtype="float32")
-    llm = jlight.LLM(str(tmp_path / "converted"), max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
-                     compilation_cache_dir=None)
+    llm = jlight.LLM(str(tmp_path / "converted"), max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=16,
+                     num_pages=32, compilation_cache_dir=None)  # one step bucket to warm up
     assert all(leaf.committed for leaf in jax.tree.leaves(llm.engine.runner.params))
     assert _compiles_after_warmup(llm.engine) == 0
 
@@ -298,8 +300,8 @@ def test_a_replica_on_its_own_device_compiles_nothing_after_warmup(model_dir):
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
-                          compilation_cache_dir=None)
+    config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=16,
+                          num_pages=32, compilation_cache_dir=None)  # one step bucket to warm up
     engine = LLMEngine(config, loaded=jlight.loading.load_model(model_dir, dtype="float32"), devices=jax.devices()[:1])
     assert _compiles_after_warmup(engine) == 0
 
@@ -322,7 +324,8 @@ def test_unrolled_layers_load_per_layer_and_free_what_they_fuse(model_dir, hf_mo
 
     monkeypatch.setattr(jlight.loading, "load_model", load_and_record)
     config = EngineConfig(model=model_dir, dtype="float32", layer_loop="unroll", max_num_seqs=2,
-                          max_num_batched_tokens=16, num_pages=64, compilation_cache_dir=None, warmup=False)
+                          max_num_batched_tokens=16, min_token_bucket=16, num_pages=64, compilation_cache_dir=None,
+                          warmup=False)  # one step bucket: prefill and decode compile one unrolled step
     engine = LLMEngine(config)
     (layers,) = own_layers
     assert isinstance(layers, list) and len(layers) == engine.model_config.num_layers  # loaded per layer ...
@@ -410,8 +413,8 @@ def test_a_request_larger_than_the_whole_kv_cache_is_refused(model_dir):
     """A request whose prompt and max_tokens need more pages than the pool holds could never run: alone in
     the engine it preempted itself step after step, forever. It is refused naming the pages, and one that
     fits runs beside it."""
-    small = jlight.LLM(model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, page_size=8, num_pages=12,
-                       compilation_cache_dir=None)  # 11 usable pages: 88 tokens
+    small = jlight.LLM(model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=16, page_size=8,
+                       num_pages=12, compilation_cache_dir=None)  # 11 usable pages: 88 tokens; one step bucket
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with pytest.raises(jlight.PromptTooLongError, match="KV pages"):
         small.generate([[5] * 50], params, use_tqdm=False)

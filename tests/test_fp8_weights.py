@@ -19,6 +19,7 @@ import pytest
 from jlight.core.quantization import (
     FP8_DTYPE, Fp8Weight, Fp8WeightT, quantize_activations_fp8, quantize_fp8, to_fp8, transpose_to_kmajor)
 from jlight.pallas_kernels import dispatch, matmul_reference
+from simulated_devices import simulated_env
 
 U = 2.0 ** -4  # e4m3's largest relative rounding error (normal numbers)
 SUB = 2.0 ** -10  # its largest absolute rounding error below 2^-6 (subnormals), in units of the scale
@@ -211,12 +212,11 @@ def test_fp8_under_tensor_parallel_matches_one_device(tiny_model):
     """fp8 weights sharded over tp=2 (simulated CPU devices): [in, out] Fp8Weights, their scales split with the
     output columns (sharding/rules.py), and the one-device engine's greedy tokens (float32)."""
     import json
-    import os
     import subprocess
     import sys
 
     path = tiny_model("LlamaForCausalLM")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = simulated_env(2)
     proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, path], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+from simulated_devices import simulated_env
 
 pytestmark = pytest.mark.research  # a measurement: `python -m pytest -m research tests` (README)
 
@@ -50,7 +51,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def agreement(smollm2_gguf):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
+    env = simulated_env(3)
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(path=TEXT_PATH)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

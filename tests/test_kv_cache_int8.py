@@ -19,6 +19,7 @@ from jlight.pallas_kernels import attention_reference, paged_attention_pallas
 from jlight.core.quantization import (
     QuantizedKV, dequantize_kv, kv_pool_bytes, kv_scales_shape, make_kv_pool, quantize_kv)
 from kernel_batches import check_attention_output, dequantize_pool, random_batch, random_int8_pool, reference_attention
+from simulated_devices import simulated_env
 
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
@@ -207,7 +208,7 @@ def test_engine_int8_pallas_equals_int8_reference(model_dir):
 def test_engine_counts_int8_pages(model_dir, monkeypatch):
     import dataclasses
 
-    llm = _llm(model_dir, kv_cache_dtype="int8")
+    llm = _llm(model_dir, kv_cache_dtype="int8", warmup=False)  # runs no step: nothing to compile
     e = llm.engine
     k = e.runner.k_cache
     assert k.values.dtype == jnp.int8 and k.scales.shape == kv_scales_shape(k.values.shape)
@@ -284,11 +285,10 @@ print("RESULT" + json.dumps(out))
 def test_int8_kv_cache_under_tensor_parallel(model_dir):
     """tp=2 on two simulated devices: K/V heads split, scales split with them, same greedy tokens."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = simulated_env(2)
     code = TP_SCRIPT.format(path=model_dir)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

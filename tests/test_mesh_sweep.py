@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from simulated_devices import simulated_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.extended  # README: `python -m pytest -m extended tests
 
 
 def sweep(tmp_path, num_devices: int, *args: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
+    env = simulated_env(num_devices)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "mesh_sweep.py"), "--quick", "--plot", "0",
                            "--out", str(tmp_path), "--name", "sweep", *args],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -86,8 +86,8 @@ def test_engine_chunked_prefill_batch_matches_transformers(models):
 
     path, hf_model = models["DeepseekV3ForCausalLM"]
     prompts = [PROMPT + [33, 34, 35], PROMPT[:9]]
-    llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=8, max_num_seqs=4, num_pages=32,
-                         enable_prefix_caching=True, compilation_cache_dir=None)
+    llm = jlight.api.LLM(path, dtype="float32", max_num_batched_tokens=8, min_token_bucket=8, max_num_seqs=4, num_pages=32,
+                         enable_prefix_caching=True, compilation_cache_dir=None)  # one step bucket (8 tokens) to compile
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)

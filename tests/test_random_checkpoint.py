@@ -108,7 +108,8 @@ def test_jlight_serves_it_and_greedy_never_picks_a_special_token(ckpt):
     from jlight import LLM, SamplingParams
 
     V = TINY["vocab_size"]
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
+              max_model_len=128)  # one step bucket to compile
     rng = random.Random(1)
     prompts = [[rng.randrange(100, V) for _ in range(rng.randint(5, 40))] for _ in range(4)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from simulated_devices import simulated_env
 
 NUM_DEVICES = 8
 PAGE_SIZE = 4
@@ -277,7 +277,7 @@ def worker(out_path, labels=None):
 # ---------------------------------------------------------------------------- tests ---
 
 def _run_worker(out, labels=None):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+    env = simulated_env(NUM_DEVICES)
     args = [sys.executable, __file__, str(out)] + ([json.dumps(labels)] if labels is not None else [])
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

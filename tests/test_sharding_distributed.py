@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import numpy as np
+from simulated_devices import simulated_env
 
 
 def _free_port() -> int:
@@ -95,8 +95,7 @@ def worker(process_id: int, port: int, out_path: str):
 
 def test_two_processes_match_one(tmp_path):
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = simulated_env(None)  # one device each
     procs = [
         subprocess.Popen([sys.executable, __file__, str(i), str(port), str(tmp_path / f"out{i}.json")],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

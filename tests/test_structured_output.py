@@ -127,9 +127,9 @@ def test_n_samples_preemption_and_abort(llm, smollm2_gguf):
     assert len(outs[0].outputs) == 4 and all(o.text in CHOICES for o in outs[0].outputs)
 
     # A pool of 16 pages of 8 tokens holds two of these ~55-token sequences, not four: preemption must
-    # happen, and the constrained outputs must be those of the roomy engine. (One 64-token step bucket:
-    # one compile.)
-    small = jlight.LLM(smollm2_gguf, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
+    # happen, and the constrained outputs must be those of the roomy engine. (One 32-token step bucket:
+    # one compile, and decode steps of four sequences padded to 32 tokens, not 64.)
+    small = jlight.LLM(smollm2_gguf, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32,
                        max_model_len=512, page_size=8, num_pages=16, compilation_cache_dir=None)
     prompts = [chat(llm, f"Make up person number {i} as JSON.") for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA})
