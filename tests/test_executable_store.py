@@ -155,7 +155,7 @@ LINALG = textwrap.dedent("""
         f = jax.jit(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True))
         compiled = store.compile(key, f.lower(a, b))
     else:  # nothing lowered in this process: the loaded executable's LAPACK call must still find its function
-        compiled = store.load(key)
+        compiled = store.load(key, (a, b))
     print(store.loaded, float(jnp.abs(a @ compiled(a, b) - b).max()))
 """)
 

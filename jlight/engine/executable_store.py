@@ -9,7 +9,9 @@ Invariants:
 - An entry's key covers everything the compiled program depends on: the jax and jaxlib versions, the
   backend and its devices, JAX's configuration and the XLA/JAX environment variables, the source of
   jlight's program packages (PROGRAM_PACKAGES), the engine's description of the program (its EngineConfig and model
-  config), and the step's inputs (tree structure, shapes, dtypes, shardings) with its static layout.
+  config), the step's inputs (tree structure, shapes, dtypes, shardings) with its static layout, and the
+  devices it runs on (program_devices: an engine on some of the devices, as each data-parallel replica or
+  either side of disaggregated prefill/decode, has programs of its own). A loaded step runs on those devices.
   A change to any of these gives a new key, so a stale executable is never loaded.
 - An entry is written whole or not at all (a temporary file renamed into place); a load that fails for
   any reason (a corrupt or truncated file, a JAX that cannot deserialize it) is logged and the step is
@@ -40,6 +42,7 @@ import tempfile
 import time
 
 import jax
+from jax.sharding import NamedSharding
 from jax._src import config as jax_config  # enable_compilation_cache as a thread-local context; private in jax 0.10/0.11
 from jax._src.lax import linalg as jax_linalg  # initialize_lapack; private in jax 0.10/0.11
 from jax.experimental import serialize_executable
@@ -79,6 +82,17 @@ def _initialize_lapack() -> None:
     jax_linalg.initialize_lapack()
 
 
+def program_devices(args) -> list:
+    """The devices a step over `args` runs on, in its device assignment's order (what jit takes from its
+    arguments): the mesh of the first NamedSharding among them, flattened, else the device of the first
+    single-device argument."""
+    shardings = [s for s in (getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(args)) if s is not None]
+    for s in shardings:
+        if isinstance(s, NamedSharding):
+            return list(s.mesh.devices.flat)
+    return sorted(shardings[0].device_set, key=lambda d: d.id) if shardings else list(jax.devices()[:1])
+
+
 def _leaf_signature(leaf) -> str:
     sharding = getattr(leaf, "sharding", None)
     return f"{getattr(leaf, 'shape', ())}|{getattr(leaf, 'dtype', type(leaf).__name__)}|{sharding}"
@@ -103,7 +117,7 @@ class ExecutableStore:
     def key(self, args, static) -> str:
         leaves, tree = jax.tree.flatten(args)
         h = hashlib.sha256(self._base.encode())
-        h.update(f"\n{tree}\n{static!r}\n".encode())
+        h.update(f"\n{tree}\n{static!r}\n{[d.id for d in program_devices(args)]}\n".encode())
         for leaf in leaves:
             h.update(_leaf_signature(leaf).encode() + b"\n")
         return h.hexdigest()
@@ -111,15 +125,16 @@ class ExecutableStore:
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key + ".jex")
 
-    def load(self, key: str):
-        """The stored jax.stages.Compiled for `key`, or None (not stored, or unreadable: logged)."""
+    def load(self, key: str, args):
+        """The stored jax.stages.Compiled for `key`, loaded onto the devices of the step's arguments `args`
+        (program_devices), or None (not stored, or unreadable: logged)."""
         path = self._path(key)
         if not os.path.exists(path):
             return None
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=program_devices(args))
             if jax.default_backend() == "cpu":
                 _initialize_lapack()
         except Exception as e:  # noqa: BLE001 - any failure means: compile instead

@@ -466,7 +466,7 @@ class ModelRunner:
                 key = None
                 if layout not in self._executables and store is not None:
                     key = store.key(args, (self._precision, STEP_COMPILER_OPTIONS, layout))
-                    stored = store.load(key)
+                    stored = store.load(key, args)
                     if stored is not None:
                         self._executables[layout] = stored
                 if layout in self._executables:
