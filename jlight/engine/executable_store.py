@@ -24,6 +24,8 @@ Invariants:
   in-memory caches, which hand back an executable compiled before in the process for the same lowered
   program and options (served from disk, perhaps): the store's compiles carry an option of their own
   (STORE_COMPILE_MARKER, set to its default value), so only another store compile can be handed back.
+  The price: on the CPU a start whose key is new (any EngineConfig field changed) compiles its steps anew
+  even where JAX's cache holds the same programs.
 - A loaded executable runs without having been lowered in this process, so what JAX sets up while lowering
   must be set up before it runs: on the CPU the LAPACK function pointers of the linalg custom calls (the gated
   DeltaNet reference's solve_triangular lowers to one; unset, the step segfaults at its first run). `load`
