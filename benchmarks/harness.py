@@ -63,7 +63,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import model_configs  # noqa: E402
-from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config, routed_fraction  # noqa: E402,F401
+from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config, decode_bytes, routed_fraction  # noqa: E402,F401
 
 # ------------------------------------------------------------------ models
 
@@ -259,21 +259,18 @@ def matmul_flops_per_s(n: int = 8192, reps: int = 10) -> float:
 
 def weight_bytes(params) -> int:
     """Bytes a decode step must read: every weight but the embedding table (a step gathers only its rows)."""
-    return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params)
-               if jax.tree_util.keystr(path) != "['embed']")
+    return decode_bytes(_leaf_bytes(params))
+
+
+def _leaf_bytes(params) -> list[tuple[str, int]]:
+    return [(jax.tree_util.keystr(path), x.nbytes) for path, x in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def active_weight_bytes(params, config) -> int:
     """Bytes a batch-1 decode step must read: weight_bytes, the routed experts' weights (every param named
     experts_*: their matrices and gpt-oss's down biases) counted at top_k / num_experts, since one token runs
     top_k experts. Equal to weight_bytes for a dense model."""
-    fraction = routed_fraction(config)
-    total = 0.0
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
-        key = jax.tree_util.keystr(path)
-        if key != "['embed']":
-            total += x.nbytes * (fraction if "['experts_" in key else 1.0)
-    return int(total)
+    return decode_bytes(_leaf_bytes(params), routed_fraction(config))
 
 
 # ------------------------------------------------------------------ results

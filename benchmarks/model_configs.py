@@ -143,6 +143,13 @@ def routed_fraction(config: ModelConfig) -> float:
     return top_k / experts if experts and top_k else 1.0
 
 
+def decode_bytes(sizes, fraction: float = 1.0) -> int:
+    """sizes: (keystr path, bytes) of a params tree's leaves. The bytes a decode step reads: every leaf but the
+    embedding table, the routed experts' (params named experts_*) counted at `fraction` (routed_fraction for
+    what one token reads of a MoE model, 1.0 for all of them)."""
+    return int(sum(n * (fraction if "['experts_" in key else 1.0) for key, n in sizes if key != "['embed']"))
+
+
 def shape_sizes(name: str, dtype=None) -> dict:
     """Parameters and bytes of a named shape's random weights in jlight's layout (no weights made: eval_shape).
     jlight keeps tied embeddings as two tables (embed and lm_head), so hf_params counts the tied table once.
@@ -158,15 +165,12 @@ def shape_sizes(name: str, dtype=None) -> dict:
     config = make_config(name)
     leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(
         lambda k: get_model_family(config).init_params(config, k, dtype), jax.random.PRNGKey(0)))
-    fraction = routed_fraction(config)
-    nbytes = lambda leaf: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize  # noqa: E731
-    keys = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
-    params = sum(math.prod(leaf.shape) for _, leaf in keys)
+    sizes = [(jax.tree_util.keystr(path), math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize) for path, leaf in leaves]
+    params = sum(math.prod(leaf.shape) for _, leaf in leaves)
     return dict(name=name, architecture=config.architecture, layers=config.num_layers, params=params,
                 hf_params=params - (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0),
-                bytes=sum(nbytes(leaf) for _, leaf in keys),
-                decode_bytes=sum(nbytes(leaf) for k, leaf in keys if k != "['embed']"),
-                active_bytes=int(sum(nbytes(leaf) * (fraction if "['experts_" in k else 1.0) for k, leaf in keys if k != "['embed']")))
+                bytes=sum(n for _, n in sizes), decode_bytes=decode_bytes(sizes),
+                active_bytes=decode_bytes(sizes, routed_fraction(config)))
 
 
 if __name__ == "__main__":  # python benchmarks/model_configs.py [NAME ...]: sizes of the named shapes in bf16
