@@ -87,9 +87,9 @@ def _spy_on_steps(runner) -> list:
     """Record (StepInputs, host seconds of the launch: packing and the jitted call) for each step."""
     calls, launch = [], runner.launch
 
-    def spy(inp, guide_mask=None):
+    def spy(inp, guide_mask=None, serial=False):
         t0 = time.perf_counter()
-        out = launch(inp, guide_mask)
+        out = launch(inp, guide_mask, serial)
         calls.append((inp, time.perf_counter() - t0))  # the host's dispatch time (the step runs async)
         return out
 

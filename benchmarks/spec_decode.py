@@ -22,7 +22,7 @@ ngram   harness.ngram_prompt() (64 random ids repeated to --prompt-len), greedy,
         untimed warm-up pair. With random weights the continuation is whatever the model makes, so each engine's
         acceptance (drafts, draft tokens, accepted tokens, mean acceptance length = 1 + accepted / drafts, from
         engine.stats() over the timed calls) stands beside its ms/token, with the engine's steps per generated
-        token, its step() calls and model launches per step, and its host ms per step by phase
+        token, its step() calls, model launches and serial launches per step, and its host ms per step by phase
         (LLMEngine.step_seconds: schedule with the proposer, prepare, launch, wait_and_process and the wait
         for the device within it). benchmarks/vllm_spec.py runs the same prompt and method through vLLM.
 
@@ -99,12 +99,13 @@ def verify_step_inputs(engine, calls: list, prompt: list[int], k: int):
 
 def synced_step_ms(runner, inp, reps: int) -> float:
     """Median ms of one step launched from its host inputs (runner.launch: packing, transfer, the call) and
-    waited for: a speculating sequence's step, which the host waits for before it drafts the next one."""
-    jax.block_until_ready(runner.launch(inp).tokens)
+    waited for: a speculating sequence's step, which the host waits for before it drafts the next one (so the
+    serial variant, where the runner has one)."""
+    jax.block_until_ready(runner.launch(inp, serial=True).tokens)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(runner.launch(inp).tokens)
+        jax.block_until_ready(runner.launch(inp, serial=True).tokens)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
@@ -183,17 +184,19 @@ def acceptance(before: dict, after: dict) -> dict:
 
 
 def count_calls(engine) -> dict:
-    """Counts of engine.step() calls and of the runner's model launches from now on (spies on both)."""
-    calls = dict(step=0, launch=0)
+    """Counts of engine.step() calls, of the runner's model launches and of those launched serial (the serial
+    variant where the runner has one) from now on (spies on both)."""
+    calls = dict(step=0, launch=0, serial=0)
     step, launch = engine.step, engine.runner.launch
 
     def step_spy():
         calls["step"] += 1
         return step()
 
-    def launch_spy(inp, guide_mask=None):
+    def launch_spy(inp, guide_mask=None, serial=False):
         calls["launch"] += 1
-        return launch(inp, guide_mask)
+        calls["serial"] += serial
+        return launch(inp, guide_mask, serial)
 
     engine.step, engine.runner.launch = step_spy, launch_spy
     return calls
@@ -219,7 +222,7 @@ def run_ngram(loaded, a) -> dict:
         counts = acceptance(before, spec_counts(engine))
         steps, tokens = max(counts["steps"], 1), engine.generation_tokens_total - tokens_before
         loop = dict(steps_per_token=counts["steps"] / max(tokens, 1), step_calls_per_step=calls["step"] / steps,
-                    launches_per_step=calls["launch"] / steps,
+                    launches_per_step=calls["launch"] / steps, serial_launches_per_step=calls["serial"] / steps,
                     host_ms_per_step={k: 1e3 * (v - seconds[k]) / steps for k, v in engine.step_seconds.items()})
         row = dict(spec=name, speculative_config=spec, prompt_tokens=len(prompt), max_tokens=a.max_tokens,
                    ms_per_token=ms, warmup_s=warmup_s, acceptance=counts, loop=loop)

@@ -166,7 +166,10 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    return jlight.LLM(model_dir, **ENGINE), jlight.LLM(model_dir, **ENGINE, speculative_config=SPEC)
+    """Speculation off and on; the speculating engine's verify steps run their serial variant (a second executable
+    of every step bucket, as on GPUs), so every test of it checks that variant's tokens."""
+    return jlight.LLM(model_dir, **ENGINE), jlight.LLM(model_dir, **ENGINE, speculative_config=SPEC,
+                                                       verify_step_command_buffers=False)
 
 
 def grounded_prompts(n, seed):
@@ -261,7 +264,7 @@ def test_a_speculating_sequence_launches_a_step_in_every_engine_step(engines):
     _, spec = engines
     engine = spec.engine
     launches, launch = [], engine.runner.launch
-    engine.runner.launch = lambda inp, guide_mask=None: launches.append(1) or launch(inp, guide_mask)
+    engine.runner.launch = lambda inp, guide_mask=None, serial=False: launches.append(serial) or launch(inp, guide_mask, serial)
     try:
         engine.add_request("one", None, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                            prompt_token_ids=grounded_prompts(2, seed=5)[1])
@@ -272,3 +275,7 @@ def test_a_speculating_sequence_launches_a_step_in_every_engine_step(engines):
     finally:
         engine.runner.launch = launch
     assert calls <= len(launches) + 1  # the last call reads the last step back
+    assert any(launches) and not all(launches)  # steps verifying drafts ran serial, the prompt's prefill did not
+    runner = engine.runner
+    assert runner._serial_executables.keys() == runner._executables.keys()  # warmed up: both variants of each
+    assert runner._serial_step._cache_size() == runner._step._cache_size() == 0  # ... so jit compiled neither

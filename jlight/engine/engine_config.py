@@ -85,6 +85,15 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or
     # {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}. None: off.
     speculative_config: dict | None = None
+    # Whether a step that verifies drafts runs as XLA's command buffers (CUDA graphs), as every other step does.
+    # The host waits for such a step before it drafts and launches the next, so nothing hides its launch: as
+    # a command buffer the device starts only once the host has updated the whole graph (on the H200 an 8B
+    # verify step waited 2.9 ms for it), while launched kernel by kernel the device starts at the first kernel
+    # and keeps pace with the host. None: GPUs with speculative decoding compile each step bucket a second time
+    # without command buffers, for the verify steps; elsewhere XLA makes none and there is nothing to choose.
+    # True: no second variant. False: the second variant on any backend (where XLA has no command buffers, as
+    # on the CPU, it is the same program: for tests).
+    verify_step_command_buffers: bool | None = None
     # Disaggregated prefill and decode (disaggregated.py): "prefill=N,decode=M", a prefill engine on the first N
     # devices and a decode engine on the next M, each tensor parallel over its group. None: one engine.
     disaggregated: str | None = None

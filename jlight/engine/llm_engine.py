@@ -10,7 +10,8 @@ it: speculative.py). While the running batch holds such a sequence (Scheduler.wa
 `step()` reads the step in flight back first, then schedules and launches the next one, and only
 then builds the request outputs of the step it read, so every call launches a step (none runs
 empty, leaving the device idle over a call that only waits) and the outputs' host work runs while
-the device computes.
+the device computes. Nothing hides such a step's launch, so it runs the runner's serial variant where
+there is one (EngineConfig.verify_step_command_buffers).
 """
 from __future__ import annotations
 
@@ -199,7 +200,9 @@ class LLMEngine:
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
             executable_store=startup.executable_store(cfg, mc),
             kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
-            taps=self.proposer.taps if self.proposer is not None else None)
+            taps=self.proposer.taps if self.proposer is not None else None,
+            serial_steps=spec is not None and (cfg.verify_step_command_buffers is False
+                                               or cfg.verify_step_command_buffers is None and dispatch.on_gpu()))
         if self.proposer is not None:
             self.proposer.attach(self.runner)
         jax.block_until_ready((self.runner.k_cache, self.runner.v_cache))
@@ -462,7 +465,7 @@ class LLMEngine:
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
-            out = self.runner.launch(inp, guide_mask)
+            out = self.runner.launch(inp, guide_mask, serial=any(r.drafts for r in plan.rows))  # read back before the next
             drafting = self.proposer.launch(plan, inp, out) if self.proposer is not None else None
             t1 = time.perf_counter()
             timing["launch"] += t1 - t2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import time
 from typing import NamedTuple
@@ -109,6 +110,9 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: boo
 # An inference step's own temporaries are small next to the pools the engine planned for it; nothing is
 # worth recomputing. (The CPU compiler has no such pass; the option is harmless there.)
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False, "xla_disable_hlo_passes": "rematerialization"}
+# A step's kernels launched one by one as the host enqueues them, not as XLA:GPU's command buffers (CUDA graphs):
+# the options of the serial variant (ModelRunner's serial_steps; EngineConfig.verify_step_command_buffers says when).
+SERIAL_STEP_COMPILER_OPTIONS = {**STEP_COMPILER_OPTIONS, "xla_gpu_enable_command_buffer": ""}
 
 
 def matmul_precision(compute_dtype) -> str | None:
@@ -125,8 +129,12 @@ class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
-                 num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None):
+                 num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None,
+                 serial_steps: bool = False):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
+        serial_steps: compile every step variant a second time with SERIAL_STEP_COMPILER_OPTIONS, for the steps
+        launched with serial=True (those the host waits for before it launches the next); False: those run the
+        same executables as the others.
         taps: what each step returns for a device proposer (Taps); None: nothing beyond its samples.
         num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots).
         executable_store: an executable_store.ExecutableStore the warm-up loads compiled buckets from and
@@ -204,8 +212,12 @@ class ModelRunner:
         self._precision = matmul_precision(kv_dtype)
         self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
                              compiler_options=STEP_COMPILER_OPTIONS)
+        # The serial variant (serial_steps): the same program under SERIAL_STEP_COMPILER_OPTIONS, or None.
+        self._serial_step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
+                                    compiler_options=SERIAL_STEP_COMPILER_OPTIONS) if serial_steps else None
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
         self._executables = {}  # step_packing.Layout -> the bucket's step compiled ahead of time (warmup)
+        self._serial_executables = {}  # the same, of the serial variant
         # Whole pages in and out of the pools (host_tier.py, disaggregated.py); a pool without a page axis
         # (MLA's unused V pool) passes through as None.
         paged = lambda a: a.shape[1] == num_pages
@@ -285,8 +297,9 @@ class ModelRunner:
         return self.max_pages_per_seq
 
     def num_step_variants(self, buckets) -> int:
-        """Compiled steps that `buckets` make (a bucket with a narrow-table variant makes two)."""
-        return len(self.step_variants(buckets))
+        """Compiled steps that `buckets` make (a bucket with a narrow-table variant makes two; the serial
+        variant doubles them)."""
+        return len(self.step_variants(buckets)) * (2 if self._serial_step is not None else 1)
 
     def write_history(self, slot: int, token_ids: list[int]) -> None:
         row = np.zeros((self.max_model_len + 1,), np.int32)
@@ -431,17 +444,21 @@ class ModelRunner:
         """The device-resident all-ones mask of inp's bucket: what a step without constrained rows takes."""
         return self._no_guide[inp.md.logits_indices.shape[0]]
 
-    def launch(self, inp: StepInputs, guide_mask: np.ndarray | None = None) -> StepOutputs:
-        """Dispatch one step (returns at once; outputs are device arrays)."""
+    def launch(self, inp: StepInputs, guide_mask: np.ndarray | None = None, serial: bool = False) -> StepOutputs:
+        """Dispatch one step (returns at once; outputs are device arrays). serial: the host waits for this step
+        before it launches the next: it runs the serial variant where there is one (serial_steps)."""
         if guide_mask is None:
             guide_mask = self.unconstrained_mask(inp)
         elif self._mask_sharding is not None:
             guide_mask = jax.device_put(guide_mask, self._mask_sharding)
         ints, floats, layout = step_packing.pack(inp)
         args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask)
-        compiled = self._executables.get(layout)  # warmed-up buckets; others compile through jit on first use
+        step, executables = self._step, self._executables
+        if serial and self._serial_step is not None:
+            step, executables = self._serial_step, self._serial_executables
+        compiled = executables.get(layout)  # warmed-up buckets; others compile through jit on first use
         self.k_cache, self.v_cache, self.history, self.prev_sampled, out = (
-            compiled(*args) if compiled is not None else self._step(*args, layout))
+            compiled(*args) if compiled is not None else step(*args, layout))
         return out
 
     def warmup(self, progress=None, buckets=None, threads: int = 1) -> float:
@@ -457,28 +474,31 @@ class ModelRunner:
         order = self.buckets if buckets is None else sorted(set(buckets))
         store = self.executable_store
         pending = {}
+        kinds = [(self._step, STEP_COMPILER_OPTIONS, self._executables)]
+        if self._serial_step is not None:
+            kinds.append((self._serial_step, SERIAL_STEP_COMPILER_OPTIONS, self._serial_executables))
         with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-compile") as pool:
-            for T, width in self.step_variants(order):
+            for (T, width), (step, options, executables) in itertools.product(self.step_variants(order), kinds):
                 inp = self.padding_inputs(T, width)
                 ints, floats, layout = step_packing.pack(inp)
                 args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
                         self.unconstrained_mask(inp))
                 key = None
-                if layout not in self._executables and store is not None:
-                    key = store.key(args, (self._precision, STEP_COMPILER_OPTIONS, layout))
+                if layout not in executables and store is not None:
+                    key = store.key(args, (self._precision, options, layout))
                     stored = store.load(key, args)
                     if stored is not None:
-                        self._executables[layout] = stored
-                if layout in self._executables:
+                        executables[layout] = stored
+                if layout in executables:
                     if progress is not None:
                         progress(T)
                     continue
                 start = time.perf_counter()
-                lowered = self._step.lower(*args, layout)
-                pending[pool.submit(self._compile, lowered, key, time.perf_counter() - start)] = (T, layout)
+                lowered = step.lower(*args, layout)
+                pending[pool.submit(self._compile, lowered, key, time.perf_counter() - start)] = (T, layout, executables)
             for done in concurrent.futures.as_completed(pending):
-                T, layout = pending[done]
-                self._executables[layout] = done.result()
+                T, layout, executables = pending[done]
+                executables[layout] = done.result()
                 if progress is not None:
                     progress(T)
         self.write_history(self.history_dummy_slot, [])
