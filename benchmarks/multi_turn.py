@@ -36,7 +36,8 @@ Runs: --tier off (kv_offloading_size None), on, or both (the default: one subpro
 engine's device memory is gone before the second starts; --in-process runs them one after the other here,
 for CPU smoke runs). Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by
 tier (device / host), the tier's pages copied each way (to host, back to the device) and the seconds those
-bytes take at the measured copy rate; with both runs, whether their replies agree token for token (greedy runs
+bytes take at the measured copy rate, the engine's host ms a step by phase (the tier's sync apart) and its
+slowest step() calls; with both runs, whether their replies agree token for token (greedy runs
 compute the same prefixes two ways, so on bf16 a near-tie can differ: the work, the lengths, is the same).
 With the tier on, harness.host_copy_bytes_per_s() once, beside PCIe Gen5 x16's 64 GB/s per direction.
 
@@ -134,6 +135,20 @@ def run_conversations(engine, system: list[int], user: list[list[list[int]]], a)
     return records
 
 
+def spy_on_step_calls(engine) -> list[float]:
+    """The host seconds of each engine.step() call from now on (appended as they end)."""
+    calls, step = [], engine.step
+
+    def timed():
+        t0 = time.perf_counter()
+        out = step()
+        calls.append(time.perf_counter() - t0)
+        return out
+
+    engine.step = timed
+    return calls
+
+
 def reply_digest(reply: list[int]) -> str:
     return hashlib.sha1(json.dumps(reply).encode()).hexdigest()[:12]
 
@@ -156,6 +171,8 @@ def run_tier(a, tier: str) -> dict:
     before = engine.stats()
     tier_obj = engine.block_manager.host_tier
     restored0 = tier_obj.restored_pages if tier_obj is not None else 0
+    seconds0 = dict(engine.step_seconds)
+    step_calls = spy_on_step_calls(engine)
     t0 = time.perf_counter()
     records = run_conversations(engine, system, user, a)
     wall = time.perf_counter() - t0
@@ -173,6 +190,9 @@ def run_tier(a, tier: str) -> dict:
         ttft_ms_median_by_turn=[statistics.median(r["ttft_s"] * 1e3 for r in records if r["turn"] == t) for t in range(a.turns)],
         device_cache_hit_tokens=delta("device_cache_hit_tokens"), host_cache_hit_tokens=delta("host_cache_hit_tokens"),
         preemptions=delta("num_preemptions"), steps=delta("num_steps"),
+        host_ms_per_step={k: 1e3 * (v - seconds0[k]) / max(delta("num_steps"), 1) for k, v in engine.step_seconds.items()},
+        slowest_step_calls_ms=[1e3 * s for s in sorted(step_calls, reverse=True)[:8]],
+        step_calls_over_100ms=sum(s > 0.1 for s in step_calls),
         reply_digests={f"{r['conversation']}-{r['turn']}": reply_digest(r["reply"]) for r in records})
     if tier_obj is not None:
         to_host, to_device = delta("host_cache_offloaded_pages"), tier_obj.restored_pages - restored0
@@ -199,6 +219,9 @@ def print_run(r: dict, page_size: int) -> None:
           f"{t['median']:.1f} ms, P99 {t['p99']:.1f} ms; by turn " + ", ".join(f"{x:.1f}" for x in r["ttft_ms_median_by_turn"])
           + f" ms; prompt tokens {r['prompt_tokens']}, cached {r['cached_prompt_tokens']} (device hits "
           f"{r['device_cache_hit_tokens']}, host hits {r['host_cache_hit_tokens']}); preemptions {r['preemptions']}", flush=True)
+    print(f"[tier {r['tier']}] host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
+          + f"; step() calls over 100 ms: {r['step_calls_over_100ms']}, slowest "
+          + ", ".join(f"{x:.0f}" for x in r["slowest_step_calls_ms"]) + " ms")
     if "host_tier" in r:
         h, c = r["host_tier"], r["host_copy_bytes_per_s"]
         print(f"[tier on] pages to host {h['pages_to_host']}, back to the device {h['pages_to_device']}, dropped "

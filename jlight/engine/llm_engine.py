@@ -223,8 +223,8 @@ class LLMEngine:
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
         # includes waiting for the device to finish the previous step; "wait" is that wait alone (a part
-        # of wait_and_process, not another phase).
-        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process", "wait"), 0.0)
+        # of wait_and_process, not another phase), as "tier" is the host tier's sync within "schedule".
+        self.step_seconds = dict.fromkeys(("schedule", "prepare", "launch", "wait_and_process", "wait", "tier"), 0.0)
         logger.info(startup.memory_plan(params, self.runner.k_cache, self.runner.v_cache, num_pages, cfg.page_size))
         self.warmup_seconds = self._warmup() if cfg.warmup and warmup else 0.0
 
@@ -450,7 +450,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.block_manager.host_tier is not None:  # evicted pages to host, hits back, before the launch
+            t_tier = time.perf_counter()
             self.block_manager.host_tier.sync(self.runner)
+            timing["tier"] += time.perf_counter() - t_tier
         for seq in plan.preempted:
             self._release_slot(seq)
         launched = None
