@@ -41,6 +41,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 import time
 
 import jax
@@ -115,6 +116,7 @@ class ExecutableStore:
             FORMAT, jax.__version__, getattr(jax.lib, "__version__", None), backend.platform, backend.platform_version,
             [(d.id, d.device_kind) for d in jax.devices()], env, config, _source_digest(), program)))
         self.loaded = self.saved = 0
+        self._count_lock = threading.Lock()  # load and compile run on several threads (ModelRunner.warmup)
 
     def key(self, args, static) -> str:
         leaves, tree = jax.tree.flatten(args)
@@ -142,7 +144,8 @@ class ExecutableStore:
         except Exception as e:  # noqa: BLE001 - any failure means: compile instead
             logger.info("stored executable %s unusable (%s: %.200s); compiling it", path, type(e).__name__, e)
             return None
-        self.loaded += 1
+        with self._count_lock:
+            self.loaded += 1
         return compiled
 
     def compile(self, key: str, lowered, lower_seconds: float = 0.0):
@@ -178,4 +181,5 @@ class ExecutableStore:
         except Exception as e:  # noqa: BLE001 - storing is an optimization: never fail a start over it
             logger.info("could not store a compiled step (%s: %.200s)", type(e).__name__, e)
             return
-        self.saved += 1
+        with self._count_lock:
+            self.saved += 1

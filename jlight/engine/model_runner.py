@@ -468,8 +468,8 @@ class ModelRunner:
         of time on `threads` threads: XLA compiles outside Python's lock, so the buckets compile side
         by side. `launch` then runs the compiled executables themselves (`_executables`, by layout),
         whatever the arrays' commitment: no jit cache key can miss. A bucket the executable store holds
-        is loaded instead (no tracing), and each one compiled here is saved to it. progress(T) follows
-        each compiled step (num_step_variants of them)."""
+        is loaded instead (no tracing; the loads side by side on the same threads), and each one compiled
+        here is saved to it. progress(T) follows each compiled step (num_step_variants of them)."""
         t0 = time.perf_counter()
         order = self.buckets if buckets is None else sorted(set(buckets))
         store = self.executable_store
@@ -478,18 +478,25 @@ class ModelRunner:
         if self._serial_step is not None:
             kinds.append((self._serial_step, SERIAL_STEP_COMPILER_OPTIONS, self._serial_executables))
         with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-compile") as pool:
+            wanted = []  # (T, layout, the jitted step, its executables, its arguments, its store key) to make
             for (T, width), (step, options, executables) in itertools.product(self.step_variants(order), kinds):
                 inp = self.padding_inputs(T, width)
                 ints, floats, layout = step_packing.pack(inp)
+                if layout in executables:
+                    if progress is not None:
+                        progress(T)
+                    continue
                 args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
                         self.unconstrained_mask(inp))
-                key = None
-                if layout not in executables and store is not None:
-                    key = store.key(args, (self._precision, options, layout))
-                    stored = store.load(key, args)
-                    if stored is not None:
-                        executables[layout] = stored
-                if layout in executables:
+                key = store.key(args, (self._precision, options, layout)) if store is not None else None
+                wanted.append((T, layout, step, executables, args, key))
+            # Stored steps load side by side (deserializing one runs outside Python's lock).
+            loads = [pool.submit(store.load, key, args) if key is not None else None
+                     for _, _, _, _, args, key in wanted]
+            for (T, layout, step, executables, args, key), load in zip(wanted, loads):
+                stored = load.result() if load is not None else None
+                if stored is not None:
+                    executables[layout] = stored
                     if progress is not None:
                         progress(T)
                     continue
