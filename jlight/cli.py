@@ -147,7 +147,11 @@ def cmd_chat(args) -> int:
             print(_summary(len(prompt_ids), ids, ttft, total), file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand. An external one's module (serve, batch, convert, bench serve: their own
+    dependencies, grain's import alone takes 0.3 s) is imported for its arguments only when `argv` (default:
+    sys.argv[1:]) names it: `jlight generate` starts without them, `jlight --help` lists them all."""
+    words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")][:2]
     parser = argparse.ArgumentParser(prog="jlight", description="A JAX/XLA inference engine for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
@@ -164,15 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--verbose", action="store_true", help="print timing after each answer")
     c.set_defaults(func=cmd_chat)
     for name, (module, help_text) in _EXTERNAL.items():
-        _add_external(sub, name, module, help_text)
+        _add_external(sub, name, module, help_text, words[:1] == [name])
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    _add_external(bench, "serve", "jlight.serve.bench_cli", "load an OpenAI-compatible server the way vLLM's benchmark_serving does")
+    _add_external(bench, "serve", "jlight.serve.bench_cli", "load an OpenAI-compatible server the way vLLM's benchmark_serving does",
+                  words == ["bench", "serve"])
     return parser
 
 
-def _add_external(sub, name: str, module: str, help_text: str) -> None:
+def _add_external(sub, name: str, module: str, help_text: str, chosen: bool) -> None:
+    """The subcommand `name`, run by `module`; its arguments only when it is the chosen one (build_parser)."""
     p = sub.add_parser(name, help=help_text)
     p.set_defaults(external=module)
+    if not chosen:
+        return
     try:
         importlib.import_module(module).add_arguments(p)
     except ImportError as e:  # optional dependency missing (e.g. fastapi for serve)
@@ -180,7 +188,7 @@ def _add_external(sub, name: str, module: str, help_text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         if getattr(args, "import_error", None):
             raise JlightError(args.import_error)
