@@ -3,7 +3,10 @@
 One jitted step per token-count bucket (rows are bucketed with it), all compiled at
 start-up; a bucket whose attention runs a cheaper path over a narrow page table
 (Kernels.short_table_span: short contexts skip flash-decoding's combine) compiles a second
-variant, which the steps whose rows all fit that table run. The step embeds, runs the model over the ragged batch, samples on device and
+variant, which the steps whose rows all fit that table run; with `serial_steps` every variant compiles once more
+without XLA's command buffers, for the steps the host waits for before it launches the next (verify steps:
+their device work starts at the first kernel, not after the whole graph's update). The step embeds, runs the
+model over the ragged batch, samples on device and
 returns only the sampled ids (plus logprobs when asked). Decode tokens sampled by the
 previous step never visit the host: the step reads them from the previous step's output
 (`from_prev`), so the host can launch step N+1 before it has seen step N's tokens.
