@@ -110,8 +110,9 @@ START = textwrap.dedent("""
     if mode == "cache-then-store":
         runner.warmup()
         runner._executables.clear()
-    if mode in ("store", "cache-then-store"):
-        runner.executable_store = ExecutableStore(os.path.join(cache, "executables"), "start", min_compile_seconds=0.0)
+    if mode in ("store", "cache-then-store", "renamed"):  # renamed: another key for the same programs
+        runner.executable_store = ExecutableStore(os.path.join(cache, "executables"), "start" + "-2" * (mode == "renamed"),
+                                                  min_compile_seconds=0.0)
     runner.warmup()
     outs = llm.generate(json.loads(sys.argv[4]), jlight.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)
@@ -141,6 +142,13 @@ def test_a_step_jax_cache_could_serve_is_stored_with_its_code(tiny_model, tmp_pa
     loaded = _start(model_dir, tmp_path, "store")
     assert loaded["loaded"] == stored["saved"] and loaded["saved"] == 0
     assert plain["tokens"] == stored["tokens"] == loaded["tokens"]
+    # A new key for the same programs (a source or configuration change that leaves them as they were): the store
+    # compiles them again, and JAX's persistent cache must not serve that compile from what the store's earlier
+    # compiles left there (the process after would load steps without code: "Function ... not found").
+    renamed = _start(model_dir, tmp_path, "renamed")
+    assert renamed["loaded"] == 0 and renamed["saved"] == stored["saved"]
+    again = _start(model_dir, tmp_path, "renamed")
+    assert again["loaded"] == renamed["saved"] and again["tokens"] == plain["tokens"]
 
 
 LINALG = textwrap.dedent("""

@@ -20,10 +20,12 @@ Invariants:
   JAX's persistent cache for its compiles).
 - What the store saves runs when loaded: on the CPU (JAX 0.10.2) an executable that JAX's persistent cache
   served serializes without its code (the copy loads, then fails at its first run: "Function ... not
-  found"), so there `compile` has XLA compile the step itself: around that cache, and around JAX's
-  in-memory caches, which hand back an executable compiled before in the process for the same lowered
-  program and options (served from disk, perhaps): the store's compiles carry an option of their own
-  (STORE_COMPILE_MARKER, set to its default value), so only another store compile can be handed back.
+  found"), so there `compile` has XLA compile the step itself. Its compiles carry an option of their own
+  (STORE_COMPILE_MARKER, set to its default value), which puts them under keys of their own in JAX's caches,
+  and they write nothing to the persistent cache, so that cache holds no entry under those keys to serve
+  (JAX decides once a process whether the cache is used at all; a compile cannot switch it off for itself).
+  JAX's in-memory caches may still hand a store compile the executable of an earlier store compile of the
+  same program in the process: XLA compiled that one, so it serializes whole.
   The price: on the CPU a start whose key is new (any EngineConfig field changed) compiles its steps anew
   even where JAX's cache holds the same programs.
 - A loaded executable runs without having been lowered in this process, so what JAX sets up while lowering
@@ -46,7 +48,7 @@ import time
 
 import jax
 from jax.sharding import NamedSharding
-from jax._src import config as jax_config  # enable_compilation_cache as a thread-local context; private in jax 0.10/0.11
+from jax._src import config as jax_config  # persistent_cache_min_compile_time_secs as a thread-local context; private in jax 0.10/0.11
 from jax._src.lax import linalg as jax_linalg  # initialize_lapack; private in jax 0.10/0.11
 from jax.experimental import serialize_executable
 
@@ -72,9 +74,10 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-# A compiler option at its default value (no effect on the code), carried only by the store's CPU compiles,
-# so JAX's in-memory compile caches never answer one of them with an executable compiled otherwise.
-STORE_COMPILE_MARKER = {"xla_cpu_enable_fast_math": False}
+# Compiler options at their default values (no effect on the code), carried only by the store's CPU compiles,
+# so JAX's compile caches never answer one of them with an executable compiled otherwise. (The pair is new: the
+# store's compiles under the first marker, {"xla_cpu_enable_fast_math": False}, wrote to the persistent cache.)
+STORE_COMPILE_MARKER = {"xla_cpu_enable_fast_math": False, "xla_cpu_fast_math_honor_nans": True}
 
 
 def _initialize_lapack() -> None:
@@ -154,7 +157,7 @@ class ExecutableStore:
         a load saves as well."""
         start = time.perf_counter() - lower_seconds
         if jax.default_backend() == "cpu":
-            with jax_config.enable_compilation_cache(False):
+            with jax_config.persistent_cache_min_compile_time_secs(float("inf")):  # written nowhere (this thread)
                 compiled = lowered.compile(compiler_options=STORE_COMPILE_MARKER)
         else:
             compiled = lowered.compile()
