@@ -39,8 +39,8 @@ import time
 
 import httpx
 
-from chaos_client import (ChaosFailure, Target, chat, check, completion, metrics, outcome_deltas, pid_alive,
-                          post_in_thread, raw_request, server_rss_mb, silent_reader, stream, wait_pool_free)
+from chaos_client import (PY_BLOCKS_METRIC, ChaosFailure, Target, chat, check, completion, metrics, outcome_deltas,
+                          pid_alive, post_in_thread, raw_request, server_rss_mb, silent_reader, stream, wait_pool_free)
 
 # The prompt whose steps fail on a server started by `benchmarks/chaos.py serve` (token ids valid in any vocabulary).
 POISON_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]
@@ -206,6 +206,7 @@ async def slow_readers(target: Target, readers: int = 3, samples: int = 8, other
         check(stream_mb > min_stream_mb, f"a stream carries only {stream_mb:.1f} MB: the socket buffers would take it "
                                          f"all, and nothing would test the server's back-pressure")
         base = await server_rss_mb(target, c)  # its high-water mark covers these requests read as they come
+        base_blocks = (await metrics(c)).get(PY_BLOCKS_METRIC)
         socks = await asyncio.gather(*[silent_reader(target, raw_request(target, "/v1/chat/completions",
                                                                            {**body, "stream": True}))
                                        for _ in range(readers)])
@@ -218,14 +219,17 @@ async def slow_readers(target: Target, readers: int = 3, samples: int = 8, other
             # The engine does not wait for readers: their requests finish and free their pages.
             generated_s = await wait_pool_free(c, generated_within_s)
             held = await server_rss_mb(target, c)
+            held_blocks = (await metrics(c)).get(PY_BLOCKS_METRIC)
         finally:
             for sock in socks:
                 sock.close()
         await wait_pool_free(c, 10)
+    blocks = "" if base_blocks is None or held_blocks is None else f"; Python's allocator {held_blocks - base_blocks:+.0f} blocks"
     check(held - base < slack_mb, f"{readers} clients that never read their {stream_mb:.0f} MB streams grew the "
                                   f"server by {held - base:.1f} MB beyond what the same streams read took "
-                                  f"(bound {slack_mb} MB)")
+                                  f"(bound {slack_mb} MB{blocks})")
     return {"readers": readers, "stream_mb": round(stream_mb, 1), "rss_growth_mb": round(held - base, 1),
+            "python_blocks_growth": None if base_blocks is None or held_blocks is None else int(held_blocks - base_blocks),
             "others_max_gap_s": round(max(gaps), 4), "generated_after_s": round(generated_s, 2)}
 
 

@@ -21,6 +21,7 @@ import httpx
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # jlight serve's --max-body-bytes default
 RSS_METRIC = "process_resident_memory_bytes"
+PY_BLOCKS_METRIC = "jlight:python_allocated_blocks"  # the server's Python allocator's share (serve/metrics.py)
 
 
 class ChaosFailure(AssertionError):

@@ -12,10 +12,14 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import sys
 import threading
 
 PREFIX = "jlight:"
 RSS_METRIC = "process_resident_memory_bytes"
+# What of it Python's own allocator holds, in blocks (objects and their buffers; native allocations, a GPU
+# runtime's host buffers among them, are not counted): tells growth of the one from growth of the other.
+PY_BLOCKS_METRIC = "jlight:python_allocated_blocks"
 
 # Seconds. Like vLLM's buckets: fine near the typical values, coarse in the tail.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -105,6 +109,8 @@ class ServerMetrics:
         if rss is not None:
             lines += [f"# HELP {RSS_METRIC} Resident memory size in bytes.", f"# TYPE {RSS_METRIC} gauge",
                       f"{RSS_METRIC} {rss}"]
+        lines += [f"# HELP {PY_BLOCKS_METRIC} Memory blocks Python's allocator holds (sys.getallocatedblocks).",
+                  f"# TYPE {PY_BLOCKS_METRIC} gauge", f"{PY_BLOCKS_METRIC} {sys.getallocatedblocks()}"]
         return "\n".join(lines) + "\n"
 
 

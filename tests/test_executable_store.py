@@ -179,3 +179,16 @@ def test_a_loaded_step_with_a_lapack_call_runs(tmp_path):
     assert loaded.returncode == 0, (loaded.returncode, loaded.stderr[-2000:])
     count, error = loaded.stdout.split()
     assert int(count) == 1 and float(error) < 1e-4
+
+
+def test_how_a_start_compiles_is_not_part_of_the_key(tmp_path):
+    """Engines that differ only in when and how they compile (`jlight generate` compiles its request's buckets,
+    `jlight chat` all of them at start) run the same programs: one key; any other field gives another."""
+    from jlight.engine import startup
+    from jlight.engine.engine_config import EngineConfig
+
+    mc = "model"  # the key covers the model's config too: the same one here
+    base = dict(compilation_cache_dir=str(tmp_path), max_model_len=64)
+    key = lambda **kw: startup.executable_store(EngineConfig(**{**base, **kw}), mc)._base  # noqa: E731
+    assert key() == key(warmup=False) == key(compile_threads=1)
+    assert key() != key(max_num_seqs=3) and key() != key(seed=1)

@@ -672,6 +672,7 @@ def test_metrics_text(server):
     assert values['jlight:e2e_request_latency_seconds_bucket{le="+Inf"}'] == values["jlight:e2e_request_latency_seconds_count"]
     assert values['jlight:request_total{outcome="length"}'] >= 1
     assert values["jlight:kv_cache_pages_used"] == 0 and values["jlight:kv_cache_pages_total"] == 100
+    assert values["jlight:python_allocated_blocks"] > 10_000  # the interpreter's own objects at least
 
 
 def test_default_model_is_served_by_its_name():

@@ -16,6 +16,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -111,11 +112,19 @@ def check_hybrid(cfg, architecture: str) -> None:
                          "recurrent state; leave it unset")
 
 
+# EngineConfig fields that decide only how and when a start compiles, never what: the store's key holds them at
+# these values, so `jlight generate` (which compiles its request's buckets) and `jlight chat` (every bucket at start)
+# share their steps.
+START_ONLY_FIELDS = dict(warmup=True, compile_threads=None, store_executables=True, compilation_cache_dir=None)
+
+
 def executable_store(cfg, model_config) -> ExecutableStore | None:
-    """The compiled-step store under the compilation cache, keyed by the engine's whole configuration."""
+    """The compiled-step store under the compilation cache, keyed by the engine's whole configuration but for
+    START_ONLY_FIELDS."""
     if not (cfg.store_executables and cfg.compilation_cache_dir):
         return None
-    return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((cfg, model_config)))
+    program = dataclasses.replace(cfg, **START_ONLY_FIELDS)
+    return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((program, model_config)))
 
 
 def host_tier(cfg, page_bytes: int, max_batched: int) -> HostTier:
