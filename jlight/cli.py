@@ -6,7 +6,9 @@ and exit with status 2; nothing a user can cause prints a traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
 import time
 
@@ -207,5 +209,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `jlight` command (and `python -m jlight.cli`). A `generate` or `chat` process ends without the
+    interpreter's teardown: freeing the model, its compiled steps and the XLA client object by object took
+    0.7 s of a 5-6 s warm `jlight generate` on two cores. The exit handlers still run (logging's among them),
+    and both streams are flushed first. Other commands exit as usual."""
+    argv = sys.argv[1:]
+    rc = main(argv)
+    if [w for w in argv if not w.startswith("-")][:1] in (["generate"], ["chat"]):
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
