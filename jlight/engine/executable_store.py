@@ -26,8 +26,9 @@ Invariants:
   (JAX decides once a process whether the cache is used at all; a compile cannot switch it off for itself).
   JAX's in-memory caches may still hand a store compile the executable of an earlier store compile of the
   same program in the process: XLA compiled that one, so it serializes whole.
-  The price: on the CPU a start whose key is new (any EngineConfig field changed) compiles its steps anew
-  even where JAX's cache holds the same programs.
+  The price: on the CPU a start whose key is new (an EngineConfig field changed, but for those that only
+  steer how a start compiles: startup.START_ONLY_FIELDS) compiles its steps anew even where JAX's cache
+  holds the same programs.
 - A loaded executable runs without having been lowered in this process, so what JAX sets up while lowering
   must be set up before it runs: on the CPU the LAPACK function pointers of the linalg custom calls (the gated
   DeltaNet reference's solve_triangular lowers to one; unset, the step segfaults at its first run). `load`
@@ -75,8 +76,9 @@ def _source_digest() -> str:
 
 
 # Compiler options at their default values (no effect on the code), carried only by the store's CPU compiles,
-# so JAX's compile caches never answer one of them with an executable compiled otherwise. (The pair is new: the
-# store's compiles under the first marker, {"xla_cpu_enable_fast_math": False}, wrote to the persistent cache.)
+# so JAX's compile caches never answer one of them with an executable compiled otherwise. Not the first option
+# alone: users' persistent caches hold entries without code under that key, from versions whose store compiles
+# wrote there.
 STORE_COMPILE_MARKER = {"xla_cpu_enable_fast_math": False, "xla_cpu_fast_math_honor_nans": True}
 
 
