@@ -153,7 +153,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser of every subcommand. An external one's module (serve, batch, convert, bench serve: their own
     dependencies, grain's import alone takes 0.3 s) is imported for its arguments only when `argv` (default:
     sys.argv[1:]) names it: `jlight generate` starts without them, `jlight --help` lists them all."""
-    words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")][:2]
+    words = _command(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="jlight", description="A JAX/XLA inference engine for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
@@ -175,6 +175,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_external(bench, "serve", "jlight.serve.bench_cli", "load an OpenAI-compatible server the way vLLM's benchmark_serving does",
                   words == ["bench", "serve"])
     return parser
+
+
+def _command(argv: list[str]) -> list[str]:
+    """The subcommand's words of a command line (`["generate"]`, `["bench", "serve"]`): its first two words that
+    are not options (the top level takes none)."""
+    return [w for w in argv if not w.startswith("-")][:2]
 
 
 def _add_external(sub, name: str, module: str, help_text: str, chosen: bool) -> None:
@@ -216,7 +222,7 @@ def entry() -> None:
     and both streams are flushed first. Other commands exit as usual."""
     argv = sys.argv[1:]
     rc = main(argv)
-    if [w for w in argv if not w.startswith("-")][:1] in (["generate"], ["chat"]):
+    if _command(argv)[:1] in (["generate"], ["chat"]):
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

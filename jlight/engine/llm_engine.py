@@ -467,7 +467,8 @@ class LLMEngine:
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
-            out = self.runner.launch(inp, guide_mask, serial=any(r.drafts for r in plan.rows))  # read back before the next
+            serial = self.proposer is not None and any(r.drafts for r in plan.rows)  # read back before the next launch
+            out = self.runner.launch(inp, guide_mask, serial=serial)
             drafting = self.proposer.launch(plan, inp, out) if self.proposer is not None else None
             t1 = time.perf_counter()
             timing["launch"] += t1 - t2

@@ -213,11 +213,10 @@ class ModelRunner:
         else:
             self._model_fn = functools.partial(model_fn, ops=ParallelOps())
         self._precision = matmul_precision(kv_dtype)
-        self._step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
-                             compiler_options=STEP_COMPILER_OPTIONS)
+        jit_step = functools.partial(jax.jit, self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,))
+        self._step = jit_step(compiler_options=STEP_COMPILER_OPTIONS)
         # The serial variant (serial_steps): the same program under SERIAL_STEP_COMPILER_OPTIONS, or None.
-        self._serial_step = jax.jit(self._packed_step, donate_argnums=(1, 2, 3), static_argnums=(8,),
-                                    compiler_options=SERIAL_STEP_COMPILER_OPTIONS) if serial_steps else None
+        self._serial_step = jit_step(compiler_options=SERIAL_STEP_COMPILER_OPTIONS) if serial_steps else None
         self._write_history = jax.jit(lambda h, slot, row: h.at[slot].set(row), donate_argnums=(0,))
         self._executables = {}  # step_packing.Layout -> the bucket's step compiled ahead of time (warmup)
         self._serial_executables = {}  # the same, of the serial variant
