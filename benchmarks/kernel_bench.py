@@ -281,7 +281,9 @@ def prefill_shapes(quick):
         return [("chunk T=64", [64], [64], 64)]
     return [(f"chunk T={n}", [n], [n], n) for n in (2048, 4096, 16384)] + [
         ("chunk T=2048 over 14336", [2048], [16384], 2048),
-        ("mixed: 1793-token chunk + 255 decode rows at 1k", [1793] + [1] * 255, [1793] + [1024] * 255, 2048)]
+        ("mixed: 1793-token chunk + 255 decode rows at 1k", [1793] + [1] * 255, [1793] + [1024] * 255, 2048),
+        # the engine's order (decode rows first): a batch-16 growth run's step at 16k
+        ("mixed: 15 decode rows at 16k + 2048-token chunk over 14336", [1] * 15 + [2048], [16384] * 16, 2064)]
 
 
 def _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, window=None):
@@ -293,12 +295,14 @@ def _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, window=None):
     return total
 
 
-def bench_prefill_attention(rng, quick, reps, trials):
+def bench_prefill_attention(rng, quick, reps, trials, cases=None):
     """Prefill attention's rate (useful FLOPs over device time), Llama-3-8B heads (32 / 8, d = 128):
     the Triton kernel, the decode kernel's prefill blocks and the warp-specialized prefill kernel over
     bf16 pools; the two Mosaic GPU paths over fp8 pools (kv_cache_dtype="fp8"); and, on the 4096-token
     chunk and the chunk over earlier context, the attention kinds (a 4096-token window alone; Gemma 2's
-    soft-capping with that window; gpt-oss's sinks with a 128-token window)."""
+    soft-capping with that window; gpt-oss's sinks with a 128-token window). The prefill kernel also runs with
+    its blocks launched in reverse (mixed steps: decode rows last) and, over fp8 pools, with 2-byte reads in its
+    upcast. cases: only the cases whose name contains one of these strings."""
     num_heads, num_kv_heads, head_dim, page_size = (32, 8, 128, 16) if not quick else (8, 2, 64, 16)
     scale = head_dim ** -0.5
     sinks = jnp.asarray(rng.standard_normal(num_heads), jnp.float32)
@@ -306,6 +310,8 @@ def bench_prefill_attention(rng, quick, reps, trials):
              "gpt-oss sinks + window 128": dict(sliding_window=128, sinks=sinks)}
     rows = []
     for case, q_lens, ctx_lens, tokens in prefill_shapes(quick):
+        if cases and not any(c in case for c in cases):
+            continue
         num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
         md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=tokens)
         shape = (1, num_pages, page_size, num_kv_heads, head_dim)
@@ -330,6 +336,13 @@ def bench_prefill_attention(rng, quick, reps, trials):
         variants["prefill kernel fp8 pools"] = (
             lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale), causal,
             "mosaic prefill blocks fp8 pools")
+        variants["prefill kernel fp8 pools 2-byte upcast"] = (
+            lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale, wide_upcast=False),
+            causal, "mosaic prefill blocks fp8 pools")
+        if case.startswith("mixed"):
+            variants["prefill kernel blocks in reverse"] = (
+                lambda q: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, longest_first=False),
+                causal, "triton")
         if quick or case in ("chunk T=4096", "chunk T=2048 over 14336"):
             for kind, kw in kinds.items():
                 flops = _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, kw.get("sliding_window"))
@@ -611,6 +624,8 @@ def main(argv=None):
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sections", default="decode,prefill,gemv,gemm",
                         help="comma-separated subset of decode,prefill,gemv,gemm,large_pool,fp8")
+    parser.add_argument("--prefill-cases", default=None,
+                        help="prefill section: only cases whose name contains one of these comma-separated strings")
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--page-sizes", default="16", help="attention checks and decode timings: KV page sizes, e.g. 16,32")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
@@ -653,7 +668,8 @@ def main(argv=None):
                                      impls=tuple(i for i in args.check_impls.split(",") if i and i != "prefill"))
     fp8 = functools.partial(fp8_matmul.bench_fp8, time_call=time_call, rel_err=rel_err, rates=(BF16_RATE, FP8_RATE),
                             fp8_rows=args.fp8_rows)
-    sections = dict(decode=decode, prefill=bench_prefill_attention, gemv=gemv, gemm=gemm, large_pool=large_pool, fp8=fp8)
+    prefill = functools.partial(bench_prefill_attention, cases=args.prefill_cases and args.prefill_cases.split(","))
+    sections = dict(decode=decode, prefill=prefill, gemv=gemv, gemm=gemm, large_pool=large_pool, fp8=fp8)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
         print_table(section)

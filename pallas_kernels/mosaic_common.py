@@ -26,3 +26,13 @@ def swizzled_smem(shape, dtype):
     swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
     minor = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(swizzle)))
+
+
+def upcast_tile(src, dst, interpreting: bool, wide: bool = True):
+    """An int8 or fp8 shared-memory tile (64k rows) converted into dst's 16-bit dtype, exactly: read four
+    bytes a thread at a time (the 8-bit wgmma layout: four consecutive values a thread), converted in
+    registers, stored. wide=False reads through the 16-bit wgmma layout, two bytes at a time."""
+    if interpreting or not wide:
+        dst[...] = src[...].astype(dst.dtype)
+    else:
+        dst[...] = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_8BIT).astype(dst.dtype)

@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.pallas_kernels import pallas_mode, split_kv
 from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
-from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem
+from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem, upcast_tile
 from jlight.core.quantization import QuantizedKV
 
 _MASKED = -1e30
@@ -130,7 +130,7 @@ def supports(q, k_cache) -> bool:
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_items, item_base, table_base, table_width,
             group, page_size, pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, scaled,
-            interpreting, slot_types, partial_types):
+            interpreting, slot_types, partial_types, wide_upcast):
     if scaled:  # int8 pools: their scales ([pages, kv_heads, page_size]) follow the values
         ks_ref, vs_ref, *refs = refs
     if has_sinks:  # each query row's sink logit ([kv_heads, 64], log2 units)
@@ -197,7 +197,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
 
         def converted(values_smem, tile_smem):
             """An int8 or fp8 slot in the products' dtype (exact) in tile_smem, where the wgmmas read it."""
-            tile_smem[...] = values_smem[...].astype(tile_smem.dtype)
+            upcast_tile(values_smem, tile_smem, interpreting, wide_upcast)
             plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
             return tile_smem
 
@@ -308,10 +308,10 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "num_items",
-                                             "num_stages", "kv_per_step", "min_steps_per_item"))
+                                             "num_stages", "kv_per_step", "min_steps_per_item", "wide_upcast"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks=None, interpret: bool | None = None, num_items: int | None = None,
-                    num_stages: int = 2, kv_per_step: int = 64, min_steps_per_item: int = 2):
+                    num_stages: int = 2, kv_per_step: int = 64, min_steps_per_item: int = 2, wide_upcast: bool = True):
     """Same contract as attention_reference.paged_attention (every attention kind: a static sliding
     window, soft_cap, sinks); q: [T, num_heads, head_dim] in bf16/f16, K/V pools of q's dtype, fp8
     (e4m3) pools or int8 QuantizedKV pools (`supports`).
@@ -406,7 +406,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         table_base=item_base + 3 * num_items, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks,
-        convert=convert, scaled=scaled, interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types))
+        convert=convert, scaled=scaled, interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types),
+        wide_upcast=wide_upcast)
     result = plgpu.kernel(
         kernel,
         out_type=out_type,

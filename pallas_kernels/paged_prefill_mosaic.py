@@ -58,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
 from jlight.core.quantization import QuantizedKV
 from jlight.pallas_kernels import pallas_mode
-from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem
+from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem, upcast_tile
 from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, logits_log2, query_rows, row_values,
                                                           sink_rows, uses_prefill_blocks, wgmma_layouts)
 
@@ -87,7 +87,7 @@ def takes(q, k_cache, md: BatchMetadata, sliding_window) -> bool:
 
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
-            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, interpreting):
+            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, interpreting, wide_upcast):
     if has_sinks:  # each query row's sink logit ([kv_heads, 128], log2 units)
         sink_ref, *refs = refs
     o_ref, qo_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, schedule, *refs = refs
@@ -95,16 +95,17 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
         k_land, v_land, k_landed, v_landed, *refs = refs
     if has_sinks:
         (sink_smem,) = refs
-    # Blocks in reverse: unused blocks (the last ones) exit first, then a row's later blocks, which see
-    # the most positions, start before its earlier ones (the longest programs first: a shorter tail).
-    block = num_blocks - 1 - lax.axis_index("block")
+    # meta (built in the wrapper): row, start, end of every block, the blocks in launch order, the
+    # positions, the page table. Programs launch block by block (the KV heads of one block together), so
+    # with the blocks longest first the long programs (a decode row at a long context beside a prefill
+    # chunk, a chunk's last blocks) start in the first wave and the last wave holds the short ones.
+    block = meta_ref[3 * num_blocks + lax.axis_index("block")]
     head, wg = lax.axis_index("head"), lax.axis_index("wg")
     kv_per_step = pages_per_step * page_size
     page_offset = layer_ref[0]  # the layer's first page in the [layers * pages] view of the pool
-    # meta (built in the wrapper): row, start, end of every block, the positions, the page table.
     row, start, end = meta_ref[block], meta_ref[num_blocks + block], meta_ref[2 * num_blocks + block]
     num_tokens = end - start  # 0 for an unused block
-    first_pos = meta_ref[3 * num_blocks + start]
+    first_pos = meta_ref[4 * num_blocks + start]
     block_rows = num_tokens * group
 
     def window_start(pos):  # the first step that a row at pos still sees
@@ -163,7 +164,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                 plgpu.barrier_wait(landed)
                 for c in range(kv_per_step // _WG_ROWS):
                     chunk = pl.ds(c * _WG_ROWS, _WG_ROWS)
-                    slots.at[slot, chunk][...] = land.at[chunk][...].astype(slots.dtype)
+                    upcast_tile(land.at[chunk], slots.at[slot, chunk], interpreting, wide_upcast)
                 plgpu.commit_smem()  # visible to the wgmmas; the landing tile's reads ordered before its refill
                 plgpu.barrier_arrive(ready.at[slot])
 
@@ -296,11 +297,14 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "kv_per_step",
-                                             "num_stages"))
+                                             "num_stages", "longest_first", "wide_upcast"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks=None, interpret: bool | None = None, kv_per_step: int = 128,
-                    num_stages: int = 2):
-    """Same contract as attention_reference.paged_attention, for the inputs `takes` accepts."""
+                    num_stages: int = 2, longest_first: bool = True, wide_upcast: bool = True):
+    """Same contract as attention_reference.paged_attention, for the inputs `takes` accepts.
+
+    longest_first: launch the blocks in the order of their K/V steps, most first (`launch_order`);
+    False launches them in reverse (a row's later blocks before its earlier ones)."""
     if not takes(q, k_cache, md, sliding_window):
         raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} with pools "
                          f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}, sliding_window="
@@ -328,7 +332,9 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     convert = k_cache.dtype != dtype
     q_rows = query_rows(q, num_kv_heads, block_q, start, end, rows=_ROWS).astype(dtype)  # [blocks, KVH, 128, D]
     positions = jnp.pad(md.positions, (0, 1))  # keeps an unused block's read in range when T = 0
-    meta = jnp.concatenate([row, start, end, positions, table.reshape(-1)])  # one aligned array (see the decode kernel)
+    order = launch_order(positions, start, end, kv_per_step, sliding_window) if longest_first \
+        else jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32)
+    meta = jnp.concatenate([row, start, end, order, positions, table.reshape(-1)])  # one aligned array (see the decode kernel)
 
     has_sinks = sinks is not None
     kv_tile = (num_stages, kv_per_step, head_dim)
@@ -355,10 +361,10 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     if has_sinks:
         scratch.append(plgpu.SMEM((2, _WG_ROWS), jnp.float32))  # each compute warpgroup's rows' sink logits
     kernel = functools.partial(
-        _kernel, num_blocks=num_blocks, table_base=3 * num_blocks + num_tokens + 1, table_width=table.shape[1],
+        _kernel, num_blocks=num_blocks, table_base=4 * num_blocks + num_tokens + 1, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
         sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert,
-        interpreting=interpreting)
+        interpreting=interpreting, wide_upcast=wide_upcast)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, _ROWS, head_dim), dtype),
@@ -379,3 +385,15 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
     return jnp.where(is_real_token[:, None, None], out.astype(q.dtype), jnp.zeros((), q.dtype))
+
+
+def launch_order(positions, start, end, kv_per_step: int, sliding_window: int | None):
+    """The blocks, [num_blocks] int32, in the order their programs launch: most K/V steps first (the
+    steps from the first its first row's window reaches through its last row's position), ties in block
+    order, unused blocks last."""
+    used = end > start
+    first_pos, last_pos = positions[start], positions[jnp.maximum(end - 1, start)]
+    steps = last_pos // kv_per_step + 1
+    if sliding_window is not None:
+        steps = steps - jnp.maximum(first_pos - sliding_window + 1, 0) // kv_per_step
+    return jnp.argsort(jnp.where(used, -steps, 1), stable=True).astype(jnp.int32)

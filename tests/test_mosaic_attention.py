@@ -158,6 +158,7 @@ S = jax.ShapeDtypeStruct
     ("decode", {}, 8, "bf16"), ("prefill", {}, 64, "bf16"),
     ("decode", {}, 32, "int8"), ("decode", dict(num_items=0), 64, "int8"), ("prefill", {}, 32, "int8"),
     ("decode", {}, 32, "int8-d64"),  # int8 rows of 64 bytes: a 64-byte swizzle
+    ("decode", {}, PAGE_SIZE, "fp8"), ("decode", dict(num_items=0, kv_per_step=128), 64, "fp8"),
     # the attention kinds: soft-capping and sinks (gpt-oss's 128-token window; Gemma 2's cap of 50)
     ("decode", dict(sliding_window=128, sinks=True), PAGE_SIZE, "bf16"),
     ("decode", dict(num_items=0, soft_cap=50.0, sinks=True), PAGE_SIZE, "bf16"),

@@ -178,3 +178,23 @@ def test_takes_prefill_steps_and_dispatch_routes_them(monkeypatch):
     pallas(q_, k_, v_, jnp.int32(0), md_, scale=0.125, sliding_window=window, soft_cap=30.0)
     pallas(*decode[:3], jnp.int32(0), decode[3], scale=0.125, sliding_window=None, sinks=sinks)
     assert [c[0] for c in calls] == ["prefill", "prefill", "mosaic"]
+
+
+def test_blocks_launch_longest_first():
+    """A mixed step's decode rows at a long context (the first rows, so the first blocks) launch with the
+    chunk's last blocks, before the chunk's early blocks; unused blocks last; a sliding window counts only
+    the steps it sees."""
+    from jlight.core.batch_metadata import query_blocks
+
+    # two decode rows at 1,000 positions, a 100-token chunk over 200 earlier ones (32-token blocks), padding
+    q_lens, ctx_lens = [1, 1, 100], [1000, 1000, 300]
+    md = random_batch(np.random.default_rng(3), q_lens, ctx_lens, page_size=16, num_pages=200, num_tokens=112)
+    row, start, end = query_blocks(md.query_start, 9, 32)
+    positions = jnp.pad(md.positions, (0, 1))
+    order = np.asarray(paged_prefill_mosaic.launch_order(positions, start, end, 128, None))
+    # blocks: 0, 1 the decode rows (8 steps of 128 each); 2..5 the chunk (positions 200-231: 2 steps,
+    # 232-263: 3, 264-295: 3, 296-299: 3); 6, 7, 8 unused
+    assert order.tolist() == [0, 1, 3, 4, 5, 2, 6, 7, 8]
+    windowed = np.asarray(paged_prefill_mosaic.launch_order(positions, start, end, 128, 256))
+    # with a 256-token window the decode rows see 3 steps (744 / 128 = 5 through 7), the chunk's blocks 2-3
+    assert windowed.tolist()[:2] == [0, 1] and sorted(windowed.tolist()[2:6]) == [2, 3, 4, 5]
