@@ -295,14 +295,14 @@ def _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, window=None):
     return total
 
 
-def bench_prefill_attention(rng, quick, reps, trials, cases=None):
+def bench_prefill_attention(rng, quick, reps, trials, cases=None, only=None):
     """Prefill attention's rate (useful FLOPs over device time), Llama-3-8B heads (32 / 8, d = 128):
     the Triton kernel, the decode kernel's prefill blocks and the warp-specialized prefill kernel over
     bf16 pools; the two Mosaic GPU paths over fp8 pools (kv_cache_dtype="fp8"); and, on the 4096-token
     chunk and the chunk over earlier context, the attention kinds (a 4096-token window alone; Gemma 2's
     soft-capping with that window; gpt-oss's sinks with a 128-token window). The prefill kernel also runs with
     its blocks launched in reverse (mixed steps: decode rows last) and, over fp8 pools, with 2-byte reads in its
-    upcast. cases: only the cases whose name contains one of these strings."""
+    upcast. cases: only the cases whose name contains one of these strings; only: the variants so named."""
     num_heads, num_kv_heads, head_dim, page_size = (32, 8, 128, 16) if not quick else (8, 2, 64, 16)
     scale = head_dim ** -0.5
     sinks = jnp.asarray(rng.standard_normal(num_heads), jnp.float32)
@@ -353,6 +353,8 @@ def bench_prefill_attention(rng, quick, reps, trials, cases=None):
                     f"mosaic prefill blocks {kind}")
         outputs = {}
         for name, (attn, flops, versus) in variants.items():
+            if only and name not in only:
+                continue
             try:
                 fn = jax.jit(lambda qs, attn=attn: [attn(q) for q in qs])
                 t = time_call(fn, (qs,), reps, trials)
@@ -626,6 +628,7 @@ def main(argv=None):
                         help="comma-separated subset of decode,prefill,gemv,gemm,large_pool,fp8")
     parser.add_argument("--prefill-cases", default=None,
                         help="prefill section: only cases whose name contains one of these comma-separated strings")
+    parser.add_argument("--prefill-variants", default=None, help="prefill section: only these comma-separated variants")
     parser.add_argument("--decode-batches", default="64", help="decode section: batch sizes at 4k context, e.g. 64,8")
     parser.add_argument("--page-sizes", default="16", help="attention checks and decode timings: KV page sizes, e.g. 16,32")
     parser.add_argument("--gemv-shapes", default=None, help="gemv section: K x N list, e.g. 4096x14336,4096x28672")
@@ -668,7 +671,8 @@ def main(argv=None):
                                      impls=tuple(i for i in args.check_impls.split(",") if i and i != "prefill"))
     fp8 = functools.partial(fp8_matmul.bench_fp8, time_call=time_call, rel_err=rel_err, rates=(BF16_RATE, FP8_RATE),
                             fp8_rows=args.fp8_rows)
-    prefill = functools.partial(bench_prefill_attention, cases=args.prefill_cases and args.prefill_cases.split(","))
+    prefill = functools.partial(bench_prefill_attention, cases=args.prefill_cases and args.prefill_cases.split(","),
+                                only=args.prefill_variants and args.prefill_variants.split(","))
     sections = dict(decode=decode, prefill=prefill, gemv=gemv, gemm=gemm, large_pool=large_pool, fp8=fp8)
     for bench in (sections[name] for name in args.sections.split(",")):
         section = bench(rng, args.quick, args.reps, args.trials)
