@@ -197,7 +197,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
 
         def converted(values_smem, tile_smem):
             """An int8 or fp8 slot in the products' dtype (exact) in tile_smem, where the wgmmas read it."""
-            upcast_tile(values_smem, tile_smem, interpreting, wide_upcast)
+            upcast_tile(values_smem, tile_smem, interpreting, wide_upcast and not scaled)  # int8: not yet run on a GPU
             plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
             return tile_smem
 
