@@ -144,7 +144,6 @@ def main(argv=None):
         "mosaic fp8 work items": ("fp8", mosaic),
         "mosaic fp8 work items 4 stages": ("fp8", lambda *x, **k: mosaic(*x, num_stages=4, **k)),
         "mosaic fp8 one program per row": ("fp8", lambda *x, **k: mosaic(*x, num_items=0, **k)),
-        "mosaic fp8 work items 2-byte upcast": ("fp8", lambda *x, **k: mosaic(*x, wide_upcast=False, **k)),
         "mosaic fp8 work items 128 a step": ("fp8", lambda *x, **k: mosaic(*x, kv_per_step=128, **k)),
         "mosaic fp8 work items 3 stages": ("fp8", lambda *x, **k: mosaic(*x, num_stages=3, **k)),
     }

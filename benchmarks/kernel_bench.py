@@ -301,8 +301,7 @@ def bench_prefill_attention(rng, quick, reps, trials, cases=None, only=None):
     bf16 pools; the two Mosaic GPU paths over fp8 pools (kv_cache_dtype="fp8"); and, on the 4096-token
     chunk and the chunk over earlier context, the attention kinds (a 4096-token window alone; Gemma 2's
     soft-capping with that window; gpt-oss's sinks with a 128-token window). The prefill kernel also runs with
-    its blocks launched in reverse (mixed steps: decode rows last) and, over fp8 pools, with 2-byte reads in its
-    upcast. cases: only the cases whose name contains one of these strings; only: the variants so named."""
+    its blocks launched in reverse (mixed steps: decode rows last). cases: only the cases whose name contains one of these strings; only: the variants so named."""
     num_heads, num_kv_heads, head_dim, page_size = (32, 8, 128, 16) if not quick else (8, 2, 64, 16)
     scale = head_dim ** -0.5
     sinks = jnp.asarray(rng.standard_normal(num_heads), jnp.float32)
@@ -336,9 +335,6 @@ def bench_prefill_attention(rng, quick, reps, trials, cases=None, only=None):
         variants["prefill kernel fp8 pools"] = (
             lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale), causal,
             "mosaic prefill blocks fp8 pools")
-        variants["prefill kernel fp8 pools 2-byte upcast"] = (
-            lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale, wide_upcast=False),
-            causal, "mosaic prefill blocks fp8 pools")
         if case.startswith("mixed"):
             variants["prefill kernel blocks in reverse"] = (
                 lambda q: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, longest_first=False),

@@ -130,7 +130,7 @@ def supports(q, k_cache) -> bool:
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_items, item_base, table_base, table_width,
             group, page_size, pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, scaled,
-            interpreting, slot_types, partial_types, wide_upcast):
+            interpreting, slot_types, partial_types):
     if scaled:  # int8 pools: their scales ([pages, kv_heads, page_size]) follow the values
         ks_ref, vs_ref, *refs = refs
     if has_sinks:  # each query row's sink logit ([kv_heads, 64], log2 units)
@@ -197,7 +197,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
 
         def converted(values_smem, tile_smem):
             """An int8 or fp8 slot in the products' dtype (exact) in tile_smem, where the wgmmas read it."""
-            upcast_tile(values_smem, tile_smem, interpreting, wide_upcast and not scaled)  # int8: not yet run on a GPU
+            upcast_tile(values_smem, tile_smem, interpreting, wide=not scaled)
             plgpu.commit_smem()  # visible to the wgmma; also orders the slot's reads before its TMA refill
             return tile_smem
 
@@ -308,10 +308,10 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "num_items",
-                                             "num_stages", "kv_per_step", "min_steps_per_item", "wide_upcast"))
+                                             "num_stages", "kv_per_step", "min_steps_per_item"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks=None, interpret: bool | None = None, num_items: int | None = None,
-                    num_stages: int = 2, kv_per_step: int = 64, min_steps_per_item: int = 2, wide_upcast: bool = True):
+                    num_stages: int = 2, kv_per_step: int = 64, min_steps_per_item: int = 2):
     """Same contract as attention_reference.paged_attention (every attention kind: a static sliding
     window, soft_cap, sinks); q: [T, num_heads, head_dim] in bf16/f16, K/V pools of q's dtype, fp8
     (e4m3) pools or int8 QuantizedKV pools (`supports`).
@@ -406,8 +406,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         table_base=item_base + 3 * num_items, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks,
-        convert=convert, scaled=scaled, interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types),
-        wide_upcast=wide_upcast)
+        convert=convert, scaled=scaled, interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types))
     result = plgpu.kernel(
         kernel,
         out_type=out_type,

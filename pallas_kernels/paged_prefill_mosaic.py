@@ -87,7 +87,7 @@ def takes(q, k_cache, md: BatchMetadata, sliding_window) -> bool:
 
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
-            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, interpreting, wide_upcast):
+            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, interpreting):
     if has_sinks:  # each query row's sink logit ([kv_heads, 128], log2 units)
         sink_ref, *refs = refs
     o_ref, qo_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, schedule, *refs = refs
@@ -164,7 +164,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                 plgpu.barrier_wait(landed)
                 for c in range(kv_per_step // _WG_ROWS):
                     chunk = pl.ds(c * _WG_ROWS, _WG_ROWS)
-                    upcast_tile(land.at[chunk], slots.at[slot, chunk], interpreting, wide_upcast)
+                    upcast_tile(land.at[chunk], slots.at[slot, chunk], interpreting)
                 plgpu.commit_smem()  # visible to the wgmmas; the landing tile's reads ordered before its refill
                 plgpu.barrier_arrive(ready.at[slot])
 
@@ -297,10 +297,10 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "kv_per_step",
-                                             "num_stages", "longest_first", "wide_upcast"))
+                                             "num_stages", "longest_first"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks=None, interpret: bool | None = None, kv_per_step: int = 128,
-                    num_stages: int = 2, longest_first: bool = True, wide_upcast: bool = True):
+                    num_stages: int = 2, longest_first: bool = True):
     """Same contract as attention_reference.paged_attention, for the inputs `takes` accepts.
 
     longest_first: launch the blocks in the order of their K/V steps, most first (`launch_order`);
@@ -364,7 +364,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         _kernel, num_blocks=num_blocks, table_base=4 * num_blocks + num_tokens + 1, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
         sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert,
-        interpreting=interpreting, wide_upcast=wide_upcast)
+        interpreting=interpreting)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, _ROWS, head_dim), dtype),
