@@ -1,7 +1,7 @@
 """Decode attention alone, at the engine's step shapes, across batch and context (Llama-3-8B heads:
 32 query heads, 8 KV heads, head_dim 128, pages of 16 tokens): the Mosaic GPU kernel with its work
 items (flash-decoding) against the same kernel with one program per (row, KV head), the Triton
-kernel, and the K/V bytes over the copy rate.
+kernel, the transposed decode kernel (paged_decode_mosaic.py), and the K/V bytes over the copy rate.
 
   python benchmarks/attention_decode.py --out DIR        # GPU
   python benchmarks/attention_decode.py --quick          # CPU smoke run (interpret mode, tiny sizes)
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kernel_batches import random_batch  # noqa: E402
 from kernel_bench import time_call  # noqa: E402
 
-from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas  # noqa: E402
+from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas, paged_decode_mosaic  # noqa: E402
 from jlight.core.quantization import to_fp8_kv  # noqa: E402
 
 SHAPES = ((1, 8192), (1, 32768), (1, 131072), (16, 4096), (16, 16384), (64, 4096), (256, 1024))
@@ -136,6 +136,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None, help="batch x context list, e.g. 16x16384,256x1024 (default: SHAPES)")
     a = ap.parse_args(argv)
     mosaic, triton = paged_attention_mosaic.paged_attention, paged_attention_pallas.paged_attention
+    transposed = paged_decode_mosaic.paged_attention
     variants = {
         "mosaic work items": ("bf16", mosaic),
         "mosaic one program per row": ("bf16", lambda *x, **k: mosaic(*x, num_items=0, **k)),
@@ -146,6 +147,11 @@ def main(argv=None):
         "mosaic fp8 one program per row": ("fp8", lambda *x, **k: mosaic(*x, num_items=0, **k)),
         "mosaic fp8 work items 128 a step": ("fp8", lambda *x, **k: mosaic(*x, kv_per_step=128, **k)),
         "mosaic fp8 work items 3 stages": ("fp8", lambda *x, **k: mosaic(*x, num_stages=3, **k)),
+        "transposed work items": ("bf16", transposed),
+        "transposed one program per row": ("bf16", lambda *x, **k: transposed(*x, num_items=0, **k)),
+        "transposed fp8 work items": ("fp8", transposed),
+        "transposed fp8 work items 128 a step": ("fp8", lambda *x, **k: transposed(*x, kv_per_step=128, **k)),
+        "transposed fp8 work items 3 stages": ("fp8", lambda *x, **k: transposed(*x, num_stages=3, **k)),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}

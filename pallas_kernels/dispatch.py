@@ -1,7 +1,7 @@
 """Picks an implementation for each kernel: Pallas on GPU, the XLA reference elsewhere.
 
 `attention_impl` / `matmul_impl` in the engine config override the choice
-("auto", "reference", "pallas"; attention also "mosaic" or "triton"). Every implementation has the reference's signature:
+("auto", "reference", "pallas"; attention also "mosaic", "mosaic-t" or "triton"). Every implementation has the reference's signature:
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
@@ -32,7 +32,9 @@ from jlight.pallas_kernels import attention_reference, delta_rule_reference, mam
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
 # where it takes the inputs, else the Triton one (PALLAS_ATTENTION says which is the default).
-ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
+# "mosaic-t": the Mosaic GPU kernels, with decode steps on the transposed decode kernel
+# (paged_decode_mosaic.py) where it takes them.
+ATTENTION_IMPLS = IMPLS + ("mosaic", "mosaic-t", "triton")
 
 
 class GroupedMatmul(NamedTuple):
@@ -87,15 +89,16 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         raise ValueError(f"moe_impl={moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
     matmul = matmul_reference.matmul
-    backend = attention_impl if attention_impl in ("mosaic", "triton") else "triton" if sharded else PALLAS_ATTENTION
+    named = ("mosaic", "mosaic-t", "triton")
+    backend = attention_impl if attention_impl in named else "triton" if sharded else PALLAS_ATTENTION
     short_table_span = None
-    if attention_impl in ("mosaic", "triton") or _use_pallas(attention_impl):
+    if attention_impl in named or _use_pallas(attention_impl):
         # GPU kernel modules load only when chosen.
         from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
-        if backend == "mosaic":
-            attention = mosaic_or_triton_attention
+        if backend in ("mosaic", "mosaic-t"):
+            attention = mosaic_or_triton_attention if backend == "mosaic" else mosaic_transposed_decode_attention
             # short contexts skip flash-decoding's combine
             short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
@@ -179,7 +182,7 @@ def kernel_takes_kinds(kernel, sliding_window, soft_cap, sinks) -> bool:
     the reference), not the Triton kernel."""
     if sliding_window is not None and not isinstance(sliding_window, int):
         return False
-    return kernel is mosaic_or_triton_attention or (soft_cap is None and sinks is None)
+    return kernel in (mosaic_or_triton_attention, mosaic_transposed_decode_attention) or (soft_cap is None and sinks is None)
 
 
 def kernel_or_reference_attention(kernel, q, k_cache, v_cache, layer, md, *, scale, sliding_window=None,
@@ -208,3 +211,13 @@ def kmajor_weight_types(matmul_impl: str) -> tuple:
     if matmul_impl == "auto" and on_gpu():
         kinds += (QuantizedWeight,)
     return kinds
+
+
+def mosaic_transposed_decode_attention(q, k_cache, v_cache, layer, md, **kw):
+    """mosaic_or_triton_attention, but the steps of one-token query blocks over 16-bit or fp8 pools run the
+    transposed decode kernel (paged_decode_mosaic.supports: the query heads on the wgmmas' N side)."""
+    # GPU kernel modules load only when chosen.
+    from jlight.pallas_kernels import paged_decode_mosaic
+    if paged_decode_mosaic.supports(q, k_cache, md):
+        return paged_decode_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+    return mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw)
