@@ -21,7 +21,7 @@ CASES = [
     # page boundaries (16, 17, 64, 65), an empty row, work items over ragged rows, GQA 4
     ("items_ragged", 4, 128, [1, 1, 1, 0, 1, 1, 1], [1, 16, 17, 0, 64, 65, 700], 7, 16, "bf16", {}, 12),
     ("one_program_per_row_gqa8_d64", 8, 64, [1, 1, 1], [33, 1, 150], 4, 32, "bf16", {}, 0),
-    ("fp8_batch1_items", 4, 128, [1], [1500], 8, 16, "fp8", {}, 6),  # one long row cut into 6 items
+    ("fp8_batch1_items", 4, 128, [1], [1500], 8, 16, "fp8", {}, 12),  # one long row (and 7 padding blocks) on 12 items
     ("fp8_window_sinks_softcap", 8, 64, [1, 1, 1], [900, 40, 300], 4, 16, "fp8",
      dict(sliding_window=128, sinks=True, soft_cap=30.0), 9),
     ("gqa3_pages8_window", 3, 64, [1, 1], [70, 130], 2, 8, "bf16", dict(sliding_window=64), 0),
