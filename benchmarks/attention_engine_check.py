@@ -5,7 +5,9 @@ short and long prompts run together, so steps hold prefill chunks, decode rows a
 boundaries. Each implementation's greedy continuations are compared with attention_impl="reference".
 
   python benchmarks/attention_engine_check.py --out DIR                  # GPU: reference, triton, mosaic
-  python benchmarks/attention_engine_check.py --quick --impls mosaic     # CPU (interpret mode), small
+  python benchmarks/attention_engine_check.py --quick --impls mosaic     # CPU (interpret mode), small: it hangs on
+        jax 0.10.2 (a barrier wait of the prefill kernel's interpreted warpgroups inside the engine's step, whose
+        own interpret tests pass), so the engine-level check of the Mosaic GPU kernels runs on the GPU
   python benchmarks/attention_engine_check.py --kv-cache-dtype int8 --page-size 32 --out DIR  # int8 pages, all three
 """
 import argparse

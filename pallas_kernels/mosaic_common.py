@@ -29,7 +29,7 @@ def swizzled_smem(shape, dtype):
 
 
 def upcast_tile(src, dst, interpreting: bool, wide: bool = True):
-    """An int8 or fp8 shared-memory tile (64k rows) converted into dst's 16-bit dtype, exactly: read four
+    """An int8 or fp8 shared-memory tile (a multiple of 64 rows) converted into dst's 16-bit dtype, exactly: read four
     bytes a thread at a time (the 8-bit wgmma layout: four consecutive values a thread), converted in
     registers, stored. wide=False reads through the 16-bit wgmma layout, two bytes at a time (int8 pools,
     whose 4-byte reads have not run on a GPU; over fp8 pools on the H200 the 2-byte reads were 2-7% slower)."""

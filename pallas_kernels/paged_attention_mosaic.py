@@ -360,7 +360,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     positions = jnp.pad(md.positions, (0, 1))  # the extra entry keeps an unused block's read in range when T = 0
     parts = [row, start, end, positions]
     if num_items:
-        items = split_kv.work_items(*_block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
+        items = split_kv.work_items(*block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
                                     num_items, min_steps=min_steps_per_item)
         parts += [items.block, items.first_step, items.last_step]
     # The kernel's integer inputs as one array that XLA must compute: a custom call's operands must
@@ -432,7 +432,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
 
 
-def _block_steps(positions, start, end, page_size: int, pages_per_step: int, sliding_window: int | None):
+def block_steps(positions, start, end, page_size: int, pages_per_step: int, sliding_window: int | None):
     """Each query block's K/V steps [begin, end): up to the page of its last position, and from the
     first step its sliding window still sees."""
     kv_per_step = page_size * pages_per_step

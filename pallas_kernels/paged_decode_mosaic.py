@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jlight.core.batch_metadata import BatchMetadata, query_blocks
 from jlight.pallas_kernels import pallas_mode, split_kv
 from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem, upcast_tile
-from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, _block_steps, logits_log2,
+from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, block_steps, logits_log2,
                                                           uses_prefill_blocks)
 
 _MASKED = -1e30
@@ -244,7 +244,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     positions = jnp.pad(md.positions, (0, 1))
     parts = [row, start, end, positions]
     if num_items:
-        items = split_kv.work_items(*_block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
+        items = split_kv.work_items(*block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
                                     num_items, min_steps=min_steps_per_item)
         parts += [items.block, items.first_step, items.last_step]
     meta = jnp.concatenate(parts + [table.reshape(-1)])

@@ -29,6 +29,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.paged_attention_pallas"): "GPU kernel, loaded when chosen",
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.paged_attention_mosaic"): "GPU kernel, loaded when chosen",
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.paged_prefill_mosaic"): "GPU kernel, loaded when chosen",
+    ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.paged_decode_mosaic"): "GPU kernel, loaded when chosen",
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.matmul_pallas"): "GPU kernel, loaded when chosen",
     ("jlight.pallas_kernels.dispatch", "jlight.pallas_kernels.grouped_matmul_pallas"): "GPU kernel, loaded when chosen",
     ("jlight.serve.cli", "jlight.serve.app"): "the web stack (fastapi) loads only when the server runs",
