@@ -152,6 +152,9 @@ def main(argv=None):
         "transposed fp8 work items": ("fp8", transposed),
         "transposed fp8 work items 128 a step": ("fp8", lambda *x, **k: transposed(*x, kv_per_step=128, **k)),
         "transposed fp8 work items 3 stages": ("fp8", lambda *x, **k: transposed(*x, num_stages=3, **k)),
+        # its programs are small enough for 3-4 an SM, where split_kv's cost rule sizes the grid for 2
+        "transposed 66 items": ("bf16", lambda *x, **k: transposed(*x, num_items=66, **k)),
+        "transposed fp8 66 items": ("fp8", lambda *x, **k: transposed(*x, num_items=66, **k)),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
