@@ -336,38 +336,19 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
     pages_per_step = max(1, kv_per_step // page_size)
     kv_per_step = pages_per_step * page_size
-    num_steps = -(-max_pages // pages_per_step)
-    if num_items is None:
-        few = block_q == 1 and split_kv.use_work_items(num_blocks, num_kv_heads, max_pages * page_size)
-        num_items = split_kv.num_work_items(num_blocks, num_kv_heads) if few else 0
-    elif num_items and num_items < num_blocks:
-        raise ValueError(f"num_items={num_items} must be 0 or at least the step's {num_blocks} query blocks")
-
-    # The page table padded so every step reads whole steps inside it (the padding points at scratch
-    # page 0); page ids index the [layers * pages] view of the pool from the layer's first page on.
-    table = jnp.pad(md.page_table, ((0, 0), (0, num_steps * pages_per_step - max_pages)))
+    num_items = work_item_count(num_items, num_blocks, num_kv_heads, max_pages * page_size, block_q == 1)
     layer_offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
     pools = [(c.values if scaled else c).reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim)
              for c in (k_cache, v_cache)]
     if scaled:
         pools += [c.scales.reshape(num_layers * num_pages, num_kv_heads, page_size) for c in (k_cache, v_cache)]
-    row, start, end = query_blocks(md.query_start, num_blocks, block_q)
+    meta, (start, end), items, table_width = kernel_meta(md, num_blocks, block_q, page_size, pages_per_step,
+                                                         sliding_window, num_items, min_steps_per_item)
     # The products' dtype: q's, but float16 over fp8 pools (Mosaic GPU converts e4m3 to float16 in
     # registers, exactly, and to bfloat16 only through float32).
     dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
     q_rows = query_rows(q, num_kv_heads, block_q, start, end).astype(dtype)  # [blocks, KVH, io_rows, D]
     io_rows = q_rows.shape[2]
-    positions = jnp.pad(md.positions, (0, 1))  # the extra entry keeps an unused block's read in range when T = 0
-    parts = [row, start, end, positions]
-    if num_items:
-        items = split_kv.work_items(*block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
-                                    num_items, min_steps=min_steps_per_item)
-        parts += [items.block, items.first_step, items.last_step]
-    # The kernel's integer inputs as one array that XLA must compute: a custom call's operands must
-    # be 256-byte aligned, and a slice of the engine's packed step inputs (an unpadded page table)
-    # reached it as an unaligned view (H200, jax 0.11.2). It does not depend on the layer, so the
-    # layers of a step share one.
-    meta = jnp.concatenate(parts + [table.reshape(-1)])
 
     if num_items:
         tile = (num_items, num_kv_heads, io_rows)
@@ -403,7 +384,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     item_base = 3 * num_blocks + num_tokens + 1
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, num_items=num_items, item_base=item_base,
-        table_base=item_base + 3 * num_items, table_width=table.shape[1],
+        table_base=item_base + 3 * num_items, table_width=table_width,
         group=group, page_size=page_size, pages_per_step=pages_per_step,
         num_stages=num_stages, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks,
         convert=convert, scaled=scaled, interpreting=interpreting, slot_types=tuple(slot_types), partial_types=tuple(partial_types))
@@ -430,6 +411,41 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     out = out[token_block, :, token_offset].reshape(num_tokens, num_heads, head_dim)  # [T, KVH, group, D] -> [T, H, D]
     is_real_token = jnp.arange(num_tokens) < md.query_start[-1]
     return jnp.where(is_real_token[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def work_item_count(num_items: int | None, num_blocks: int, num_kv_heads: int, span: int, one_token_blocks: bool) -> int:
+    """A decode kernel's work items (split_kv): num_items None picks by the cost rule (items only for one-token
+    blocks over a table wider than split_kv.SHORT_SPAN whose programs fit one wave), 0 none, n >= the step's
+    blocks forces n."""
+    if num_items is None:
+        few = one_token_blocks and split_kv.use_work_items(num_blocks, num_kv_heads, span)
+        return split_kv.num_work_items(num_blocks, num_kv_heads) if few else 0
+    if num_items and num_items < num_blocks:
+        raise ValueError(f"num_items={num_items} must be 0 or at least the step's {num_blocks} query blocks")
+    return num_items
+
+
+def kernel_meta(md: BatchMetadata, num_blocks: int, block_q: int, page_size: int, pages_per_step: int,
+                sliding_window: int | None, num_items: int, min_steps_per_item: int):
+    """The decode kernels' integer inputs as one int32 array: row, start, end of every block, the positions
+    (one extra entry keeps an unused block's read in range when T = 0), the work items' block, first and last
+    step (with items), the page table padded to whole steps (the padding points at scratch page 0).
+    Returns (meta, (start, end), the work items or None, the padded table's width).
+
+    One array that XLA must compute: a custom call's operands must be 256-byte aligned, and a slice of the
+    engine's packed step inputs (an unpadded page table) reached it as an unaligned view (H200, jax 0.11.2).
+    It does not depend on the layer, so the layers of a step share one."""
+    num_rows, max_pages = md.page_table.shape
+    num_steps = -(-max_pages // pages_per_step)
+    table = jnp.pad(md.page_table, ((0, 0), (0, num_steps * pages_per_step - max_pages)))
+    row, start, end = query_blocks(md.query_start, num_blocks, block_q)
+    positions = jnp.pad(md.positions, (0, 1))
+    parts, items = [row, start, end, positions], None
+    if num_items:
+        items = split_kv.work_items(*block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
+                                    num_items, min_steps=min_steps_per_item)
+        parts += [items.block, items.first_step, items.last_step]
+    return jnp.concatenate(parts + [table.reshape(-1)]), (start, end), items, table.shape[1]
 
 
 def block_steps(positions, start, end, page_size: int, pages_per_step: int, sliding_window: int | None):

@@ -34,11 +34,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jlight.core.batch_metadata import BatchMetadata, query_blocks
+from jlight.core.batch_metadata import BatchMetadata
 from jlight.pallas_kernels import pallas_mode, split_kv
 from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem, upcast_tile
-from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, block_steps, logits_log2,
-                                                          uses_prefill_blocks)
+from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, kernel_meta, logits_log2,
+                                                          uses_prefill_blocks, work_item_count)
 
 _MASKED = -1e30
 _COLS = 16  # query heads of a KV head on the wgmmas' N side (group <= 16), padded
@@ -221,33 +221,20 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     interpreting = pallas_mode.resolve(interpret)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
-    num_rows, max_pages = md.page_table.shape
+    max_pages = md.page_table.shape[1]
     group = num_heads // num_kv_heads
     num_blocks = num_tokens
     pages_per_step = max(1, kv_per_step // page_size)
     kv_per_step = pages_per_step * page_size
-    num_steps = -(-max_pages // pages_per_step)
-    if num_items is None:
-        few = split_kv.use_work_items(num_blocks, num_kv_heads, max_pages * page_size)
-        num_items = split_kv.num_work_items(num_blocks, num_kv_heads) if few else 0
-    elif num_items and num_items < num_blocks:
-        raise ValueError(f"num_items={num_items} must be 0 or at least the step's {num_blocks} query blocks")
-
-    table = jnp.pad(md.page_table, ((0, 0), (0, num_steps * pages_per_step - max_pages)))
+    num_items = work_item_count(num_items, num_blocks, num_kv_heads, max_pages * page_size, True)
+    meta, _, items, table_width = kernel_meta(md, num_blocks, 1, page_size, pages_per_step, sliding_window, num_items,
+                                              min_steps_per_item)
     layer_offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
     pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
-    row, start, end = query_blocks(md.query_start, num_blocks, 1)
     dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
     convert = k_cache.dtype != dtype
     q_cols = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim),
                      ((0, 0), (0, 0), (0, _COLS - group), (0, 0))).astype(dtype)  # [blocks, KVH, 16, D]
-    positions = jnp.pad(md.positions, (0, 1))
-    parts = [row, start, end, positions]
-    if num_items:
-        items = split_kv.work_items(*block_steps(positions, start, end, page_size, pages_per_step, sliding_window),
-                                    num_items, min_steps=min_steps_per_item)
-        parts += [items.block, items.first_step, items.last_step]
-    meta = jnp.concatenate(parts + [table.reshape(-1)])
 
     kv_tile = (num_stages, kv_per_step, head_dim)
     # K slots: 128-byte swizzle (the wgmma's A operand, or the registers' load); V slots of 16-bit pools:
@@ -282,7 +269,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     item_base = 3 * num_blocks + num_tokens + 1
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, num_items=num_items, item_base=item_base, table_base=item_base + 3 * num_items,
-        table_width=table.shape[1], page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages,
+        table_width=table_width, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert,
         interpreting=interpreting, slot_types=tuple(slot_types), out_types=tuple(out_types))
     result = plgpu.kernel(
