@@ -1,4 +1,5 @@
 """Session fixtures shared by the test files: tiny random HF models and the SmolLM2 GGUF."""
+import importlib.metadata
 import logging
 import os
 import sys
@@ -16,6 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import tiny_model
 # Set before any test starts JAX's CPU client.
 os.environ.setdefault("NPROC", "4")
 
+LEGACY_CPU_EMITTERS = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
+
 # XLA:CPU compiles with LLVM at -O0 (its default is 3). CI starts with an empty persistent compilation
 # cache, and compiling the tests' thousands of small programs is about half of a cold run; at -O0 LLVM
 # compiles a tiny model's step buckets in about half the time, while the code it makes runs slower (1.1-1.7x
@@ -25,6 +28,13 @@ os.environ.setdefault("NPROC", "4")
 # start inherit it (simulated_devices.simulated_env keeps it beside the device count).
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# At -O0, XLA:CPU's older elemental emitters compile a tiny model's step buckets in half the time of its MLIR
+# fusion emitters (1.9 against 3.9 s for a tiny Llama's four buckets, 3.6 against 7.5 CPU seconds; SmolLM2-135M's
+# buckets 15-25% less), with the same tokens and the same run time. Only in the jaxlibs that still have them
+# (0.10.x, CI's; 0.11.2 rejects the flag): direct_forward.py turns them back on for its -O3 compiles, where the
+# fusion emitters compile faster.
+if LEGACY_CPU_EMITTERS and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 from tiny_models import TinyModelCache  # noqa: E402
 
