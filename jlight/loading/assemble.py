@@ -69,7 +69,7 @@ def assemble_params(
                 arr = transpose(arr)
             elif transpose:
                 arr = arr.T
-            arr = arr if fp8 else arr.astype(np_dtype)
+            arr = arr if fp8 else host_array(arr, np_dtype)
             put = (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales))) if fp8 else place
             if layer is None:
                 if key not in shapes:
@@ -110,6 +110,24 @@ def assemble_params(
             stacked[group][key] = _stack(parts, lead)
             parts.clear()  # free the per-layer arrays as soon as they are stacked
     return {k: stacked[k] if k in stacked else top[k] for k in shapes}
+
+
+# XLA's CPU client takes a host array as a device buffer without copying it when the array's data is aligned
+# to this many bytes (and C-contiguous); other host arrays it copies.
+HOST_ALIGNMENT = 64
+
+
+def host_array(arr: np.ndarray, dtype) -> np.ndarray:
+    """A new C-contiguous array of `dtype` holding arr's values, its data HOST_ALIGNMENT-aligned, written
+    in one pass (the cast and a transpose's strided reads together). Always a copy: `arr` may be a view of
+    a memory-mapped file. On the CPU, jax.device_put then keeps it as the device buffer, so a weight is
+    copied once on its way in instead of twice (astype, then device_put)."""
+    dtype = np.dtype(dtype)
+    buf = np.empty(arr.size * dtype.itemsize + HOST_ALIGNMENT, np.uint8)
+    start = -buf.ctypes.data % HOST_ALIGNMENT
+    out = buf[start:start + arr.size * dtype.itemsize].view(dtype).reshape(arr.shape)
+    np.copyto(out, arr, casting="unsafe")
+    return out
 
 
 def _check_complete(group: str, missing: dict) -> None:
