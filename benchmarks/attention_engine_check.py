@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--impls", default="triton,mosaic")
     ap.add_argument("--quick", action="store_true", help="3 short prompts, 6 tokens (CPU)")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16 pages) or int8 (the reference reads the same int8 pages)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16 pages), int8 or fp8 (the reference reads the same 8-bit pages)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:  # before JAX's CPU client starts: interpret mode needs a thread per warpgroup beside its callback
