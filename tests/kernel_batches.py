@@ -77,3 +77,18 @@ def random_int8_pool(rng: np.random.Generator, shape):
     the scales matter, and the float32 pool it was quantized from."""
     x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.2, 3.0, size=tuple(shape[:-1]) + (1,)), jnp.float32)
     return quantize_pool(x), x
+
+
+def cuda_lowering_text(kernel, q_lens, context_lens, num_tokens: int, *, page_size: int, num_heads: int,
+                       head_dim: int, pool, **kw) -> str:
+    """kernel(q, k, v, layer 1, md, scale=0.088, interpret=False, **kw) lowered for CUDA on a host without a GPU
+    (the wgmma path, layout inference included), as text: q a bf16 [num_tokens, num_heads, head_dim] shape,
+    md a random batch of those rows (random_batch), and pool(shape) the K and V pools' shape-only stand-ins for
+    [2 layers, the pages the contexts need + 1, page_size, 8 KV heads, head_dim]."""
+    num_pages = sum(-(-c // page_size) for c in context_lens) + 1
+    md = random_batch(np.random.default_rng(0), q_lens, context_lens, page_size=page_size, num_pages=num_pages,
+                      num_tokens=num_tokens)
+    kv = pool((2, num_pages, page_size, 8, head_dim))
+    fn = lambda q, k, v, md: kernel(q, k, v, jnp.int32(1), md, scale=0.088, interpret=False, **kw)
+    q = jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), jnp.bfloat16)
+    return jax.jit(fn).trace(q, kv, kv, md).lower(lowering_platforms=("cuda",)).as_text()

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO_ROOT
 from jlight.pallas_kernels import attention_reference, paged_attention_mosaic, paged_attention_pallas
 from jlight.core.quantization import FP8_KV_DTYPE, kv_pool_bytes, make_kv_pool, to_fp8_kv
-from kernel_batches import check_attention_output, random_batch, reference_attention
+from kernel_batches import check_attention_output, cuda_lowering_text, random_batch, reference_attention
 
 NUM_KV_HEADS = 2
 
@@ -81,11 +81,8 @@ def test_kernels_match_reference_over_fp8_pools(case):
 
 def test_fp8_lowers_for_cuda():
     """The wgmma path with fp8 tiles converted in registers lowers for CUDA, layout inference included."""
-    S = jax.ShapeDtypeStruct
-    md = random_batch(np.random.default_rng(0), [1] * 8, [4096] * 8, page_size=16, num_pages=2049, num_tokens=8)
-    pool = S((2, 2049, 16, 8, 128), FP8_KV_DTYPE)
-    fn = lambda q, k, v, md: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088, interpret=False)
-    text = jax.jit(fn).trace(S((8, 32, 128), jnp.bfloat16), pool, pool, md).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering_text(paged_attention_mosaic.paged_attention, [1] * 8, [4096] * 8, 8, page_size=16, num_heads=32,
+                              head_dim=128, pool=lambda shape: jax.ShapeDtypeStruct(shape, FP8_KV_DTYPE))
     assert "mosaic_gpu" in text
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, random_batch, random_int8_pool, reference_attention
+from kernel_batches import check_attention_output, cuda_lowering_text, random_batch, random_int8_pool, reference_attention
 from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_attention_pallas, split_kv
 from jlight.core.quantization import QuantizedKV, kv_scales_shape, quantize_kv_pool
 
@@ -167,20 +167,13 @@ S = jax.ShapeDtypeStruct
 def test_cuda_lowering_at_h200_shapes(batch, cfg, page_size, kv):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
     q_lens, ctx_lens, num_tokens = ([1] * 8, [4096] * 8, 8) if batch == "decode" else ([256, 1], [3000, 700], 264)
-    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
-    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
-                      num_tokens=num_tokens)
-    head_dim = 64 if kv.endswith("d64") else 128
-    shape = (2, num_pages, page_size, 8, head_dim)
     if kv in ("bf16", "fp8"):
-        pool = S(shape, jnp.bfloat16 if kv == "bf16" else paged_attention_mosaic.FP8_DTYPE)
+        pool = lambda shape: S(shape, jnp.bfloat16 if kv == "bf16" else paged_attention_mosaic.FP8_DTYPE)
     else:
-        pool = QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
+        pool = lambda shape: QuantizedKV(S(shape, jnp.int8), S(kv_scales_shape(shape), jnp.float32))
     cfg = dict(cfg, sinks=jnp.zeros(32, jnp.float32) if cfg.get("sinks") else None)
-    fn = lambda q, k, v, md: paged_attention_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
-                                                                     interpret=False, **cfg)
-    text = jax.jit(fn).trace(S((num_tokens, 32, head_dim), jnp.bfloat16), pool, pool, md).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering_text(paged_attention_mosaic.paged_attention, q_lens, ctx_lens, num_tokens, page_size=page_size,
+                              num_heads=32, head_dim=64 if kv.endswith("d64") else 128, pool=pool, **cfg)
     assert "mosaic_gpu" in text
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, random_batch, reference_attention
+from kernel_batches import check_attention_output, cuda_lowering_text, random_batch, reference_attention
 from jlight.core.quantization import FP8_KV_DTYPE, to_fp8_kv
 from jlight.pallas_kernels import paged_decode_mosaic, pallas_mode
 
@@ -70,16 +70,10 @@ def test_matches_reference(case, monkeypatch):
 ])
 def test_cuda_lowering_at_h200_shapes(page_size, head_dim, group, pools, cfg):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
-    q_lens, ctx_lens, num_tokens = [1] * 8, [4096] * 8, 8
-    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
-    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
-                      num_tokens=num_tokens)
-    pool = S((2, num_pages, page_size, 8, head_dim), FP8_KV_DTYPE if pools == "fp8" else jnp.bfloat16)
     cfg = dict(cfg, sinks=jnp.zeros(8 * group, jnp.float32) if cfg.get("sinks") else None)
-    fn = lambda q, k, v, md: paged_decode_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
-                                                                 interpret=False, **cfg)
-    text = jax.jit(fn).trace(S((num_tokens, 8 * group, head_dim), jnp.bfloat16), pool, pool, md).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering_text(paged_decode_mosaic.paged_attention, [1] * 8, [4096] * 8, 8, page_size=page_size,
+                              num_heads=8 * group, head_dim=head_dim,
+                              pool=lambda shape: S(shape, FP8_KV_DTYPE if pools == "fp8" else jnp.bfloat16), **cfg)
     assert "mosaic_gpu" in text
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, random_batch, reference_attention
+from kernel_batches import check_attention_output, cuda_lowering_text, random_batch, reference_attention
 from jlight.core.quantization import FP8_KV_DTYPE, to_fp8_kv
 from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic, pallas_mode
 
@@ -129,16 +129,10 @@ def test_no_races_between_the_warpgroups(monkeypatch):
 ])
 def test_cuda_lowering_at_h200_shapes(page_size, head_dim, group, pools, kinds):
     """The wgmma path (not the interpreter's dots) lowers for CUDA, layout inference included."""
-    q_lens, ctx_lens, num_tokens = [256, 1], [3000, 700], 264
-    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 1
-    md = random_batch(np.random.default_rng(0), q_lens, ctx_lens, page_size=page_size, num_pages=num_pages,
-                      num_tokens=num_tokens)
-    pool = S((2, num_pages, page_size, 8, head_dim), FP8_KV_DTYPE if pools == "fp8" else jnp.bfloat16)
     kw = dict(kinds, sinks=jnp.zeros(8 * group, jnp.float32) if kinds.get("sinks") else None)
-    fn = lambda q, k, v, md: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, scale=0.088,
-                                                                  interpret=False, **kw)
-    text = jax.jit(fn).trace(S((num_tokens, 8 * group, head_dim), jnp.bfloat16), pool, pool, md).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering_text(paged_prefill_mosaic.paged_attention, [256, 1], [3000, 700], 264, page_size=page_size,
+                              num_heads=8 * group, head_dim=head_dim,
+                              pool=lambda shape: S(shape, FP8_KV_DTYPE if pools == "fp8" else jnp.bfloat16), **kw)
     assert "mosaic_gpu" in text
 
 
