@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from jlight.pallas_kernels import attention_reference
 from jlight.core.batch_metadata import BatchMetadata
-from jlight.core.quantization import dequantize_kv_pool, quantize_kv_pool
+from jlight.core.quantization import dequantize_kv_pool, quantize_kv_pool, to_fp8_kv
 
 # The XLA reference attention compiled as one program, as the engine runs it (inside its jitted step).
 # Called outside jit, JAX dispatches it operation by operation and compiles each of its ~30 operations
@@ -92,3 +92,20 @@ def cuda_lowering_text(kernel, q_lens, context_lens, num_tokens: int, *, page_si
     fn = lambda q, k, v, md: kernel(q, k, v, jnp.int32(1), md, scale=0.088, interpret=False, **kw)
     q = jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), jnp.bfloat16)
     return jax.jit(fn).trace(q, kv, kv, md).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def random_attention_inputs(rng: np.random.Generator, group: int, head_dim: int, q_lens, context_lens, num_tokens: int,
+                            page_size: int, kv_heads: int = 2, num_layers: int = 2, pools: str = "bf16"):
+    """(q [num_tokens, kv_heads * group, head_dim] bf16, K and V pools, md) of a random batch (random_batch) with
+    4 spare pages; pools "bf16", or "fp8" with magnitudes that vary by token, so some values sit in e4m3's
+    subnormal range."""
+    num_pages = sum(-(-c // page_size) for c in context_lens) + 4
+    md = random_batch(rng, q_lens, context_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
+    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+    if pools == "fp8":
+        k, v = (to_fp8_kv(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.005, 4, shape[:-1] + (1,)), jnp.float32))
+                for _ in range(2))
+    else:
+        k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.bfloat16)
+    return q, k, v, md

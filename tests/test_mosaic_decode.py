@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, cuda_lowering_text, random_batch, reference_attention
-from jlight.core.quantization import FP8_KV_DTYPE, to_fp8_kv
+from kernel_batches import (check_attention_output, cuda_lowering_text, random_attention_inputs,
+                            reference_attention)
+from jlight.core.quantization import FP8_KV_DTYPE
 from jlight.pallas_kernels import paged_decode_mosaic, pallas_mode
 
 S = jax.ShapeDtypeStruct
@@ -28,18 +29,6 @@ CASES = [
 ]
 
 
-def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, pools, kv_heads=2, num_layers=2):
-    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 4
-    md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
-    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-    if pools == "fp8":
-        k, v = (to_fp8_kv(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.005, 4, shape[:-1] + (1,)), jnp.float32))
-                for _ in range(2))
-    else:
-        k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.bfloat16)
-    return q, k, v, md
-
 
 # fp8_batch1_items (one long row on 12 items) runs with -m extended: the other fp8 case takes items too.
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c[0] == "fp8_batch1_items" else c
@@ -51,7 +40,7 @@ def test_matches_reference(case, monkeypatch):
         monkeypatch.setattr(paged_decode_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
     name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, pools, kinds, num_items = case
     rng = np.random.default_rng(sum(map(ord, name)))
-    q, k, v, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, pools)
+    q, k, v, md = random_attention_inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, pools=pools)
     kw = dict(kinds, scale=head_dim ** -0.5)
     if kw.pop("sinks", False):  # large enough to matter
         kw["sinks"] = jnp.asarray(rng.standard_normal(q.shape[1]) * 2 + 5, jnp.float32)
@@ -83,8 +72,8 @@ def test_mosaic_t_routes_decode_steps_here(monkeypatch):
     from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic
 
     rng = np.random.default_rng(5)
-    decode = _inputs(rng, 4, 64, [1, 1], [300, 20], 8, 16, "bf16")
-    prefill = _inputs(rng, 4, 64, [40, 1], [300, 20], 48, 16, "bf16")
+    decode = random_attention_inputs(rng, 4, 64, [1, 1], [300, 20], 8, 16)
+    prefill = random_attention_inputs(rng, 4, 64, [40, 1], [300, 20], 48, 16)
     calls = []
     for module, name in ((paged_decode_mosaic, "transposed"), (paged_prefill_mosaic, "prefill"),
                          (paged_attention_mosaic, "mosaic")):

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernel_batches import check_attention_output, cuda_lowering_text, random_batch, reference_attention
-from jlight.core.quantization import FP8_KV_DTYPE, to_fp8_kv
+from kernel_batches import check_attention_output, cuda_lowering_text, random_attention_inputs, random_batch, reference_attention
+from jlight.core.quantization import FP8_KV_DTYPE
 from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic, pallas_mode
 
 S = jax.ShapeDtypeStruct
@@ -31,18 +31,6 @@ CASES = [
 ]
 
 
-def _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, num_layers=2, pools="bf16"):
-    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 4
-    md = random_batch(rng, q_lens, ctx_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens)
-    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-    if pools == "fp8":  # magnitudes that vary by token, so some values sit in e4m3's subnormal range
-        k, v = (to_fp8_kv(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.005, 4, shape[:-1] + (1,)), jnp.float32))
-                for _ in range(2))
-    else:
-        k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.bfloat16)
-    return q, k, v, md
-
 
 # The first case runs by default; the others (two warpgroups' rows, group 3 with two KV heads) with -m extended.
 @pytest.mark.parametrize("case", [CASES[0]] + [pytest.param(c, marks=pytest.mark.extended) for c in CASES[1:]],
@@ -57,8 +45,8 @@ def test_matches_reference(case, monkeypatch):
     if interpreting:
         monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
     name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads = case
-    q, k, v, md = _inputs(np.random.default_rng(sum(map(ord, name))), group, head_dim, q_lens, ctx_lens, num_tokens,
-                          page_size, kv_heads)
+    rng = np.random.default_rng(sum(map(ord, name)))
+    q, k, v, md = random_attention_inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads)
     assert paged_prefill_mosaic.takes(q, k, md, None)
     f32 = lambda a: a.astype(jnp.float32)
     want = reference_attention(f32(q), f32(k), f32(v), jnp.int32(1), md, scale=head_dim ** -0.5)
@@ -99,7 +87,7 @@ def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
         monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
     name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools, window, cap, sinks, kv_per_step = case
     rng = np.random.default_rng(sum(map(ord, name)))
-    q, k, v, md = _inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
+    q, k, v, md = random_attention_inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap,
               sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2 + 5, jnp.float32) if sinks else None)  # they matter
     assert paged_prefill_mosaic.takes(q, k, md, window)
@@ -116,7 +104,7 @@ def test_no_races_between_the_warpgroups(monkeypatch):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
 
     monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
-    q, k, v, md = _inputs(np.random.default_rng(5), 4, 64, [40, 1], [300, 1], 48, 16, 1, num_layers=1)
+    q, k, v, md = random_attention_inputs(np.random.default_rng(5), 4, 64, [40, 1], [300, 1], 48, 16, 1, num_layers=1)
     jax.block_until_ready(paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=0.125, interpret=True))
     assert not interpret_pallas_call.get_races().races_found
 
@@ -138,8 +126,8 @@ def test_cuda_lowering_at_h200_shapes(page_size, head_dim, group, pools, kinds):
 
 def test_takes_prefill_steps_and_dispatch_routes_them(monkeypatch):
     rng = np.random.default_rng(2)
-    prefill = _inputs(rng, 4, 64, [40, 1], [300, 1], 48, 16, 2)
-    decode = _inputs(rng, 4, 64, [1, 1], [300, 1], 8, 16, 2)  # one token a block: the decode kernel
+    prefill = random_attention_inputs(rng, 4, 64, [40, 1], [300, 1], 48, 16, 2)
+    decode = random_attention_inputs(rng, 4, 64, [1, 1], [300, 1], 8, 16, 2)  # one token a block: the decode kernel
     q, k, _, md = prefill
     assert paged_prefill_mosaic.takes(q, k, md, None)
     assert paged_prefill_mosaic.takes(q, k, md, 64)  # a static sliding window
