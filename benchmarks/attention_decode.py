@@ -1,7 +1,7 @@
 """Decode attention alone, at the engine's step shapes, across batch and context (Llama-3-8B heads:
 32 query heads, 8 KV heads, head_dim 128, pages of 16 tokens): the Mosaic GPU kernel with its work
 items (flash-decoding) against the same kernel with one program per (row, KV head), the Triton
-kernel, the transposed decode kernel (paged_decode_mosaic.py), and the K/V bytes over the copy rate.
+kernel, the transposed fp8 decode kernel (paged_decode_mosaic.py), and the K/V bytes over the copy rate.
 
   python benchmarks/attention_decode.py --out DIR        # GPU
   python benchmarks/attention_decode.py --quick          # CPU smoke run (interpret mode, tiny sizes)
@@ -147,14 +147,10 @@ def main(argv=None):
         "mosaic fp8 one program per row": ("fp8", lambda *x, **k: mosaic(*x, num_items=0, **k)),
         "mosaic fp8 work items 128 a step": ("fp8", lambda *x, **k: mosaic(*x, kv_per_step=128, **k)),
         "mosaic fp8 work items 3 stages": ("fp8", lambda *x, **k: mosaic(*x, num_stages=3, **k)),
-        "transposed work items": ("bf16", transposed),
-        "transposed one program per row": ("bf16", lambda *x, **k: transposed(*x, num_items=0, **k)),
         "transposed fp8 work items": ("fp8", transposed),
-        "transposed fp8 work items 128 a step": ("fp8", lambda *x, **k: transposed(*x, kv_per_step=128, **k)),
+        "transposed fp8 one program per row": ("fp8", lambda *x, **k: transposed(*x, num_items=0, **k)),
+        "transposed fp8 work items 64 a step": ("fp8", lambda *x, **k: transposed(*x, kv_per_step=64, **k)),
         "transposed fp8 work items 3 stages": ("fp8", lambda *x, **k: transposed(*x, num_stages=3, **k)),
-        # its programs are small enough for 3-4 an SM, where split_kv's cost rule sizes the grid for 2
-        "transposed 66 items": ("bf16", lambda *x, **k: transposed(*x, num_items=66, **k)),
-        "transposed fp8 66 items": ("fp8", lambda *x, **k: transposed(*x, num_items=66, **k)),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}

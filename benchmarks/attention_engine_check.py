@@ -5,7 +5,7 @@ short and long prompts run together, so steps hold prefill chunks, decode rows a
 boundaries. Each implementation's greedy continuations are compared with attention_impl="reference".
 
   python benchmarks/attention_engine_check.py --out DIR                  # GPU: reference, triton, mosaic
-  python benchmarks/attention_engine_check.py --quick --impls mosaic,mosaic-t  # CPU (interpret mode), small: about
+  python benchmarks/attention_engine_check.py --quick --impls mosaic  # CPU (interpret mode), small: about
         3 minutes an implementation on two cores; it runs XLA's CPU client on 4 threads (NPROC, as tests/conftest.py
         does), without which the interpreted warpgroups of a kernel can wait on one another's barrier for ever
   python benchmarks/attention_engine_check.py --kv-cache-dtype int8 --page-size 32 --out DIR  # int8 pages, all three
@@ -88,7 +88,7 @@ def main():
         print(f"{impl}: {r['identical']} of {r['of']} greedy continuations identical to the reference; "
               f"first divergence per prompt: {r['first_divergence']}; prompt logprobs |diff| max "
               f"{r['max_abs_prompt_logprob_diff']:.4f} mean {r['mean_abs_prompt_logprob_diff']:.5f}")
-    for one, other in (("mosaic", "triton"), ("mosaic-t", "mosaic")):
+    for one, other in (("mosaic", "triton"),):
         if {one, other} <= set(result):
             same = sum(a == b for a, b in zip(result[one]["tokens"], result[other]["tokens"]))
             print(f"{one} vs {other}: {same} of {len(prompts)} greedy continuations identical")

@@ -46,7 +46,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="keep every page of every layer (vLLM's flag); default: a model with sliding-window layers "
                         "beside full-attention ones gives back the pages a window no longer sees")
-    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "mosaic-t", "triton"])
+    p.add_argument("--attention-impl", default=None, choices=["auto", "reference", "pallas", "mosaic", "triton"])
     p.add_argument("--matmul-impl", default=None, choices=["auto", "reference", "pallas"])
     p.add_argument("--speculative-config", default=None, type=_json_object,
                    help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -1,7 +1,7 @@
 """Picks an implementation for each kernel: Pallas on GPU, the XLA reference elsewhere.
 
 `attention_impl` / `matmul_impl` in the engine config override the choice
-("auto", "reference", "pallas"; attention also "mosaic", "mosaic-t" or "triton"). Every implementation has the reference's signature:
+("auto", "reference", "pallas"; attention also "mosaic" or "triton"). Every implementation has the reference's signature:
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
@@ -32,9 +32,7 @@ from jlight.pallas_kernels import attention_reference, delta_rule_reference, mam
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
 # where it takes the inputs, else the Triton one (PALLAS_ATTENTION says which is the default).
-# "mosaic-t": the Mosaic GPU kernels, with decode steps on the transposed decode kernel
-# (paged_decode_mosaic.py) where it takes them.
-ATTENTION_IMPLS = IMPLS + ("mosaic", "mosaic-t", "triton")
+ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 
 
 class GroupedMatmul(NamedTuple):
@@ -89,7 +87,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         raise ValueError(f"moe_impl={moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
     write_kv, attention = attention_reference.write_kv, attention_reference.paged_attention
     matmul = matmul_reference.matmul
-    named = ("mosaic", "mosaic-t", "triton")
+    named = ("mosaic", "triton")
     backend = attention_impl if attention_impl in named else "triton" if sharded else PALLAS_ATTENTION
     short_table_span = None
     if attention_impl in named or _use_pallas(attention_impl):
@@ -97,8 +95,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
-        if backend in ("mosaic", "mosaic-t"):
-            attention = mosaic_or_triton_attention if backend == "mosaic" else mosaic_transposed_decode_attention
+        if backend == "mosaic":
+            attention = mosaic_or_triton_attention
             # short contexts skip flash-decoding's combine
             short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
@@ -154,19 +152,22 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None,
     """The Mosaic GPU kernels where they take the inputs, else the Triton kernel (float32, int8 pools
     with pages of 8 or 16, other sizes): prefill-shaped steps over 16-bit or fp8 pools run the
     warp-specialized prefill kernel (paged_prefill_mosaic.takes; on the H200 a 4096-token causal chunk
-    at 486 TFLOP/s against the decode kernel's prefill blocks' 299, docs/BENCHMARKS.md), every other
-    step the Mosaic GPU attention (paged_attention_mosaic.supports: 16-bit floats, head_dim 64/128,
+    at 486 TFLOP/s against the decode kernel's prefill blocks' 299, docs/BENCHMARKS.md), decode steps
+    of 16 or more rows over fp8 pools the transposed fp8 decode kernel (paged_decode_mosaic.takes), every
+    other step the Mosaic GPU attention (paged_attention_mosaic.supports: 16-bit floats, head_dim 64/128,
     pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64; fp8 pools). Both Mosaic
     kernels take every attention kind (a static sliding window, soft-capping, sink logits); the
     Triton kernel takes windows only, so a soft-capped or sink layer it would run goes to the XLA
     reference instead."""
     # GPU kernel modules load only when chosen.
-    from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas, paged_prefill_mosaic
+    from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas, paged_decode_mosaic, paged_prefill_mosaic
 
     kinds = dict(soft_cap=soft_cap, sinks=sinks)
     window = kw.get("sliding_window")
     if paged_prefill_mosaic.takes(q, k_cache, md, window) and (window is None or window >= PREFILL_KERNEL_MIN_WINDOW):
         return paged_prefill_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
+    if paged_decode_mosaic.takes(q, k_cache, md):
+        return paged_decode_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
     if paged_attention_mosaic.supports(q, k_cache):
         return paged_attention_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
     if soft_cap is None and sinks is None:
@@ -182,7 +183,7 @@ def kernel_takes_kinds(kernel, sliding_window, soft_cap, sinks) -> bool:
     the reference), not the Triton kernel."""
     if sliding_window is not None and not isinstance(sliding_window, int):
         return False
-    return kernel in (mosaic_or_triton_attention, mosaic_transposed_decode_attention) or (soft_cap is None and sinks is None)
+    return kernel is mosaic_or_triton_attention or (soft_cap is None and sinks is None)
 
 
 def kernel_or_reference_attention(kernel, q, k_cache, v_cache, layer, md, *, scale, sliding_window=None,
@@ -212,12 +213,3 @@ def kmajor_weight_types(matmul_impl: str) -> tuple:
         kinds += (QuantizedWeight,)
     return kinds
 
-
-def mosaic_transposed_decode_attention(q, k_cache, v_cache, layer, md, **kw):
-    """mosaic_or_triton_attention, but the steps of one-token query blocks over 16-bit or fp8 pools run the
-    transposed decode kernel (paged_decode_mosaic.supports: the query heads on the wgmmas' N side)."""
-    # GPU kernel modules load only when chosen.
-    from jlight.pallas_kernels import paged_decode_mosaic
-    if paged_decode_mosaic.supports(q, k_cache, md):
-        return paged_decode_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kw)
-    return mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, **kw)

@@ -1,29 +1,31 @@
-"""Decode attention over paged K/V on Mosaic GPU with the products transposed (K and V on the wgmma's
-M side, the query heads on its N side).
+"""Decode attention over fp8 (e4m3) K/V pages on Mosaic GPU with the products transposed (K and V on the
+wgmma's M side, the query heads on its N side).
 
 Same contract as attention_reference.paged_attention, for the steps whose query blocks hold one token
-(decode buckets and small steps: paged_attention_mosaic.uses_prefill_blocks is False) over pools of
-q's dtype or fp8 (e4m3). A program takes one query block (or one work item of it, split_kv) and one
-KV head; the block's `group` query heads sit in the N side of two wgmmas, padded to 16 columns:
-- S^T = K Q^T: [kv_per_step, 16], K from its slot (16-bit pools) or from registers (fp8 pools: the
-  slot's bytes converted to float16 in registers, no shared-memory round trip);
-- O^T += V^T P^T: [head_dim, 16], V^T the slot read transposed (fp8 pools: converted to float16 into
-  one shared-memory tile first), P^T the probabilities written to a [kv_per_step, 16] tile.
+(decode buckets and small steps: paged_attention_mosaic.uses_prefill_blocks is False) over fp8 pools
+with a 16-bit q. A program takes one query block (or one work item of it, split_kv) and one KV head;
+the block's `group` query heads sit in the N side of two wgmmas, padded to 16 columns:
+- S^T = K Q^T: [kv_per_step, 16], K from registers (the slot's bytes converted to float16 in
+  registers, no shared-memory round trip);
+- O^T += V^T P^T: [head_dim, 16], V^T the slot converted to float16 into one shared-memory tile and
+  read transposed, P^T the probabilities written to a [kv_per_step, 16] tile.
 The softmax runs over the kv_per_step x 16 tile (columns: query heads), not over 64 padded rows as
-in paged_attention_mosaic, and a program holds 54-70 KB of shared memory, so three or four run on
-an SM: the step's per-position work shrinks and more of it overlaps.
+in paged_attention_mosaic, whose fp8 steps spend their time on that per-position work rather than
+on their reads. 16-bit pools stay on paged_attention_mosaic: there this layout lost at every
+measured shape (docs/BENCHMARKS.md, Kernels).
 
 Every position of a block's step has one query position (the block's token), so the masks (causal,
 sliding window) are functions of the K/V position alone. Sinks open each column's softmax (m = the
-sink, l = 1, no value), in a block's first work item only. V slots of 16-bit pools and the P^T and
-converted-V tiles use a 32-byte swizzle: the wgmma's two operands share one swizzle, and P^T's rows
-are 32 bytes.
+sink, l = 1, no value), in a block's first work item only. The P^T and converted-V tiles use a 32-byte
+swizzle: the wgmma's two operands share one swizzle, and P^T's rows are 32 bytes.
 
 Outputs leave transposed ([blocks or items, KVH, head_dim, 16]) and the wrapper turns them into
 paged_attention_mosaic's layout; items go through split_kv.combine.
 
 CPU tests run it in Mosaic GPU's interpret mode, with plain dots for the two products; the wgmma path
 is lowered for CUDA separately (tests/test_mosaic_decode.py).
+
+`takes` is the cost rule paged attention dispatches by (pallas_kernels/dispatch.py).
 """
 import functools
 import math
@@ -45,16 +47,25 @@ _COLS = 16  # query heads of a KV head on the wgmmas' N side (group <= 16), padd
 
 
 def supports(q, k_cache, md: BatchMetadata) -> bool:
-    """Whether this kernel takes the step: one-token query blocks, q in bf16/f16, pools of q's dtype or fp8,
-    head_dim 64 or 128, a page size of PAGE_SIZES, at most 16 query heads a KV head."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or not hasattr(k_cache, "dtype"):
-        return False
-    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
+    """Whether this kernel can run the step: one-token query blocks, q in bf16/f16, fp8 pools, head_dim 64 or
+    128, a page size of PAGE_SIZES, at most 16 query heads a KV head."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or getattr(k_cache, "dtype", None) != FP8_DTYPE:
         return False
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[3], k_cache.shape[2]
     return (not uses_prefill_blocks(num_tokens, md.page_table.shape[0]) and head_dim in (64, 128)
             and page_size in PAGE_SIZES and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _COLS)
+
+
+# Steps of fewer query blocks stay on paged_attention_mosaic: on the H100, Llama-3-8B shape, the engine's
+# batch-1 decode (the 8-token bucket) ran 0.10-0.18 ms a token slower here from 1k to 16k of context and level
+# at 32k, batch 16 3-6% faster from 1k to 16k (docs/BENCHMARKS.md, Attention across context).
+MIN_BLOCKS = 16
+
+
+def takes(q, k_cache, md: BatchMetadata) -> bool:
+    """The cost rule: the steps `supports` of at least MIN_BLOCKS one-token query blocks."""
+    return supports(q, k_cache, md) and q.shape[0] >= MIN_BLOCKS
 
 
 def _smem32(shape, dtype):
@@ -64,7 +75,7 @@ def _smem32(shape, dtype):
 
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_items, item_base, table_base,
-            table_width, page_size, pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert,
+            table_width, page_size, pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks,
             interpreting, slot_types, out_types):
     if has_sinks:  # each column's sink logit ([kv_heads, 16], log2 units)
         sink_ref, *refs = refs
@@ -100,9 +111,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
         iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
         tile = functools.partial(plgpu.layout_cast, new_layout=plgpu.Layout.WGMMA)
 
-    def stream(k_smem, v_smem, p_smem, *more):
-        if convert:
-            (vd_smem,) = more
+    def stream(k_smem, v_smem, p_smem, vd_smem):
 
         def issue(step, slot):
             for i in range(pages_per_step):
@@ -128,13 +137,10 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
             if interpreting:
                 s = jnp.dot(k_slot[...].astype(q_smem.dtype), q_smem[...].T, preferred_element_type=jnp.float32)
             else:
-                def qk(acc_ref):
-                    if convert:  # fp8 K to float16 in registers, the wgmma's A operand
-                        k_regs = plgpu.load(k_slot, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(q_smem.dtype)
-                        plgpu.wgmma(acc_ref, plgpu.layout_cast(k_regs, plgpu.Layout.WGMMA),
-                                    plgpu.transpose_ref(q_smem, (1, 0)))
-                    else:
-                        plgpu.wgmma(acc_ref, k_slot, plgpu.transpose_ref(q_smem, (1, 0)))
+                def qk(acc_ref):  # fp8 K to float16 in registers, the wgmma's A operand
+                    k_regs = plgpu.load(k_slot, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(q_smem.dtype)
+                    plgpu.wgmma(acc_ref, plgpu.layout_cast(k_regs, plgpu.Layout.WGMMA),
+                                plgpu.transpose_ref(q_smem, (1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
             kv_pos = step * kv_per_step + iota(shape, 0)
@@ -149,18 +155,14 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.barrier_wait(v_bar.at[slot])
-            if convert:
-                upcast_tile(v_smem.at[slot], vd_smem, interpreting)
-                v_tile = vd_smem
-            else:
-                v_tile = v_smem.at[slot]
-            plgpu.commit_smem()  # P^T (and V converted) visible to the wgmma; the slot's reads before its refill
+            upcast_tile(v_smem.at[slot], vd_smem, interpreting)
+            plgpu.commit_smem()  # P^T and V converted visible to the wgmma; the slot's reads before its refill
             if interpreting:
-                acc = acc + jnp.dot(v_tile[...].astype(p_smem.dtype).T, p_smem[...], preferred_element_type=jnp.float32)
+                acc = acc + jnp.dot(vd_smem[...].T, p_smem[...], preferred_element_type=jnp.float32)
                 plgpu.commit_smem()  # the interpreter's reads (generic proxy) ordered before the slot's TMA refill
             else:
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)), p_smem)
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(vd_smem, (1, 0)), p_smem)
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
             @pl.when(step + num_stages < last_step)
@@ -207,9 +209,10 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, num_ite
                                              "num_stages", "kv_per_step", "min_steps_per_item"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks=None, interpret: bool | None = None, num_items: int | None = None,
-                    num_stages: int = 2, kv_per_step: int = 64, min_steps_per_item: int = 2):
+                    num_stages: int = 2, kv_per_step: int = 128, min_steps_per_item: int = 2):
     """Same contract as attention_reference.paged_attention for the steps `supports` accepts. num_items:
-    work items (split_kv) as in paged_attention_mosaic: None by the cost rule, 0 none."""
+    work items (split_kv) as in paged_attention_mosaic: None by the cost rule, 0 none. kv_per_step: K/V
+    positions a pipeline step loads, 64 or 128."""
     if not supports(q, k_cache, md):
         raise ValueError(f"the transposed Mosaic GPU decode kernel does not take q {q.dtype}{q.shape} with pools "
                          f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape} and "
@@ -231,20 +234,15 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
                                               min_steps_per_item)
     layer_offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
     pools = [c.reshape(num_layers * num_pages, page_size, num_kv_heads, head_dim) for c in (k_cache, v_cache)]
-    dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
-    convert = k_cache.dtype != dtype
+    dtype = jnp.float16  # the products' operands: fp8 K and V converted, q cast
     q_cols = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim),
                      ((0, 0), (0, 0), (0, _COLS - group), (0, 0))).astype(dtype)  # [blocks, KVH, 16, D]
 
     kv_tile = (num_stages, kv_per_step, head_dim)
-    # K slots: 128-byte swizzle (the wgmma's A operand, or the registers' load); V slots of 16-bit pools:
-    # 32 bytes, as P^T (the two operands of O^T += V^T P^T share one swizzle); fp8 V slots are converted
-    # into a 32-byte-swizzled float16 tile.
-    slot_types = [swizzled_smem(kv_tile, k_cache.dtype),
-                  (swizzled_smem if convert else _smem32)(kv_tile, k_cache.dtype),
-                  _smem32((kv_per_step, _COLS), dtype)]
-    if convert:
-        slot_types.append(_smem32(kv_tile[1:], dtype))
+    # K and V slots: 128-byte swizzle (K: the registers' load); each V slot is converted into one
+    # 32-byte-swizzled float16 tile, as P^T (the two operands of O^T += V^T P^T share one swizzle).
+    slot_types = [swizzled_smem(kv_tile, k_cache.dtype), swizzled_smem(kv_tile, k_cache.dtype),
+                  _smem32((kv_per_step, _COLS), dtype), _smem32(kv_tile[1:], dtype)]
     scratch = [swizzled_smem((_COLS, head_dim), dtype),  # the query columns (Q: [16, D])
                plgpu.Barrier(num_arrivals=1),
                plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
@@ -270,7 +268,7 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, num_items=num_items, item_base=item_base, table_base=item_base + 3 * num_items,
         table_width=table_width, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks,
         interpreting=interpreting, slot_types=tuple(slot_types), out_types=tuple(out_types))
     result = plgpu.kernel(
         kernel,
