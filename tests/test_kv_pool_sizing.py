@@ -1,12 +1,17 @@
 """How many KV pages an engine takes on a device with memory statistics (a GPU): from
-kv_cache_memory_fraction of what the weights left, or from vLLM's gpu_memory_utilization."""
+kv_cache_memory_fraction of what the weights left, or from vLLM's gpu_memory_utilization, and then
+fewer where the largest step's own memory (XLA's memory analysis) would not fit beside them."""
 import argparse
 
+import jax
 import pytest
 
-from jlight import engine_args
+import jlight
+from jlight import SamplingParams, engine_args
+from jlight.engine import startup
 from jlight.engine.engine_config import EngineConfig
-from jlight.engine.startup import pages_for_memory
+from jlight.engine.model_runner import ModelRunner
+from jlight.engine.startup import pages_beside_step, pages_for_memory, pool_beside_step, step_margin, step_memory_bytes
 
 GIB = 2 ** 30
 STATS = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB}  # 20 GiB of weights loaded
@@ -34,3 +39,123 @@ def test_the_cli_passes_gpu_memory_utilization():
     parser = argparse.ArgumentParser()
     engine_args.add_engine_arguments(parser)
     assert engine_args.engine_options(parser.parse_args(["--gpu-memory-utilization", "0.9"]))["gpu_memory_utilization"] == 0.9
+
+
+# ---- room for the largest step (startup.pages_beside_step, pool_beside_step, step_memory_bytes) ----------
+
+MIB = 2 ** 20
+
+
+def test_the_pool_keeps_its_pages_when_the_step_fits_beside_them():
+    p0 = pages_for_memory(STATS, PAGE, 0.8, None)  # 64 GiB of pages; 16 GiB of the 80 left over
+    assert pages_beside_step(p0, STATS, PAGE, 10 * GIB, None) == p0  # 10 GiB + 512 MiB margin fit in 16 GiB
+
+
+def test_the_pool_shrinks_by_exactly_what_the_step_and_its_margin_need():
+    p0 = pages_for_memory(STATS, PAGE, 0.8, 0.9)  # vLLM's meaning: the budget less the weights, all of it pages
+    step = 4 * GIB
+    assert step_margin(step) == 256 * MIB  # 5% (205 MiB) is below the floor
+    assert pages_beside_step(p0, STATS, PAGE, step, 0.9) == p0 - (4 * GIB + 256 * MIB) // PAGE
+    assert step_margin(20 * GIB) == GIB  # 5% above the floor
+    p0 = pages_for_memory(STATS, PAGE, 0.8, None)
+    # kv_cache_memory_fraction: the budget is bytes_limit; 80 GiB left - 20 GiB step - 1 GiB margin = 59 GiB of pages
+    assert pages_beside_step(p0, STATS, PAGE, 20 * GIB, None) == 59 * GIB // PAGE < p0
+    # a hybrid model's recurrent state comes out of the same room
+    assert pages_beside_step(p0, STATS, PAGE, 20 * GIB, None, state_bytes=GIB) == 58 * GIB // PAGE
+
+
+def test_a_step_that_leaves_no_sequence_room_names_the_knobs():
+    cfg = EngineConfig(gpu_memory_utilization=0.9).validate()
+    p0 = pages_for_memory(STATS, PAGE, 0.8, 0.9)
+    with pytest.raises(ValueError) as e:
+        pool_beside_step(cfg, p0, STATS, PAGE, 69 * GIB, 16384, 0, pages_per_sequence=513)
+    for name in ("max_num_batched_tokens", "gpu_memory_utilization=0.9", "kv_cache_memory_fraction=0.8", "max_model_len"):
+        assert name in str(e.value)
+    # room for a sequence: no error, the pool shrinks
+    assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=513) == (10 * GIB - 3 * GIB) // PAGE
+    # a step XLA could not measure: today's rule
+    assert pool_beside_step(cfg, p0, STATS, PAGE, None, 16384, 0, pages_per_sequence=513) == p0
+
+
+class _Analysis:
+    temp_size_in_bytes, generated_code_size_in_bytes, output_size_in_bytes, alias_size_in_bytes = 1000, 24, 300, 200
+
+
+class _Compiled:
+    def __init__(self, analysis):
+        self.analysis = analysis
+
+    def memory_analysis(self):
+        if isinstance(self.analysis, Exception):
+            raise self.analysis
+        return self.analysis
+
+
+def test_step_memory_is_temp_code_and_unaliased_outputs_of_the_costliest_variant():
+    assert step_memory_bytes([_Compiled(_Analysis())]) == 1000 + 24 + 100
+    bigger = _Analysis()
+    bigger.temp_size_in_bytes = 5000
+    assert step_memory_bytes([_Compiled(_Analysis()), _Compiled(bigger)]) == 5000 + 24 + 100
+    # no analysis on some backend or JAX: None (the pool then keeps today's size)
+    assert step_memory_bytes([_Compiled(None)]) is None
+    assert step_memory_bytes([_Compiled(NotImplementedError("no"))]) is None
+    assert step_memory_bytes([]) is None
+
+
+# ---- an engine on a device with (fake) memory statistics -----------------------------------------------
+
+def _engine_on_fake_device(model, monkeypatch, stats, **options):
+    """The tiny model with buckets of 8 and 16 tokens, on a device whose allocator reports `stats`; returns
+    (engine, the step compiles it made)."""
+    monkeypatch.setattr(startup, "device_memory_stats", lambda: dict(stats))
+    compiles = []
+    compile_step = ModelRunner._compile
+
+    def counting(self, lowered, key):
+        compiles.append(lowered)
+        return compile_step(self, lowered, key)
+
+    monkeypatch.setattr(ModelRunner, "_compile", counting)
+    llm = jlight.LLM(model, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=8, max_model_len=128,
+                     compilation_cache_dir=None, **options)
+    return llm, compiles
+
+
+def _room_is_left(engine, stats, budget):
+    """The pool, its largest step's measured memory and the margin fit the budget."""
+    runner = engine.runner
+    step = step_memory_bytes(runner.compiled_steps(runner.buckets[-1]))  # read back from the compiled bucket
+    assert step is not None and step > 0
+    pool = sum(leaf.nbytes for leaf in jax.tree.leaves((runner.k_cache, runner.v_cache)))
+    assert pool == runner.num_pages * engine._pool_bytes_per_page(jax.numpy.float32, None)
+    assert stats["bytes_in_use"] + pool + step + step_margin(step) <= budget
+    return step
+
+
+def test_an_engine_keeps_its_pool_and_compiles_the_largest_bucket_once(tiny_model, monkeypatch):
+    stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 0}
+    llm, compiles = _engine_on_fake_device(tiny_model("LlamaForCausalLM"), monkeypatch, stats, kv_cache_memory_fraction=0.05)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.num_pages == pages_for_memory(stats, engine._pool_bytes_per_page(jax.numpy.float32, None), 0.05, None)
+    _room_is_left(engine, stats, stats["bytes_limit"])
+    assert len(compiles) == runner.num_step_variants(runner.buckets)  # the measured bucket was kept, not compiled again
+    out = llm.generate([list(range(3, 23))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and runner._step._cache_size() == 0  # the kept executable ran
+
+
+def test_an_engine_shrinks_its_pool_by_the_largest_steps_memory(tiny_model, monkeypatch):
+    stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 10 * MIB}
+    llm, compiles = _engine_on_fake_device(tiny_model("LlamaForCausalLM"), monkeypatch, stats, gpu_memory_utilization=0.95)
+    engine, runner = llm.engine, llm.engine.runner
+    per_page = engine._pool_bytes_per_page(jax.numpy.float32, None)
+    p0 = pages_for_memory(stats, per_page, 0.8, 0.95)
+    step = _room_is_left(engine, stats, int(300 * MIB * 0.95))
+    assert runner.num_pages == pages_beside_step(p0, stats, per_page, step, 0.95) < p0
+    assert len(compiles) == runner.num_step_variants(runner.buckets) + 1  # the largest again, at the smaller pool
+    assert engine.block_manager.num_pages == runner.num_pages
+
+
+def test_an_engine_whose_step_leaves_no_room_refuses_to_start(tiny_model, monkeypatch):
+    stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 44 * MIB}  # 256 MiB left: the margin alone
+    with pytest.raises(ValueError, match="max_num_batched_tokens.*gpu_memory_utilization=1.0"):
+        _engine_on_fake_device(tiny_model("LlamaForCausalLM"), monkeypatch, stats, gpu_memory_utilization=1.0)

@@ -173,22 +173,13 @@ class LLMEngine:
         spec = cfg.speculative
         self.proposer = proposers.make_proposer(spec, cfg, self.family, mc, params, self.tokenizer, kv_dtype,
                                                 self.kv_layout.num_groups, dispatch.on_gpu())
-        num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan)
+        stats = startup.device_memory_stats()  # None on the CPU
+        num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan, stats)
         whole = kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len, max_batched) + 1
-        if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
-            logger.warning("the KV cache (%d pages of %d tokens) cannot hold one sequence of max_model_len=%d tokens (%d "
-                           "pages): longer requests will be refused; raise num_pages or lower max_model_len", num_pages,
-                           cfg.page_size, self.max_model_len, whole)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        host_tier = startup.host_tier(cfg, self.kv_bytes_per_page(kv_dtype), max_batched) if cfg.kv_offloading_size else None
-        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
-        self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
-                         if kv_groups.keeps_window(self.kv_layout) else None)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
-                                   state_pool=self.state_pool, kv_groups=self.kv_pages, proposer=self.proposer)
         draft_slots = min(cfg.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
-        self.runner = ModelRunner(
+        self.runner = ModelRunner(  # its K/V pools stay abstract until allocate_pools
             self.family, mc, params,
             dispatch.get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None,
                                  fp8_w8a8_min_rows=cfg.fp8_w8a8_min_rows),
@@ -203,6 +194,19 @@ class LLMEngine:
             taps=self.proposer.taps if self.proposer is not None else None,
             serial_steps=spec is not None and (cfg.verify_step_command_buffers is False
                                                or cfg.verify_step_command_buffers is None and dispatch.on_gpu()))
+        if cfg.num_pages is None and stats is not None:
+            num_pages = self._fit_pool_beside_step(num_pages, stats, kv_dtype, sharding_plan, whole)
+        self.runner.allocate_pools(num_pages)
+        if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
+            logger.warning("the KV cache (%d pages of %d tokens) cannot hold one sequence of max_model_len=%d tokens (%d "
+                           "pages): longer requests will be refused; raise num_pages or lower max_model_len", num_pages,
+                           cfg.page_size, self.max_model_len, whole)
+        host_tier = startup.host_tier(cfg, self.kv_bytes_per_page(kv_dtype), max_batched) if cfg.kv_offloading_size else None
+        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
+        self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
+                         if kv_groups.keeps_window(self.kv_layout) else None)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
+                                   state_pool=self.state_pool, kv_groups=self.kv_pages, proposer=self.proposer)
         if self.proposer is not None:
             self.proposer.attach(self.runner)
         jax.block_until_ready((self.runner.k_cache, self.runner.v_cache))
@@ -244,6 +248,7 @@ class LLMEngine:
         if self.block_manager.host_tier is not None:
             self.block_manager.host_tier.warmup(self.runner)
         phases = self.startup_seconds
+        seconds += phases.pop("measure", 0.0)  # the largest bucket, compiled before the pool was sized
         stored = f", {store.loaded - stored_before} of {variants} steps loaded compiled from the store" if store is not None else ""
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
                     time.perf_counter() - self._start_time, phases["load"], phases["prepare"], phases["setup"],
@@ -269,16 +274,33 @@ class LLMEngine:
         fn = getattr(self.family, "state_shapes", None)
         return state_pool.bytes_for(fn, self.model_config, self.state_pool.total_slots) if fn else 0
 
-    def _size_kv_pool(self, kv_dtype, plan) -> int:
-        """The pool's pages (startup.kv_pool_pages) for one page's bytes on one device: the model's K/V, a
-        device proposer's K/V pool (it holds the same pages), split over the mesh."""
+    def _pool_bytes_per_page(self, kv_dtype, plan) -> int:
+        """One page's bytes on one device: the model's K/V, a device proposer's K/V pool (it holds the same
+        pages), split over the mesh."""
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
         if self.proposer is not None:
             bytes_per_page += self.proposer.kv_bytes_per_page(self.config.page_size)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
-        return startup.kv_pool_pages(self.config, bytes_per_page, self.kv_layout.windows, self.max_model_len,
-                                     self.state_pool_bytes())
+        return bytes_per_page
+
+    def _size_kv_pool(self, kv_dtype, plan, stats: dict | None = None) -> int:
+        """The pool's pages by the config's share of memory alone (startup.kv_pool_pages; stats:
+        startup.device_memory_stats(), read here when not given)."""
+        stats = startup.device_memory_stats() if stats is None else stats
+        return startup.kv_pool_pages(self.config, self._pool_bytes_per_page(kv_dtype, plan), self.kv_layout.windows,
+                                     self.max_model_len, self.state_pool_bytes(), stats)
+
+    def _fit_pool_beside_step(self, p0: int, stats: dict, kv_dtype, plan, whole: int) -> int:
+        """The pool's pages once the largest step has its memory (startup.pool_beside_step): that bucket is
+        compiled now against the runner's abstract pools of p0 pages, and kept when the pool keeps them."""
+        largest = self.runner.buckets[-1]
+        threads = startup.compile_threads(self.config.compile_threads, self.runner.num_step_variants([largest]))
+        logger.info("compiling the largest step bucket (%d tokens) to measure its memory", largest)
+        self.startup_seconds["measure"] = self.runner.warmup(buckets=[largest], threads=threads)
+        step_bytes = startup.step_memory_bytes(self.runner.compiled_steps(largest))
+        return startup.pool_beside_step(self.config, p0, stats, self._pool_bytes_per_page(kv_dtype, plan), step_bytes,
+                                        largest, self.state_pool_bytes(), whole)
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,

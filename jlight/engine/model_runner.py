@@ -11,6 +11,8 @@ returns only the sampled ids (plus logprobs when asked). Decode tokens sampled b
 previous step never visit the host: the step reads them from the previous step's output
 (`from_prev`), so the host can launch step N+1 before it has seen step N's tokens.
 The step's host inputs travel packed in two buffers (step_packing.py says why).
+The K/V pools start abstract (shapes, dtypes, shardings): the engine may compile the largest bucket
+against them to learn its memory before it sizes the pool (startup.py), then `allocate_pools` makes them.
 
 Rows and sampled positions: a row is one sequence's tokens in the step ([B] arrays: the page
 table, the context lengths); a sampled position is a token whose logits the step samples from
@@ -35,7 +37,7 @@ import numpy as np
 
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
-from jlight.core.quantization import make_kv_pool
+from jlight.core.quantization import QuantizedKV, make_kv_pool, scales_sharding
 from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
 from jlight.engine import kv_groups, sampler, step_packing
 from jlight.engine.scheduler import SchedulePlan
@@ -161,24 +163,21 @@ class ModelRunner:
                     self.short_tables[T] = pages
         self.num_kv_groups = 1 if kv_layout is None else kv_layout.num_groups
         self.group_windows = (None,) if kv_layout is None else kv_layout.windows
-        if kv_layout is None:
-            k_shape, v_shape = family.kv_cache_shapes(config, num_pages, page_size)
-        else:
-            k_shape, v_shape = kv_groups.pool_shapes(family, config, num_pages, page_size, kv_layout)
-        k_shard, v_shard = sharding_plan.kv_cache_shardings(k_shape, v_shape) if sharding_plan is not None else (None, None)
-        # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools
-        self.k_cache = make_kv_pool(k_shape, kv_cache_dtype, kv_dtype, k_shard)
-        self.v_cache = make_kv_pool(v_shape, kv_cache_dtype, kv_dtype, v_shard)
+        self._kv_layout, self._sharding_plan = kv_layout, sharding_plan
+        self.kv_cache_dtype, self.kv_dtype = kv_cache_dtype, kv_dtype
         # A hybrid model's recurrent layers keep their state pools (one slot a running sequence, state_pool.py)
-        # beside its attention layers' K pages (jlight/core/recurrent_state.py).
+        # beside its attention layers' K pages (jlight/core/recurrent_state.py); allocated here (no page axis).
         self.stateful = hasattr(family, "state_shapes")
+        self._state = None
         if self.stateful:
-            state = zeros_like_shapes(family.state_shapes(config, num_state_slots))
+            self._state = zeros_like_shapes(family.state_shapes(config, num_state_slots))
             if sharding_plan is not None and sharding_plan.mesh is not None:  # replicated: every device runs them whole
-                state = jax.device_put(state, jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec()))
-            self.k_cache = PagesAndState(self.k_cache, state)
+                self._state = jax.device_put(self._state, jax.sharding.NamedSharding(sharding_plan.mesh, jax.sharding.PartitionSpec()))
             self._copy_slot = jax.jit(lambda state, src, dst: {n: a.at[:, dst].set(a[:, src]) for n, a in state.items()},
                                       donate_argnums=(0,))
+        # The K/V pools of num_pages pages, abstract (shapes, dtypes and shardings) until allocate_pools: the
+        # engine may compile the largest step against them first, to size the pool beside its memory.
+        self.k_cache, self.v_cache = self._pools(num_pages, abstract=True)
         self.history_dummy_slot = max_num_seqs
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len + 1), jnp.int32)  # [slots + dummy, tokens]
         self.prev_sampled = jnp.zeros((max_num_seqs,), jnp.int32)
@@ -222,7 +221,7 @@ class ModelRunner:
         self._serial_executables = {}  # the same, of the serial variant
         # Whole pages in and out of the pools (host_tier.py, disaggregated.py); a pool without a page axis
         # (MLA's unused V pool) passes through as None.
-        paged = lambda a: a.shape[1] == num_pages
+        paged = lambda a: a.shape[1] == self.num_pages  # read while tracing
         self._read_pages = jax.jit(lambda pools, pages: jax.tree.map(lambda a: a[:, pages] if paged(a) else None, pools))
         self._write_pages = jax.jit(
             lambda pools, pages, data: jax.tree.map(lambda a, d: a.at[:, pages].set(d) if paged(a) else a, pools, data,
@@ -240,6 +239,36 @@ class ModelRunner:
             donate_argnums=(0,))
         # ("read" | "write" | "read_list" | "write_list", page count) -> compiled ahead of time (warmup_page_copies)
         self._page_copies = {}
+
+    # ---- the K/V pools --------------------------------------------------------------------
+    def _pools(self, num_pages: int, abstract: bool):
+        """(k_cache, v_cache) of num_pages pages: zeroed on the devices, or (abstract) as ShapeDtypeStructs
+        with the shardings the zeroed ones get. A hybrid model's K pool carries the recurrent state."""
+        if self._kv_layout is None:
+            k_shape, v_shape = self.family.kv_cache_shapes(self.config, num_pages, self.page_size)
+        else:
+            k_shape, v_shape = kv_groups.pool_shapes(self.family, self.config, num_pages, self.page_size, self._kv_layout)
+        plan = self._sharding_plan
+        k_shard, v_shard = plan.kv_cache_shardings(k_shape, v_shape) if plan is not None else (None, None)
+        make = _abstract_kv_pool if abstract else make_kv_pool
+        # [layers, pages, page_size, kv_heads, head_dim] each: arrays of kv_dtype, or int8 QuantizedKV pools
+        k_cache = make(k_shape, self.kv_cache_dtype, self.kv_dtype, k_shard)
+        v_cache = make(v_shape, self.kv_cache_dtype, self.kv_dtype, v_shard)
+        return (PagesAndState(k_cache, self._state), v_cache) if self.stateful else (k_cache, v_cache)
+
+    def allocate_pools(self, num_pages: int) -> None:
+        """Allocate the K/V pools with num_pages pages (zeroed). Steps compiled before against pools of another
+        size are dropped (the warm-up compiles them again); those compiled against this size are kept."""
+        if num_pages != self.num_pages:
+            self._executables.clear()
+            self._page_copies.clear()
+            self.num_pages = num_pages
+        self.k_cache, self.v_cache = self._pools(num_pages, abstract=False)
+
+    def compiled_steps(self, T: int) -> list:
+        """The compiled steps of the T-token bucket (each of its variants) that warmup made or loaded."""
+        layouts = [step_packing.pack(self.padding_inputs(T, width))[2] for _, width in self.step_variants([T])]
+        return [self._executables[layout] for layout in layouts if layout in self._executables]
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
@@ -532,6 +561,20 @@ class ModelRunner:
         if self.executable_store is None:
             return lowered.compile()
         return self.executable_store.compile(key, lowered, lower_seconds)
+
+
+def _abstract_kv_pool(shape, kv_cache_dtype: str, kv_dtype, sharding):
+    """make_kv_pool's pool as ShapeDtypeStructs carrying the shardings the zeroed pool gets: `sharding` (and
+    scales_sharding's for an int8 pool's scales), or, unsharded, the default device's (where jnp.zeros lands)."""
+    structs = jax.eval_shape(functools.partial(make_kv_pool, tuple(shape), kv_cache_dtype, kv_dtype))
+    if sharding is None:
+        where = jnp.zeros((), jnp.int8).sharding
+        shardings = jax.tree.map(lambda _: where, structs)
+    elif isinstance(structs, QuantizedKV):
+        shardings = QuantizedKV(sharding, scales_sharding(sharding, len(shape)))
+    else:
+        shardings = sharding
+    return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), structs, shardings)
 
 
 class _SampledPositions:

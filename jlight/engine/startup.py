@@ -8,8 +8,17 @@ Invariants:
   its first compile that looks for the cache, so it is set before the engine compiles anything; a
   process keeps the first directory it used.
 - The KV pool holds, on a device whose allocator reports its memory, the share of it the config gives
-  (`pages_for_memory`); on the CPU, what max_num_seqs full-length sequences need, within 2 GiB. A hybrid
-  model's recurrent-state pools come out of the same budget first.
+  (`pages_for_memory`: P0 pages); on the CPU, what max_num_seqs full-length sequences need, within 2 GiB. A
+  hybrid model's recurrent-state pools come out of the same budget first.
+- On such a device the pool also leaves room for the largest step (`pages_beside_step`): the engine compiles
+  that bucket against a pool of P0 pages before allocating it, and XLA's memory analysis says what the step
+  needs beyond its inputs (`step_memory_bytes`: temporaries, generated code, outputs not aliased to the donated
+  pools). Then in use (the weights) + recurrent state + pool + step + margin (`step_margin`: 5% of the step,
+  at least 256 MiB; it also covers the runner's small buffers, the token history and masks) stays within the
+  budget: bytes_limit, or gpu_memory_utilization of it. The pool keeps P0 pages when they fit (the compiled
+  bucket is kept: no second compile), else it shrinks to what fits and the bucket compiles again at that size;
+  a pool shrunk below one max_model_len sequence is an error naming the knobs. Where the memory analysis is
+  unavailable, the pool keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
 - The memory plan names the bytes of one device (the first of the engine's): its share of the
   weights, its share of the K/V pools, and what its allocator has left (the host's available memory
   on the CPU, whose allocator keeps no statistics).
@@ -136,11 +145,16 @@ def host_tier(cfg, page_bytes: int, max_batched: int) -> HostTier:
     return HostTier(capacity, max_batch=-(-max_batched // cfg.page_size))
 
 
-def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int) -> int:
-    """Pages of bytes_per_page (on one device) the KV pool holds, after state_bytes of recurrent-state pools
-    (allocated with the pages, so taken out of their budget first)."""
+def device_memory_stats() -> dict | None:
+    """The first local device's allocator statistics when they include bytes_limit (a GPU's), else None (the CPU)."""
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    if stats and "bytes_limit" in stats:
+    return stats if stats and "bytes_limit" in stats else None
+
+
+def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int, stats: dict | None) -> int:
+    """Pages of bytes_per_page (on one device) the KV pool holds, after state_bytes of recurrent-state pools
+    (allocated with the pages, so taken out of their budget first). stats: device_memory_stats()."""
+    if stats is not None:
         return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
                                 state_bytes)
     wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(windows, cfg.page_size, max_model_len,
@@ -163,3 +177,68 @@ def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
                          f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
     return budget // bytes_per_page
+
+
+STEP_MARGIN_FRACTION = 0.05  # of the largest step's measured memory ...
+STEP_MARGIN_MIN_BYTES = 256 << 20  # ... and never less than this
+
+
+def step_margin(step_bytes: int) -> int:
+    """Bytes kept free beside the largest step's measured memory: 5% of it, at least 256 MiB."""
+    return max(int(step_bytes * STEP_MARGIN_FRACTION), STEP_MARGIN_MIN_BYTES)
+
+
+def step_memory_bytes(compiled_steps) -> int | None:
+    """What the costliest of compiled_steps (jax.stages.Compiled) needs beyond its arguments, by XLA's memory
+    analysis: temporaries + generated code + outputs not aliased to donated arguments (the K/V pools, the
+    token history). None when the analysis is unavailable for any of them (a backend or JAX without it)."""
+    needs = []
+    for compiled in compiled_steps:
+        try:
+            m = compiled.memory_analysis()
+            need = (m.temp_size_in_bytes + m.generated_code_size_in_bytes
+                    + max(0, m.output_size_in_bytes - m.alias_size_in_bytes))
+        except Exception as e:  # noqa: BLE001 - unimplemented on some backends or versions: fall back
+            logger.info("no memory analysis of the compiled step (%s: %.200s)", type(e).__name__, e)
+            return None
+        if need < 0:
+            return None
+        needs.append(int(need))
+    return max(needs) if needs else None
+
+
+def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int,
+                      gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
+    """At most p0 pages, so that what is in use (stats' bytes_in_use: the weights) + state_bytes + the pool +
+    step_bytes + step_margin fit the budget: bytes_limit, or its gpu_memory_utilization share. Can be 0."""
+    limit = stats["bytes_limit"]
+    budget = limit if gpu_memory_utilization is None else int(limit * gpu_memory_utilization)
+    room = budget - stats.get("bytes_in_use", 0) - state_bytes - step_bytes - step_margin(step_bytes)
+    return min(p0, max(0, room) // bytes_per_page)
+
+
+def pool_beside_step(cfg, p0: int, stats: dict, bytes_per_page: int, step_bytes: int | None, step_tokens: int,
+                     state_bytes: int, pages_per_sequence: int) -> int:
+    """The KV pool's pages once the largest step (step_tokens tokens, step_bytes measured; None: unknown)
+    has its room (pages_beside_step), with one log line. Raises ValueError naming the knobs when that
+    leaves fewer pages than one max_model_len sequence (pages_per_sequence, the scratch page included)."""
+    if step_bytes is None:
+        logger.info("the KV pool keeps %d pages (kv_cache_memory_fraction / gpu_memory_utilization alone): XLA gave no "
+                    "memory analysis of the largest step (%d tokens)", p0 - 1, step_tokens)
+        return p0
+    pages = pages_beside_step(p0, stats, bytes_per_page, step_bytes, cfg.gpu_memory_utilization, state_bytes)
+    what = (f"the largest step ({step_tokens} tokens) needs {fmt_bytes(step_bytes)} beyond its inputs "
+            f"(XLA's memory analysis; + {fmt_bytes(step_margin(step_bytes))} margin)")
+    if pages == p0:
+        logger.info("%s: the KV pool keeps its %d pages", what, p0 - 1)
+        return p0
+    if pages < pages_per_sequence:
+        raise ValueError(
+            f"{what}, which leaves the KV cache {max(0, pages - 1)} pages of {cfg.page_size} tokens: fewer than one "
+            f"sequence of max_model_len needs ({pages_per_sequence - 1}). Lower max_num_batched_tokens (now "
+            f"{step_tokens}) or max_model_len, or give the engine more memory (gpu_memory_utilization="
+            f"{cfg.gpu_memory_utilization}, kv_cache_memory_fraction={cfg.kv_cache_memory_fraction}; "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION raises the memory JAX manages)")
+    logger.info("%s: the KV pool holds %d pages, %d fewer (%s)", what, pages - 1, p0 - pages,
+                fmt_bytes((p0 - pages) * bytes_per_page))
+    return pages
