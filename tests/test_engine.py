@@ -179,6 +179,24 @@ def test_logprobs_match_log_softmax_of_transformers(llm, hf_model):
         assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref[pos - 1, prompt[pos]]) < 1e-4
 
 
+def test_prompt_logprobs_over_several_chunks_match_transformers(model_dir, hf_model):
+    """A 290-token prompt in the 300-token bucket: its prompt logprobs come in chunks of
+    model_runner.PROMPT_LOGPROB_CHUNK tokens (256), the second one padded."""
+    llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=300, min_token_bucket=256,
+                     page_size=8, num_pages=64)
+    assert llm.engine.runner.buckets == [256, 300]
+    prompt = random_prompts(1, 290, 291, seed=11)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt) == 290
+    for pos in range(1, len(prompt)):
+        got = out.prompt_logprobs[pos]
+        assert abs(got[prompt[pos]] - ref[pos - 1, prompt[pos]]) < 1e-4, pos
+        best = int(ref[pos - 1].argmax())
+        assert best in got and abs(got[best] - ref[pos - 1, best]) < 1e-4, pos
+
+
 def test_bad_sampling_params_raise_clear_errors(llm):
     cases = [(dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
              (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n")]

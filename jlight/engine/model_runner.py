@@ -115,6 +115,11 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: boo
 # An inference step's own temporaries are small next to the pools the engine planned for it; nothing is
 # worth recomputing. (The CPU compiler has no such pass; the option is harmless there.)
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False, "xla_disable_hlo_passes": "rematerialization"}
+# Prompt logprobs: the tokens whose full-vocabulary float32 logits exist at once, a chunk after the other. Every
+# token of an 8192-token step at once would be the step's largest buffer (4 GiB of logits for a 128k vocabulary,
+# and as much again for their log-softmax), and the compiled step keeps room for it whether a step asks for
+# prompt logprobs or not.
+PROMPT_LOGPROB_CHUNK = 256
 # A step's kernels launched one by one as the host enqueues them, not as XLA:GPU's command buffers (CUDA graphs):
 # the options of the serial variant (ModelRunner's serial_steps; EngineConfig.verify_step_command_buffers says when).
 SERIAL_STEP_COMPILER_OPTIONS = {**STEP_COMPILER_OPTIONS, "xla_gpu_enable_command_buffer": ""}
@@ -286,12 +291,23 @@ class ModelRunner:
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
 
         def prompt_logprobs(h):
-            # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
-            logits_all = self.family.compute_logits(params, self.config, h, self.kernels, ParallelOps())[:, : self.config.vocab_size]
-            lp_all = jax.nn.log_softmax(logits_all, axis=-1)
-            target = jnp.take_along_axis(lp_all, jnp.maximum(inp.next_token, 0)[:, None], axis=-1)[:, 0]
-            vals, ids = jax.lax.top_k(lp_all, n)
-            return target, ids.astype(jnp.int32), vals
+            # PROMPT_LOGPROB_CHUNK tokens' full-vocabulary logits at a time, the chunks one after the other.
+            chunk = min(num_tokens, PROMPT_LOGPROB_CHUNK)
+            pad = -num_tokens % chunk
+            h_chunks = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
+            next_chunks = jnp.pad(jnp.maximum(inp.next_token, 0), (0, pad)).reshape(-1, chunk)
+
+            def one_chunk(args):
+                h_c, next_c = args
+                # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
+                logits = self.family.compute_logits(params, self.config, h_c, self.kernels, ParallelOps())[:, : self.config.vocab_size]
+                lse = jax.nn.logsumexp(logits, axis=-1)  # [chunk]: log-probabilities are logits - lse
+                target = jnp.take_along_axis(logits, next_c[:, None], axis=-1)[:, 0] - lse
+                vals, ids = jax.lax.top_k(logits, n)
+                return target, ids.astype(jnp.int32), vals - lse[:, None]
+
+            target, ids, vals = jax.lax.map(one_chunk, (h_chunks, next_chunks))
+            return target.reshape(-1)[:num_tokens], ids.reshape(-1, n)[:num_tokens], vals.reshape(-1, n)[:num_tokens]
 
         none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32), jnp.zeros((num_tokens, n), jnp.float32))
         p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)
