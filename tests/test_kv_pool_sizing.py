@@ -2,6 +2,7 @@
 kv_cache_memory_fraction of what the weights left, or from vLLM's gpu_memory_utilization, and then
 fewer where the largest step's own memory (XLA's memory analysis) would not fit beside them."""
 import argparse
+import textwrap
 
 import jax
 import pytest
@@ -12,6 +13,7 @@ from jlight.engine import startup
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.model_runner import ModelRunner
 from jlight.engine.startup import pages_beside_step, pages_for_memory, pool_beside_step, step_margin, step_memory_bytes
+from simulated_devices import run_script
 
 GIB = 2 ** 30
 STATS = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB}  # 20 GiB of weights loaded
@@ -159,3 +161,41 @@ def test_an_engine_whose_step_leaves_no_room_refuses_to_start(tiny_model, monkey
     stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 44 * MIB}  # 256 MiB left: the margin alone
     with pytest.raises(ValueError, match="max_num_batched_tokens.*gpu_memory_utilization=1.0"):
         _engine_on_fake_device(tiny_model("LlamaForCausalLM"), monkeypatch, stats, gpu_memory_utilization=1.0)
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    import jlight
+    from jlight import SamplingParams
+    from jlight.engine import startup
+
+    MIB = 2 ** 20
+    stats = {{"bytes_limit": 300 * MIB, "bytes_in_use": 10 * MIB}}
+    startup.device_memory_stats = lambda: dict(stats)  # every device's allocator reports these
+    options = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=8, max_model_len=128,
+                   compilation_cache_dir=None)
+    llm = jlight.LLM({path!r}, mesh="tp=2", gpu_memory_utilization=0.95, **options)
+    runner = llm.engine.runner
+    pools = jax.tree.leaves((runner.k_cache, runner.v_cache))
+    pool = sum(leaf.addressable_shards[0].data.nbytes for leaf in pools)  # on one device
+    step = startup.step_memory_bytes(runner.compiled_steps(runner.buckets[-1]))
+    p0 = startup.pages_for_memory(stats, pool // runner.num_pages, 0.8, 0.95)
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    alone = jlight.LLM({path!r}, num_pages=64, **options).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    print("RESULT" + json.dumps(dict(pool=pool, step=step, margin=startup.step_margin(step), p0=p0, pages=runner.num_pages,
+                                     manager_pages=llm.engine.block_manager.num_pages, devices=len(pools[0].sharding.device_set),
+                                     tokens=tokens, alone=alone)))
+""")
+
+
+def test_a_tp2_engine_sizes_each_devices_pool_beside_the_step(tiny_model):
+    """Under a mesh the pool starts abstract with its shardings, the largest step compiles against it, and one
+    device's share of the pool, the step's own memory and the margin fit that device's budget."""
+    r = run_script(MESH_SCRIPT.format(path=tiny_model("LlamaForCausalLM")), 2)
+    assert r["devices"] == 2 and r["step"] > 0
+    assert r["pages"] == r["manager_pages"] < r["p0"]  # shrunk beside the step
+    assert 10 * MIB + r["pool"] + r["step"] + r["margin"] <= int(300 * MIB * 0.95)
+    assert r["tokens"] == r["alone"]
