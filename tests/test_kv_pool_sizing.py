@@ -140,9 +140,19 @@ def test_an_engine_keeps_its_pool_and_compiles_the_largest_bucket_once(tiny_mode
     engine, runner = llm.engine, llm.engine.runner
     assert runner.num_pages == pages_for_memory(stats, engine._pool_bytes_per_page(jax.numpy.float32, None), 0.05, None)
     _room_is_left(engine, stats, stats["bytes_limit"])
-    assert len(compiles) == runner.num_step_variants(runner.buckets)  # the measured bucket was kept, not compiled again
+    assert len(compiles) == runner.num_step_variants(runner.buckets)  # the measured buckets were kept, not compiled again
     out = llm.generate([list(range(3, 23))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4 and runner._step._cache_size() == 0  # the kept executable ran
+
+
+def test_an_engine_without_warmup_compiles_only_the_largest_bucket_to_size_its_pool(tiny_model, monkeypatch):
+    stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 0}
+    llm, compiles = _engine_on_fake_device(tiny_model("LlamaForCausalLM"), monkeypatch, stats, kv_cache_memory_fraction=0.05,
+                                           warmup=False)
+    runner = llm.engine.runner
+    assert runner.buckets == [8, 16] and len(compiles) == runner.num_step_variants([16])
+    assert runner.is_compiled(16) and not runner.is_compiled(8)
+    _room_is_left(llm.engine, stats, stats["bytes_limit"])
 
 
 def test_an_engine_shrinks_its_pool_by_the_largest_steps_memory(tiny_model, monkeypatch):
@@ -153,7 +163,8 @@ def test_an_engine_shrinks_its_pool_by_the_largest_steps_memory(tiny_model, monk
     p0 = pages_for_memory(stats, per_page, 0.8, 0.95)
     step = _room_is_left(engine, stats, int(300 * MIB * 0.95))
     assert runner.num_pages == pages_beside_step(p0, stats, per_page, step, 0.95) < p0
-    assert len(compiles) == runner.num_step_variants(runner.buckets) + 1  # the largest again, at the smaller pool
+    # every bucket compiled against the first pool, then again against the smaller one
+    assert len(compiles) == 2 * runner.num_step_variants(runner.buckets)
     assert engine.block_manager.num_pages == runner.num_pages
 
 

@@ -194,8 +194,11 @@ class LLMEngine:
             taps=self.proposer.taps if self.proposer is not None else None,
             serial_steps=spec is not None and (cfg.verify_step_command_buffers is False
                                                or cfg.verify_step_command_buffers is None and dispatch.on_gpu()))
+        store = self.runner.executable_store
+        self._store_mark = store.loaded if store is not None else 0  # steps loaded from the store before _warmup's count
         if cfg.num_pages is None and stats is not None:
-            num_pages = self._fit_pool_beside_step(num_pages, stats, kv_dtype, sharding_plan, whole)
+            num_pages = self._fit_pool_beside_step(num_pages, stats, kv_dtype, sharding_plan, whole,
+                                                   all_buckets=cfg.warmup and warmup)
         self.runner.allocate_pools(num_pages)
         if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
             logger.warning("the KV cache (%d pages of %d tokens) cannot hold one sequence of max_model_len=%d tokens (%d "
@@ -236,20 +239,26 @@ class LLMEngine:
         """Compile the step buckets (default: all of them) now, several at once, so serving never compiles;
         then say that the engine is ready. Returns the seconds spent compiling."""
         buckets = sorted(set(self.runner.buckets if buckets is None else buckets))
-        threads = startup.compile_threads(self.config.compile_threads, len(buckets))
-        logger.info("compiling %s%s, %d at a time", startup.describe_buckets(buckets), what, threads)
-        store = self.runner.executable_store
-        stored_before = store.loaded if store is not None else 0
-        variants = self.runner.num_step_variants(buckets)
-        with Progress(variants, "compiling step buckets", "bucket") as bar:
-            seconds = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets, threads=threads)
+        runner, store = self.runner, self.runner.executable_store
+        variants = runner.num_step_variants(buckets)
+        # those the pool's sizing compiled (_fit_pool_beside_step) are done
+        pending = [T for T in buckets if not runner.is_compiled(T)]
+        seconds = 0.0
+        if pending:
+            threads = startup.compile_threads(self.config.compile_threads, len(pending))
+            logger.info("compiling %s%s, %d at a time", startup.describe_buckets(pending), what, threads)
+            with Progress(runner.num_step_variants(pending), "compiling step buckets", "bucket") as bar:
+                seconds = runner.warmup(progress=lambda T: bar.update(), buckets=pending, threads=threads)
         if self.proposer is not None:
             seconds += self.proposer.warmup(buckets)
         if self.block_manager.host_tier is not None:
             self.block_manager.host_tier.warmup(self.runner)
         phases = self.startup_seconds
-        seconds += phases.pop("measure", 0.0)  # the largest bucket, compiled before the pool was sized
-        stored = f", {store.loaded - stored_before} of {variants} steps loaded compiled from the store" if store is not None else ""
+        seconds += phases.pop("measure", 0.0)  # the buckets compiled before the pool was sized
+        stored = ""
+        if store is not None:  # since the last count: the pool's measuring compiles included
+            stored = f", {store.loaded - self._store_mark} of {variants} steps loaded compiled from the store"
+            self._store_mark = store.loaded
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
                     time.perf_counter() - self._start_time, phases["load"], phases["prepare"], phases["setup"],
                     seconds, stored)
@@ -291,13 +300,19 @@ class LLMEngine:
         return startup.kv_pool_pages(self.config, self._pool_bytes_per_page(kv_dtype, plan), self.kv_layout.windows,
                                      self.max_model_len, self.state_pool_bytes(), stats)
 
-    def _fit_pool_beside_step(self, p0: int, stats: dict, kv_dtype, plan, whole: int) -> int:
-        """The pool's pages once the largest step has its memory (startup.pool_beside_step): that bucket is
-        compiled now against the runner's abstract pools of p0 pages, and kept when the pool keeps them."""
+    def _fit_pool_beside_step(self, p0: int, stats: dict, kv_dtype, plan, whole: int, all_buckets: bool) -> int:
+        """The pool's pages once the largest step has its memory (startup.pool_beside_step). The step buckets
+        compile now against the runner's abstract pools of p0 pages: with all_buckets (an engine that warms up)
+        every bucket, side by side as the warm-up would compile them, which then finds them done; else the
+        largest alone. They are kept when the pool keeps its p0 pages."""
         largest = self.runner.buckets[-1]
-        threads = startup.compile_threads(self.config.compile_threads, self.runner.num_step_variants([largest]))
-        logger.info("compiling the largest step bucket (%d tokens) to measure its memory", largest)
-        self.startup_seconds["measure"] = self.runner.warmup(buckets=[largest], threads=threads)
+        buckets = self.runner.buckets if all_buckets else [largest]
+        threads = startup.compile_threads(self.config.compile_threads, len(buckets))
+        logger.info("compiling %s before sizing the KV pool: the largest step's memory, %d at a time",
+                    startup.describe_buckets(buckets), threads)
+        with Progress(self.runner.num_step_variants(buckets), "compiling step buckets", "bucket") as bar:
+            self.startup_seconds["measure"] = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets,
+                                                                 threads=threads)
         step_bytes = startup.step_memory_bytes(self.runner.compiled_steps(largest))
         return startup.pool_beside_step(self.config, p0, stats, self._pool_bytes_per_page(kv_dtype, plan), step_bytes,
                                         largest, self.state_pool_bytes(), whole)

@@ -266,9 +266,16 @@ class ModelRunner:
         size are dropped (the warm-up compiles them again); those compiled against this size are kept."""
         if num_pages != self.num_pages:
             self._executables.clear()
+            self._serial_executables.clear()
             self._page_copies.clear()
             self.num_pages = num_pages
         self.k_cache, self.v_cache = self._pools(num_pages, abstract=False)
+
+    def is_compiled(self, T: int) -> bool:
+        """Whether warmup made or loaded every compiled step of the T-token bucket (each variant, each kind)."""
+        layouts = [step_packing.pack(self.padding_inputs(T, width))[2] for _, width in self.step_variants([T])]
+        tables = [self._executables] + ([self._serial_executables] if self._serial_step is not None else [])
+        return all(layout in table for layout in layouts for table in tables)
 
     def compiled_steps(self, T: int) -> list:
         """The compiled steps of the T-token bucket (each of its variants) that warmup made or loaded."""
