@@ -212,4 +212,3 @@ def kmajor_weight_types(matmul_impl: str) -> tuple:
     if matmul_impl == "auto" and on_gpu():
         kinds += (QuantizedWeight,)
     return kinds
-
