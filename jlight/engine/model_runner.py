@@ -271,16 +271,18 @@ class ModelRunner:
             self.num_pages = num_pages
         self.k_cache, self.v_cache = self._pools(num_pages, abstract=False)
 
+    def _layouts(self, T: int) -> list:
+        """The step_packing layouts of the T-token bucket's variants (the keys of its compiled steps)."""
+        return [step_packing.pack(self.padding_inputs(T, width))[2] for _, width in self.step_variants([T])]
+
     def is_compiled(self, T: int) -> bool:
         """Whether warmup made or loaded every compiled step of the T-token bucket (each variant, each kind)."""
-        layouts = [step_packing.pack(self.padding_inputs(T, width))[2] for _, width in self.step_variants([T])]
         tables = [self._executables] + ([self._serial_executables] if self._serial_step is not None else [])
-        return all(layout in table for layout in layouts for table in tables)
+        return all(layout in table for layout in self._layouts(T) for table in tables)
 
     def compiled_steps(self, T: int) -> list:
         """The compiled steps of the T-token bucket (each of its variants) that warmup made or loaded."""
-        layouts = [step_packing.pack(self.padding_inputs(T, width))[2] for _, width in self.step_variants([T])]
-        return [self._executables[layout] for layout in layouts if layout in self._executables]
+        return [self._executables[layout] for layout in self._layouts(T) if layout in self._executables]
 
     # ---- the device function ------------------------------------------------------------
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,

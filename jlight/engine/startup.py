@@ -13,10 +13,11 @@ Invariants:
 - On such a device the pool also leaves room for the largest step (`pages_beside_step`): the engine compiles
   its step buckets (all of them when it warms up, else the largest) against a pool of P0 pages before
   allocating it, and XLA's memory analysis says what the largest step needs beyond its inputs
-  (`step_memory_bytes`: temporaries, generated code, outputs not aliased to the donated pools). Then in use (the weights) + recurrent state + pool + step + margin (`step_margin`: 5% of the step,
-  at least 256 MiB; it also covers the runner's small buffers, the token history and masks) stays within the
-  budget: bytes_limit, or gpu_memory_utilization of it. The pool keeps P0 pages when they fit (the compiled
-  buckets are kept: no second compile), else it shrinks to what fits and they compile again at that size;
+  (`step_memory_bytes`: temporaries, generated code, outputs not aliased to the donated pools). Then in use
+  (the weights) + recurrent state + pool + step + margin (`step_margin`: 5% of the step, at least 256 MiB; it
+  also covers the runner's small buffers, the token history and masks) stays within the budget: bytes_limit,
+  or gpu_memory_utilization of it. The pool keeps P0 pages when they fit (the compiled buckets are kept: no
+  second compile), else it shrinks to what fits and they compile again at that size;
   a pool shrunk below one max_model_len sequence is an error naming the knobs. Where the memory analysis is
   unavailable, the pool keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
 - The memory plan names the bytes of one device (the first of the engine's): its share of the
