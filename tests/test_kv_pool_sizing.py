@@ -98,7 +98,7 @@ def test_step_memory_is_temp_code_and_unaliased_outputs_of_the_costliest_variant
     bigger = _Analysis()
     bigger.temp_size_in_bytes = 5000
     assert step_memory_bytes([_Compiled(_Analysis()), _Compiled(bigger)]) == 5000 + 24 + 100
-    # no analysis on some backend or JAX: None (the pool then keeps today's size)
+    # no analysis on some backend or JAX (a stand-in that raises NotImplementedError): None, and the pool keeps P0 pages
     assert step_memory_bytes([_Compiled(None)]) is None
     assert step_memory_bytes([_Compiled(NotImplementedError("no"))]) is None
     assert step_memory_bytes([]) is None
