@@ -170,12 +170,14 @@ def run_verify(loaded, a) -> dict:
 def spec_counts(engine) -> dict:
     s = engine.stats()
     return dict(drafts=s.spec_num_drafts, draft_tokens=s.spec_num_draft_tokens, accepted=s.spec_num_accepted_tokens,
-                per_position=list(s.spec_accepted_per_position), steps=s.num_steps)
+                per_position=list(s.spec_accepted_per_position), steps=s.num_steps, ahead_rows=s.spec_num_ahead_rows,
+                ahead_discarded=s.spec_num_ahead_discarded)
 
 
 def acceptance(before: dict, after: dict) -> dict:
     """The counters' growth between two spec_counts, and the figures vLLM's metrics give."""
-    d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted", "steps")}
+    d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted", "steps", "ahead_rows",
+                                                   "ahead_discarded")}
     d["accepted_per_position"] = [x - y for x, y in zip(after["per_position"], before["per_position"])]
     d["accepted_per_draft"] = d["accepted"] / d["drafts"] if d["drafts"] else 0.0
     d["mean_acceptance_length"] = 1 + d["accepted_per_draft"]

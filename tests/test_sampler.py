@@ -21,8 +21,7 @@ def inputs(**overrides):
         frequency_penalty=np.zeros(B, np.float32), seed=np.arange(B, dtype=np.uint32), token_index=np.zeros(B, np.int32),
         banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32),
         bias_values=np.zeros((B, sampler.NUM_BIAS), np.float32), use_penalties=np.bool_(True), use_filters=np.bool_(True),
-        want_logprobs=np.bool_(False), use_guide=np.bool_(False), draft_tokens=np.full(B, -1, np.int32),
-        use_drafts=np.bool_(False))
+        want_logprobs=np.bool_(False), use_guide=np.bool_(False), draft_tokens=np.full(B, -1, np.int32))
     base.update(overrides)
     return sampler.SamplingInputs(**base)
 

@@ -10,7 +10,7 @@ import jax
 import jlight
 from jlight import SamplingParams
 from jlight.engine import sampler
-from jlight.engine.proposers.ngram import propose_ngram
+from jlight.engine.proposers.ngram import NgramProposer, propose_ngram
 from jlight.engine.speculative import SpeculativeConfig, kept_tokens
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
@@ -121,7 +121,7 @@ def chi_square_p(counts, probs):
 def test_verified_tokens_follow_the_target_distribution(sample_fn, temperature, top_k, draft):
     """Each row verifies the same draft with its own seed: the kept token (the draft when accepted,
     else the residual sample) must be distributed as the target, whatever the draft is (a draft the
-    top-k filter removes is never kept)."""
+    top-k filter removes is never kept), and be the token the row samples without a draft."""
     B = N_ROWS
     s = sampler.SamplingInputs(
         temperature=np.full(B, temperature, np.float32), top_k=np.full(B, top_k, np.int32), top_p=np.ones(B, np.float32),
@@ -130,8 +130,11 @@ def test_verified_tokens_follow_the_target_distribution(sample_fn, temperature, 
         banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32),
         bias_values=np.zeros((B, sampler.NUM_BIAS), np.float32), use_penalties=np.bool_(False),
         use_filters=np.bool_(top_k > 0), want_logprobs=np.bool_(False), use_guide=np.bool_(False),
-        draft_tokens=np.full(B, draft, np.int32), use_drafts=np.bool_(True))
+        draft_tokens=np.full(B, draft, np.int32))
     tokens, _, _, _, accepted = jax.device_get(sample_fn(np.tile(LOGITS, (B, 1)), s))
+    undrafted, _, _, _, none = jax.device_get(sample_fn(np.tile(LOGITS, (B, 1)), s._replace(draft_tokens=np.full(B, -1, np.int32))))
+    np.testing.assert_array_equal(tokens, undrafted)
+    assert not none.any()
     probs = target_probs(temperature, top_k)
     np.testing.assert_array_equal(tokens[accepted], draft)
     assert abs(accepted.mean() - probs[draft]) < 5 * np.sqrt(probs[draft] * (1 - probs[draft]) / B) + 1e-9
@@ -151,7 +154,7 @@ def test_greedy_rows_accept_exactly_the_argmax(sample_fn):
         frequency_penalty=np.zeros(B, np.float32), seed=np.zeros(B, np.uint32), token_index=np.zeros(B, np.int32),
         banned_ids=np.full((B, sampler.NUM_BANNED), -1, np.int32), bias_ids=np.full((B, sampler.NUM_BIAS), -1, np.int32),
         bias_values=np.zeros((B, sampler.NUM_BIAS), np.float32), use_penalties=np.bool_(False), use_filters=np.bool_(False),
-        want_logprobs=np.bool_(False), use_guide=np.bool_(False), draft_tokens=drafts, use_drafts=np.bool_(True))
+        want_logprobs=np.bool_(False), use_guide=np.bool_(False), draft_tokens=drafts)
     tokens, _, _, _, accepted = jax.device_get(sample_fn(logits, s))
     np.testing.assert_array_equal(accepted, [True, False, False, True])
     np.testing.assert_array_equal(tokens, best)
@@ -226,13 +229,16 @@ def test_n_samples_stop_strings_and_logprobs_match_speculation_off(engines):
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engines):
-    _, spec = engines
+    """The drafts a sequence gets depend on the batch (a row drafted ahead or not); its seeded tokens do not, and
+    equal speculation off's."""
+    plain, spec = engines
     prompts = grounded_prompts(4, seed=3)
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=11)
     alone = [spec.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
     batched = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert batched[:2] == alone
     assert spec.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids == alone[0]
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == batched
 
 
 def test_metrics_and_cli_carry_the_speculative_counters(engines):
@@ -279,3 +285,88 @@ def test_a_speculating_sequence_launches_a_step_in_every_engine_step(engines):
     runner = engine.runner
     assert runner._serial_executables.keys() == runner._executables.keys()  # warmed up: both variants of each
     assert runner._serial_step._cache_size() == runner._step._cache_size() == 0  # ... so jit compiled neither
+
+
+
+def spy_launches(engine):
+    """Record whether each launch from now on runs serial; returns (list, undo)."""
+    launches, launch = [], engine.runner.launch
+    engine.runner.launch = lambda inp, guide_mask=None, serial=False: launches.append(serial) or launch(inp, guide_mask, serial)
+    return launches, lambda: setattr(engine.runner, "launch", launch)
+
+
+def test_rows_drafted_ahead_of_rejected_drafts_are_discarded_and_the_tokens_stay_exact(engines):
+    plain, spec = engines
+    engine = spec.engine
+    prompts = grounded_prompts(6, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    before = engine.stats()
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
+    stats = engine.stats()
+    ahead = stats.spec_num_ahead_rows - before.spec_num_ahead_rows
+    discarded = stats.spec_num_ahead_discarded - before.spec_num_ahead_discarded
+    assert 0 < discarded < ahead
+
+
+class OracleProposer(NgramProposer):
+    """Drafts the continuation a plain engine gave (every draft is kept), or, with `wrong_every`, puts a wrong
+    last draft into every wrong_every-th row."""
+
+    def __init__(self, config, answers: dict, wrong_every: int = 0):
+        super().__init__(config)
+        self.answers, self.wrong_every, self.rows = answers, wrong_every, 0
+
+    def _next(self, seq, skip, max_drafts):
+        start = len(seq.output_token_ids) + skip
+        drafts = list(self.answers[tuple(seq.prompt_token_ids)][start:start + min(max_drafts, self.config.num_speculative_tokens)])
+        self.rows += 1
+        if drafts and self.wrong_every and self.rows % self.wrong_every == 0:
+            drafts[-1] = (drafts[-1] + 1) % 500
+        return drafts
+
+    def drafts(self, seq, max_drafts):
+        return self._next(seq, 0, max_drafts)
+
+    def drafts_after(self, seq, in_flight, max_drafts):
+        return self._next(seq, len(in_flight) + 1, max_drafts)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_rows_drafted_ahead_keep_the_loop_pipelined(engines, wrong_every):
+    """While a sequence's verify rows keep every draft, each of its rows is launched before the step in flight is
+    read back, on the runner's pipelined variant (none serial); a rejected draft costs its row ahead and one
+    step read back first, and the tokens stay speculation off's."""
+    plain, spec = engines
+    engine = spec.engine
+    prompt = grounded_prompts(3, seed=8)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    oracle = OracleProposer(engine.proposer.config, {tuple(prompt): want}, wrong_every)
+    proposer = engine.proposer
+    engine.proposer = engine.scheduler.proposer = oracle
+    launches, undo = spy_launches(engine)
+    before = engine.stats()
+    try:
+        engine.add_request("oracle", None, params, prompt_token_ids=prompt)
+        calls, got = 0, []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got = o.outputs[0].token_ids
+            calls += 1
+    finally:
+        undo()
+        engine.proposer = engine.scheduler.proposer = proposer
+    assert got == want
+    stats = engine.stats()
+    discarded = stats.spec_num_ahead_discarded - before.spec_num_ahead_discarded
+    ahead = stats.spec_num_ahead_rows - before.spec_num_ahead_rows
+    steps = stats.num_steps - before.num_steps
+    if not wrong_every:
+        assert calls == len(launches) + 1  # every call launched a step; the last one only read
+        assert discarded == 0 and not any(launches)
+        assert ahead == steps - 1  # every step after the prompt's drafted ahead
+        assert steps <= 1 + -(-40 // 5) + 1  # 5 tokens a step (4 drafts kept + 1), one wasted step at the end
+    else:  # near max_tokens a row ahead has no room, and a rejection then leaves one more call that only reads
+        assert calls <= len(launches) + 2
+        assert 0 < discarded and any(launches) and not all(launches)

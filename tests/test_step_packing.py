@@ -31,7 +31,7 @@ def awkward_step_inputs(T, B, max_pages=5, seed=0):
     md = BatchMetadata(ints(T), ints(T), ints(T), ints(B, max_pages), ints(B), ints(B + 1), ints(B))
     s = sampler.SamplingInputs(floats(B), ints(B), floats(B), floats(B), floats(B), floats(B), floats(B), seed_col, ints(B),
                                ints(B, sampler.NUM_BANNED), ints(B, sampler.NUM_BIAS), floats(B, sampler.NUM_BIAS),
-                               np.bool_(True), np.bool_(False), np.bool_(True), np.bool_(False), ints(B), np.bool_(True))
+                               np.bool_(True), np.bool_(False), np.bool_(True), np.bool_(False), ints(B))
     return StepInputs(ints(T), ints(T), md, s, ints(B), ints(B), ints(B), ints(B), ints(T), np.bool_(False))
 
 

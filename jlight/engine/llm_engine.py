@@ -6,12 +6,15 @@ that finished in step N-1 therefore runs one wasted token in step N; its pages a
 after N is queued, which is safe because the device runs steps in order.
 
 A speculating sequence's next step needs the token the step in flight samples (its drafts follow
-it: speculative.py). While the running batch holds such a sequence (Scheduler.waits_for_step),
-`step()` reads the step in flight back first, then schedules and launches the next one, and only
-then builds the request outputs of the step it read, so every call launches a step (none runs
-empty, leaving the device idle over a call that only waits) and the outputs' host work runs while
-the device computes. Nothing hides such a step's launch, so it runs the runner's serial variant where
-there is one (EngineConfig.verify_step_command_buffers).
+it: speculative.py). A proposer that drafts ahead gives it a row in the next step anyway, which
+assumes its row in flight keeps every draft; reading that row back, the engine discards the row
+ahead when a draft was rejected (speculative.py). Otherwise, while the running batch holds such a
+sequence (Scheduler.waits_for_step), `step()` reads the step in flight back first, then schedules
+and launches the next one, and only then builds the request outputs of the step it read, so every
+call launches a step (none runs empty, leaving the device idle over a call that only waits) and the
+outputs' host work runs while the device computes. Nothing hides the launch of a step the host
+waits for, so it runs the runner's serial variant where there is one
+(EngineConfig.verify_step_command_buffers).
 """
 from __future__ import annotations
 
@@ -65,6 +68,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple = ()
+    # Rows drafted ahead of the step in flight (speculative.py), and those discarded because the row before
+    # them rejected a draft.
+    spec_num_ahead_rows: int = 0
+    spec_num_ahead_discarded: int = 0
     # Cached pages that admitted sequences took (in tokens; every admission, re-admissions after a preemption
     # too), by the tier they came from: the device's prefix cache or the host tier (host_tier.py). Then the
     # host tier's pages: copied to host, dropped by its LRU, held now, and its capacity.
@@ -226,7 +233,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
-        self.spec_counts = dict(drafts=0, draft_tokens=0, accepted=0)
+        self.spec_counts = dict(drafts=0, draft_tokens=0, accepted=0, ahead=0, discarded=0)
         self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
         # Host seconds per phase of step(), for the benchmarks' breakdown. "wait_and_process"
         # includes waiting for the device to finish the previous step; "wait" is that wait alone (a part
@@ -458,6 +465,7 @@ class LLMEngine:
             spec_num_drafts=self.spec_counts["drafts"], spec_num_draft_tokens=self.spec_counts["draft_tokens"],
             spec_num_accepted_tokens=self.spec_counts["accepted"],
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
+            spec_num_ahead_rows=self.spec_counts["ahead"], spec_num_ahead_discarded=self.spec_counts["discarded"],
             device_cache_hit_tokens=bm.device_hit_pages * bm.page_size, host_cache_hit_tokens=bm.host_hit_pages * bm.page_size,
             **(_host_tier_stats(bm.host_tier) if bm.host_tier is not None else {}))
 
@@ -466,7 +474,7 @@ class LLMEngine:
         timing = self.step_seconds
         if self._in_flight is not None and self.scheduler.waits_for_step():
             t0 = time.perf_counter()
-            touched = self._read_back(self._in_flight)  # the drafts follow its tokens
+            touched = self._read_back(self._in_flight, None)  # the drafts follow its tokens
             self._in_flight = None
             timing["wait_and_process"] += time.perf_counter() - t0
             self._in_flight = self._schedule_and_launch()
@@ -476,7 +484,7 @@ class LLMEngine:
             return outputs
         launched = self._schedule_and_launch()
         t1 = time.perf_counter()
-        outputs = self._outputs(self._read_back(self._in_flight)) if self._in_flight is not None else []
+        outputs = self._outputs(self._read_back(self._in_flight, launched)) if self._in_flight is not None else []
         timing["wait_and_process"] += time.perf_counter() - t1
         self._in_flight = launched
         return outputs
@@ -504,7 +512,9 @@ class LLMEngine:
             inp, guide_mask = self.runner.prepare(plan, self._slots, self.grammars.fill_masks)
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
-            serial = self.proposer is not None and any(r.drafts for r in plan.rows)  # read back before the next launch
+            # Read back before the next launch: a step verifying drafts that no row will be drafted ahead of.
+            serial = self.proposer is not None and any(r.drafts and not (self.proposer.drafts_ahead and r.seq.kept_all_drafts)
+                                                       for r in plan.rows)
             out = self.runner.launch(inp, guide_mask, serial=serial)
             drafting = self.proposer.launch(plan, inp, out) if self.proposer is not None else None
             t1 = time.perf_counter()
@@ -512,7 +522,8 @@ class LLMEngine:
             if self.state_pool is not None and self.state_pool.num_snapshots:
                 self._save_states(plan)
             for row, r in enumerate(plan.rows):
-                r.seq.launched(r.start + r.num_tokens, row if r.samples else None)
+                r.seq.launched(r.start + r.num_tokens, row if r.samples else None, r.drafts)
+                self.spec_counts["ahead"] += r.ahead
             launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs), drafting)
             self.num_steps += 1
         return launched
@@ -549,10 +560,12 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._release_slot(seq)
 
-    def _read_back(self, launched) -> dict[str, Request]:
+    def _read_back(self, launched, next_launched) -> dict[str, Request]:
         """Wait for a launched step and take its tokens into their sequences (finishing those that end);
-        returns the requests it touched, for _outputs."""
+        returns the requests it touched, for _outputs. next_launched: the step launched after it (None
+        when none is), whose rows drafted ahead of a rejected draft are discarded here."""
         plan, out, want_lp, want_plp, drafting = launched
+        ahead = {r.seq.seq_id: r for r in next_launched[0].rows if r.ahead} if next_launched is not None else {}
         t0 = time.perf_counter()
         if any(r.drafts for r in plan.rows):  # both arrays in one wait
             tokens, accepted = (np.asarray(a) for a in jax.device_get((out.tokens, out.accepted)))
@@ -573,6 +586,8 @@ class LLMEngine:
                 self._register_full_pages(seq)
                 continue
             first, j = j, j + len(r.drafts) + 1
+            if r.discarded:
+                continue  # drafted ahead of a rejected draft: its token was never pending (discard_row_ahead)
             seq.fetched()
             if seq.finished or seq.seq_id not in self._seq_request:
                 continue  # aborted, or finished by an earlier token: this one was a wasted step
@@ -580,8 +595,17 @@ class LLMEngine:
             if r.drafts:
                 new_tokens = speculative.kept_tokens(r.drafts, tokens[first:j], accepted[first:j])
                 self._count_drafts(len(r.drafts), len(new_tokens) - 1)
-                # The K/V past the kept drafts are the rejected drafts': not part of the sequence.
-                seq.roll_back_to(r.start + len(new_tokens))
+                kept_all = len(new_tokens) == len(r.drafts) + 1
+                seq.drafts_verified(kept_all)
+                row_ahead = ahead.get(seq.seq_id)
+                # The K/V past the kept drafts are the rejected drafts': not part of the sequence. A row drafted
+                # ahead of them stands at the wrong positions; one drafted ahead of drafts all kept is the next.
+                if row_ahead is None:
+                    seq.roll_back_to(r.start + len(new_tokens))
+                elif not kept_all:
+                    seq.discard_row_ahead(r.start + len(new_tokens))
+                    row_ahead.discarded = True
+                    self.spec_counts["discarded"] += 1
             for i, token in enumerate(new_tokens):
                 if seq.finish_reason is not None:
                     break

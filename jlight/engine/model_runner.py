@@ -397,7 +397,11 @@ class ModelRunner:
             end = start + n
             pos = np.arange(start, end, dtype=np.int32)
             positions[t:t + n] = pos
-            if r.drafts:  # its last known token, then the drafts it verifies
+            if r.ahead:  # drafted ahead: the token the row in flight samples after its drafts, then the drafts
+                assert start == num_known + len(seq.in_flight_drafts) and seq.last_row is not None and n == 1 + len(r.drafts)
+                from_prev[t] = seq.last_row
+                tokens[t + 1:t + n] = r.drafts
+            elif r.drafts:  # its last known token, then the drafts it verifies
                 assert start == num_known - 1 and n == 1 + len(r.drafts)
                 tokens[t] = seq.token_slice(start, start + 1)[0]
                 tokens[t + 1:t + n] = r.drafts
@@ -428,9 +432,10 @@ class ModelRunner:
                 next_token[t:t + len(nxt)] = nxt
             if r.samples:
                 first = t + n - 1 - len(r.drafts)  # the row's first sampled token
+                skip = len(seq.in_flight_drafts) if r.ahead else 0  # output tokens the row in flight adds before it
                 for i in range(len(r.drafts) + 1):
                     sp.fill(j + i, first + i, seq, self.config.vocab_size, slots, draft=r.drafts[i] if i < len(r.drafts) else -1,
-                            index_offset=i)
+                            index_offset=skip + i)
                 if seq.matcher is not None:
                     guided.append((seq.matcher, j))
                 j += len(r.drafts) + 1
@@ -657,7 +662,7 @@ class _SampledPositions:
         return sampler.SamplingInputs(
             self.temperature, self.top_k, self.top_p, self.min_p, self.rep, self.presence, self.frequency, self.seed,
             self.token_index, self.banned, self.bias_ids, self.bias_vals, np.bool_(self.use_pen), np.bool_(self.use_filt),
-            np.bool_(self.want_lp), np.bool_(guided), self.draft, np.bool_(bool((self.draft >= 0).any())))
+            np.bool_(self.want_lp), np.bool_(guided), self.draft)
 
 
 def _pad_to_bucket(inp: StepInputs, T: int, B: int, S: int, width: int, runner: ModelRunner) -> StepInputs:

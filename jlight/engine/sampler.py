@@ -9,11 +9,13 @@ Randomness: each row's key is derived from its request seed and the index of the
 being sampled, so a seeded request gets the same tokens whatever else is in the batch.
 
 Speculative decoding (speculative.py): a row may carry a draft token, the next position's
-proposal. The row accepts it with the probability its target distribution (after every step
-above) gives it, or when it is the argmax for a greedy row; a row that rejects it samples from
-the target distribution without the draft, renormalized (a greedy row: the argmax). For a
-deterministic proposal this is speculative sampling's rule, so the kept tokens follow the
-target distribution exactly.
+proposal. The row samples its token as it would without the draft (the argmax for a greedy row)
+and accepts the draft when that token is the draft. So it accepts with the probability its target
+distribution (after every step above) gives the draft, and a row that rejects it holds a token of
+the target distribution without the draft, renormalized: for a deterministic proposal, speculative
+sampling's rule, so the kept tokens follow the target distribution exactly. And since the token at
+each index comes from the same key whatever was drafted, a seeded request gets the same tokens with
+speculation on or off, whatever its drafts were.
 """
 from __future__ import annotations
 
@@ -46,7 +48,6 @@ class SamplingInputs(NamedTuple):
     want_logprobs: jax.Array  # [] bool
     use_guide: jax.Array  # [] bool: some row's tokens are held to a grammar (the step's allowed-token bitmask)
     draft_tokens: jax.Array  # [B] int32, the draft this row verifies (speculative decoding), -1 for none
-    use_drafts: jax.Array  # [] bool: some row verifies a draft
 
 
 def _scatter_rows(logits, ids, values, mode):
@@ -149,23 +150,12 @@ def sample(logits, s: SamplingInputs, history=None, guide_mask=None):
         return jnp.argmax(x + jax.vmap(gumbel)(s.seed, s.token_index), axis=-1).astype(jnp.int32)
 
     draft = s.draft_tokens
-    has_draft = draft >= 0
-    vocab_ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :]
-    # A row that rejects its draft samples without it (the residual distribution of a deterministic proposal).
-    residual = jax.lax.cond(s.use_drafts, lambda x: jnp.where(vocab_ids == draft[:, None], _NEG, x), lambda x: x, scaled)
     # All-greedy batches skip drawing B x V random numbers.
     all_greedy = jnp.all(greedy)
-    sampled = jax.lax.cond(all_greedy, lambda x: jnp.zeros(x.shape[0], jnp.int32), random_sample, residual)
-
-    def accept_random(x):  # u < p(draft), u drawn apart from the sample's Gumbel noise
-        p_draft = jnp.exp(jnp.take_along_axis(x, jnp.maximum(draft, 0)[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1))
-        u = jax.vmap(lambda seed, index: jax.random.uniform(jax.random.fold_in(key(seed, index), 1)))(s.seed, s.token_index)
-        return has_draft & (u < p_draft)
-
+    sampled = jax.lax.cond(all_greedy, lambda x: jnp.zeros(x.shape[0], jnp.int32), random_sample, scaled)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    accepted_random = jax.lax.cond(s.use_drafts & ~all_greedy, accept_random, lambda x: jnp.zeros(x.shape[0], jnp.bool_), scaled)
-    accepted = jnp.where(greedy, has_draft & (greedy_tokens == draft), accepted_random)
-    tokens = jnp.where(accepted, draft, jnp.where(greedy, greedy_tokens, sampled)).astype(jnp.int32)
+    tokens = jnp.where(greedy, greedy_tokens, sampled).astype(jnp.int32)
+    accepted = (draft >= 0) & (tokens == draft)
     token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
     def top(lp):

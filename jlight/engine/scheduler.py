@@ -29,6 +29,10 @@ class ScheduledSeq:
     num_tokens: int  # tokens computed this step (a speculating row: its last token and the drafts)
     samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
     drafts: list[int] = dataclasses.field(default_factory=list)  # tokens proposed after the last known one
+    # Drafted ahead (speculative.py): the row starts at the token its sequence's row in flight samples last, taken
+    # from the device, as if that row keeps every draft; `discarded` once it turns out not to.
+    ahead: bool = False
+    discarded: bool = False
 
 
 @dataclasses.dataclass
@@ -73,8 +77,10 @@ class Scheduler:
         return seq.num_computed_tokens < self.max_model_len and seq.num_tokens <= self.max_model_len
 
     def _ensure_pages(self, seq: Sequence, upto_tokens: int) -> bool:
-        if self.kv_groups is not None:
-            return self.kv_groups.ensure_pages(seq, seq.num_computed_tokens, upto_tokens)
+        if self.kv_groups is not None:  # windows from the first position not known to be computed (a row ahead may
+            # stand past it: speculative.py)
+            first = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+            return self.kv_groups.ensure_pages(seq, first, upto_tokens)
         need = self.bm.pages_needed(upto_tokens) - len(seq.pages)
         if need <= 0:
             return True
@@ -110,20 +116,19 @@ class Scheduler:
                 continue  # its allowed tokens depend on the one the device is still sampling (structured_output.py)
             speculating = spec is not None and seq.prefill_done and speculates(seq)
             if speculating and seq.num_pending_tokens:
-                continue  # its drafts follow the token the device is still sampling (waits_for_step)
+                if not self.drafts_ahead(seq):
+                    continue  # its drafts follow the token the device is still sampling (waits_for_step)
+                row = self._row_ahead(seq, spec, budget)
+                if row is not None and self._fit(seq, row.start + row.num_tokens, scheduled_ids, preempted):
+                    rows.append(row)
+                    scheduled_ids.add(seq.seq_id)
+                    budget -= row.num_tokens
+                continue
             start = seq.num_computed_tokens
             n = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             drafts = self._drafts(seq, spec, budget - n) if speculating and n == 1 else []
             n += len(drafts)
-            while not self._ensure_pages(seq, start + n):
-                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
-                if victim is None:
-                    break
-                self.preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING or len(seq.pages) * self.bm.page_size < start + n:
+            if not self._fit(seq, start + n, scheduled_ids, preempted):
                 continue
             samples = start + n - len(drafts) == seq.num_tokens
             rows.append(ScheduledSeq(seq, start, n, samples, drafts))
@@ -180,6 +185,41 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return SchedulePlan(rows, preempted, spec is not None)
 
+    def _fit(self, seq: Sequence, upto_tokens: int, scheduled_ids: set[int], preempted: list[Sequence]) -> bool:
+        """Pages for a running sequence's tokens up to upto_tokens, preempting the most recently admitted
+        sequences not yet scheduled this step while pages are short; False when it cannot run (it may be
+        the one preempted)."""
+        while not self._ensure_pages(seq, upto_tokens):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+            if victim is None:
+                break
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                break
+        return seq.status is SeqStatus.RUNNING and len(seq.pages) * self.bm.page_size >= upto_tokens
+
+    def drafts_ahead(self, seq: Sequence) -> bool:
+        """Whether a speculating sequence with a token pending on the device gets a row drafted ahead of it
+        (speculative.py): the proposer drafts ahead, one row is in flight, and that row verifies no drafts or
+        the sequence's latest verify row kept all of its own."""
+        return (self.proposer is not None and self.proposer.drafts_ahead and seq.num_pending_tokens == 1
+                and (not seq.in_flight_drafts or seq.kept_all_drafts))
+
+    def _row_ahead(self, seq: Sequence, spec: SpeculativeConfig, budget: int) -> ScheduledSeq | None:
+        """The row drafted ahead for a sequence whose row in flight samples after its drafts: it starts at the
+        position of the token sampled after the last of them and verifies the drafts that follow (None when
+        the row in flight, keeping every draft, would end the sequence or leave it no room)."""
+        start = seq.num_computed_tokens  # the row in flight computed up to its last draft
+        outputs = seq.num_output_tokens + len(seq.in_flight_drafts)  # if the row in flight keeps every draft
+        room = min(budget, self.max_model_len - start) - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - outputs - 1)
+        if room < 0:
+            return None
+        drafts = self.proposer.drafts_after(seq, seq.in_flight_drafts, min(room, spec.num_speculative_tokens)) if room else []
+        return ScheduledSeq(seq, start, 1 + len(drafts), True, drafts, ahead=True)
+
     def _speculation(self) -> SpeculativeConfig | None:
         """The speculative config while the running batch is small enough to speculate, else None."""
         spec = self.speculative
@@ -192,7 +232,7 @@ class Scheduler:
         if self._speculation() is None:
             return False
         return any(seq.status is SeqStatus.RUNNING and seq.prefill_done and seq.num_pending_tokens and speculates(seq)
-                   for seq in self.running)
+                   and not self.drafts_ahead(seq) for seq in self.running)
 
     def _drafts(self, seq: Sequence, spec: SpeculativeConfig, budget: int) -> list[int]:
         """Drafts for a decoding sequence: as many as the step's budget, the context and max_tokens leave."""

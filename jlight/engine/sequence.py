@@ -19,7 +19,10 @@ Invariants:
     flight it counts them, so it may pass num_tokens until the rollback.
   * `page_keys` are the prefix keys of the leading full pages (the block manager computes them, the
     sequence appends them in order), never more than there are pages.
-  * num_pending_tokens >= 0: one a launched sampling row, one less as the host fetches it.
+  * num_pending_tokens >= 0: one a launched sampling row, one less as the host fetches it, or as the
+    engine discards a row drafted ahead of a verify row that rejected a draft (`discard_row_ahead`,
+    speculative.py); `in_flight_drafts` are the drafts of the last launched sampling row, and
+    `kept_all_drafts` says whether the last verify row read back kept all of its own.
   * Output tokens are only appended (the host sees each once); `finish_reason` is set once (`stop`),
     then the engine finishes the sequence.
   * The text state (`detokenizer`, `text`, `emitted_*`, `prompt_logprobs`) is output_processor.py's.
@@ -68,6 +71,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by a launched step)
         self.num_pending_tokens = 0  # sampled on device in a launched step, not yet seen by the host
         self.last_row: int | None = None  # row of this sequence in the most recently launched step
+        self.in_flight_drafts: list[int] = []  # the drafts its last launched sampling row verifies
+        self.kept_all_drafts = True  # whether the last verify row read back kept every draft
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first admission
         self.admitted_once = False
         self.parent = parent  # for n > 1: samples after the first wait for its prompt
@@ -226,9 +231,9 @@ class Sequence:
         """The snapshot named by restore_from is copied into its state slot (enqueued before its step)."""
         self.restore_from = 0
 
-    def launched(self, num_computed_tokens: int, row: int | None) -> None:
+    def launched(self, num_computed_tokens: int, row: int | None, drafts: list[int] = ()) -> None:
         """A step is launched that computes its tokens up to num_computed_tokens and, with a `row`, samples
-        its next token on device in that row."""
+        its next token on device in that row, after verifying `drafts`."""
         self._expect(SeqStatus.RUNNING, "launch")
         if num_computed_tokens < self.num_computed_tokens:
             raise SequenceStateError(f"seq {self.seq_id}: a launch lowers its computed tokens "
@@ -237,6 +242,7 @@ class Sequence:
         if row is not None:
             self.num_pending_tokens += 1
             self.last_row = row
+            self.in_flight_drafts = list(drafts)
 
     def fetched(self) -> None:
         """The host has the token a launched step sampled for it (appended next, unless it finished)."""
@@ -254,6 +260,23 @@ class Sequence:
             raise SequenceStateError(f"seq {self.seq_id}: rolled back from {self.num_computed_tokens} to "
                                      f"{num_computed_tokens} computed tokens")
         self.num_computed_tokens = num_computed_tokens
+
+    def drafts_verified(self, kept_all: bool) -> None:
+        """A verify row is read back: it kept every draft, or rejected one."""
+        self.kept_all_drafts = kept_all
+
+    def discard_row_ahead(self, num_computed_tokens: int) -> None:
+        """The verify row just read back rejected a draft, so the row launched after it, drafted ahead as if
+        it kept them all, stands at the wrong positions: only the first num_computed_tokens' K/V belong to
+        the sequence, and the later row's token is never fetched."""
+        self._expect(SeqStatus.RUNNING, "discard the row ahead of")
+        if self.num_pending_tokens != 1:
+            raise SequenceStateError(f"seq {self.seq_id}: a row ahead is discarded with {self.num_pending_tokens} "
+                                     "tokens pending (the row ahead's alone is)")
+        self.roll_back_to(num_computed_tokens)
+        self.num_pending_tokens = 0
+        self.last_row = None
+        self.in_flight_drafts = []
 
     def set_drafts(self, drafts: list[int] | None) -> None:
         """A device proposer's drafts after its known tokens (None: it has none)."""

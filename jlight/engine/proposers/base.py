@@ -1,7 +1,9 @@
 """The proposer interface: what the scheduler and the engine ask of a speculative proposer.
 
 The scheduler asks `drafts(seq, max_drafts)` for each decoding sequence it lets speculate
-(scheduler.py). A host proposer (ngram.py) computes them there. A device proposer (device.py) runs
+(scheduler.py). A host proposer (ngram.py) computes them there, and with `drafts_after` it also drafts
+for a sequence whose row in the step in flight is still sampling its next token, as if that row keeps
+every draft it verifies (the scheduler's drafting ahead, speculative.py). A device proposer (device.py) runs
 its own model after each target step (`launch`), drafts for every row that may speculate next, and
 `collect` stores those drafts on the sequences when the engine reads the step back, so `drafts` only
 hands them out. Both kinds propose greedily (speculative.py says why the verification stays exact).
@@ -20,10 +22,18 @@ class Proposer(abc.ABC):
     lookahead = 0
     # What the target step returns for the proposer (model_runner.Taps), or None.
     taps = None
+    # Whether `drafts_after` drafts for a sequence whose last token the device is still sampling.
+    drafts_ahead = False
 
     @abc.abstractmethod
     def drafts(self, seq: Sequence, max_drafts: int) -> list[int]:
         """Up to max_drafts tokens to follow the sequence's known tokens ([] for none)."""
+
+    def drafts_after(self, seq: Sequence, in_flight: list[int], max_drafts: int) -> list[int]:
+        """Up to max_drafts tokens for the positions after the token the device is sampling for the
+        sequence, as if its known tokens went on with `in_flight` (the drafts its row in flight
+        verifies, every one kept) and that token. Only for a proposer with drafts_ahead."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead of the device")
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         """Bytes the proposer's own K/V take per page of the target's pool (sized from the same budget)."""

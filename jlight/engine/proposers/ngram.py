@@ -16,20 +16,29 @@ from jlight.engine.speculative import SpeculativeConfig
 
 
 class NgramProposer(Proposer):
+    drafts_ahead = True
+
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
     def drafts(self, seq: Sequence, max_drafts: int) -> list[int]:
         return propose_ngram(seq.token_array(), self.config, max_drafts)
 
+    def drafts_after(self, seq: Sequence, in_flight: list[int], max_drafts: int) -> list[int]:
+        tokens = seq.token_array()
+        if in_flight:
+            tokens = np.concatenate([tokens, np.asarray(in_flight, np.int32)])
+        return propose_ngram(tokens, self.config, max_drafts, skip=1)
 
-def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int) -> list[int]:
+
+def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int, skip: int = 0) -> list[int]:
     """Prompt lookup: the longest suffix of `tokens` (prompt_lookup_max down to prompt_lookup_min
     tokens) that occurred earlier in them, and the tokens that followed its latest earlier
     occurrence, max_drafts of them (at most num_speculative_tokens). Draft i is
-    tokens[start + i mod p], where start follows the occurrence and p = len(tokens) - start: the
-    tokens after the occurrence, repeated where they reach the end (the module docstring says why).
-    [] when no suffix recurs."""
+    tokens[start + (skip + i) mod p], where start follows the occurrence and p = len(tokens) - start:
+    the tokens after the occurrence, repeated where they reach the end (the module docstring says why).
+    skip: tokens that follow `tokens` unseen (sampled on the device): the copy steps over them and
+    drafts the positions after them. [] when no suffix recurs."""
     n_tokens = len(tokens)
     max_drafts = min(max_drafts, config.num_speculative_tokens)
     if max_drafts <= 0 or n_tokens < 2:
@@ -46,5 +55,5 @@ def propose_ngram(tokens: np.ndarray, config: SpeculativeConfig, max_drafts: int
         if len(hits):
             start = int(hits[-1]) + 1  # the tokens after the latest earlier occurrence
             period = n_tokens - start
-            return tokens[start + np.arange(max_drafts) % period].tolist()
+            return tokens[start + (skip + np.arange(max_drafts)) % period].tolist()
     return []
