@@ -169,10 +169,10 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    """Speculation off and on; the speculating engine's verify steps run their serial variant (a second executable
-    of every step bucket, as on GPUs), so every test of it checks that variant's tokens."""
+    """Speculation off and on; the speculating engine drafts ahead and its verify steps read back first run their
+    serial variant (a second executable of every step bucket), both as on GPUs, so its tests check both paths."""
     return jlight.LLM(model_dir, **ENGINE), jlight.LLM(model_dir, **ENGINE, speculative_config=SPEC,
-                                                       verify_step_command_buffers=False)
+                                                       verify_step_command_buffers=False, draft_ahead=True)
 
 
 def grounded_prompts(n, seed):
@@ -370,3 +370,38 @@ def test_rows_drafted_ahead_keep_the_loop_pipelined(engines, wrong_every):
     else:  # near max_tokens a row ahead has no room, and a rejection then leaves one more call that only reads
         assert calls <= len(launches) + 2
         assert 0 < discarded and any(launches) and not all(launches)
+
+
+def test_the_cpu_reads_verify_steps_back_first_by_default(model_dir):
+    """draft_ahead=None drafts ahead on GPUs only: on the CPU the step runs on the host's cores, nothing overlaps."""
+    llm = jlight.LLM(model_dir, **ENGINE, speculative_config=SPEC, warmup=False)
+    assert llm.engine.scheduler.draft_ahead is False
+    assert jlight.LLM(model_dir, **ENGINE, speculative_config=SPEC, warmup=False, draft_ahead=True).engine.scheduler.draft_ahead
+
+
+TP_SCRIPT = """
+import json
+import jlight
+from jlight import SamplingParams
+
+prompts, engine, spec = {prompts!r}, {engine!r}, {spec!r}
+params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+out = {{}}
+for name, kw in (("tp=2", dict(mesh="tp=2", speculative_config=spec, draft_ahead=True)), ("single", {{}})):
+    llm = jlight.LLM({model_dir!r}, **engine, **kw)
+    out[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.engine.stats()
+    out[name + " kept"], out[name + " ahead"] = stats.spec_num_accepted_tokens, stats.spec_num_ahead_rows
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_speculation_gives_the_single_device_tokens(model_dir):
+    """n-gram speculation, drafting ahead, on a tp=2 mesh of simulated CPU devices: the greedy tokens of one device
+    without speculation."""
+    from simulated_devices import run_script
+
+    out = run_script(TP_SCRIPT.format(prompts=grounded_prompts(4, seed=9), engine=ENGINE, spec=SPEC, model_dir=model_dir), 2)
+    assert out["tp=2"] == out["single"]
+    assert out["tp=2 kept"] > 0 and out["tp=2 ahead"] > 0

@@ -94,6 +94,13 @@ class EngineConfig:
     # True: no second variant. False: the second variant on any backend (where XLA has no command buffers, as
     # on the CPU, it is the same program: for tests).
     verify_step_command_buffers: bool | None = None
+    # Whether a proposer that drafts ahead (n-gram) gets rows in the next step before the step in flight is read
+    # back (speculative.py). On a GPU the host's launch of the next step then overlaps the device's step (batch 1,
+    # an 8B model on the H200: 1.127 ms/token against 1.699 read back first). On the CPU the step runs on the
+    # host's own cores, so nothing overlaps and a row discarded after a rejection costs a whole step (SmolLM2 on
+    # two cores, copying a passage: 1.68-1.85x speculation off's speed, against 2.01-2.09x read back first).
+    # None: on GPUs only.
+    draft_ahead: bool | None = None
     # Disaggregated prefill and decode (disaggregated.py): "prefill=N,decode=M", a prefill engine on the first N
     # devices and a decode engine on the next M, each tensor parallel over its group. None: one engine.
     disaggregated: str | None = None

@@ -6,9 +6,9 @@ that finished in step N-1 therefore runs one wasted token in step N; its pages a
 after N is queued, which is safe because the device runs steps in order.
 
 A speculating sequence's next step needs the token the step in flight samples (its drafts follow
-it: speculative.py). A proposer that drafts ahead gives it a row in the next step anyway, which
-assumes its row in flight keeps every draft; reading that row back, the engine discards the row
-ahead when a draft was rejected (speculative.py). Otherwise, while the running batch holds such a
+it: speculative.py). A proposer that drafts ahead (EngineConfig.draft_ahead) gives it a row in the
+next step anyway, which assumes its row in flight keeps every draft; reading that row back, the
+engine discards the row ahead when a draft was rejected (speculative.py). Otherwise, while the running batch holds such a
 sequence (Scheduler.waits_for_step), `step()` reads the step in flight back first, then schedules
 and launches the next one, and only then builds the request outputs of the step it read, so every
 call launches a step (none runs empty, leaving the device idle over a call that only waits) and the
@@ -215,8 +215,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching, host_tier)
         self.kv_pages = (kv_groups.KVGroupPages(self.block_manager, self.kv_layout.windows)
                          if kv_groups.keeps_window(self.kv_layout) else None)
+        draft_ahead = (cfg.draft_ahead if cfg.draft_ahead is not None else dispatch.on_gpu()) and \
+            self.proposer is not None and self.proposer.drafts_ahead
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, max_batched, self.max_model_len, spec,
-                                   state_pool=self.state_pool, kv_groups=self.kv_pages, proposer=self.proposer)
+                                   state_pool=self.state_pool, kv_groups=self.kv_pages, proposer=self.proposer,
+                                   draft_ahead=draft_ahead)
         if self.proposer is not None:
             self.proposer.attach(self.runner)
         jax.block_until_ready((self.runner.k_cache, self.runner.v_cache))
@@ -513,7 +516,7 @@ class LLMEngine:
             t2 = time.perf_counter()
             timing["prepare"] += t2 - t1
             # Read back before the next launch: a step verifying drafts that no row will be drafted ahead of.
-            serial = self.proposer is not None and any(r.drafts and not (self.proposer.drafts_ahead and r.seq.kept_all_drafts)
+            serial = self.proposer is not None and any(r.drafts and not (self.scheduler.draft_ahead and r.seq.kept_all_drafts)
                                                        for r in plan.rows)
             out = self.runner.launch(inp, guide_mask, serial=serial)
             drafting = self.proposer.launch(plan, inp, out) if self.proposer is not None else None
@@ -523,7 +526,8 @@ class LLMEngine:
                 self._save_states(plan)
             for row, r in enumerate(plan.rows):
                 r.seq.launched(r.start + r.num_tokens, row if r.samples else None, r.drafts)
-                self.spec_counts["ahead"] += r.ahead
+            if self.proposer is not None:
+                self.spec_counts["ahead"] += sum(r.ahead for r in plan.rows)
             launched = (plan, out, bool(inp.sampling.want_logprobs), bool(inp.want_prompt_logprobs), drafting)
             self.num_steps += 1
         return launched

@@ -49,13 +49,15 @@ class SchedulePlan:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  speculative: SpeculativeConfig | None = None, state_pool: StatePool | None = None,
-                 kv_groups: KVGroupPages | None = None, proposer=None):
-        """speculative, proposer: speculative decoding's config and its proposer (proposers/base.Proposer), or None."""
+                 kv_groups: KVGroupPages | None = None, proposer=None, draft_ahead: bool = False):
+        """speculative, proposer: speculative decoding's config and its proposer (proposers/base.Proposer), or None;
+        draft_ahead: rows drafted ahead of the step in flight (the proposer's `drafts_after`, speculative.py)."""
         self.bm = block_manager
         self.kv_groups = kv_groups  # None: one page table a sequence, every page kept (no attention kinds)
         self.state_pool = state_pool  # hybrid models: a sequence holds a state slot while it runs
         self.speculative = speculative
         self.proposer = proposer
+        self.draft_ahead = draft_ahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -203,8 +205,7 @@ class Scheduler:
         """Whether a speculating sequence with a token pending on the device gets a row drafted ahead of it
         (speculative.py): the proposer drafts ahead, one row is in flight, and that row verifies no drafts or
         the sequence's latest verify row kept all of its own."""
-        return (self.proposer is not None and self.proposer.drafts_ahead and seq.num_pending_tokens == 1
-                and (not seq.in_flight_drafts or seq.kept_all_drafts))
+        return self.draft_ahead and seq.num_pending_tokens == 1 and (not seq.in_flight_drafts or seq.kept_all_drafts)
 
     def _row_ahead(self, seq: Sequence, spec: SpeculativeConfig, budget: int) -> ScheduledSeq | None:
         """The row drafted ahead for a sequence whose row in flight samples after its drafts: it starts at the
