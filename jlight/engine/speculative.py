@@ -11,14 +11,15 @@ a verified row adds 1 to k + 1 tokens, and its output follows the target model's
 exactly (greedy: token for token). Every proposer drafts greedily: a draft is a function of the
 tokens before it (a point-mass proposal), the case the sampler's acceptance rule is exact for.
 
-Drafting ahead (a host proposer, `Proposer.drafts_ahead`): the next step is launched before the
-step in flight is read back, as plain decoding is (llm_engine.py). A sequence whose row in flight
-samples its next token gets a row in the next step that assumes that row keeps every draft: its first
-token is the one sampled after the last draft (taken from the device, as a plain decode row's is), its
-drafts are the proposer's continuation of the known tokens, the drafts in flight and that token
-(`drafts_after`). When the row in flight keeps every draft, the row ahead is what a serial schedule
-would have launched but for its drafts, which are a function of the tokens before them, so
-verification stays exact. When it rejects one, the row ahead stands at the wrong positions: the
+Drafting ahead (a host proposer with `Proposer.drafts_ahead`, where EngineConfig.draft_ahead allows:
+GPUs by default): the next step is launched before the step in flight is read back, as plain decoding
+is (llm_engine.py). A sequence whose row in flight samples its next token gets a row in the next step
+that assumes that row keeps every draft: its first token is the one sampled after the last draft
+(taken from the device, as a plain decode row's is), its drafts are the proposer's continuation of
+the known tokens, the drafts in flight and that token (`drafts_after`). When the row in flight keeps
+every draft, the row ahead stands where a serial schedule would have put it; only its drafts may
+differ, and the sampler's token at a position does not depend on the draft there (sampler.py), so
+the output is the same. When it rejects one, the row ahead stands at the wrong positions: the
 engine discards it (its sampled tokens are never read, its K/V lie past num_computed_tokens). A
 rejection costs that row; so a sequence drafts ahead of a verify row only while its latest verify
 row read back kept every draft, and otherwise waits for the step in flight as below.
