@@ -226,8 +226,8 @@ def run_ngram(loaded, a) -> dict:
         loop = dict(steps_per_token=counts["steps"] / max(tokens, 1), step_calls_per_step=calls["step"] / steps,
                     launches_per_step=calls["launch"] / steps, serial_launches_per_step=calls["serial"] / steps,
                     host_ms_per_step={k: 1e3 * (v - seconds[k]) / steps for k, v in engine.step_seconds.items()})
-        row = dict(spec=name, speculative_config=spec, prompt_tokens=len(prompt), max_tokens=a.max_tokens,
-                   ms_per_token=ms, warmup_s=warmup_s, acceptance=counts, loop=loop)
+        row = dict(spec=name, speculative_config=spec, draft_ahead=engine.scheduler.draft_ahead, prompt_tokens=len(prompt),
+                   max_tokens=a.max_tokens, ms_per_token=ms, warmup_s=warmup_s, acceptance=counts, loop=loop)
         emit(dict(ngram=row))
         result[name] = row
         del engine, generate
