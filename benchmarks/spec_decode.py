@@ -1,4 +1,5 @@
-"""Speculative decoding at batch 1: what a verify step costs, and n-gram speculation end to end beside vLLM's.
+"""Speculative decoding: what a verify step costs at batch 1, n-gram speculation end to end beside vLLM's, and
+where it stops paying as the batch grows.
 
   python benchmarks/spec_decode.py --model-config llama3-8b --out DIR        (benchmarks/gpu.sh spec)
   python benchmarks/spec_decode.py --model-config tiny --contexts 32 --ks 0,1,3 --trials 2 --reps 3 \\
@@ -25,6 +26,11 @@ ngram   harness.ngram_prompt() (64 random ids repeated to --prompt-len), greedy,
         token, its step() calls, model launches and serial launches per step, and its host ms per step by phase
         (LLMEngine.step_seconds: schedule with the proposer, prepare, launch, wait_and_process and the wait
         for the device within it). benchmarks/vllm_spec.py runs the same prompt and method through vLLM.
+batch   Where speculation stops paying as the batch grows (SpeculativeConfig.disable_by_batch_size): for each B of
+        --batches, B requests of harness.ngram_prompt() with B different patterns, greedy, decoded together;
+        output tok/s = B (N - 1) / (t(N tokens each) - t(1 token each)), median of --repeats, speculation off and
+        on (the ngram section's config, with disable_by_batch_size = the largest B, so it never pauses), each
+        engine after one untimed call of every B; the on/off ratio and each engine's acceptance.
 
 Prints one JSON line per measurement; --out DIR writes DIR/spec_decode.json (harness.write_result).
 """
@@ -237,11 +243,42 @@ def run_ngram(loaded, a) -> dict:
     return result
 
 
+def run_batch(loaded, a) -> dict:
+    batches = [int(b) for b in a.batches.split(",")]
+    largest = max(batches)
+    prompts = [harness.ngram_prompt(a.prompt_len, seed=3 + i) for i in range(largest)]
+    num_pages = largest * -(-(a.prompt_len + a.max_tokens) // 16) + 8
+    result = {}
+    for name, spec in (("off", None), ("on", dict(ngram_config(a.num_speculative_tokens), disable_by_batch_size=largest))):
+        engine = harness.random_engine(a.model_config, loaded=loaded, max_model_len=a.max_model_len,
+                                       max_num_seqs=max(a.max_num_seqs, largest), num_pages=num_pages, warmup=False,
+                                       speculative_config=spec)
+
+        def timed(B, tokens):
+            return harness.engine_generate(engine, [harness.Request(p, tokens) for p in prompts[:B]])[0]
+
+        for B in batches:  # warm-up: every step shape of every batch compiled
+            timed(B, a.max_tokens)
+        rows = {}
+        for B in batches:
+            before = spec_counts(engine)
+            seconds = statistics.median(timed(B, a.max_tokens) - timed(B, 1) for _ in range(a.repeats))
+            rows[str(B)] = dict(output_tok_s=B * (a.max_tokens - 1) / seconds, acceptance=acceptance(before, spec_counts(engine)))
+            emit(dict(batch=dict(spec=name, batch=B, **rows[str(B)])))
+        result[name] = dict(speculative_config=spec, draft_ahead=engine.scheduler.draft_ahead, rows=rows)
+        del engine
+        gc.collect()
+    result["speedup"] = {B: result["on"]["rows"][B]["output_tok_s"] / result["off"]["rows"][B]["output_tok_s"]
+                         for B in result["off"]["rows"]}
+    emit(dict(batch_speedup=result["speedup"]))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-config", default="llama3-8b", choices=harness.CONFIG_NAMES)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPUs, float32 on the CPU")
-    ap.add_argument("--sections", default="verify,ngram", help="comma-separated, of: verify, ngram")
+    ap.add_argument("--sections", default="verify,ngram", help="comma-separated, of: verify, ngram, batch")
     ap.add_argument("--contexts", default="128,2048", help="verify: prompt tokens before the verify step")
     ap.add_argument("--ks", default="0,1,2,3,4,5,6,7,8", help="verify: drafts per step (0, plain decode, always)")
     ap.add_argument("--trials", type=int, default=3, help="verify: back-to-back runs per k (their median is reported)")
@@ -251,15 +288,16 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=1024, help="ngram: the repeated pattern's length")
     ap.add_argument("--max-tokens", type=int, default=256, help="ngram: N tokens a timed request generates")
     ap.add_argument("--repeats", type=int, default=3, help="ngram: the median of this many (t(N) - t(1)) pairs")
+    ap.add_argument("--batches", default="1,2,4,8,16,32", help="batch: requests decoded together")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="vllm_bench.py's value")
     ap.add_argument("--max-model-len", type=int, default=4096, help="vllm_bench.py's value")
     ap.add_argument("--num-pages", type=int, default=None, help="default: twice one max_model_len sequence's pages")
     ap.add_argument("--out", default=None, help="directory for spec_decode.json")
     a = ap.parse_args(argv)
     sections = a.sections.split(",")
-    unknown = set(sections) - {"verify", "ngram"}
+    unknown = set(sections) - {"verify", "ngram", "batch"}
     if unknown:
-        ap.error(f"unknown sections {sorted(unknown)}; choose from verify, ngram")
+        ap.error(f"unknown sections {sorted(unknown)}; choose from verify, ngram, batch")
     if a.num_pages is None:
         a.num_pages = 2 * -(-a.max_model_len // 16) + 8  # a small pool: engines of this process come and go
 
@@ -271,6 +309,9 @@ def main(argv=None):
         harness.write_result(a.out, "spec_decode", result)
     if "ngram" in sections:
         result["ngram"] = run_ngram(loaded, a)
+        harness.write_result(a.out, "spec_decode", result)
+    if "batch" in sections:
+        result["batch"] = run_batch(loaded, a)
         harness.write_result(a.out, "spec_decode", result)
     return result
 

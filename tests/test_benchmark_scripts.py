@@ -282,7 +282,7 @@ def test_spec_decode_times_verify_steps_and_ngram_speculation(bench, tmp_path):
 
     result = spec_decode.main(["--model-config", "tiny", "--contexts", "32", "--ks", "1,3", "--trials", "1", "--reps", "2",
                                "--prompt-len", "96", "--max-tokens", "12", "--repeats", "1", "--max-model-len", "256",
-                               "--out", str(tmp_path)])
+                               "--sections", "verify,ngram,batch", "--batches", "1,3", "--out", str(tmp_path)])
     rows = result["verify"]["32"]["rows"]
     assert list(rows) == ["0", "1", "3"] and all(r["step_ms"] > 0 and r["synced_step_ms"] > 0 for r in rows.values())
     assert [r["query_tokens"] for r in rows.values()] == [1, 2, 4] and rows["0"]["ratio_to_k0"] == 1.0
@@ -291,6 +291,11 @@ def test_spec_decode_times_verify_steps_and_ngram_speculation(bench, tmp_path):
     assert ngram["off"]["acceptance"]["drafts"] == 0 and ngram["on"]["speculative_config"]["method"] == "ngram"
     assert ngram["off"]["ms_per_token"] > 0 and ngram["on"]["ms_per_token"] > 0 and ngram["speedup"] > 0
     assert json.loads((tmp_path / "spec_decode.json").read_text())["ngram"]["on"] == ngram["on"]
+    batch = result["batch"]
+    assert list(batch["speedup"]) == ["1", "3"] and all(r > 0 for r in batch["speedup"].values())
+    assert batch["on"]["speculative_config"]["disable_by_batch_size"] == 3  # speculating at every batch
+    assert all(r["acceptance"]["drafts"] > 0 for r in batch["on"]["rows"].values())
+    assert all(r["acceptance"]["drafts"] == 0 and r["output_tok_s"] > 0 for r in batch["off"]["rows"].values())
 
 
 def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on(bench, tmp_path):
