@@ -569,7 +569,8 @@ class LLMEngine:
         returns the requests it touched, for _outputs. next_launched: the step launched after it (None
         when none is), whose rows drafted ahead of a rejected draft are discarded here."""
         plan, out, want_lp, want_plp, drafting = launched
-        ahead = {r.seq.seq_id: r for r in next_launched[0].rows if r.ahead} if next_launched is not None else {}
+        ahead = ({r.seq.seq_id: r for r in next_launched[0].rows if r.ahead}
+                 if next_launched is not None and self.scheduler.draft_ahead else {})
         t0 = time.perf_counter()
         if any(r.drafts for r in plan.rows):  # both arrays in one wait
             tokens, accepted = (np.asarray(a) for a in jax.device_get((out.tokens, out.accepted)))

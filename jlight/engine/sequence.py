@@ -242,7 +242,7 @@ class Sequence:
         if row is not None:
             self.num_pending_tokens += 1
             self.last_row = row
-            self.in_flight_drafts = list(drafts)
+            self.in_flight_drafts = drafts  # the scheduled row's list, never changed after its launch
 
     def fetched(self) -> None:
         """The host has the token a launched step sampled for it (appended next, unless it finished)."""
