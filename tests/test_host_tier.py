@@ -268,3 +268,17 @@ def test_a_sync_moves_pages_in_a_fixed_number_of_calls_and_never_through_numpy(n
     assert runner.k_cache.unsafe_buffer_pointer() == pool  # the scatter wrote into the donated pool
     k = np.asarray(runner.k_cache)
     assert (k[:, n + 1: 2 * n + 1] == k[:, 1: n + 1]).all() and k[0, n + 1:2 * n + 1, 0].tolist() == list(range(1, n + 1))
+
+
+def test_warmup_takes_the_tiers_pinned_memory_where_asked(model_dir):
+    """On the CPU the default takes nothing; asked, warm-up takes the tier's whole capacity in chunks, frees
+    it, and the tier then offloads and restores as before."""
+    first, second = conversations(seed=2)
+    tiered = small_engine(model_dir, host_pages=8)
+    tier = tiered.block_manager.host_tier
+    assert tier.pinned and tier.reserved_bytes == 0
+    tier.reserve = True
+    tier.warmup(tiered.runner, chunk_bytes=3 * PAGE_BYTES)
+    assert tier.reserved_bytes == 8 * PAGE_BYTES
+    got = run_one_by_one(tiered, first + second)
+    assert len(got) == 6 and tiered.stats().host_cache_hit_tokens > 0

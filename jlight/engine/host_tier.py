@@ -29,26 +29,38 @@ Invariants:
 - The tier is inclusive: a restored key stays, so evicting that page again copies nothing.
 - Pages are batched in power-of-two counts up to `max_batch` (padding reads and writes scratch page
   0), so the copies compile once per count, ahead of time at warm-up.
+- On GPUs the tier's pinned memory is taken at warm-up (`reserve`): XLA:GPU allocates `pinned_host`
+  arrays from a growing pool of page-locked memory, and each time that pool grows it pins a region as
+  large as all before it, a call that takes seconds at gigabytes (the host stops for it, and so does the
+  step it was dispatching). Warm-up allocates the tier's whole capacity a device, chunk by chunk, and
+  frees it; the pool keeps its regions, so the offloads that follow are carved out of them.
 """
 from __future__ import annotations
 
 import collections
+import logging
+import time
 
 import jax
 import numpy as np
 
 from jlight.engine.model_runner import padded_pages
 
+logger = logging.getLogger(__name__)
+
 
 class HostTier:
-    def __init__(self, capacity: int, max_batch: int, pinned: bool | None = None):
+    def __init__(self, capacity: int, max_batch: int, pinned: bool | None = None, reserve: bool | None = None):
         """`pinned`: keep pages in `pinned_host` memory (True), in numpy arrays (False), or the first where
-        every device of the pools has that memory (None)."""
+        every device of the pools has that memory (None). `reserve`: take the tier's pinned memory at warm-up
+        (True), not (False), or on GPUs (None; see the module docstring)."""
         if capacity < 1:
             raise ValueError(f"the host KV tier holds {capacity} pages; raise kv_offloading_size to hold at least one page")
         self.capacity = capacity
         self.max_batch = 1 << max(0, (max_batch - 1).bit_length())
         self.pinned = pinned
+        self.reserve = reserve
+        self.reserved_bytes = 0  # pinned memory taken and freed at warm-up, all devices together
         self.pages: collections.OrderedDict[bytes, object] = collections.OrderedDict()
         self._offloads: list[tuple[int, bytes]] = []  # (device page, key), queued since the last sync
         self._restores: list[tuple[int, bytes]] = []
@@ -89,8 +101,7 @@ class HostTier:
     def sync(self, runner) -> None:
         """Dispatch the copies queued since the last sync (see the module docstring for their order)."""
         if self._restores or self._offloads:
-            if self.pinned is None:
-                self.pinned = all(_has_pinned_host(a) for a in jax.tree.leaves((runner.k_cache, runner.v_cache)))
+            self._decide_pinned(runner)
             restores = [(page, self.pages[key]) for page, key in self._restores]
             self._restores.clear()
             offloads, queued = [], set()
@@ -136,9 +147,38 @@ class HostTier:
         runner.write_page_list(pages, on_device + on_device[:1] * (len(pages) - len(batch)))  # padding: scratch page 0
         self.restored_pages += len(batch)
 
-    def warmup(self, runner) -> None:
-        """Compile the gather and the scatter for every batch size."""
+    def _decide_pinned(self, runner) -> None:
+        if self.pinned is None:
+            self.pinned = all(_has_pinned_host(a) for a in jax.tree.leaves((runner.k_cache, runner.v_cache)))
+
+    def warmup(self, runner, chunk_bytes: int = 256 << 20) -> None:
+        """Compile the gather and the scatter for every batch size; take and free the tier's pinned memory
+        (`reserve`), in arrays of at most chunk_bytes."""
         runner.warmup_page_copies(self.max_batch, kinds=("read_list", "write_list"))
+        self._decide_pinned(runner)
+        leaves = jax.tree.leaves((runner.k_cache, runner.v_cache))
+        reserve = self.reserve if self.reserve is not None else all(
+            d.platform == "gpu" for a in leaves for d in a.sharding.device_set)
+        if not (reserve and self.pinned):
+            return
+        per_device: dict = collections.Counter()  # one page's bytes on each device
+        for a in jax.tree.leaves(runner.read_page_list(padded_pages([0]))[0]):
+            for shard in a.addressable_shards:
+                per_device[shard.device] += shard.data.nbytes
+        start, held, chunk = time.perf_counter(), [], np.zeros(chunk_bytes, np.uint8)
+        for device, page_bytes in per_device.items():
+            left = page_bytes * self.capacity
+            while left > 0:
+                n = min(left, chunk_bytes)
+                sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+                held.append(jax.device_put(chunk[:n], sharding))
+                left -= n
+                self.reserved_bytes += n
+        jax.block_until_ready(held)
+        for a in held:
+            a.delete()
+        logger.info("host KV tier: %.1f GiB of pinned memory taken in %.1f s", self.reserved_bytes / 2**30,
+                    time.perf_counter() - start)
 
 
 def _batches(items: list, size: int):
