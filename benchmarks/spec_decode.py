@@ -257,8 +257,9 @@ def run_batch(loaded, a) -> dict:
         def timed(B, tokens):
             return harness.engine_generate(engine, [harness.Request(p, tokens) for p in prompts[:B]])[0]
 
-        for B in batches:  # warm-up: every step shape of every batch compiled
+        for B in batches:  # warm-up: every step shape of every batch compiled, the 1-token runs' too
             timed(B, a.max_tokens)
+            timed(B, 1)
         rows = {}
         for B in batches:
             before = spec_counts(engine)
