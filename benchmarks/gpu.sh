@@ -34,7 +34,7 @@
 #               (vllm_growth.py's measurements)
 #   spec        spec_decode.py: batch-1 verify steps of k = 0..8 drafts at 128 and 2048 tokens of context, and n-gram
 #               speculation off / on over a repetitive prompt (its vLLM peer: .peerN/device.sh ../benchmarks/vllm_spec.py);
-#               `--sections batch`: n-gram off / on at batches 1..32 (where disable_by_batch_size belongs)
+#               `--sections batch`: n-gram off / on at batches 1..64 (where disable_by_batch_size belongs)
 #   batch       batch_decode_profile.py --batches 64,256 --context 1024 --kernel-breakdown
 #   serving     `jlight serve` on a random checkpoint (make_random_checkpoint.py), then `jlight bench serve`
 #               (needs .whl carried: bash benchmarks/fetch_server_wheels.sh); knobs below

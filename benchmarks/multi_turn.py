@@ -30,18 +30,19 @@ default pool is 3,200 pages (6.25 GiB, ~half the history: the running turns' flo
 need more conversations and a longer run, and changes nothing measured, the device keeping no conversation's
 history between its turns either way). The run is 256 turns: 32,768 reply tokens in ~2,048 decode steps of
 16 rows, and ~213k prompt tokens computed with the tier off (everything but the system prompt) against ~68k
-with it on (the user messages); both runs, each engine's start (~45-60 s each) included, fit in ~4 minutes.
+with it on (the user messages); the three runs, each engine's start (~40-60 s each) included, fit in ~4 minutes.
 
-Runs: --tier off (kv_offloading_size None), on, or both (the default: one subprocess each, so the first
-engine's device memory is gone before the second starts; --in-process runs them one after the other here,
-for CPU smoke runs). Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by
+Runs: --tier off (kv_offloading_size None), on, device (no tier, and a device pool that holds every history:
+the tier's ideal, and its exactness reference), or all (the default: one subprocess each, so an engine's device
+memory is gone before the next starts; --in-process runs them one after the other here, for CPU smoke runs). Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by
 tier (device / host), the tier's pages copied each way (to host, back to the device) and the seconds those
 bytes take at the measured copy rate, the engine's host ms a step by phase (the tier's sync apart) and its
-slowest step() calls; with both runs, whether their replies agree token for token (greedy runs
-compute the same prefixes two ways, so on bf16 a near-tie can differ: the work, the lengths, is the same).
+slowest step() calls; with all runs, whether their replies agree token for token: off against on (greedy
+runs compute the same prefixes two ways, so on bf16 a near-tie can differ: the work, the lengths, is the same),
+and on against device, which must agree (both reuse the K/V first computed).
 With the tier on, harness.host_copy_bytes_per_s() once, beside PCIe Gen5 x16's 64 GB/s per direction.
 
-  python benchmarks/multi_turn.py --out DIR                       (the H200 run: both tiers)
+  python benchmarks/multi_turn.py --out DIR                       (the H200 run: off, on, device)
   python benchmarks/multi_turn.py --smoke --in-process            (a tiny CPU run: seconds)
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 PCIE_GEN5_X16_BYTES_PER_S = 64e9  # per direction
-TIERS = ("off", "on")
+TIERS = ("off", "on", "device")
 # A tiny CPU run (--smoke): the tiny shape, a pool of 2 running turns, the tier exercised in seconds.
 SMOKE = dict(model_config="tiny", dtype="float32", conversations=8, turns=3, system_len=16, user_len=8, reply_len=6,
              concurrency=2, page_size=8, max_num_batched_tokens=64, min_token_bucket=64)
@@ -94,7 +95,7 @@ def sizes(a) -> dict:
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * a.page_size * np.dtype(a.dtype).itemsize
     tier_gib = a.kv_offloading_size or pages(history) * page_bytes * 5 / 4 / 2**30
     return dict(max_model_len=pages(context) * a.page_size, history_tokens=history, history_pages=pages(history),
-                running_pages=running, num_pages=num_pages, pool_share_of_history=(num_pages - 1) / pages(history),
+                running_pages=running, num_pages=num_pages, device_run_pages=pages(history) + running + 1, pool_share_of_history=(num_pages - 1) / pages(history),
                 page_bytes=page_bytes, kv_offloading_size_gib=tier_gib)
 
 
@@ -154,13 +155,13 @@ def reply_digest(reply: list[int]) -> str:
 
 
 def run_tier(a, tier: str) -> dict:
-    """One engine (host tier on or off) through the workload: its result dict (each reply's digest under
-    "reply_digests": {"c-t": digest})."""
+    """One engine (host tier on or off, or "device": no tier and a pool that holds every history) through the
+    workload: its result dict (each reply's digest under "reply_digests": {"c-t": digest})."""
     size = sizes(a)
     t0 = time.perf_counter()
     engine = harness.random_engine(
         a.model_config, a.dtype, max_model_len=size["max_model_len"], seed=a.seed,
-        max_num_seqs=a.concurrency, num_pages=size["num_pages"], page_size=a.page_size,
+        max_num_seqs=a.concurrency, num_pages=size["device_run_pages" if tier == "device" else "num_pages"], page_size=a.page_size,
         max_num_batched_tokens=a.max_num_batched_tokens, min_token_bucket=a.min_token_bucket,
         kv_offloading_size=size["kv_offloading_size_gib"] if tier == "on" else None)
     init_s = time.perf_counter() - t0
@@ -231,7 +232,7 @@ def print_run(r: dict, page_size: int) -> None:
               f"(PCIe Gen5 x16: {PCIE_GEN5_X16_BYTES_PER_S / 1e9:.0f} GB/s a direction)", flush=True)
 
 
-# ------------------------------------------------------------------ both runs
+# ------------------------------------------------------------------ all runs
 
 
 def run_in_subprocess(argv: list[str], tier: str, out_dir: str) -> dict:
@@ -242,14 +243,23 @@ def run_in_subprocess(argv: list[str], tier: str, out_dir: str) -> dict:
         return json.load(f)["run"]
 
 
+def matching(a: dict, b: dict) -> float:
+    """The share of a's replies that b gave token for token."""
+    return sum(d == b["reply_digests"].get(k) for k, d in a["reply_digests"].items()) / len(a["reply_digests"])
+
+
 def compare(runs: dict) -> dict:
-    """The two runs side by side: TTFT and throughput ratios, and whether their replies agree."""
-    off, on = runs["off"], runs["on"]
-    same = [off["reply_digests"][k] == on["reply_digests"].get(k) for k in off["reply_digests"]]
+    """The runs side by side: TTFT and throughput ratios, and whether their replies agree. The tier restores
+    the K/V the device computed, so its replies are the device run's token for token (both reuse every history's
+    pages and schedule the same work); the off run computes histories again, where on bf16 a near-tie can differ."""
+    off, on, device = runs["off"], runs["on"], runs["device"]
     return dict(ttft_median_off_over_on=off["ttft_ms"]["median"] / on["ttft_ms"]["median"],
                 ttft_p99_off_over_on=off["ttft_ms"]["p99"] / on["ttft_ms"]["p99"],
                 output_tok_s_on_over_off=on["output_tok_s"] / off["output_tok_s"],
-                same_tokens=all(same), replies_matching=sum(same) / len(same))
+                ttft_median_device_over_on=device["ttft_ms"]["median"] / on["ttft_ms"]["median"],
+                output_tok_s_on_over_device=on["output_tok_s"] / device["output_tok_s"],
+                same_tokens=matching(off, on) == 1.0, replies_matching=matching(off, on),
+                on_replies_matching_device=matching(on, device))
 
 
 def parse_args(argv):
@@ -272,9 +282,10 @@ def parse_args(argv):
                     help="GiB of host tier when on; default: every conversation's history + 25%%")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--min-token-bucket", type=int, default=None)
-    ap.add_argument("--tier", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--tier", default="all", choices=["off", "on", "device", "all"],
+                    help="device: no tier, a pool that holds every history; all: off, on and device")
     ap.add_argument("--in-process", action="store_true",
-                    help="--tier both: the two engines one after the other in this process (CPU smoke runs)")
+                    help="--tier all: the engines one after the other in this process (CPU smoke runs)")
     ap.add_argument("--smoke", action="store_true", help="a tiny CPU run: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     ap.add_argument("--name", default="multi_turn", help="file stem of the JSON result")
@@ -293,7 +304,7 @@ def main(argv=None):
           f"of the history; the running turns need {size['running_pages']}), host tier "
           f"{size['kv_offloading_size_gib']:.3g} GiB when on", flush=True)
     result = dict(model=a.model_config, dtype=a.dtype, args=vars(a), workload=size)
-    if a.tier != "both":
+    if a.tier != "all":
         result["run"] = run_tier(a, a.tier)
         if a.tier == "on":
             result["host_copy_bytes_per_s"] = result["run"]["host_copy_bytes_per_s"]
@@ -308,8 +319,10 @@ def main(argv=None):
         result["comparison"] = compare(runs)
         c = result["comparison"]
         print(f"tier off / on: TTFT median {c['ttft_median_off_over_on']:.2f}x, P99 {c['ttft_p99_off_over_on']:.2f}x; "
-              f"output tok/s on / off {c['output_tok_s_on_over_off']:.2f}x; replies matching {c['replies_matching']:.2%}",
-              flush=True)
+              f"output tok/s on / off {c['output_tok_s_on_over_off']:.2f}x; replies matching {c['replies_matching']:.2%}; "
+              f"device run / on: TTFT median {c['ttft_median_device_over_on']:.2f}x, output tok/s on / device "
+              f"{c['output_tok_s_on_over_device']:.2f}x, on's replies matching the device run's "
+              f"{c['on_replies_matching_device']:.2%}", flush=True)
     if "host_copy_bytes_per_s" in result:
         result["pcie_gen5_x16_bytes_per_s"] = PCIE_GEN5_X16_BYTES_PER_S
     path = harness.write_result(a.out, a.name, result)

@@ -289,7 +289,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=1024, help="ngram: the repeated pattern's length")
     ap.add_argument("--max-tokens", type=int, default=256, help="ngram: N tokens a timed request generates")
     ap.add_argument("--repeats", type=int, default=3, help="ngram: the median of this many (t(N) - t(1)) pairs")
-    ap.add_argument("--batches", default="1,2,4,8,16,32", help="batch: requests decoded together")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch: requests decoded together")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="vllm_bench.py's value")
     ap.add_argument("--max-model-len", type=int, default=4096, help="vllm_bench.py's value")
     ap.add_argument("--num-pages", type=int, default=None, help="default: twice one max_model_len sequence's pages")

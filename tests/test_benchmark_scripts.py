@@ -298,14 +298,17 @@ def test_spec_decode_times_verify_steps_and_ngram_speculation(bench, tmp_path):
     assert all(r["acceptance"]["drafts"] == 0 and r["output_tok_s"] > 0 for r in batch["off"]["rows"].values())
 
 
-def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on(bench, tmp_path):
+def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on_and_all_on_the_device(bench, tmp_path):
     # The smoke run's device pool holds less than the round-robin touches between two turns of one conversation:
     # with the tier on, histories come back from the host (hits > 0) and the greedy replies are the recomputed ones.
     import multi_turn
 
     result = multi_turn.main(["--smoke", "--in-process", "--out", str(tmp_path)])
-    off, on = result["runs"]["off"], result["runs"]["on"]
+    off, on, device = result["runs"]["off"], result["runs"]["on"], result["runs"]["device"]
     assert result["comparison"]["same_tokens"] and off["reply_digests"] == on["reply_digests"]
+    assert result["comparison"]["on_replies_matching_device"] == 1.0 and device["reply_digests"] == on["reply_digests"]
+    # The device run's pool holds every history: all its hits are the device's, at least the tier run's total.
+    assert device["host_cache_hit_tokens"] == 0 and device["cached_prompt_tokens"] >= on["cached_prompt_tokens"]
     assert off["host_cache_hit_tokens"] == 0 and "host_tier" not in off
     assert on["host_cache_hit_tokens"] > 0 and on["host_tier"]["pages_to_host"] > 0
     assert on["host_tier"]["pages_to_device"] * 8 == on["host_cache_hit_tokens"]  # 8-token pages

@@ -59,8 +59,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # Speculation pauses while more sequences than this run: a verify step costs more than it saves
-    # once the batch keeps the weights' reads busy (and its extra sampled rows are compiled for this many).
-    disable_by_batch_size: int = 8
+    # once the batch keeps the weights' reads busy. Every step's sampled rows are compiled with room for
+    # this many sequences' drafts. The default is where n-gram speculation still paid on an H100 with most
+    # drafts kept (spec_decode.py --sections batch: 1.3x at 32 sequences, 1.08x at 64; docs/BENCHMARKS.md);
+    # fewer kept drafts bring the crossing lower.
+    disable_by_batch_size: int = 32
 
     @classmethod
     def from_dict(cls, config: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
