@@ -4,6 +4,7 @@ the tokens an engine that recomputes them gives, with the evictions, per-tier hi
 counted, and no step compiled after warm-up."""
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -282,3 +283,32 @@ def test_warmup_takes_the_tiers_pinned_memory_where_asked(model_dir):
     assert tier.reserved_bytes == 8 * PAGE_BYTES
     got = run_one_by_one(tiered, first + second)
     assert len(got) == 6 and tiered.stats().host_cache_hit_tokens > 0
+
+
+def test_restored_pages_hold_the_bytes_first_computed(model_dir):
+    """bfloat16: every page cached under a key holds, bit for bit, what an engine whose pool never evicts holds
+    under that key; the keys the tier restored among them. (Greedy tokens alone cannot show this where a
+    recomputed page rounds differently from the first.)"""
+    first, second = conversations(seed=3)
+
+    def engine(num_pages, host_pages=None):
+        size = None if host_pages is None else host_pages * PAGE_BYTES / 2 / 2**30  # bf16 pages: half float32's
+        return jlight.LLM(model_dir, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
+                          page_size=8, num_pages=num_pages, kv_offloading_size=size).engine
+
+    whole, tiered = engine(400), engine(40, host_pages=200)
+    restored = []
+    restore = tiered.block_manager.host_tier.restore
+    tiered.block_manager.host_tier.restore = lambda key, page: (restored.append(key), restore(key, page))[1]
+    for e in (whole, tiered):
+        run_one_by_one(e, first + second)
+    assert whole.stats().host_cache_hit_tokens == 0 and tiered.stats().host_cache_hit_tokens > 0
+
+    def page_bytes(e, key):
+        k, v = e.runner.read_page_list(np.array([e.block_manager.cached[key]], np.int32))[0]
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves((k, v))]
+
+    common = set(whole.block_manager.cached) & set(tiered.block_manager.cached)
+    assert len(common & set(restored)) >= 10
+    for key in common:
+        assert page_bytes(tiered, key) == page_bytes(whole, key)
