@@ -34,8 +34,8 @@ with it on (the user messages); the three runs, each engine's start (~40-60 s ea
 
 Runs: --tier off (kv_offloading_size None), on, device (no tier, and a device pool that holds every history:
 the tier's ideal, and its exactness reference), or all (the default: one subprocess each, so an engine's device
-memory is gone before the next starts; --in-process runs them one after the other here, for CPU smoke runs). Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by
-tier (device / host), the tier's pages copied each way (to host, back to the device) and the seconds those
+memory is gone before the next starts; --in-process runs them one after the other here, for CPU smoke runs).
+Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by tier (device / host), the tier's pages copied each way (to host, back to the device) and the seconds those
 bytes take at the measured copy rate, the engine's host ms a step by phase (the tier's sync apart) and its
 slowest step() calls; with all runs, whether their replies agree token for token: off against on (greedy
 runs compute the same prefixes two ways, so on bf16 a near-tie can differ: the work, the lengths, is the same),
@@ -95,7 +95,8 @@ def sizes(a) -> dict:
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * a.page_size * np.dtype(a.dtype).itemsize
     tier_gib = a.kv_offloading_size or pages(history) * page_bytes * 5 / 4 / 2**30
     return dict(max_model_len=pages(context) * a.page_size, history_tokens=history, history_pages=pages(history),
-                running_pages=running, num_pages=num_pages, device_run_pages=pages(history) + running + 1, pool_share_of_history=(num_pages - 1) / pages(history),
+                running_pages=running, num_pages=num_pages, device_run_pages=pages(history) + running + 1,
+                pool_share_of_history=(num_pages - 1) / pages(history),
                 page_bytes=page_bytes, kv_offloading_size_gib=tier_gib)
 
 
@@ -161,7 +162,8 @@ def run_tier(a, tier: str) -> dict:
     t0 = time.perf_counter()
     engine = harness.random_engine(
         a.model_config, a.dtype, max_model_len=size["max_model_len"], seed=a.seed,
-        max_num_seqs=a.concurrency, num_pages=size["device_run_pages" if tier == "device" else "num_pages"], page_size=a.page_size,
+        max_num_seqs=a.concurrency, page_size=a.page_size,
+        num_pages=size["device_run_pages" if tier == "device" else "num_pages"],
         max_num_batched_tokens=a.max_num_batched_tokens, min_token_bucket=a.min_token_bucket,
         kv_offloading_size=size["kv_offloading_size_gib"] if tier == "on" else None)
     init_s = time.perf_counter() - t0
