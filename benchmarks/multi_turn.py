@@ -35,8 +35,9 @@ with it on (the user messages); the three runs, each engine's start (~40-60 s ea
 Runs: --tier off (kv_offloading_size None), on, device (no tier, and a device pool that holds every history:
 the tier's ideal, and its exactness reference), or all (the default: one subprocess each, so an engine's device
 memory is gone before the next starts; --in-process runs them one after the other here, for CPU smoke runs).
-Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by tier (device / host), the tier's pages copied each way (to host, back to the device) and the seconds those
-bytes take at the measured copy rate, the engine's host ms a step by phase (the tier's sync apart) and its
+Reported per run: TTFT median / P99 / by turn, output tok/s, prefix-cache hit tokens by tier (device / host),
+the tier's pages copied each way (to host, back to the device) and the seconds those bytes take at the measured
+copy rate, the engine's host ms a step by phase (the tier's sync apart) and its
 slowest step() calls; with all runs, whether their replies agree token for token: off against on (greedy
 runs compute the same prefixes two ways, so on bf16 a near-tie can differ: the work, the lengths, is the same),
 and on against device, which must agree (both reuse the K/V first computed).
