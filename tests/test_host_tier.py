@@ -285,6 +285,19 @@ def test_warmup_takes_the_tiers_pinned_memory_where_asked(model_dir):
     assert len(got) == 6 and tiered.stats().host_cache_hit_tokens > 0
 
 
+def test_a_tier_over_xlas_pinned_pool_is_refused_at_warmup(model_dir, monkeypatch):
+    """A tier larger than XLA:GPU's pinned pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) fails at warm-up, naming the
+    flag and the variable, not at some later offload."""
+    engine = small_engine(model_dir, host_pages=8)
+    tier = engine.block_manager.host_tier
+    tier.reserve = True
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
+    with pytest.raises(ValueError, match="over XLA's pinned pool of 0 GiB; lower kv_offloading_size, or raise "
+                                         "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+        tier.warmup(engine.runner)
+    assert tier.reserved_bytes == 0
+
+
 def test_restored_pages_hold_the_bytes_first_computed(model_dir):
     """bfloat16: every page cached under a key holds, bit for bit, what an engine whose pool never evicts holds
     under that key; the keys the tier restored among them. (Greedy tokens alone cannot show this where a

@@ -33,12 +33,14 @@ Invariants:
   arrays from a growing pool of page-locked memory, and each time that pool grows it pins a region as
   large as all before it, a call that takes seconds at gigabytes (the host stops for it, and so does the
   step it was dispatching). Warm-up allocates the tier's whole capacity a device, chunk by chunk, and
-  frees it; the pool keeps its regions, so the offloads that follow are carved out of them.
+  frees it; the pool keeps its regions, so the offloads that follow are carved out of them. A tier larger
+  than that pool's limit (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, 64 GiB a device by default) is refused there.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 import jax
@@ -47,6 +49,9 @@ import numpy as np
 from jlight.engine.model_runner import padded_pages
 
 logger = logging.getLogger(__name__)
+
+# XLA:GPU's limit on each device's pool of pinned host memory, in GiB (64 unless this variable says otherwise).
+HOST_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 
 class HostTier:
@@ -165,6 +170,11 @@ class HostTier:
         for a in jax.tree.leaves(runner.read_page_list(padded_pages([0]))[0]):
             for shard in a.addressable_shards:
                 per_device[shard.device] += shard.data.nbytes
+        limit_gib = int(os.environ.get(HOST_POOL_LIMIT_VAR, "64"))  # XLA:GPU's pinned pool, a device (its default)
+        if max(per_device.values()) * self.capacity > limit_gib * 2**30:
+            raise ValueError(f"the host KV tier needs {max(per_device.values()) * self.capacity / 2**30:.1f} GiB of "
+                             f"pinned host memory a device, over XLA's pinned pool of {limit_gib} GiB; lower "
+                             f"kv_offloading_size, or raise {HOST_POOL_LIMIT_VAR} in the environment before JAX starts")
         start, held, chunk = time.perf_counter(), [], np.zeros(chunk_bytes, np.uint8)
         for device, page_bytes in per_device.items():
             left = page_bytes * self.capacity
