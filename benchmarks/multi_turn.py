@@ -200,7 +200,8 @@ def run_tier(a, tier: str) -> dict:
         reply_digests={f"{r['conversation']}-{r['turn']}": reply_digest(r["reply"]) for r in records})
     if tier_obj is not None:
         to_host, to_device = delta("host_cache_offloaded_pages"), tier_obj.restored_pages - restored0
-        result["host_tier"] = dict(pages_to_host=to_host, pages_to_device=to_device,
+        result["host_tier"] = dict(reserved_gib=tier_obj.reserved_bytes / 2**30, reserve_s=tier_obj.reserve_seconds,
+                                   pages_to_host=to_host, pages_to_device=to_device,
                                    dropped_pages=delta("host_cache_dropped_pages"), pages_total=after.host_cache_pages_total,
                                    bytes_to_host=to_host * size["page_bytes"], bytes_to_device=to_device * size["page_bytes"])
         result["host_copy_bytes_per_s"] = copy_rates()
@@ -228,6 +229,7 @@ def print_run(r: dict, page_size: int) -> None:
           + ", ".join(f"{x:.0f}" for x in r["slowest_step_calls_ms"]) + " ms")
     if "host_tier" in r:
         h, c = r["host_tier"], r["host_copy_bytes_per_s"]
+        print(f"[tier on] pinned memory taken at warm-up: {h['reserved_gib']:.1f} GiB in {h['reserve_s']:.1f} s", flush=True)
         print(f"[tier on] pages to host {h['pages_to_host']}, back to the device {h['pages_to_device']}, dropped "
               f"{h['dropped_pages']} ({h['bytes_to_host'] / 2**30:.2f} / {h['bytes_to_device'] / 2**30:.2f} GiB: "
               f"{h['copy_s_at_measured_rate']:.2f} s at the measured rates); copies ({c['memory_kind']}) device->host "

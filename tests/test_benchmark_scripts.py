@@ -312,6 +312,7 @@ def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on_and_all
     assert off["host_cache_hit_tokens"] == 0 and "host_tier" not in off
     assert on["host_cache_hit_tokens"] > 0 and on["host_tier"]["pages_to_host"] > 0
     assert on["host_tier"]["pages_to_device"] * 8 == on["host_cache_hit_tokens"]  # 8-token pages
+    assert on["host_tier"]["reserved_gib"] == 0  # the CPU takes no pinned memory at warm-up
     assert on["cached_prompt_tokens"] == on["device_cache_hit_tokens"] + on["host_cache_hit_tokens"] > off["cached_prompt_tokens"]
     for run in (off, on):
         assert run["turns"] == 8 * 3 and run["output_tokens"] == 8 * 3 * 6 and run["preemptions"] == 0
