@@ -20,6 +20,7 @@ import urllib.parse
 import httpx
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # jlight serve's --max-body-bytes default
+CLIENT_KEEPALIVE_EXPIRY_S = 2.0  # below any server's idle keep-alive (uvicorn's default: 5 s)
 RSS_METRIC = "process_resident_memory_bytes"
 PY_BLOCKS_METRIC = "jlight:python_allocated_blocks"  # the server's Python allocator's share (serve/metrics.py)
 
@@ -48,7 +49,10 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def client(self, **kw) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # Idle connections expire before the server's keep-alive closes them: a request sent on a connection the
+        # server is closing at that moment fails with a reset (httpx's default expiry, 5 s, equals uvicorn's).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                              keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=kw.pop("timeout", 300),
                                  limits=limits, **kw)
 

@@ -39,6 +39,7 @@ import time
 import httpx
 import numpy as np
 
+from jlight.serve.defaults import CLIENT_KEEPALIVE_EXPIRY_S
 from jlight.serve.metrics import parse_metrics
 
 
@@ -166,7 +167,8 @@ async def send_request(client: httpx.AsyncClient, model: str | None, req: BenchR
 async def run_at_rate(base_url: str, requests: list[BenchRequest], rate: float, max_concurrency: int | None,
                       model: str | None, api_key: str | None, ignore_eos: bool, seed: int) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=None)
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=None,
+                          keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     rng = np.random.default_rng(seed)
 

@@ -18,7 +18,8 @@ from jlight.engine.async_engine import AsyncLLM
 from jlight.engine.disaggregated_roles import join_pair
 from jlight.engine_args import add_engine_arguments, engine_options
 from jlight.loading.default_model import DEFAULT_MODEL_NAME
-from jlight.serve.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S
+from jlight.serve.defaults import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
+                                  DEFAULT_SHUTDOWN_TIMEOUT_S)
 from jlight.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("jlight.serve")
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the drain's deadline: on SIGTERM or Ctrl-C, /health and new requests get 503 at once and "
                              "the running requests have this many seconds to finish; then each ends with "
                              f"finish_reason \"abort\" (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
+    server.add_argument("--timeout-keep-alive", type=_non_negative_float, default=DEFAULT_KEEP_ALIVE_S,
+                        help="seconds an idle HTTP connection stays open; keep it above your clients' idle expiry "
+                             f"(default {DEFAULT_KEEP_ALIVE_S:.0f})")
     server.add_argument("--host-workers", type=_positive_int, default=None,
                         help="threads that parse, template, tokenize and render requests off the event loop "
                              "(default: one per core this process may use)")
@@ -145,7 +149,8 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_router_app(args.prefill, args.decode)
     logger.info("routing on http://%s:%d: prefill %s, then decode %s", args.host, args.port, args.prefill, args.decode)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug",
+                timeout_keep_alive=args.timeout_keep_alive)
     return 0
 
 
@@ -172,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     # The drain (DrainingServer) has answered or aborted every request before uvicorn's own shutdown,
     # which then only closes connections; its timeout bounds what a client that does not read can hold.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=1, access_log=args.log_level == "debug")
+                            timeout_graceful_shutdown=1, access_log=args.log_level == "debug",
+                            timeout_keep_alive=args.timeout_keep_alive)
     # uvicorn re-raises the exit signal once the server has stopped, so the default action would
     # kill us with status 143; a no-op handler installed first makes it return instead.
     for sig in (signal.SIGTERM, signal.SIGINT):

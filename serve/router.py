@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from jlight.serve.handlers import CLIENT_CLOSED_REQUEST, ClientGone, ClosingStreamingResponse, until_disconnect
 from jlight.serve.response_models import error_body
+from jlight.serve.defaults import CLIENT_KEEPALIVE_EXPIRY_S
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class Router:
 
 def build_router_app(prefill_url: str, decode_url: str, client: httpx.AsyncClient | None = None) -> FastAPI:
     """client: the HTTP client to both servers (a new one, without timeouts on reading streams, by default)."""
-    client = client or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=None))
+    client = client or httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(
+        max_connections=None, keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S))
     router = Router(prefill_url, decode_url, client)
 
     @contextlib.asynccontextmanager

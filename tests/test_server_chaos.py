@@ -15,10 +15,14 @@ import gc
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import time
+import urllib.parse
 import tracemalloc
 
+import httpx
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,23 +51,44 @@ def chaos_server(tiny_model, tmp_path_factory):
         yield target, proc, log_path
 
 
-def _run(case, target, **kw):
-    return asyncio.run(case(target, **kw))
+def _run(case, server, **kw):
+    """Runs the chaos case against the module's server; a failure carries the tail of the server's log."""
+    target, _, log_path = server
+    try:
+        return asyncio.run(case(target, **kw))
+    except Exception as e:
+        with open(log_path, errors="replace") as log:
+            tail = log.read()[-4000:]
+        raise AssertionError(f"{type(e).__name__}: {e}\n--- the server's log, last lines ---\n{tail}") from e
+
+
+def test_an_idle_connection_outlives_a_client_expiry(chaos_server):
+    """The server keeps an idle connection open past httpx's default expiry (5 s): uvicorn's default
+    keep-alive, also 5 s, let a client reuse a connection the server was closing, and that request
+    failed with a reset (seen once in 1,200 requests of test_many_requests_leave_memory_flat)."""
+    url = urllib.parse.urlsplit(chaos_server[0].base_url)
+    request = f"GET /health HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(httpx.Limits().keepalive_expiry + 1)
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200"), "the server closed the idle connection"
 
 
 def test_health_answers_while_a_huge_request_is_prepared(chaos_server):
     """Fails on the code before the host pool and the size budget: /health waited ~3 s."""
-    report = _run(chaos_cases.health_during_huge_request, chaos_server[0])
+    report = _run(chaos_cases.health_during_huge_request, chaos_server)
     assert set(report) == {"/v1/chat/completions", "/v1/completions"}
 
 
 def test_bad_inputs_name_their_field(chaos_server):
     target = chaos_server[0]
-    assert _run(chaos_cases.bad_inputs, target)["cases"] == len(chaos_cases.bad_input_table(target)) > 20
+    assert _run(chaos_cases.bad_inputs, chaos_server)["cases"] == len(chaos_cases.bad_input_table(target)) > 20
 
 
 def test_disconnect_storm_frees_the_pool(chaos_server):
-    report = _run(chaos_cases.disconnect_storm, chaos_server[0])
+    report = _run(chaos_cases.disconnect_storm, chaos_server)
     assert report["outcomes"].get("client_disconnect", 0) >= 1
 
 
@@ -73,7 +98,7 @@ def test_slow_readers_hold_memory_flat(chaos_server):
     count, grew the server 30-45 MB before packed unsent logprobs and piecewise chunks, ~5 MB after:
     too slow for CI); the two tests of that mechanism are test_a_merged_delta_streams_in_small_pieces_...
     here and test_async_engine's test_an_unread_stream_holds_only_its_unsent_tokens_packed."""
-    _run(chaos_cases.slow_readers, chaos_server[0])
+    _run(chaos_cases.slow_readers, chaos_server)
 
 
 class _ByteTokenizer:
@@ -170,16 +195,16 @@ def test_a_stream_holds_no_token_cache_of_its_own():
 
 def test_an_oversized_body_does_not_stall_a_stream(chaos_server):
     """Fails on the code before the host pool and the size budget: the stream's gap was ~4 s."""
-    _run(chaos_cases.oversized_body_during_stream, chaos_server[0])
+    _run(chaos_cases.oversized_body_during_stream, chaos_server)
 
 
 def test_a_failing_step_fails_only_its_requests(chaos_server):
-    report = _run(chaos_cases.step_failure, chaos_server[0])
+    report = _run(chaos_cases.step_failure, chaos_server)
     assert report["served_after"] == 8
 
 
 def test_many_requests_leave_memory_flat(chaos_server):
-    report = _run(chaos_cases.many_requests_flat_rss, chaos_server[0])
+    report = _run(chaos_cases.many_requests_flat_rss, chaos_server)
     assert report["requests"] == 1000
 
 
@@ -195,7 +220,7 @@ def test_sigterm_ends_every_stream_cleanly(chaos_server):
             return True
         except subprocess.TimeoutExpired:
             return False
-    report = _run(chaos_cases.sigterm_mid_stream, target, wait_exit=exited)
+    report = _run(chaos_cases.sigterm_mid_stream, chaos_server, wait_exit=exited)
     assert report["endings"].get("abort", 0) >= 1
     assert proc.returncode == 0
     with open(log_path) as f:
