@@ -1,8 +1,12 @@
 """Small layers shared by the model families, and the params-tree transforms the engine applies
 (per-layer split, fused projections)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jlight.core.gguf_weights import GGUF_WEIGHTS, out_axis
 
 
 def rms_norm(x, weight, eps: float, offset: float = 0.0):
@@ -59,7 +63,7 @@ FUSED_PROJECTIONS = {
 @jax.tree_util.register_pytree_node_class
 class FusedWeight:
     """Several [in, out_i] weights concatenated on `out`: weight [..., in, sum(out_i)] (a plain
-    array or an int8 QuantizedWeight); `widths` = (out_i, ...) is static, so slicing a stacked
+    array or an int8 QuantizedWeight; GGUF weights, [out, in] rows, on their rows); `widths` = (out_i, ...) is static, so slicing a stacked
     FusedWeight (lax.scan) keeps it."""
 
     def __init__(self, weight, widths: tuple[int, ...]):
@@ -74,19 +78,29 @@ class FusedWeight:
 
 
 def _out_width(w) -> int:
-    return (w.values if hasattr(w, "values") else w).shape[-1]
+    return w.shape[-1] if isinstance(w, GGUF_WEIGHTS) else (w.values if hasattr(w, "values") else w).shape[-1]
 
 
 def _fusable(weights) -> bool:
-    """Same container type, same dtypes, same leading dims: only `out` may differ."""
-    kinds = {(type(w), tuple((leaf.dtype, leaf.shape[:-1]) for leaf in jax.tree.leaves(w))) for w in weights}
+    """Same container type, same dtypes, same dims but `out` (the last axis; a GGUF weight's rows)."""
+    axis = out_axis(weights[0])
+
+    def others(shape):
+        return shape[:axis] + (shape[axis + 1:] if axis != -1 else ())
+    kinds = {(type(w), tuple((leaf.dtype, others(leaf.shape)) for leaf in jax.tree.leaves(w))) for w in weights}
     if len(kinds) != 1:
         return False
     leaves = jax.tree.leaves(weights[0])
     return all(leaf.ndim >= 1 for leaf in leaves) and leaves[0].ndim >= 2
 
 
-_concat_out = jax.jit(lambda ws: jax.tree.map(lambda *leaves: jnp.concatenate(leaves, axis=-1), *ws))
+@functools.partial(jax.jit, static_argnums=1)
+def _concat(ws, axis: int):
+    return jax.tree.map(lambda *leaves: jnp.concatenate(leaves, axis=axis), *ws)
+
+
+def _concat_out(ws):
+    return _concat(ws, out_axis(ws[0]))
 
 
 def fuse_projections(layers, delete_parts: bool = False):

@@ -5,7 +5,8 @@
 
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
-  matmul(x, w, out_dtype=None) -> y  (fp8 weights: W8A8-FP8 from `fp8_w8a8_min_rows` rows, weight-only below)
+  matmul(x, w, out_dtype=None) -> y  (fp8 weights: W8A8-FP8 from `fp8_w8a8_min_rows` rows, weight-only below;
+    GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `gguf_kernel_max_rows` rows, else the reference)
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
   causal_conv1d(x, weight, bias, conv_pool, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
@@ -21,13 +22,16 @@ kernels carry and the number of (token, expert) pairs. `grouped_matmul` is the P
 (grouped_matmul_pallas.py, jax.lax.ragged_dot's contract) for "pallas", and for "auto" on GPU.
 """
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
 
+from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.core.quantization import Fp8Weight, QuantizedWeight, W8A8Weight
 from jlight.core.moe_impls import MOE_IMPLS
-from jlight.pallas_kernels import attention_reference, delta_rule_reference, mamba_reference, matmul_reference, mla_reference, ragged_scan
+from jlight.pallas_kernels import (attention_reference, delta_rule_reference, gguf_matmul_cpu, mamba_reference, matmul_reference,
+                                   mla_reference, ragged_scan)
 
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
@@ -76,11 +80,14 @@ def _use_pallas(impl: str) -> bool:
 
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-                sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS) -> Kernels:
+                sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS,
+                gguf_kernel_max_rows: int = 0) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
     kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
     fp8_w8a8_min_rows (EngineConfig.fp8_w8a8_min_rows): fp8 weights run W8A8-FP8 in steps of at least
-    this many rows and weight-only below, on every matmul_impl (XLA's fp8 dot: no Pallas fp8 kernel)."""
+    this many rows and weight-only below, on every matmul_impl (XLA's fp8 dot: no Pallas fp8 kernel).
+    gguf_kernel_max_rows: GGUF block-quantized weights go to the CPU kernel (gguf_matmul_cpu, loaded by the
+    caller) in steps of at most this many rows, to the reference above (0: always the reference)."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -115,6 +122,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     if fp8_w8a8_min_rows < 0:
         raise ValueError(f"fp8_w8a8_min_rows={fp8_w8a8_min_rows} must be >= 0 (0: W8A8-FP8 at every step)")
     matmul = functools.partial(fp8_or, matmul, fp8_w8a8_min_rows)
+    matmul = functools.partial(gguf_or, matmul, gguf_kernel_max_rows)
     grouped = None
     if _use_pallas(moe_impl):
         # GPU kernel modules load only when chosen.
@@ -130,6 +138,16 @@ def fp8_or(matmul, fp8_w8a8_min_rows: int, x, w, out_dtype=None):
     if isinstance(w, matmul_reference.FP8_WEIGHTS):
         return matmul_reference.matmul(x, w, out_dtype, fp8_w8a8_min_rows=fp8_w8a8_min_rows)
     return matmul(x, w, out_dtype)
+
+
+def gguf_or(matmul, max_rows: int, x, w, out_dtype=None):
+    """GGUF block-quantized weights to the CPU kernel in steps of at most max_rows rows and to the
+    reference (dequantize, XLA's dot) otherwise; every other weight to `matmul`."""
+    if not isinstance(w, GGUF_WEIGHTS):
+        return matmul(x, w, out_dtype)
+    if math.prod(x.shape[:-1]) <= max_rows:
+        return gguf_matmul_cpu.matmul(x, w, out_dtype)
+    return matmul_reference.matmul(x, w, out_dtype)
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured

@@ -4,6 +4,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jlight.core.gguf_weights import GGUF_WEIGHTS, dequantize_gguf_t
 from jlight.core.quantization import (
     Fp8Weight, Fp8WeightT, QuantizedWeight, QuantizedWeightT, W8A8Weight, W8A8WeightT, quantize_activations,
     quantize_activations_fp8)
@@ -17,12 +18,18 @@ FP8_W8A8_MIN_ROWS = 64
 
 def matmul(x, w, out_dtype=None, *, fp8_w8a8_min_rows: int = FP8_W8A8_MIN_ROWS):
     """x: [..., in] times w: [in, out] (an array, QuantizedWeight, W8A8Weight, Fp8Weight, or their K-major
-    QuantizedWeightT / W8A8WeightT / Fp8WeightT holding [out, in]) -> [..., out].
+    QuantizedWeightT / W8A8WeightT / Fp8WeightT holding [out, in], or a GGUF block-quantized weight,
+    [out, in] blocks: core/gguf_weights.py) -> [..., out].
 
     Accumulates in float32 (int32 for W8A8); the result is cast to out_dtype (default: x's dtype).
     fp8 weights: W8A8-FP8 for steps of >= fp8_w8a8_min_rows rows, weight-only below (fp8_matmul).
     """
     out_dtype = out_dtype or x.dtype
+    if isinstance(w, GGUF_WEIGHTS):
+        # Dequantized to float32 [out, in] and contracted on `in`, in float32 (gguf_matmul_cpu's reference).
+        y = jax.lax.dot_general(x.astype(jnp.float32), dequantize_gguf_t(w), (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return y.astype(out_dtype)
     if isinstance(w, FP8_WEIGHTS):
         return fp8_matmul(x, w, out_dtype, w8a8=math.prod(x.shape[:-1]) >= fp8_w8a8_min_rows)
     if isinstance(w, (W8A8Weight, W8A8WeightT)):

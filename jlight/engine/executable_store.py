@@ -63,13 +63,13 @@ PROGRAM_PACKAGES = ("jlight", "jlight.core", "jlight.engine", "jlight.engine.pro
 
 
 def _source_digest() -> str:
-    """sha256 over the .py files of PROGRAM_PACKAGES, read from disk (imported or not)."""
+    """sha256 over the .py (and kernels' .cc) files of PROGRAM_PACKAGES, read from disk (imported or not)."""
     h = hashlib.sha256()
     for name in PROGRAM_PACKAGES:
         spec = importlib.util.find_spec(name)
         for directory in (spec.submodule_search_locations or []) if spec else []:
             for fname in sorted(os.listdir(directory)):
-                if fname.endswith(".py"):
+                if fname.endswith((".py", ".cc")):
                     with open(os.path.join(directory, fname), "rb") as f:
                         h.update(f"{name}/{fname}\0".encode() + f.read())
     return h.hexdigest()

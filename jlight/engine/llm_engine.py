@@ -41,7 +41,7 @@ from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.engine.state_pool import StatePool
 from jlight.engine.structured_output import GrammarCompiler
-from jlight.engine.weights import prepare_params, unrolls
+from jlight.engine.weights import gguf_kernel_max_rows, keeps_gguf_blocks, prepare_params, unrolls
 from jlight.models import get_model_family
 from jlight.pallas_kernels import dispatch
 from jlight.progress import Progress
@@ -147,7 +147,8 @@ class LLMEngine:
             # Orbax checkpoints restore into the mesh. A single-device engine that unrolls its layers reads them
             # per layer (assemble_params' unstacked); a mesh's sharding plan places the stacked weights first.
             loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh,
-                                        unstacked=mesh is None and unrolls(cfg, None, dispatch.on_gpu()))
+                                        unstacked=mesh is None and unrolls(cfg, None, dispatch.on_gpu()),
+                                        keep_gguf_blocks=keeps_gguf_blocks(cfg, mesh, dispatch.on_gpu()))
         jax.block_until_ready(loaded.params)  # the transfers done: the load's time is all in load_seconds
         self.load_seconds = time.perf_counter() - self._start_time
         self.loaded = loaded
@@ -189,7 +190,8 @@ class LLMEngine:
         self.runner = ModelRunner(  # its K/V pools stay abstract until allocate_pools
             self.family, mc, params,
             dispatch.get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None,
-                                 fp8_w8a8_min_rows=cfg.fp8_w8a8_min_rows),
+                                 fp8_w8a8_min_rows=cfg.fp8_w8a8_min_rows,
+                                 gguf_kernel_max_rows=gguf_kernel_max_rows(cfg, params, dispatch.on_gpu())),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,

@@ -2,7 +2,8 @@
 
 `load_model(model)` dispatches on what `model` names:
   None            -> the default model, SmolLM2-135M-Instruct (GGUF, see default_model.py)
-  path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time)
+  path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time, or with keep_gguf_blocks its
+                     Q4_0/Q4_1/Q8_0 linear weights kept as stored: what the CPU engine does by default)
   a `jlight convert` output directory -> its orbax params (orbax_loader.py)
   a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json); FP8 ones
                      (compressed-tensors, fp8) keep their linear weights in fp8 (fp8_checkpoint.py)
@@ -60,22 +61,23 @@ def resolve_dtype(dtype, checkpoint_dtype: str) -> Any:
 
 
 def load_model(model: str | None = None, dtype="auto", place: Callable | None = None, mesh=None,
-               unstacked: bool = False) -> LoadedModel:
+               unstacked: bool = False, keep_gguf_blocks: bool = False) -> LoadedModel:
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
     on device (default jax.device_put); the sharding code passes one that shards it. unstacked=True:
     a dense model's `layers` come as per-layer dicts (assemble_params), read from safetensors or GGUF
-    files that way; a converted checkpoint's stay stacked."""
+    files that way; a converted checkpoint's stay stacked. keep_gguf_blocks: a GGUF file's Q4_0, Q4_1 and
+    Q8_0 linear weights stay in their blocks (jlight/core/gguf_weights.py) instead of being dequantized."""
     if model is None:
         path = default_gguf_path()
         logger.info("loading the default model, SmolLM2-135M-Instruct (%s)", path)
-        return load_gguf(path, dtype, place, unstacked)
+        return load_gguf(path, dtype, place, unstacked, keep_gguf_blocks)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
     if os.path.exists(model):  # a path that is not there is refused below, without a "loading" line first
         logger.info("loading %s", model)
     if model.endswith(".gguf"):
-        return load_gguf(model, dtype, place, unstacked)
+        return load_gguf(model, dtype, place, unstacked, keep_gguf_blocks)
     if orbax_loader.is_orbax_model_dir(model):
         return load_converted_dir(model, mesh=mesh, dtype=dtype)
     if os.path.isdir(model):
@@ -122,12 +124,12 @@ def load_converted_dir(model_dir: str, mesh=None, dtype="auto") -> LoadedModel:
     return LoadedModel(config, params, tokenizer, generation_config, model_dir, dtype)
 
 
-def load_gguf(path: str, dtype="auto", place=None, unstacked: bool = False) -> LoadedModel:
+def load_gguf(path: str, dtype="auto", place=None, unstacked: bool = False, keep_blocks: bool = False) -> LoadedModel:
     reader, config, arch = load_gguf_model(path)
     gguf_default = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     jdtype = resolve_dtype(dtype, gguf_default)
     tokenizer = gguf_tokenizer(reader, path)
-    tensors = _progress(gguf_tensors(reader, config, arch), len(reader.tensors), os.path.basename(path))
+    tensors = _progress(gguf_tensors(reader, config, arch, keep_blocks), len(reader.tensors), os.path.basename(path))
     params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked)
     generation_config = {"eos_token_id": list(tokenizer.eos_token_ids)} if tokenizer.eos_token_ids else {}
     return LoadedModel(config, params, tokenizer, generation_config, path, jdtype)

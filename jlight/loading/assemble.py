@@ -16,6 +16,7 @@ from jlight.core.config import HYBRID_FAMILIES, ModelConfig
 from jlight.core.errors import ModelLoadError
 from jlight.core.quantization import LINEAR_WEIGHTS, Fp8Weight
 from jlight.loading.fp8_checkpoint import Fp8HostWeight
+from jlight.loading.gguf_blocks import GGUFHostWeight
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.hf_names_families import family_name_mapper, split_fused_tensors
 from jlight.loading.hf_names_hybrid import hybrid_name_mapper
@@ -63,14 +64,10 @@ def assemble_params(
         if mapped is None:
             continue
         for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
-            fp8 = isinstance(tensor, Fp8HostWeight) and transpose is True and key.rpartition(".")[2] in LINEAR_WEIGHTS
-            arr = tensor.dequantize() if isinstance(tensor, Fp8HostWeight) and not fp8 else np.asarray(tensor.values if fp8 else tensor)
-            if callable(transpose):  # a hybrid family's reshaped or split weights (hf_names_hybrid.py)
-                arr = transpose(arr)
-            elif transpose:
-                arr = arr.T
-            arr = arr if fp8 else host_array(arr, np_dtype)
-            put = (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales))) if fp8 else place
+            if isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
+                arr, put = tensor, (lambda path, w: w.to_device(place, path))
+            else:
+                arr, put = _host_tensor(tensor, transpose, key, np_dtype, place)
             if layer is None:
                 if key not in shapes:
                     continue
@@ -110,6 +107,20 @@ def assemble_params(
             stacked[group][key] = _stack(parts, lead)
             parts.clear()  # free the per-layer arrays as soon as they are stacked
     return {k: stacked[k] if k in stacked else top[k] for k in shapes}
+
+
+def _host_tensor(tensor, transpose, key: str, np_dtype, place):
+    """(host array, put(path, array) -> device weight) for one checkpoint tensor: an FP8 checkpoint's linear
+    weight stays fp8 (an Fp8Weight), anything else becomes a host array of the model dtype."""
+    fp8 = isinstance(tensor, Fp8HostWeight) and transpose is True and key.rpartition(".")[2] in LINEAR_WEIGHTS
+    arr = tensor.dequantize() if isinstance(tensor, Fp8HostWeight) and not fp8 else np.asarray(tensor.values if fp8 else tensor)
+    if callable(transpose):  # a hybrid family's reshaped or split weights (hf_names_hybrid.py)
+        arr = transpose(arr)
+    elif transpose:
+        arr = arr.T
+    arr = arr if fp8 else host_array(arr, np_dtype)
+    put = (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales))) if fp8 else place
+    return arr, put
 
 
 # XLA's CPU client takes a host array as a device buffer without copying it when the array's data is aligned

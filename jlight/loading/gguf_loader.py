@@ -24,6 +24,7 @@ import numpy as np
 
 from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError, UnsupportedModelError
+from jlight.loading.gguf_blocks import KEPT_TYPES, GGUFHostWeight, split_blocks
 from jlight.loading.gguf_file import GGUFFile
 
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
@@ -61,6 +62,9 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# The HF names of the linear weights kept as blocks (keep_blocks).
+_BLOCK_WEIGHTS = tuple(f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj", "lm_head"))
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -177,27 +181,39 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array in HF layout), one tensor at a time, in the file's order.
 
+    keep_blocks: the linear weights stored as Q4_0, Q4_1 or Q8_0 come as GGUFHostWeights (their blocks,
+    [out, ...] rows: gguf_blocks.py) instead, and a model whose LM head is its token embedding gets the
+    embedding's blocks as lm_head.weight too (the embedding itself is dequantized: a step reads one row).
     The dequantization (numpy, which releases Python's lock) runs on one thread per core, at most that
     many tensors ahead of the one yielded, so the host holds a few dequantized tensors at a time."""
     # gguf loads only for GGUF checkpoints.
     from gguf.quants import dequantize
 
     def convert(t, name):
-        # dequantize returns float32 [rows, cols] = HF's [out, in] (or [n] for vectors).
-        arr = dequantize(t.data, t.tensor_type)
-        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = unpermute_rows(arr, config.num_heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = unpermute_rows(arr, config.num_kv_heads)
+        arr = None
+        if keep_blocks and name.endswith(_BLOCK_WEIGHTS) and t.tensor_type.name in KEPT_TYPES:
+            arr = split_blocks(t.tensor_type.name, t.data)
+        if arr is None:
+            # dequantize returns float32 [rows, cols] = HF's [out, in] (or [n] for vectors).
+            arr = dequantize(t.data, t.tensor_type)
+            arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        permute = (lambda a: unpermute_rows(a, config.num_heads) if name.endswith(("q_proj.weight", "q_proj.bias"))
+                   else unpermute_rows(a, config.num_kv_heads) if name.endswith(("k_proj.weight", "k_proj.bias")) else a)
+        if arch == "llama" and isinstance(arr, GGUFHostWeight):
+            arr = arr.map_rows(permute)
+        elif arch == "llama":
+            arr = permute(arr)
         elif arch in _GEMMA and name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
         return name, arr
 
     wanted = [(t, name) for t in reader.tensors if (name := hf_tensor_name(t.name, arch)) is not None]
+    if keep_blocks and not any(name == "lm_head.weight" for _, name in wanted):
+        wanted += [(t, "lm_head.weight") for t, name in wanted if name == "model.embed_tokens.weight"
+                   and t.tensor_type.name in KEPT_TYPES]
     workers = os.cpu_count() or 1
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jlight-gguf") as pool:
         ahead = collections.deque(pool.submit(convert, t, name) for t, name in wanted[:workers])

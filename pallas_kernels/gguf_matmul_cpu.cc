@@ -1,0 +1,250 @@
+// x [rows, k] float32 times a GGUF block-quantized weight stored as the file stores it, one output channel a
+// row ([n, k]: blocks of 32 weights, each with a float16 scale d and, for Q4_1, a float16 minimum m), in
+// float32: y[r, c] = sum over the row's blocks of d * (x . values) + m * sum(x). Q4_0 comes as Q4_1 with
+// m = -8 d. The weights are read once a call whatever the rows (they are in cache across a chunk's rows).
+// Built and loaded by gguf_matmul_cpu.py; XLA calls it through its FFI with its intra-op thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define JLIGHT_AVX2 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // weights a block
+constexpr int64_t kChunkRows = 32;  // output channels a worker claims at a time
+constexpr int64_t kRowGroup = 4;    // x rows one pass over a chunk's weights serves
+
+float HalfToFloat(uint16_t h) {
+#ifdef JLIGHT_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: normalize the mantissa
+    int shift = 0;
+    uint32_t m = man;
+    while (!(m & 0x400u)) {
+      m <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3ffu) << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// A block's 32 stored values (before d and m) in weight order.
+struct Q4 {  // 16 bytes: weight i in the low nibble of byte i, weight 16 + i in its high nibble
+  static constexpr int64_t kBytes = 16;
+  static void Values(const uint8_t* q, float* out) {
+    for (int i = 0; i < 16; ++i) {
+      out[i] = float(q[i] & 0xf);
+      out[i + 16] = float(q[i] >> 4);
+    }
+  }
+#ifdef JLIGHT_AVX2
+  static void Values(const uint8_t* q, __m256* w) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(0xf);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+#endif
+};
+
+struct Q8 {  // 32 signed bytes
+  static constexpr int64_t kBytes = 32;
+  static void Values(const uint8_t* q, float* out) {
+    for (int i = 0; i < 32; ++i) out[i] = float(static_cast<int8_t>(q[i]));
+  }
+#ifdef JLIGHT_AVX2
+  static void Values(const uint8_t* q, __m256* w) {
+    for (int g = 0; g < 4; ++g) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
+      w[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+  }
+#endif
+};
+
+struct Job {
+  const float* x;                 // [rows, k]
+  const uint8_t* q;               // [n, k / 32 * kBytes]
+  const uint16_t* d;              // [n, k / 32] float16
+  const uint16_t* m;              // [n, k / 32] float16, or null (Q8_0)
+  float* y;                       // [rows, n]
+  std::unique_ptr<float[]> xsum;  // [rows, k / 32]: each block's sum of x (the m term)
+  int64_t rows, k, n, chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+#ifdef JLIGHT_AVX2
+float HorizontalSum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+// Output channels [c0, c1) for the G x rows from r0.
+template <typename Q, int G>
+void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
+  const int64_t blocks = j.k / kBlock;
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* q = j.q + c * blocks * Q::kBytes;
+    const uint16_t* d = j.d + c * blocks;
+    const uint16_t* m = j.m ? j.m + c * blocks : nullptr;
+    float mterm[G] = {};
+#ifdef JLIGHT_AVX2
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 w[4];
+      Q::Values(q + b * Q::kBytes, w);
+      const __m256 vd = _mm256_set1_ps(HalfToFloat(d[b]));
+      const float mb = m ? HalfToFloat(m[b]) : 0.0f;
+      for (int g = 0; g < G; ++g) {
+        const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+        // Two independent partial sums, so consecutive fmas do not wait on each other.
+        __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xr), w[0]);
+        __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xr + 8), w[1]);
+        t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], t0);
+        t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], t1);
+        acc[g] = _mm256_fmadd_ps(vd, _mm256_add_ps(t0, t1), acc[g]);
+        mterm[g] += mb * j.xsum[(r0 + g) * blocks + b];
+      }
+    }
+    for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = HorizontalSum(acc[g]) + mterm[g];
+#else
+    float acc[G] = {};
+    float w[kBlock];
+    for (int64_t b = 0; b < blocks; ++b) {
+      Q::Values(q + b * Q::kBytes, w);
+      const float db = HalfToFloat(d[b]), mb = m ? HalfToFloat(m[b]) : 0.0f;
+      for (int g = 0; g < G; ++g) {
+        const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+        float dot = 0.0f;
+        for (int i = 0; i < kBlock; ++i) dot += xr[i] * w[i];
+        acc[g] += db * dot;
+        mterm[g] += mb * j.xsum[(r0 + g) * blocks + b];
+      }
+    }
+    for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = acc[g] + mterm[g];
+#endif
+  }
+}
+
+template <typename Q>
+void RunChunk(const Job& j, int64_t chunk) {
+  const int64_t c0 = chunk * kChunkRows, c1 = std::min(j.n, c0 + kChunkRows);
+  int64_t r = 0;
+  for (; r + kRowGroup <= j.rows; r += kRowGroup) RowGroup<Q, kRowGroup>(j, r, c0, c1);
+  switch (j.rows - r) {
+    case 3: RowGroup<Q, 3>(j, r, c0, c1); break;
+    case 2: RowGroup<Q, 2>(j, r, c0, c1); break;
+    case 1: RowGroup<Q, 1>(j, r, c0, c1); break;
+    default: break;
+  }
+}
+
+template <typename Q>
+void Work(Job& j) {
+  for (int64_t chunk; (chunk = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
+    RunChunk<Q>(j, chunk);
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename Q>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::AnyBuffer& d,
+               const uint16_t* m, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), dd = d.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || xd[1] % kBlock != 0 || qd[0] != dd[0] ||
+      dd[1] != xd[1] / kBlock || qd[1] != dd[1] * Q::kBytes) {
+    return ffi::Error::InvalidArgument(
+        "jlight's GGUF matmul takes x [rows, k], blocks [n, k / 32 * block bytes] and scales [n, k / 32]");
+  }
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->q = static_cast<const uint8_t*>(q.untyped_data());
+  job->d = static_cast<const uint16_t*>(d.untyped_data());
+  job->m = m;
+  job->y = y->typed_data();
+  job->rows = xd[0];
+  job->k = xd[1];
+  job->n = qd[0];
+  job->chunks = (job->n + kChunkRows - 1) / kChunkRows;
+  const int64_t sums = job->rows * (job->k / kBlock);
+  job->xsum.reset(new float[sums]);
+  for (int64_t s = 0; s < sums; ++s) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) total += job->x[s * kBlock + i];
+    job->xsum[s] = total;
+  }
+  // Workers claim chunks from one counter. A helper the pool starts after the caller has claimed every
+  // chunk finds none and returns, and the caller waits only for chunks already claimed, never for a task
+  // the pool has not started: no deadlock when the pool is busy or has one thread.
+  const int64_t helpers = std::min(std::max<int64_t>(1, pool.num_threads()), job->chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work<Q>(*job); });
+  Work<Q>(*job);
+  while (job->done.load(std::memory_order_acquire) < job->chunks) {
+#ifdef JLIGHT_AVX2
+    _mm_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
+                    ffi::AnyBuffer m, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  if (m.dimensions().size() != 2 || m.dimensions()[0] != d.dimensions()[0] || m.dimensions()[1] != d.dimensions()[1]) {
+    return ffi::Error::InvalidArgument("jlight's GGUF Q4 matmul takes minimums shaped as its scales");
+  }
+  return Run<Q4>(pool, x, q, d, static_cast<const uint16_t*>(m.untyped_data()), y);
+}
+
+ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
+                    ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Run<Q8>(pool, x, q, d, nullptr, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ4Matmul, Q4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ8Matmul, Q8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,155 @@
+"""GGUF weights kept as the file stores them (jlight/core/gguf_weights.py) and the CPU kernel that multiplies
+them (pallas_kernels/gguf_matmul_cpu.py): the kernel against its reference, the blocks against gguf-py's own
+dequantization, and the default engine, which keeps SmolLM2's Q4_1 / Q8_0 weights, against transformers.
+"""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from direct_forward import hf_greedy, transformers_from_gguf
+from jlight.core.gguf_weights import GGUFQ4Weight, GGUFQ8Weight, dequantize_gguf_t
+from jlight.loading.default_model import cache_dir
+from jlight.loading.gguf_blocks import split_blocks
+from jlight.pallas_kernels import dispatch, gguf_matmul_cpu, matmul_reference
+
+HAS_COMPILER = gguf_matmul_cpu._compiler() is not None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel, built into jlight's cache; on a machine with a C++ compiler it must build."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the engine dequantizes GGUF weights instead (test_no_compiler_dequantizes)")
+    assert gguf_matmul_cpu.load(cache_dir()), "the kernel did not build with the compiler present (see the warning)"
+    return gguf_matmul_cpu.matmul
+
+
+def _blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """A [rows, k] weight quantized by gguf-py, as the file's bytes [rows, row bytes]."""
+    import gguf
+    w = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+
+
+def _device_weight(type_name: str, rows: int, k: int, seed: int = 0):
+    host = split_blocks(type_name, _blocks(type_name, rows, k, seed))
+    return host.to_device(lambda path, a: jax.device_put(a), "w")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_are_gguf_py_s_numbers(type_name):
+    """The kept blocks dequantize (d * value + m, Q4_0 as Q4_1 with m = -8 d) to exactly what gguf-py's
+    dequantization gives for the same bytes."""
+    import gguf
+    data = _blocks(type_name, 40, 96)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    w = _device_weight(type_name, 40, 96)
+    assert isinstance(w, GGUFQ8Weight if type_name == "Q8_0" else GGUFQ4Weight) and w.shape == (96, 40)
+    np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)), want)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("k,n", [(64, 33), (96, 70), (576, 200)])
+def test_kernel_matches_reference(kernel, type_name, rows, k, n):
+    w = _device_weight(type_name, n, k, seed=rows)
+    x = jnp.asarray(np.random.default_rng(rows + k).standard_normal((rows, k)), jnp.float32)
+    got = jax.jit(kernel)(x, w)
+    want = matmul_reference.matmul(x, w)
+    assert got.shape == want.shape == (rows, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_kernel_takes_leading_dims_and_out_dtype(kernel):
+    w = _device_weight("Q4_1", 48, 64)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 64)), jnp.bfloat16)
+    got = jax.jit(lambda x, w: kernel(x, w, jnp.float32))(x, w)
+    want = matmul_reference.matmul(x, w, jnp.float32)
+    assert got.shape == (2, 3, 48) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_sends_small_steps_to_the_kernel(kernel, monkeypatch):
+    """Up to gguf_kernel_max_rows rows the kernel, beyond it the reference; plain weights never see either."""
+    calls = []
+    monkeypatch.setattr(gguf_matmul_cpu, "matmul", lambda x, w, out_dtype=None: calls.append(x.shape) or kernel(x, w, out_dtype))
+    matmul = dispatch.get_kernels(gguf_kernel_max_rows=4).matmul
+    w = _device_weight("Q8_0", 40, 64)
+    for rows in (1, 4, 5):
+        matmul(jnp.ones((rows, 64), jnp.float32), w)
+    matmul(jnp.ones((1, 64), jnp.float32), jnp.ones((64, 40), jnp.float32))
+    assert calls == [(1, 64), (4, 64)]
+
+
+def test_smollm2_keeps_its_q4_1_and_q8_0_weights(smollm2_gguf):
+    """Every linear weight of the default model stays in its blocks (the tied LM head as the embedding's
+    Q8_0 blocks), and each dequantizes to exactly the float32 weight the dequantizing load makes."""
+    from jlight.loading import load_model
+    kept = load_model(smollm2_gguf, unstacked=True, keep_gguf_blocks=True).params
+    dense = load_model(smollm2_gguf, unstacked=True).params
+    assert isinstance(kept["lm_head"], GGUFQ8Weight)
+    np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(kept["lm_head"])).T, np.asarray(dense["lm_head"]))
+    np.testing.assert_array_equal(np.asarray(kept["embed"]), np.asarray(dense["embed"]))
+    for layer in (0, len(kept["layers"]) - 1):
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):  # wq/wk: llama.cpp's row order undone
+            w = kept["layers"][layer][name]
+            assert isinstance(w, GGUFQ4Weight), name
+            np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)).T, np.asarray(dense["layers"][layer][name]))
+
+
+def test_default_engine_on_kept_weights_matches_transformers(kernel, smollm2_gguf):
+    """jlight.LLM() with default options keeps the GGUF's blocks, fuses them and runs its decode steps in
+    the kernel; its greedy tokens are transformers' on the same file."""
+    import jlight
+    from jlight.engine.engine_config import EngineConfig
+    llm = jlight.LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+    layer = llm.engine.runner.params["layers"][0]
+    assert isinstance(layer["wqkv"].weight, GGUFQ4Weight) and isinstance(llm.engine.runner.params["lm_head"], GGUFQ8Weight)
+    matmul = llm.engine.runner.kernels.matmul  # dispatch.gguf_or with the rows it sends to the kernel
+    assert matmul.func is dispatch.gguf_or and matmul.args[1] == EngineConfig.gguf_kernel_max_rows > 1
+    hf_tok, hf = transformers_from_gguf(smollm2_gguf)
+    prompts = ["The three primary colors are", "def fibonacci(n):\n"]
+    ids = [hf_tok(p)["input_ids"] for p in prompts]
+    outs = llm.generate(ids, jlight.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(ids, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 12)
+
+
+def test_no_compiler_dequantizes(tmp_path, monkeypatch, caplog):
+    """Without a C++ compiler the kernel says why, and the engine loads GGUF weights dequantized."""
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.weights import keeps_gguf_blocks
+    monkeypatch.setattr(gguf_matmul_cpu, "_compiler", lambda: None)
+    monkeypatch.setattr(gguf_matmul_cpu, "_registered", [])  # as in a process that has not loaded it
+    monkeypatch.setenv("JLIGHT_CACHE", str(tmp_path))  # a cache without the built kernel
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        gguf_matmul_cpu.build(str(tmp_path))
+    assert not gguf_matmul_cpu.load(str(tmp_path))
+    assert "no C++ compiler" in caplog.text
+    assert not keeps_gguf_blocks(EngineConfig(), None, gpu=False)
+    assert not keeps_gguf_blocks(EngineConfig(gguf_weights="dequantize"), None, gpu=False)
+
+
+def test_options_that_need_dense_weights_dequantize(kernel):
+    from jlight.engine.engine_config import EngineConfig
+    from jlight.engine.weights import keeps_gguf_blocks
+    assert keeps_gguf_blocks(EngineConfig(), None, gpu=False)
+    assert not keeps_gguf_blocks(EngineConfig(quantization="int8"), None, gpu=False)
+    assert not keeps_gguf_blocks(EngineConfig(), None, gpu=True)
+    assert not keeps_gguf_blocks(EngineConfig(model="org/name"), None, gpu=False)
+    with pytest.raises(ValueError, match="gguf_weights"):
+        EngineConfig(gguf_weights="keep").validate()
+
+
+def test_kernel_library_name_follows_what_it_is_built_from(tmp_path, monkeypatch):
+    """A cache shared between machines never loads a library built for another CPU or compiler."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    compiler = gguf_matmul_cpu._compiler()
+    here = gguf_matmul_cpu.library_path(str(tmp_path), compiler)
+    monkeypatch.setattr(gguf_matmul_cpu, "_cpu_features", lambda: "flags : sse2")
+    assert gguf_matmul_cpu.library_path(str(tmp_path), compiler) != here
+    assert shutil.which(compiler)
