@@ -21,6 +21,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     p.add_argument("--fp8-w8a8-min-rows", type=int, default=None,
                    help="fp8 weights: steps of at least this many tokens multiply fp8 x fp8, smaller ones upcast the "
                         "weights (0: always fp8 x fp8; default 64)")
+    p.add_argument("--gguf-weights", default=None, choices=["auto", "dequantize"],
+                   help="a GGUF file's Q4_0/Q4_1/Q8_0 weights on the CPU: auto keeps them as stored and multiplies them "
+                        "in float32 in jlight's CPU kernel (built once with the C++ compiler); dequantize: float weights")
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
     p.add_argument("--disaggregated", default=None,
                    help='prefill and decode on separate devices in one process, e.g. "prefill=4,decode=4": a prefill '
@@ -71,7 +74,8 @@ def engine_options(args: argparse.Namespace, **defaults) -> dict:
     opts = dict(defaults)
     for name in ("dtype", "quantization", "mesh", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
                  "num_pages", "kv_cache_memory_fraction", "gpu_memory_utilization", "kv_cache_dtype", "kv_offloading_size",
-                 "disaggregated", "attention_impl", "matmul_impl", "moe_impl", "speculative_config", "fp8_w8a8_min_rows"):
+                 "disaggregated", "attention_impl", "matmul_impl", "moe_impl", "speculative_config", "fp8_w8a8_min_rows",
+                 "gguf_weights"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value

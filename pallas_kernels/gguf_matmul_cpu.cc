@@ -12,6 +12,9 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define JLIGHT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define JLIGHT_AVX512 1  // a block is two 16-lane vectors instead of four 8-lane ones
+#endif
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -71,6 +74,14 @@ struct Q4 {  // 16 bytes: weight i in the low nibble of byte i, weight 16 + i in
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
   }
 #endif
+#ifdef JLIGHT_AVX512
+  static void Values(const uint8_t* q, __m512* w) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(0xf);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+  }
+#endif
 };
 
 struct Q8 {  // 32 signed bytes
@@ -84,6 +95,12 @@ struct Q8 {  // 32 signed bytes
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
       w[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     }
+  }
+#endif
+#ifdef JLIGHT_AVX512
+  static void Values(const uint8_t* q, __m512* w) {
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
   }
 #endif
 };
@@ -117,7 +134,23 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
     const uint16_t* d = j.d + c * blocks;
     const uint16_t* m = j.m ? j.m + c * blocks : nullptr;
     float mterm[G] = {};
-#ifdef JLIGHT_AVX2
+#if defined(JLIGHT_AVX512)
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 w[2];
+      Q::Values(q + b * Q::kBytes, w);
+      const __m512 vd = _mm512_set1_ps(HalfToFloat(d[b]));
+      const float mb = m ? HalfToFloat(m[b]) : 0.0f;
+      for (int g = 0; g < G; ++g) {
+        const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+        const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]));
+        acc[g] = _mm512_fmadd_ps(vd, t, acc[g]);
+        mterm[g] += mb * j.xsum[(r0 + g) * blocks + b];
+      }
+    }
+    for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = _mm512_reduce_add_ps(acc[g]) + mterm[g];
+#elif defined(JLIGHT_AVX2)
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {

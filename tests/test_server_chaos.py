@@ -15,7 +15,7 @@ import gc
 import json
 import os
 import random
-import socket
+import http.client
 import subprocess
 import sys
 import time
@@ -67,13 +67,16 @@ def test_an_idle_connection_outlives_a_client_expiry(chaos_server):
     keep-alive, also 5 s, let a client reuse a connection the server was closing, and that request
     failed with a reset (seen once in 1,200 requests of test_many_requests_leave_memory_flat)."""
     url = urllib.parse.urlsplit(chaos_server[0].base_url)
-    request = f"GET /health HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode()
-    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
-        conn.sendall(request)
-        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
-        time.sleep(httpx.Limits().keepalive_expiry + 1)
-        conn.sendall(request)
-        assert conn.recv(4096).startswith(b"HTTP/1.1 200"), "the server closed the idle connection"
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        for idle_s in (0, httpx.Limits().keepalive_expiry + 1):
+            time.sleep(idle_s)
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 200 and response.read()
+            conn.auto_open = 0  # the second request must go over the same connection (else NotConnected)
+    finally:
+        conn.close()
 
 
 def test_health_answers_while_a_huge_request_is_prepared(chaos_server):
