@@ -6,7 +6,8 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
   matmul(x, w, out_dtype=None) -> y  (fp8 weights: W8A8-FP8 from `fp8_w8a8_min_rows` rows, weight-only below;
-    GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `gguf_kernel_max_rows` rows, else the reference)
+    GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `cpu_kernel_max_rows` rows, else the reference)
+On the CPU, steps of up to `cpu_kernel_max_rows` tokens run attention in paged_attention_cpu where it takes the inputs.
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
   causal_conv1d(x, weight, bias, conv_pool, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
@@ -31,7 +32,7 @@ from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.core.quantization import Fp8Weight, QuantizedWeight, W8A8Weight
 from jlight.core.moe_impls import MOE_IMPLS
 from jlight.pallas_kernels import (attention_reference, delta_rule_reference, gguf_matmul_cpu, mamba_reference, matmul_reference,
-                                   mla_reference, ragged_scan)
+                                   mla_reference, paged_attention_cpu, ragged_scan)
 
 IMPLS = ("auto", "reference", "pallas")
 # Attention also names its Pallas backend: "pallas" (and "auto" on GPU) is the Mosaic GPU kernel
@@ -81,13 +82,14 @@ def _use_pallas(impl: str) -> bool:
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
                 sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS,
-                gguf_kernel_max_rows: int = 0) -> Kernels:
+                cpu_kernel_max_rows: int = 0) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
     kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
     fp8_w8a8_min_rows (EngineConfig.fp8_w8a8_min_rows): fp8 weights run W8A8-FP8 in steps of at least
     this many rows and weight-only below, on every matmul_impl (XLA's fp8 dot: no Pallas fp8 kernel).
-    gguf_kernel_max_rows: GGUF block-quantized weights go to the CPU kernel (gguf_matmul_cpu, loaded by the
-    caller) in steps of at most this many rows, to the reference above (0: always the reference)."""
+    cpu_kernel_max_rows: steps of at most this many rows run the C++ CPU kernels (cpu_ffi, loaded by the caller):
+    GGUF block-quantized matmuls (gguf_matmul_cpu; the reference above) and, with attention_impl "auto",
+    paged_attention_cpu (0: the XLA references always)."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -107,6 +109,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
             # short contexts skip flash-decoding's combine
             short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
+    elif attention_impl == "auto" and cpu_kernel_max_rows:
+        attention = functools.partial(cpu_or_reference_attention, cpu_kernel_max_rows)
     # "auto" on GPU keeps XLA's matmuls but for W8A8: end to end on the H200 (Llama-3-8B shape,
     # int8 weights, batch-1 decode) XLA's fused dequantize-dot takes 4.49 ms per token against
     # 6.82 ms with the Pallas W8A16 kernels (docs/BENCHMARKS.md): a batch-1 step
@@ -122,7 +126,7 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     if fp8_w8a8_min_rows < 0:
         raise ValueError(f"fp8_w8a8_min_rows={fp8_w8a8_min_rows} must be >= 0 (0: W8A8-FP8 at every step)")
     matmul = functools.partial(fp8_or, matmul, fp8_w8a8_min_rows)
-    matmul = functools.partial(gguf_or, matmul, gguf_kernel_max_rows)
+    matmul = functools.partial(gguf_or, matmul, cpu_kernel_max_rows)
     grouped = None
     if _use_pallas(moe_impl):
         # GPU kernel modules load only when chosen.
@@ -148,6 +152,16 @@ def gguf_or(matmul, max_rows: int, x, w, out_dtype=None):
     if math.prod(x.shape[:-1]) <= max_rows:
         return gguf_matmul_cpu.matmul(x, w, out_dtype)
     return matmul_reference.matmul(x, w, out_dtype)
+
+
+def cpu_or_reference_attention(max_tokens: int, q, k_cache, v_cache, layer, md, *, scale, sliding_window=None,
+                               soft_cap=None, sinks=None):
+    """Steps of at most max_tokens tokens to paged_attention_cpu where it takes the inputs, the rest to the reference."""
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    if q.shape[0] <= max_tokens and paged_attention_cpu.takes(q, k_cache, sliding_window=sliding_window,
+                                                              soft_cap=soft_cap, sinks=sinks):
+        return paged_attention_cpu.paged_attention(q, k_cache, v_cache, layer, md, **kw)
+    return attention_reference.paged_attention(q, k_cache, v_cache, layer, md, **kw)
 
 
 # Which Pallas attention kernel "pallas"/"auto" runs on one device. The Mosaic GPU kernel, measured

@@ -30,15 +30,16 @@ class EngineConfig:
     # weight-only always. The default (64) is a placeholder until the crossover is measured on the H200
     # (benchmarks/kernel_bench.py fp8).
     fp8_w8a8_min_rows: int = FP8_W8A8_MIN_ROWS
+    # Steps of at most this many rows (tokens) run jlight's C++ kernels on the CPU (pallas_kernels/cpu_ffi.py:
+    # compiled once per machine with the C++ compiler, one device): GGUF block-quantized matmuls and decode
+    # attention; larger steps (prefill) run the XLA references. 0: the references always.
+    cpu_kernel_max_rows: int = 16
     # A GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights on the CPU. "auto": kept as the file stores them (0.6-1.1
     # bytes a weight instead of float32's 4: batch-1 decode reads a fifth of the bytes) and multiplied in float32
-    # by jlight's CPU kernel (pallas_kernels/gguf_matmul_cpu.py, built once per machine with the C++ compiler),
-    # on one device without quantization; without a compiler, dequantized. "dequantize": every weight
-    # dequantized to the model dtype at load (what GPUs and meshes always do).
+    # by the CPU kernel (pallas_kernels/gguf_matmul_cpu.py), where the CPU kernels run (above) and no
+    # quantization is asked; else dequantized. "dequantize": every weight dequantized to the model dtype at load
+    # (what GPUs and meshes always do).
     gguf_weights: str = "auto"
-    # Steps of at most this many rows (tokens) multiply kept GGUF weights in the CPU kernel, larger ones
-    # (prefill) dequantize them and run XLA's dot.
-    gguf_kernel_max_rows: int = 16
     mesh: str | None = None  # e.g. "tp=2"; None: one device
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
@@ -156,8 +157,8 @@ class EngineConfig:
             bad("fp8_w8a8_min_rows", "must be >= 0 (0: W8A8-FP8 at every step)")
         if self.gguf_weights not in ("auto", "dequantize"):
             bad("gguf_weights", "must be 'auto' (kept as stored on the CPU) or 'dequantize'")
-        if self.gguf_kernel_max_rows < 0:
-            bad("gguf_kernel_max_rows", "must be >= 0 (0: never the kernel)")
+        if self.cpu_kernel_max_rows < 0:
+            bad("cpu_kernel_max_rows", "must be >= 0 (0: the XLA references always)")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype), 'fp8' (e4m3) or 'int8'")
         if self.moe_impl not in MOE_IMPLS:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import jax
 
-from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.core.quantization import QUANTIZABLE, transpose_to_kmajor
 from jlight.engine.engine_config import EngineConfig
 from jlight.loading.default_model import cache_dir
 from jlight.models.layers import FUSED_PROJECTIONS
 from jlight.models.module import Layout
-from jlight.pallas_kernels import gguf_matmul_cpu
+from jlight.pallas_kernels import cpu_ffi
 from jlight.pallas_kernels.dispatch import kmajor_weight_types
 from jlight.quantization.rtn import quantize_unless_stored
 from jlight.sharding.plan import ShardingPlan
@@ -60,20 +59,16 @@ def unrolls(cfg: EngineConfig, family, gpu: bool) -> bool:
     return unroll and (family is None or hasattr(family, "unstack_layers"))
 
 
+def cpu_kernels_ready(cfg: EngineConfig, mesh, gpu: bool) -> bool:
+    """Whether jlight's C++ CPU kernels run this engine's small steps (EngineConfig.cpu_kernel_max_rows): on
+    the CPU, one device, and the kernels' library built (once per machine, into jlight's cache) and loaded."""
+    return bool(cfg.cpu_kernel_max_rows) and not gpu and mesh is None and cpu_ffi.load(cache_dir())
+
+
 def keeps_gguf_blocks(cfg: EngineConfig, mesh, gpu: bool) -> bool:
     """Whether the engine loads a GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights as stored
-    (EngineConfig.gguf_weights "auto"): a GGUF model on the CPU, one device, no quantization asked, and
-    the CPU kernel for them built (once per machine, into jlight's cache) and loaded."""
+    (EngineConfig.gguf_weights "auto"): a GGUF model, no quantization asked, and the CPU kernels ready."""
     gguf = cfg.model is None or str(cfg.model).endswith(".gguf")
-    if cfg.gguf_weights != "auto" or not gguf or gpu or mesh is not None or cfg.quantization:
+    if cfg.gguf_weights != "auto" or not gguf or cfg.quantization:
         return False
-    return gguf_matmul_cpu.load(cache_dir())
-
-
-def gguf_kernel_max_rows(cfg: EngineConfig, params, gpu: bool) -> int:
-    """The step rows up to which GGUF weights in `params` run the CPU kernel (dispatch.get_kernels); 0 where
-    there are none, on a GPU, or where the kernel cannot load (the reference dequantizes them instead)."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, GGUF_WEIGHTS))
-    if gpu or not any(isinstance(leaf, GGUF_WEIGHTS) for leaf in leaves) or not gguf_matmul_cpu.load(cache_dir()):
-        return 0
-    return cfg.gguf_kernel_max_rows
+    return cpu_kernels_ready(cfg, mesh, gpu)

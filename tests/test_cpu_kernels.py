@@ -1,6 +1,7 @@
-"""GGUF weights kept as the file stores them (jlight/core/gguf_weights.py) and the CPU kernel that multiplies
-them (pallas_kernels/gguf_matmul_cpu.py): the kernel against its reference, the blocks against gguf-py's own
-dequantization, and the default engine, which keeps SmolLM2's Q4_1 / Q8_0 weights, against transformers.
+"""jlight's C++ CPU kernels (pallas_kernels/cpu_ffi.py): GGUF weights kept as the file stores them
+(jlight/core/gguf_weights.py) and the kernel that multiplies them (gguf_matmul_cpu), decode attention
+(paged_attention_cpu), each against its XLA reference; the blocks against gguf-py's own dequantization; and
+the default engine, which keeps SmolLM2's Q4_1 / Q8_0 weights and runs both kernels, against transformers.
 """
 import shutil
 
@@ -13,17 +14,17 @@ from direct_forward import hf_greedy, transformers_from_gguf
 from jlight.core.gguf_weights import GGUFQ4Weight, GGUFQ8Weight, dequantize_gguf_t
 from jlight.loading.default_model import cache_dir
 from jlight.loading.gguf_blocks import split_blocks
-from jlight.pallas_kernels import dispatch, gguf_matmul_cpu, matmul_reference
+from jlight.pallas_kernels import attention_reference, cpu_ffi, dispatch, gguf_matmul_cpu, matmul_reference, paged_attention_cpu
 
-HAS_COMPILER = gguf_matmul_cpu._compiler() is not None
+HAS_COMPILER = cpu_ffi._compiler() is not None
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    """The kernel, built into jlight's cache; on a machine with a C++ compiler it must build."""
+    """The GGUF matmul, built into jlight's cache; on a machine with a C++ compiler it must build."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler: the engine dequantizes GGUF weights instead (test_no_compiler_dequantizes)")
-    assert gguf_matmul_cpu.load(cache_dir()), "the kernel did not build with the compiler present (see the warning)"
+    assert cpu_ffi.load(cache_dir()), "the CPU kernels did not build with the compiler present (see the warning)"
     return gguf_matmul_cpu.matmul
 
 
@@ -73,10 +74,10 @@ def test_kernel_takes_leading_dims_and_out_dtype(kernel):
 
 
 def test_dispatch_sends_small_steps_to_the_kernel(kernel, monkeypatch):
-    """Up to gguf_kernel_max_rows rows the kernel, beyond it the reference; plain weights never see either."""
+    """Up to cpu_kernel_max_rows rows the kernel, beyond it the reference; plain weights never see either."""
     calls = []
     monkeypatch.setattr(gguf_matmul_cpu, "matmul", lambda x, w, out_dtype=None: calls.append(x.shape) or kernel(x, w, out_dtype))
-    matmul = dispatch.get_kernels(gguf_kernel_max_rows=4).matmul
+    matmul = dispatch.get_kernels(cpu_kernel_max_rows=4).matmul
     w = _device_weight("Q8_0", 40, 64)
     for rows in (1, 4, 5):
         matmul(jnp.ones((rows, 64), jnp.float32), w)
@@ -102,14 +103,15 @@ def test_smollm2_keeps_its_q4_1_and_q8_0_weights(smollm2_gguf):
 
 def test_default_engine_on_kept_weights_matches_transformers(kernel, smollm2_gguf):
     """jlight.LLM() with default options keeps the GGUF's blocks, fuses them and runs its decode steps in
-    the kernel; its greedy tokens are transformers' on the same file."""
+    the CPU kernels (matmuls and attention); its greedy tokens are transformers' on the same file."""
     import jlight
     from jlight.engine.engine_config import EngineConfig
     llm = jlight.LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
     layer = llm.engine.runner.params["layers"][0]
     assert isinstance(layer["wqkv"].weight, GGUFQ4Weight) and isinstance(llm.engine.runner.params["lm_head"], GGUFQ8Weight)
     matmul = llm.engine.runner.kernels.matmul  # dispatch.gguf_or with the rows it sends to the kernel
-    assert matmul.func is dispatch.gguf_or and matmul.args[1] == EngineConfig.gguf_kernel_max_rows > 1
+    assert matmul.func is dispatch.gguf_or and matmul.args[1] == EngineConfig.cpu_kernel_max_rows > 1
+    assert llm.engine.runner.kernels.paged_attention.func is dispatch.cpu_or_reference_attention
     hf_tok, hf = transformers_from_gguf(smollm2_gguf)
     prompts = ["The three primary colors are", "def fibonacci(n):\n"]
     ids = [hf_tok(p)["input_ids"] for p in prompts]
@@ -119,15 +121,15 @@ def test_default_engine_on_kept_weights_matches_transformers(kernel, smollm2_ggu
 
 
 def test_no_compiler_dequantizes(tmp_path, monkeypatch, caplog):
-    """Without a C++ compiler the kernel says why, and the engine loads GGUF weights dequantized."""
+    """Without a C++ compiler the kernels say why, and the engine loads GGUF weights dequantized."""
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.weights import keeps_gguf_blocks
-    monkeypatch.setattr(gguf_matmul_cpu, "_compiler", lambda: None)
-    monkeypatch.setattr(gguf_matmul_cpu, "_registered", [])  # as in a process that has not loaded it
+    monkeypatch.setattr(cpu_ffi, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_ffi, "_registered", [])  # as in a process that has not loaded it
     monkeypatch.setenv("JLIGHT_CACHE", str(tmp_path))  # a cache without the built kernel
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        gguf_matmul_cpu.build(str(tmp_path))
-    assert not gguf_matmul_cpu.load(str(tmp_path))
+        cpu_ffi.build(str(tmp_path))
+    assert not cpu_ffi.load(str(tmp_path))
     assert "no C++ compiler" in caplog.text
     assert not keeps_gguf_blocks(EngineConfig(), None, gpu=False)
     assert not keeps_gguf_blocks(EngineConfig(gguf_weights="dequantize"), None, gpu=False)
@@ -148,8 +150,44 @@ def test_kernel_library_name_follows_what_it_is_built_from(tmp_path, monkeypatch
     """A cache shared between machines never loads a library built for another CPU or compiler."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
-    compiler = gguf_matmul_cpu._compiler()
-    here = gguf_matmul_cpu.library_path(str(tmp_path), compiler)
-    monkeypatch.setattr(gguf_matmul_cpu, "_cpu_features", lambda: "flags : sse2")
-    assert gguf_matmul_cpu.library_path(str(tmp_path), compiler) != here
+    compiler = cpu_ffi._compiler()
+    here = cpu_ffi.library_path(str(tmp_path), compiler)
+    monkeypatch.setattr(cpu_ffi, "_cpu_features", lambda: "flags : sse2")
+    assert cpu_ffi.library_path(str(tmp_path), compiler) != here
     assert shutil.which(compiler)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("q_lens,context_lens,num_tokens", [
+    ([1], [1], 1),  # a first decode token
+    ([1, 1, 1], [37, 5, 64], 4),  # decode rows and a padding token
+    ([3, 1, 5], [40, 9, 5], 16),  # speculative verify rows (several new tokens a row), a prompt, padding
+])
+def test_attention_matches_reference(kernel, page_size, heads, kv_heads, q_lens, context_lens, num_tokens):
+    from kernel_batches import check_attention_output, random_batch, reference_attention
+    rng = np.random.default_rng(page_size + heads)
+    layers, num_pages, dim = 3, 48, 64
+    md = random_batch(rng, q_lens, context_lens, page_size=page_size, num_pages=num_pages, num_tokens=num_tokens,
+                      max_pages=-(-80 // page_size))
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((layers, num_pages, page_size, kv_heads, dim)), jnp.float32)
+                        for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((num_tokens, heads, dim)), jnp.float32)
+    for layer in (0, 2):
+        got = jax.jit(paged_attention_cpu.paged_attention, static_argnames="scale")(
+            q, k_cache, v_cache, jnp.int32(layer), md, scale=dim ** -0.5)
+        check_attention_output(got, reference_attention(q, k_cache, v_cache, layer, md, scale=dim ** -0.5), md, jnp.float32)
+
+
+def test_attention_dispatch_keeps_the_reference_for_what_the_kernel_does_not_take(kernel, monkeypatch):
+    """Steps above cpu_kernel_max_rows, sliding windows, soft caps, sinks and quantized pools go to the reference."""
+    calls = []
+    monkeypatch.setattr(paged_attention_cpu, "paged_attention", lambda *a, **kw: calls.append("kernel"))
+    monkeypatch.setattr(attention_reference, "paged_attention", lambda *a, **kw: calls.append("reference"))
+    attention = dispatch.get_kernels(cpu_kernel_max_rows=4).paged_attention
+    pool = jnp.zeros((1, 2, 4, 1, 8), jnp.float32)
+    for tokens, kw in ((4, {}), (5, {}), (1, {"sliding_window": 8}), (1, {"soft_cap": 30.0}),
+                       (1, {"sinks": jnp.zeros(2)})):
+        attention(jnp.zeros((tokens, 2, 8)), pool, pool, 0, None, scale=1.0, **kw)
+    attention(jnp.zeros((1, 2, 8)), pool.astype(jnp.bfloat16), pool, 0, None, scale=1.0)
+    assert calls == ["kernel"] + ["reference"] * 5
