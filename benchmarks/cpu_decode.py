@@ -7,7 +7,9 @@ transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run 
   is not timed); warm: the same command again over the cache the cold run filled.
 - Decode: greedy, a 64-token prompt (a new one each call, so no prefix-cache hit), batch 1; tokens/s excludes
   the prefill: (N - 1) / (time for N new tokens - time for 1 new token), the median of --repeats calls.
-  jlight: `jlight.LLM()` (default options: float32 on the CPU, every bucket compiled at start-up);
+  jlight: `jlight.LLM()` (default options: on the CPU the GGUF's Q4_1 / Q8_0 linear weights kept as stored and
+  multiplied in float32 by jlight's C++ kernels, every bucket compiled at start-up); jlight-f32: the same with
+  every weight dequantized to float32 at load (`gguf_weights="dequantize"`);
   transformers: the same GGUF dequantized to float32, eager, torch threads = the cores; llama.cpp: the same
   weights as a float32 GGUF (dequantized from the Q4_1 file, the numbers jlight runs), and the Q4_1 file
   itself (llama.cpp's own 4-bit kernels), threads = the cores.
@@ -21,7 +23,7 @@ transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run 
   host's CPU use just before each is recorded: on a shared machine, quiet means "busy" near 0.
 
   python benchmarks/cpu_decode.py [--new-tokens 128] [--repeats 3] [--first-answers 3] [--out DIR]
-                                  [--engines jlight,f32-line,transformers,llama.cpp-f32,llama.cpp-q4_1]
+                                  [--engines jlight,jlight-f32,f32-line,transformers,llama.cpp-f32,llama.cpp-q4_1]
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import result_header  # noqa: E402
 
 PROMPT = "What is the capital of France?"
-ENGINES = ("jlight", "f32-line", "transformers", "llama.cpp-f32", "llama.cpp-q4_1", "jlight-ngram")
+ENGINES = ("jlight", "jlight-f32", "f32-line", "transformers", "llama.cpp-f32", "llama.cpp-q4_1", "jlight-ngram")
 
 
 def cpu_busy(window: float = 2.0) -> float:
@@ -76,23 +78,36 @@ def decode_rate(generate, n_new: int, repeats: int) -> dict:
     return {"decode_tok_s": float(np.median(rates)), "decode_tok_s_all": rates}
 
 
-def jlight_child(gguf: str, n_new: int, repeats: int) -> dict:
+def jlight_child(gguf: str, n_new: int, repeats: int, **options) -> dict:
+    """jlight.LLM(**options) on the default model (default options: the GGUF's Q4_1 / Q8_0 weights kept and
+    multiplied in float32 by the CPU kernels). weight_bytes: what a decode step reads of the weights (all
+    but the embedding, of which it reads a row)."""
     import jax
 
     import jlight
     from jlight import SamplingParams
 
     t = time.perf_counter()
-    llm = jlight.LLM()  # the default model, default options
+    llm = jlight.LLM(**options)
     start_s = time.perf_counter() - t
 
     def generate(prompt, n):
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
     engine = llm.engine
-    return {"engine": f"jlight (jax {jax.__version__})", "start_s": start_s,
-            "buckets": engine.runner.buckets, "dtype": str(jax.tree.leaves(engine.runner.params)[0].dtype),
-            **decode_rate(generate, n_new, repeats)}
+    params = engine.runner.params
+    kinds = sorted({type(w).__name__ if hasattr(w, "_fields") else str(w.dtype)
+                    for w in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "_fields"))})
+    weight_bytes = sum(a.nbytes for k, v in params.items() if k != "embed" for a in jax.tree.leaves(v))
+    rate = decode_rate(generate, n_new, repeats)
+    name = f"jlight (jax {jax.__version__}{', ' + ', '.join(f'{k}={v}' for k, v in options.items()) if options else ''})"
+    return {"engine": name, "start_s": start_s, "buckets": engine.runner.buckets, "weights": kinds,
+            "weight_bytes": weight_bytes, "read_gb_s": weight_bytes * rate["decode_tok_s"] / 1e9, **rate}
+
+
+def jlight_f32_child(gguf: str, n_new: int, repeats: int) -> dict:
+    """jlight with every weight dequantized to float32 at load (the CPU kernels still run its attention)."""
+    return jlight_child(gguf, n_new, repeats, gguf_weights="dequantize")
 
 
 def f32_line_child(gguf: str, n_new: int, repeats: int) -> dict:
@@ -260,7 +275,7 @@ def jlight_ngram_child(gguf: str, n_new: int, repeats: int) -> dict:
             "decode_tok_s": float(np.median([r["ngram_tok_s"] for r in table])), "prompts": table}
 
 
-CHILDREN = {"jlight": jlight_child, "f32-line": f32_line_child, "jlight-ngram": jlight_ngram_child,
+CHILDREN = {"jlight": jlight_child, "jlight-f32": jlight_f32_child, "f32-line": f32_line_child, "jlight-ngram": jlight_ngram_child,
             "transformers": transformers_child, "llama.cpp-f32": llama_cpp_child,
             "llama.cpp-q4_1": llama_cpp_child}
 
@@ -327,6 +342,13 @@ def main():
     try:
         if a.first_answers:
             result["first_answer"] = first_answers(a.first_answers, work)
+            # The C++ CPU kernels compile once per machine, at the first start after install (then they are in
+            # $JLIGHT_CACHE/kernels, which the cold answers above keep): that one-time build, into an empty cache.
+            from jlight.pallas_kernels import cpu_ffi
+            t = time.perf_counter()
+            cpu_ffi.build(os.path.join(work, "kernel_cache"))
+            result["first_answer"]["kernel_build_s"] = time.perf_counter() - t
+            print(f"one-time build of the CPU kernels: {result['first_answer']['kernel_build_s']:.1f} s", flush=True)
         sources = {"llama.cpp-f32": f32_gguf(gguf, os.path.join(os.path.dirname(gguf), "SmolLM2-135M-Instruct.F32.gguf"))
                    if "llama.cpp-f32" in engines else None, "llama.cpp-q4_1": gguf}
         runs: dict[str, list] = {e: [] for e in engines}

@@ -126,7 +126,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     if fp8_w8a8_min_rows < 0:
         raise ValueError(f"fp8_w8a8_min_rows={fp8_w8a8_min_rows} must be >= 0 (0: W8A8-FP8 at every step)")
     matmul = functools.partial(fp8_or, matmul, fp8_w8a8_min_rows)
-    matmul = functools.partial(gguf_or, matmul, cpu_kernel_max_rows)
+    if cpu_kernel_max_rows:  # elsewhere GGUF weights (which only the CPU engine keeps) go to the reference
+        matmul = functools.partial(gguf_or, matmul, cpu_kernel_max_rows)
     grouped = None
     if _use_pallas(moe_impl):
         # GPU kernel modules load only when chosen.
