@@ -25,7 +25,11 @@ namespace {
 
 constexpr int64_t kBlock = 32;      // weights a block
 constexpr int64_t kChunkRows = 32;  // output channels a worker claims at a time
-constexpr int64_t kRowGroup = 4;    // x rows one pass over a chunk's weights serves
+#ifdef JLIGHT_AVX512
+constexpr int64_t kRowGroup = 8;  // x rows one pass over a chunk's weights serves (two sums a row in registers)
+#else
+constexpr int64_t kRowGroup = 4;
+#endif
 
 float HalfToFloat(uint16_t h) {
 #ifdef JLIGHT_AVX2
@@ -135,41 +139,70 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
     const uint16_t* m = j.m ? j.m + c * blocks : nullptr;
     float mterm[G] = {};
 #if defined(JLIGHT_AVX512)
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 w[2];
-      Q::Values(q + b * Q::kBytes, w);
-      const __m512 vd = _mm512_set1_ps(HalfToFloat(d[b]));
-      const float mb = m ? HalfToFloat(m[b]) : 0.0f;
-      for (int g = 0; g < G; ++g) {
-        const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+    if constexpr (G == 1) {
+      // One row: d * (x . values) a block, the m term from the block sums of x (xsum): no dequantizing fma.
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512 w[2];
+        Q::Values(q + b * Q::kBytes, w);
+        const float* xr = j.x + r0 * j.k + b * kBlock;
         const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]));
-        acc[g] = _mm512_fmadd_ps(vd, t, acc[g]);
-        mterm[g] += mb * j.xsum[(r0 + g) * blocks + b];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(HalfToFloat(d[b])), t, acc);
+        if (m) mterm[0] += HalfToFloat(m[b]) * j.xsum[r0 * blocks + b];
       }
+      j.y[r0 * j.n + c] = _mm512_reduce_add_ps(acc) + mterm[0];
+    } else {
+      // Several rows: the block dequantized once (d * values + m), then two fmas a row.
+      __m512 acc[G][2];
+      for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512 w[2];
+        Q::Values(q + b * Q::kBytes, w);
+        const __m512 vd = _mm512_set1_ps(HalfToFloat(d[b])), vm = _mm512_set1_ps(m ? HalfToFloat(m[b]) : 0.0f);
+        w[0] = _mm512_fmadd_ps(vd, w[0], vm);
+        w[1] = _mm512_fmadd_ps(vd, w[1], vm);
+        for (int g = 0; g < G; ++g) {
+          const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+          acc[g][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w[0], acc[g][0]);
+          acc[g][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], acc[g][1]);
+        }
+      }
+      for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
     }
-    for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = _mm512_reduce_add_ps(acc[g]) + mterm[g];
 #elif defined(JLIGHT_AVX2)
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256 w[4];
-      Q::Values(q + b * Q::kBytes, w);
-      const __m256 vd = _mm256_set1_ps(HalfToFloat(d[b]));
-      const float mb = m ? HalfToFloat(m[b]) : 0.0f;
-      for (int g = 0; g < G; ++g) {
-        const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+    if constexpr (G == 1) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256 w[4];
+        Q::Values(q + b * Q::kBytes, w);
+        const float* xr = j.x + r0 * j.k + b * kBlock;
         // Two independent partial sums, so consecutive fmas do not wait on each other.
         __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xr), w[0]);
         __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xr + 8), w[1]);
         t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], t0);
         t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], t1);
-        acc[g] = _mm256_fmadd_ps(vd, _mm256_add_ps(t0, t1), acc[g]);
-        mterm[g] += mb * j.xsum[(r0 + g) * blocks + b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToFloat(d[b])), _mm256_add_ps(t0, t1), acc);
+        if (m) mterm[0] += HalfToFloat(m[b]) * j.xsum[r0 * blocks + b];
       }
+      j.y[r0 * j.n + c] = HorizontalSum(acc) + mterm[0];
+    } else {
+      __m256 acc[G][2];
+      for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256 w[4];
+        Q::Values(q + b * Q::kBytes, w);
+        const __m256 vd = _mm256_set1_ps(HalfToFloat(d[b])), vm = _mm256_set1_ps(m ? HalfToFloat(m[b]) : 0.0f);
+        for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(vd, w[i], vm);
+        for (int g = 0; g < G; ++g) {
+          const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
+          acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], acc[g][1]);
+          acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], acc[g][1]);
+        }
+      }
+      for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = HorizontalSum(_mm256_add_ps(acc[g][0], acc[g][1]));
     }
-    for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = HorizontalSum(acc[g]) + mterm[g];
 #else
     float acc[G] = {};
     float w[kBlock];
@@ -195,6 +228,10 @@ void RunChunk(const Job& j, int64_t chunk) {
   int64_t r = 0;
   for (; r + kRowGroup <= j.rows; r += kRowGroup) RowGroup<Q, kRowGroup>(j, r, c0, c1);
   switch (j.rows - r) {
+    case 7: RowGroup<Q, 7>(j, r, c0, c1); break;
+    case 6: RowGroup<Q, 6>(j, r, c0, c1); break;
+    case 5: RowGroup<Q, 5>(j, r, c0, c1); break;
+    case 4: RowGroup<Q, 4>(j, r, c0, c1); break;
     case 3: RowGroup<Q, 3>(j, r, c0, c1); break;
     case 2: RowGroup<Q, 2>(j, r, c0, c1); break;
     case 1: RowGroup<Q, 1>(j, r, c0, c1); break;
