@@ -53,7 +53,7 @@ def test_blocks_are_gguf_py_s_numbers(type_name):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 11, 16])
 @pytest.mark.parametrize("k,n", [(64, 33), (96, 70), (576, 200)])
 def test_kernel_matches_reference(kernel, type_name, rows, k, n):
     w = _device_weight(type_name, n, k, seed=rows)

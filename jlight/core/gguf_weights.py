@@ -8,7 +8,8 @@ share a float16 scale d (and, for Q4_1, a float16 minimum m):
   GGUFQ8Weight (Q8_0): weight = d * value, the values int8.
 Kept so, a weight costs 0.625 (Q4) or 1.0625 (Q8) bytes instead of float32's 4: batch-1 decode on the
 CPU reads a fifth of the bytes (pallas_kernels/gguf_matmul_cpu.py multiplies them in float32, each
-weight dequantized in registers). `dequantize_gguf` gives the float weights the loader would have made.
+weight dequantized in registers). `dequantize_gguf_t` gives the float weights the loader would have made
+([out, in]: the transpose of the [in, out] the other linear weights are).
 Both are NamedTuples of arrays, so stacking (lax.scan), slicing and fusing (concatenated on `out`, the
 rows: models/layers.fuse_projections) treat them as any weight; `shape` is the logical [..., in, out].
 """
