@@ -105,6 +105,7 @@ def test_default_engine_on_kept_weights_matches_transformers(kernel, smollm2_ggu
     """jlight.LLM() with default options keeps the GGUF's blocks, fuses them and runs its decode steps in
     the CPU kernels (matmuls and attention); its greedy tokens are transformers' on the same file."""
     import jlight
+    from jlight.engine import startup
     from jlight.engine.engine_config import EngineConfig
     llm = jlight.LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
     layer = llm.engine.runner.params["layers"][0]
@@ -112,6 +113,9 @@ def test_default_engine_on_kept_weights_matches_transformers(kernel, smollm2_ggu
     matmul = llm.engine.runner.kernels.matmul  # dispatch.gguf_or with the rows it sends to the kernel
     assert matmul.func is dispatch.gguf_or and matmul.args[1] == EngineConfig.cpu_kernel_max_rows > 1
     assert llm.engine.runner.kernels.paged_attention.func is dispatch.cpu_or_reference_attention
+    runner = llm.engine.runner
+    plan = startup.memory_plan(runner.params, runner.k_cache, runner.v_cache, 8, 16)
+    assert "(121 linear weights in the GGUF's own blocks)" in plan  # 30 layers x (q/k/v, o, gate/up, down), LM head
     hf_tok, hf = transformers_from_gguf(smollm2_gguf)
     prompts = ["The three primary colors are", "def fibonacci(n):\n"]
     ids = [hf_tok(p)["input_ids"] for p in prompts]

@@ -32,6 +32,7 @@ import os
 
 import jax
 
+from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.engine import kv_groups
 from jlight.engine.executable_store import ExecutableStore
 from jlight.engine.host_tier import HostTier
@@ -99,7 +100,9 @@ def memory_plan(params, k_cache, v_cache, num_pages: int, page_size: int) -> str
     device = next(iter(leaves[0].devices())) if leaves else jax.local_devices()[0]
     weights = _bytes_on(device, params)
     kv = _bytes_on(device, (k_cache, v_cache))
-    line = (f"memory on {device.platform}:{device.id}: weights {fmt_bytes(weights)}, KV cache {num_pages - 1:,} pages of "
+    kept = sum(isinstance(w, GGUF_WEIGHTS) for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, GGUF_WEIGHTS)))
+    weights_text = fmt_bytes(weights) + (f" ({kept} linear weights in the GGUF's own blocks)" if kept else "")
+    line = (f"memory on {device.platform}:{device.id}: weights {weights_text}, KV cache {num_pages - 1:,} pages of "
             f"{page_size} tokens ({(num_pages - 1) * page_size:,} tokens) = {fmt_bytes(kv)}")
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
