@@ -24,6 +24,8 @@ def kernel():
     """The GGUF matmul, built into jlight's cache; on a machine with a C++ compiler it must build."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler: the engine dequantizes GGUF weights instead (test_no_compiler_dequantizes)")
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU kernels run on the CPU backend (a GPU engine dequantizes GGUF weights)")
     assert cpu_ffi.load(cache_dir()), "the CPU kernels did not build with the compiler present (see the warning)"
     return gguf_matmul_cpu.matmul
 
