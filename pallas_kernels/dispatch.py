@@ -6,7 +6,7 @@
   write_kv(k_cache, v_cache, layer, k, v, slot_mapping) -> (k_cache, v_cache)
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
   matmul(x, w, out_dtype=None) -> y  (fp8 weights: W8A8-FP8 from `fp8_w8a8_min_rows` rows, weight-only below;
-    GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `cpu_kernel_max_rows` rows, else the reference)
+    GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `gguf_kernel_max_rows` rows, else the reference)
 On the CPU, steps of up to `cpu_kernel_max_rows` tokens run attention in paged_attention_cpu where it takes the inputs.
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
@@ -82,14 +82,14 @@ def _use_pallas(impl: str) -> bool:
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
                 sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS,
-                cpu_kernel_max_rows: int = 0) -> Kernels:
+                cpu_kernel_max_rows: int = 0, gguf_kernel_max_rows: int = 0) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
     kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
     fp8_w8a8_min_rows (EngineConfig.fp8_w8a8_min_rows): fp8 weights run W8A8-FP8 in steps of at least
     this many rows and weight-only below, on every matmul_impl (XLA's fp8 dot: no Pallas fp8 kernel).
-    cpu_kernel_max_rows: steps of at most this many rows run the C++ CPU kernels (cpu_ffi, loaded by the caller):
-    GGUF block-quantized matmuls (gguf_matmul_cpu; the reference above) and, with attention_impl "auto",
-    paged_attention_cpu (0: the XLA references always)."""
+    cpu_kernel_max_rows: steps of at most this many tokens run paged_attention_cpu (with attention_impl "auto"),
+    gguf_kernel_max_rows: steps of at most this many rows multiply GGUF block-quantized weights in gguf_matmul_cpu
+    (the reference above); both C++ CPU kernels (cpu_ffi), loaded by the caller (0: the XLA reference)."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -126,8 +126,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     if fp8_w8a8_min_rows < 0:
         raise ValueError(f"fp8_w8a8_min_rows={fp8_w8a8_min_rows} must be >= 0 (0: W8A8-FP8 at every step)")
     matmul = functools.partial(fp8_or, matmul, fp8_w8a8_min_rows)
-    if cpu_kernel_max_rows:  # elsewhere GGUF weights (which only the CPU engine keeps) go to the reference
-        matmul = functools.partial(gguf_or, matmul, cpu_kernel_max_rows)
+    if gguf_kernel_max_rows:  # elsewhere GGUF weights (which only the CPU engine keeps) go to the reference
+        matmul = functools.partial(gguf_or, matmul, gguf_kernel_max_rows)
     grouped = None
     if _use_pallas(moe_impl):
         # GPU kernel modules load only when chosen.

@@ -6,7 +6,7 @@ Batch-1 decode on the CPU is a chain of one-row matmuls that read every weight o
 move 4 bytes a weight; kept as Q4_1 they move 0.625, and the kernel dequantizes each block in
 registers (d * (x . values) + m * sum(x)), on XLA's intra-op threads, output channels split between
 them. Same signature as matmul_reference.matmul for GGUF weights (the reference dequantizes them and
-runs XLA's dot); dispatch sends steps of up to `cpu_kernel_max_rows` rows here.
+runs XLA's dot); dispatch sends steps of up to `gguf_kernel_max_rows` rows here.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def test_blocks_are_gguf_py_s_numbers(type_name):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 11, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 11, 16, 45])
 @pytest.mark.parametrize("k,n", [(64, 33), (96, 70), (576, 200)])
 def test_kernel_matches_reference(kernel, type_name, rows, k, n):
     w = _device_weight(type_name, n, k, seed=rows)
@@ -76,10 +76,10 @@ def test_kernel_takes_leading_dims_and_out_dtype(kernel):
 
 
 def test_dispatch_sends_small_steps_to_the_kernel(kernel, monkeypatch):
-    """Up to cpu_kernel_max_rows rows the kernel, beyond it the reference; plain weights never see either."""
+    """Up to gguf_kernel_max_rows rows the kernel, beyond it the reference; plain weights never see either."""
     calls = []
     monkeypatch.setattr(gguf_matmul_cpu, "matmul", lambda x, w, out_dtype=None: calls.append(x.shape) or kernel(x, w, out_dtype))
-    matmul = dispatch.get_kernels(cpu_kernel_max_rows=4).matmul
+    matmul = dispatch.get_kernels(gguf_kernel_max_rows=4).matmul
     w = _device_weight("Q8_0", 40, 64)
     for rows in (1, 4, 5):
         matmul(jnp.ones((rows, 64), jnp.float32), w)
@@ -113,7 +113,7 @@ def test_default_engine_on_kept_weights_matches_transformers(kernel, smollm2_ggu
     layer = llm.engine.runner.params["layers"][0]
     assert isinstance(layer["wqkv"].weight, GGUFQ4Weight) and isinstance(llm.engine.runner.params["lm_head"], GGUFQ8Weight)
     matmul = llm.engine.runner.kernels.matmul  # dispatch.gguf_or with the rows it sends to the kernel
-    assert matmul.func is dispatch.gguf_or and matmul.args[1] == EngineConfig.cpu_kernel_max_rows > 1
+    assert matmul.func is dispatch.gguf_or and matmul.args[1] == EngineConfig.gguf_kernel_max_rows > 1
     assert llm.engine.runner.kernels.paged_attention.func is dispatch.cpu_or_reference_attention
     runner = llm.engine.runner
     plan = startup.memory_plan(runner.params, runner.k_cache, runner.v_cache, 8, 16)

@@ -30,10 +30,14 @@ class EngineConfig:
     # weight-only always. The default (64) is a placeholder until the crossover is measured on the H200
     # (benchmarks/kernel_bench.py fp8).
     fp8_w8a8_min_rows: int = FP8_W8A8_MIN_ROWS
-    # Steps of at most this many rows (tokens) run jlight's C++ kernels on the CPU (pallas_kernels/cpu_ffi.py:
-    # compiled once per machine with the C++ compiler, one device): GGUF block-quantized matmuls and decode
-    # attention; larger steps (prefill) run the XLA references. 0: the references always.
+    # Steps of at most this many tokens run jlight's C++ decode attention on the CPU (pallas_kernels/cpu_ffi.py:
+    # compiled once per machine with the C++ compiler, one device); larger steps (prefill) run the XLA
+    # reference, whose query blocks share their page reads. 0: no C++ kernel at all (GGUF weights dequantized).
     cpu_kernel_max_rows: int = 16
+    # Steps of at most this many rows multiply kept GGUF weights in the C++ kernel, larger ones dequantize them
+    # and run XLA's dot. Over SmolLM2's layers (2 cores) the kernel took 30.7 / 96.3 / 191.9 / 326.7 ms at
+    # 16 / 64 / 128 / 256 rows, the dequantize-and-dot 155.7 / 188.9 / 242.1 / 334.5 ms.
+    gguf_kernel_max_rows: int = 256
     # A GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights on the CPU. "auto": kept as the file stores them (0.6-1.1
     # bytes a weight instead of float32's 4: batch-1 decode reads a fifth of the bytes) and multiplied in float32
     # by the CPU kernel (pallas_kernels/gguf_matmul_cpu.py), where the CPU kernels run (above) and no
@@ -159,6 +163,8 @@ class EngineConfig:
             bad("gguf_weights", "must be 'auto' (kept as stored on the CPU) or 'dequantize'")
         if self.cpu_kernel_max_rows < 0:
             bad("cpu_kernel_max_rows", "must be >= 0 (0: the XLA references always)")
+        if self.gguf_kernel_max_rows < 0:
+            bad("gguf_kernel_max_rows", "must be >= 0 (0: GGUF weights dequantized at every step)")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype), 'fp8' (e4m3) or 'int8'")
         if self.moe_impl not in MOE_IMPLS:

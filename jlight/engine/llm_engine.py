@@ -41,7 +41,7 @@ from jlight.engine.scheduler import Scheduler
 from jlight.engine.sequence import Sequence
 from jlight.engine.state_pool import StatePool
 from jlight.engine.structured_output import GrammarCompiler
-from jlight.engine.weights import cpu_kernels_ready, keeps_gguf_blocks, prepare_params, unrolls
+from jlight.engine.weights import cpu_kernel_rows, keeps_gguf_blocks, prepare_params, unrolls
 from jlight.models import get_model_family
 from jlight.pallas_kernels import dispatch
 from jlight.progress import Progress
@@ -191,7 +191,7 @@ class LLMEngine:
             self.family, mc, params,
             dispatch.get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None,
                                  fp8_w8a8_min_rows=cfg.fp8_w8a8_min_rows,
-                                 cpu_kernel_max_rows=cfg.cpu_kernel_max_rows if cpu_kernels_ready(cfg, mesh, dispatch.on_gpu()) else 0),
+                                 **cpu_kernel_rows(cfg, mesh, dispatch.on_gpu())),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,

@@ -65,6 +65,13 @@ def cpu_kernels_ready(cfg: EngineConfig, mesh, gpu: bool) -> bool:
     return bool(cfg.cpu_kernel_max_rows) and not gpu and mesh is None and cpu_ffi.load(cache_dir())
 
 
+def cpu_kernel_rows(cfg: EngineConfig, mesh, gpu: bool) -> dict:
+    """dispatch.get_kernels' row limits of the C++ CPU kernels for this engine (0 where they do not run)."""
+    ready = cpu_kernels_ready(cfg, mesh, gpu)
+    return {"cpu_kernel_max_rows": cfg.cpu_kernel_max_rows if ready else 0,
+            "gguf_kernel_max_rows": cfg.gguf_kernel_max_rows if ready else 0}
+
+
 def keeps_gguf_blocks(cfg: EngineConfig, mesh, gpu: bool) -> bool:
     """Whether the engine loads a GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights as stored
     (EngineConfig.gguf_weights "auto"): a GGUF model, no quantization asked, and the CPU kernels ready."""
