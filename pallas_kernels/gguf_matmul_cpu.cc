@@ -1,8 +1,10 @@
 // x [rows, k] float32 times a GGUF block-quantized weight stored as the file stores it, one output channel a
 // row ([n, k]: blocks of 32 weights, each with a float16 scale d and, for Q4_1, a float16 minimum m), in
-// float32: y[r, c] = sum over the row's blocks of d * (x . values) + m * sum(x). Q4_0 comes as Q4_1 with
-// m = -8 d. The weights are read once a call whatever the rows (they are in cache across a chunk's rows).
-// Built and loaded by gguf_matmul_cpu.py; XLA calls it through its FFI with its intra-op thread pool.
+// float32. One row: y[c] = sum over the row's blocks of d * (x . values) + m * sum(x). Several rows: each block
+// is dequantized once (d * values + m) and multiplied with every row, 8 rows (AVX-512) or 4 a pass over a
+// chunk of output channels, so the weights come from memory once a call. Q4_0 comes as Q4_1 with m = -8 d.
+// Built and loaded by cpu_ffi.py with the other CPU kernels (gguf_matmul_cpu.py is its Python side); XLA calls
+// it through its FFI with its intra-op thread pool.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
