@@ -63,8 +63,8 @@ FUSED_PROJECTIONS = {
 @jax.tree_util.register_pytree_node_class
 class FusedWeight:
     """Several [in, out_i] weights concatenated on `out`: weight [..., in, sum(out_i)] (a plain
-    array or an int8 QuantizedWeight; GGUF weights, [out, in] rows, on their rows); `widths` = (out_i, ...) is static, so slicing a stacked
-    FusedWeight (lax.scan) keeps it."""
+    array or an int8 QuantizedWeight; GGUF weights, [out, in] rows, on their rows); `widths` = (out_i, ...)
+    is static, so slicing a stacked FusedWeight (lax.scan) keeps it."""
 
     def __init__(self, weight, widths: tuple[int, ...]):
         self.weight, self.widths = weight, tuple(widths)

@@ -7,7 +7,6 @@
   paged_attention(q, k_cache, v_cache, layer, md, *, scale, sliding_window, soft_cap=None, sinks=None) -> out
   matmul(x, w, out_dtype=None) -> y  (fp8 weights: W8A8-FP8 from `fp8_w8a8_min_rows` rows, weight-only below;
     GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `gguf_kernel_max_rows` rows, else the reference)
-On the CPU, steps of up to `cpu_kernel_max_rows` tokens run attention in paged_attention_cpu where it takes the inputs.
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
   causal_conv1d(x, weight, bias, conv_pool, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
@@ -15,7 +14,8 @@ On the CPU, steps of up to `cpu_kernel_max_rows` tokens run attention in paged_a
   ssm_update(x, dt, A, B, C, ssm_pool, state_slots) -> (y, ssm_pool)  (Mamba-2, one token a row)
   delta_rule(q, k, v, g, beta, state_pool, state_slots, md, *, chunk_size) -> (o, state_pool)  (gated DeltaNet; delta_rule_reference.py)
   delta_rule_update(q, k, v, g, beta, state_pool, state_slots) -> (o, state_pool)  (gated DeltaNet, one token a row)
-The recurrent layers' kernels have only their XLA references so far.
+The recurrent layers' kernels have only their XLA references so far. On the CPU, steps of up to
+`cpu_kernel_max_rows` tokens run attention in the C++ kernel paged_attention_cpu where it takes the inputs.
 
 `moe_impl` names how MoE models compute their routed experts (models/moe.py: "auto", "pallas",
 "ragged_dot", "gathered", "dense"); "auto" is resolved there, per call, from the grouped matmul the
