@@ -42,15 +42,15 @@ def _device_weight(type_name: str, rows: int, k: int, seed: int = 0):
     return host.to_device(lambda path, a: jax.device_put(a), "w")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_blocks_are_gguf_py_s_numbers(type_name):
-    """The kept blocks dequantize (d * value + m, Q4_0 as Q4_1 with m = -8 d) to exactly what gguf-py's
-    dequantization gives for the same bytes."""
+    """The kept blocks dequantize (d * value + m, Q4_0 as Q4_1 with m = -8 d, Q5_0 as Q8_0 of value - 16) to
+    exactly what gguf-py's dequantization gives for the same bytes."""
     import gguf
     data = _blocks(type_name, 40, 96)
     want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
     w = _device_weight(type_name, 40, 96)
-    assert isinstance(w, GGUFQ8Weight if type_name == "Q8_0" else GGUFQ4Weight) and w.shape == (96, 40)
+    assert isinstance(w, GGUFQ8Weight if type_name in ("Q5_0", "Q8_0") else GGUFQ4Weight) and w.shape == (96, 40)
     np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)), want)
 
 

@@ -5,7 +5,7 @@ share a float16 scale d (and, for Q4_1, a float16 minimum m):
   GGUFQ4Weight (Q4_1, and Q4_0 as Q4_1 with m = -8 d, the same numbers): weight = d * value + m, the
     values 4-bit (0..15) packed two a byte, 16 bytes a block: value i in the low nibble of byte i,
     value 16 + i in its high nibble (GGUF's order).
-  GGUFQ8Weight (Q8_0): weight = d * value, the values int8.
+  GGUFQ8Weight (Q8_0, and Q5_0 with its values - 16): weight = d * value, the values int8.
 Kept so, a weight costs 0.625 (Q4) or 1.0625 (Q8) bytes instead of float32's 4: batch-1 decode on the
 CPU reads a fifth of the bytes (pallas_kernels/gguf_matmul_cpu.py multiplies them in float32, each
 weight dequantized in registers). `dequantize_gguf_t` gives the float weights the loader would have made

@@ -3,7 +3,7 @@
 `load_model(model)` dispatches on what `model` names:
   None            -> the default model, SmolLM2-135M-Instruct (GGUF, see default_model.py)
   path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time, or with keep_gguf_blocks its
-                     Q4_0/Q4_1/Q8_0 linear weights kept as stored: what the CPU engine does by default)
+                     Q4_0/Q4_1/Q5_0/Q8_0 linear weights kept as stored: what the CPU engine does by default)
   a `jlight convert` output directory -> its orbax params (orbax_loader.py)
   a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json); FP8 ones
                      (compressed-tensors, fp8) keep their linear weights in fp8 (fp8_checkpoint.py)
