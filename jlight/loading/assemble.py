@@ -65,7 +65,7 @@ def assemble_params(
             continue
         for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
             if isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
-                arr, put = tensor, (lambda path, w: w.to_device(place, path))
+                arr, put = tensor, (lambda path, w: w.to_device(lambda p, a: place(p, host_array(a, a.dtype)), path))
             else:
                 arr, put = _host_tensor(tensor, transpose, key, np_dtype, place)
             if layer is None:

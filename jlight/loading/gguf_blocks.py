@@ -36,8 +36,8 @@ class GGUFHostWeight(NamedTuple):
         return GGUFHostWeight(self.kind, tuple(fn(f) for f in self.fields))
 
     def to_device(self, place: Callable[[str, np.ndarray], jax.Array], path: str):
-        return self.kind(*(place(f"{path}.{name}", np.ascontiguousarray(f))
-                           for name, f in zip(self.kind._fields, self.fields)))
+        """The device weight, each field put by `place(path.field, host array)`."""
+        return self.kind(*(place(f"{path}.{name}", f) for name, f in zip(self.kind._fields, self.fields)))
 
 
 def split_blocks(type_name: str, data: np.ndarray) -> GGUFHostWeight | None:

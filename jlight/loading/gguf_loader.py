@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import os
 from typing import Iterator
 
@@ -200,12 +201,11 @@ def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = Fal
             # dequantize returns float32 [rows, cols] = HF's [out, in] (or [n] for vectors).
             arr = dequantize(t.data, t.tensor_type)
             arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
-        permute = (lambda a: unpermute_rows(a, config.num_heads) if name.endswith(("q_proj.weight", "q_proj.bias"))
-                   else unpermute_rows(a, config.num_kv_heads) if name.endswith(("k_proj.weight", "k_proj.bias")) else a)
-        if arch == "llama" and isinstance(arr, GGUFHostWeight):
-            arr = arr.map_rows(permute)
-        elif arch == "llama":
-            arr = permute(arr)
+        heads = (config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias"))
+                 else config.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
+        if arch == "llama" and heads is not None:
+            permute = functools.partial(unpermute_rows, num_heads=heads)
+            arr = arr.map_rows(permute) if isinstance(arr, GGUFHostWeight) else permute(arr)
         elif arch in _GEMMA and name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
         return name, arr
