@@ -347,3 +347,30 @@ def test_host_array_is_one_aligned_copy_the_cpu_keeps_as_its_buffer():
     assert not np.shares_memory(same, weight)
     if jax.default_backend() == "cpu":  # the CPU client keeps the aligned array as the buffer: no second copy
         assert jax.device_put(same).unsafe_buffer_pointer() == same.ctypes.data
+
+
+@pytest.mark.parametrize("dtype,unstacked", [("bfloat16", True), ("float32", False)])
+def test_transform_on_device_gives_the_host_transforms_tree(tiny_model, dtype, unstacked):
+    """The GPU's default load (each tensor as stored to the device, transposed and cast there) and the host's
+    (cast and transposed into an aligned host array) give the same tree, threads or not."""
+    import jax
+
+    from jlight.core.config import ModelConfig
+    from jlight.loading import safetensors_loader as st
+    from jlight.loading.assemble import assemble_params
+
+    path = tiny_model("Qwen2ForCausalLM", dtype="bfloat16")  # biases, and bf16 bytes cast to float32 on the way
+    config = ModelConfig.from_json_file(os.path.join(path, "config.json"))
+
+    def load(on_device, threads):
+        tensors = st.stream_safetensors(st.safetensors_files(path))
+        return assemble_params(config, tensors, jnp.dtype(dtype), unstacked=unstacked,
+                               transform_on_device=on_device, threads=threads)
+
+    host, device = load(False, 1), load(True, 4)
+    assert jax.tree.structure(host) == jax.tree.structure(device)
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
+        assert a.shape == b.shape and a.dtype == b.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="without place"):
+        assemble_params(config, [], jnp.dtype(dtype), place=lambda p, a: a, transform_on_device=True)

@@ -1,11 +1,23 @@
 """Builds the params tree from a stream of (name, numpy tensor) pairs.
 
-Each tensor is cast and put on device as it arrives, so the host never holds more than one
-tensor at a time beyond the source file's own (memory-mapped) copy. Per-layer tensors are
-stacked on device at the end.
+Invariants:
+- Each tensor is cast and put on device as it arrives, on a few threads at once (its read from the
+  memory-mapped file, cast and host-to-device copy overlap the next tensors'); at most twice the threads'
+  count of tensors are in flight, so the host holds that many tensors beyond the source file's own
+  (memory-mapped) copy. Per-layer tensors are stacked on device at the end.
+- On a GPU with the default placement (`transform_on_device`), a tensor goes to the device as the file
+  stores it and is transposed and cast there: a strided transpose on the host runs at a fraction of a
+  plain copy's rate (0.4 against 5.5 GB/s for a [14336, 4096] bf16 weight on a 2-core host) and the
+  device does it at its memory rate. Elsewhere (the CPU, a sharding plan's `place`) the host casts and
+  transposes it into an aligned array in one pass (host_array).
+- The tree is the same either way: same shapes, dtypes and values.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
+import threading
 from typing import Callable, Iterable
 
 import jax
@@ -32,6 +44,8 @@ def assemble_params(
     place: Callable[[str, np.ndarray], jax.Array] | None = None,
     name_mapper=None,
     unstacked: bool = False,
+    transform_on_device: bool | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Consume (hf_name, array) pairs and return the params tree of the config's model family.
 
@@ -47,6 +61,9 @@ def assemble_params(
     `layers` as a list of per-layer dicts, what an unrolled layer loop runs (models/layers.split_layers'
     form), and the weights are never stacked (stacking them and splitting them again cost a copy of
     the weights and a compile per weight shape at every start).
+    transform_on_device: transpose and cast each tensor on the device (None: with the default placement on a
+    backend other than the CPU; see the module's invariants). threads: tensors placed at once (None: up to 8,
+    one per CPU core).
     """
     family = get_model_family(config)
     shapes = family.param_shapes(config)
@@ -54,36 +71,54 @@ def assemble_params(
         name_mapper = moe_name_mapper(config) or family_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
     if config.family not in HYBRID_FAMILIES:  # the hybrid families' mappers split their fused tensors themselves
         tensors = split_fused_tensors(config, tensors)
+    if transform_on_device is None:
+        transform_on_device = place is None and jax.default_backend() != "cpu"
+    elif transform_on_device and place is not None:
+        raise ValueError("transform_on_device places tensors with jax.device_put; pass it without place=")
     place = place or (lambda path, a: jax.device_put(a))
     np_dtype = jnp.dtype(dtype)
+    threads = threads or min(8, os.cpu_count() or 1)
+    in_flight = threading.BoundedSemaphore(2 * threads)
+
+    def submit(pool, put, path, arr):
+        in_flight.acquire()
+        future = pool.submit(put, path, arr)
+        future.add_done_callback(lambda _: in_flight.release())
+        return future
     # group -> param -> {index tuple: on-device slice}
     layer_parts: dict[str, dict[str, dict]] = {g: {k: {} for k in sub} for g, sub in shapes.items() if isinstance(sub, dict)}
     top: dict[str, jax.Array] = {}
-    for name, tensor in tensors:
-        mapped = name_mapper(name)
-        if mapped is None:
-            continue
-        for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
-            if isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
-                arr, put = tensor, (lambda path, w: w.to_device(lambda p, a: place(p, host_array(a, a.dtype)), path))
-            else:
-                arr, put = _host_tensor(tensor, transpose, key, np_dtype, place)
-            if layer is None:
-                if key not in shapes:
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jlight-load") as pool:
+        for name, tensor in tensors:
+            mapped = name_mapper(name)
+            if mapped is None:
+                continue
+            for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
+                if isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
+                    arr, shape = tensor, tensor.shape
+                    put = lambda path, w: w.to_device(lambda p, a: place(p, host_array(a, a.dtype)), path)  # noqa: E731
+                else:
+                    arr, shape, put = _host_tensor(tensor, transpose, key, np_dtype, place, transform_on_device)
+                if layer is None:
+                    if key not in shapes:
+                        continue
+                    _check_shape(name, shape, shapes[key])
+                    top[key] = submit(pool, put, key, arr)
                     continue
-                _check_shape(name, arr.shape, shapes[key])
-                top[key] = put(key, arr)
-                continue
-            group, _, key = key.rpartition(".")
-            group = group or "layers"
-            index = layer if isinstance(layer, tuple) else (layer,)
-            if key not in layer_parts.get(group, {}):
-                continue
-            want = shapes[group][key]
-            if any(i >= n for i, n in zip(index, want)):
-                continue  # e.g. layers beyond num_layers
-            _check_shape(name, arr.shape, want[len(index):])
-            layer_parts[group][key][index] = put(f"{group}.{key}", arr)
+                group, _, key = key.rpartition(".")
+                group = group or "layers"
+                index = layer if isinstance(layer, tuple) else (layer,)
+                if key not in layer_parts.get(group, {}):
+                    continue
+                want = shapes[group][key]
+                if any(i >= n for i, n in zip(index, want)):
+                    continue  # e.g. layers beyond num_layers
+                _check_shape(name, shape, want[len(index):])
+                layer_parts[group][key][index] = submit(pool, put, f"{group}.{key}", arr)
+    top = {k: f.result() for k, f in top.items()}
+    for params in layer_parts.values():
+        for parts in params.values():
+            parts.update((i, f.result()) for i, f in parts.items())
     if "lm_head" not in top:
         if "embed" not in top:
             raise ModelLoadError("checkpoint has no token embedding (model.embed_tokens.weight); the file is incomplete")
@@ -109,18 +144,28 @@ def assemble_params(
     return {k: stacked[k] if k in stacked else top[k] for k in shapes}
 
 
-def _host_tensor(tensor, transpose, key: str, np_dtype, place):
-    """(host array, put(path, array) -> device weight) for one checkpoint tensor: an FP8 checkpoint's linear
-    weight stays fp8 (an Fp8Weight), anything else becomes a host array of the model dtype."""
+def _host_tensor(tensor, transpose, key: str, np_dtype, place, on_device: bool):
+    """(array, its shape once placed, put(path, array) -> device weight) for one checkpoint tensor: an FP8
+    checkpoint's linear weight stays fp8 (an Fp8Weight), anything else becomes an array of the model dtype,
+    transposed and cast on the host (host_array, in the put: on a loading thread) or, on_device, on the device."""
     fp8 = isinstance(tensor, Fp8HostWeight) and transpose is True and key.rpartition(".")[2] in LINEAR_WEIGHTS
     arr = tensor.dequantize() if isinstance(tensor, Fp8HostWeight) and not fp8 else np.asarray(tensor.values if fp8 else tensor)
     if callable(transpose):  # a hybrid family's reshaped or split weights (hf_names_hybrid.py)
-        arr = transpose(arr)
-    elif transpose:
-        arr = arr.T
-    arr = arr if fp8 else host_array(arr, np_dtype)
-    put = (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales))) if fp8 else place
-    return arr, put
+        arr, transpose = transpose(arr), False
+    shape = arr.shape[::-1] if transpose else arr.shape
+    if fp8:
+        return (arr.T if transpose else arr), shape, (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales)))
+    if on_device and (transpose or arr.dtype != np_dtype):
+        return arr, shape, (lambda path, a: _cast_transposed(jax.device_put(a), bool(transpose), np_dtype))
+    if on_device:  # as stored: the file's bytes straight to the device
+        return arr, shape, (lambda path, a: jax.device_put(a))
+    return arr, shape, (lambda path, a: place(path, host_array(a.T if transpose else a, np_dtype)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _cast_transposed(a: jax.Array, transpose: bool, dtype) -> jax.Array:
+    """A weight as the file stores it, on the device, made the model's: transposed ([out, in] -> [in, out]) and cast."""
+    return (a.T if transpose else a).astype(dtype)
 
 
 # XLA's CPU client takes a host array as a device buffer without copying it when the array's data is aligned
