@@ -192,3 +192,41 @@ def test_how_a_start_compiles_is_not_part_of_the_key(tmp_path):
     key = lambda **kw: startup.executable_store(EngineConfig(**{**base, **kw}), mc)._base  # noqa: E731
     assert key() == key(warmup=False) == key(compile_threads=1)
     assert key() != key(max_num_seqs=3) and key() != key(seed=1)
+
+
+def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path):
+    """The manifest a warmed-up start writes lists its steps; the next start of the same engine loads them
+    while its weights load, and the store's loads take every one from there (same tokens). A damaged manifest
+    or another engine's prefetches nothing and the steps load from their files."""
+    from jlight.engine.executable_store import Prefetch
+
+    model_dir = tiny_model("LlamaForCausalLM")
+    directory = os.path.join(str(tmp_path), "executables")
+
+    def start(engine="this engine"):
+        prefetch = Prefetch(directory, engine, threads=2)
+        llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+                         num_pages=64 + os.getpid() % 1000, store_executables=False, warmup=False)
+        runner = llm.engine.runner
+        runner.executable_store = ExecutableStore(directory, repr(llm.engine.config), min_compile_seconds=0.0,
+                                                  prefetch=prefetch)
+        runner.warmup(threads=2)
+        runner.executable_store.write_manifest()
+        prefetch.close()
+        return llm, prefetch
+
+    first, prefetched = start()
+    buckets = len(first.engine.runner.buckets)
+    assert len(prefetched) == 0 and first.engine.runner.executable_store.saved == buckets
+    second, prefetched = start()
+    assert len(prefetched) == buckets and prefetched.taken == buckets
+    assert second.engine.runner.executable_store.loaded == buckets
+    assert _tokens(second) == _tokens(first)
+
+    other, prefetched = start("another engine")
+    assert len(prefetched) == 0 and other.engine.runner.executable_store.loaded == buckets
+    with open(prefetched.path, "w") as f:
+        f.write("{not json")
+    damaged, prefetched = start("another engine")
+    assert len(prefetched) == 0 and damaged.engine.runner.executable_store.loaded == buckets
+    assert len(Prefetch(directory, "another engine", threads=1)) == buckets  # rewritten whole by that start

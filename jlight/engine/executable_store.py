@@ -33,13 +33,18 @@ Invariants:
   must be set up before it runs: on the CPU the LAPACK function pointers of the linalg custom calls (the gated
   DeltaNet reference's solve_triangular lowers to one; unset, the step segfaults at its first run). `load`
   initializes them, as JAX's own export does before it calls a deserialized module.
+- A start that warms up every bucket loads, from its first moment, the entries the last start of the same
+  engine (its EngineConfig but for how it compiles) used, listed in a manifest (Prefetch), so they load while
+  the weights do; a loaded entry still answers only its own key on its own devices.
 - Entries are only ever read by the process that asks for their exact key; the directory is the
   user's own cache (the engine's compilation cache directory), never shared input.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import pickle
@@ -94,7 +99,11 @@ def program_devices(args) -> list:
     """The devices a step over `args` runs on, in its device assignment's order (what jit takes from its
     arguments): the mesh of the first NamedSharding among them, flattened, else the device of the first
     single-device argument."""
-    shardings = [s for s in (getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(args)) if s is not None]
+    return _sharding_devices([getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(args)])
+
+
+def _sharding_devices(shardings) -> list:
+    shardings = [s for s in shardings if s is not None]
     for s in shardings:
         if isinstance(s, NamedSharding):
             return list(s.mesh.devices.flat)
@@ -106,21 +115,121 @@ def _leaf_signature(leaf) -> str:
     return f"{getattr(leaf, 'shape', ())}|{getattr(leaf, 'dtype', type(leaf).__name__)}|{sharding}"
 
 
+def environment() -> str:
+    """What every compiled step depends on beyond its engine's description and inputs: the store's format, JAX,
+    the backend and its devices, JAX's configuration and the XLA/JAX environment variables, jlight's program
+    source."""
+    backend = jax.devices()[0].client
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "TF_", "CUDA_", "NVIDIA_")))
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)
+    return "\n".join(map(str, (
+        FORMAT, jax.__version__, getattr(jax.lib, "__version__", None), backend.platform, backend.platform_version,
+        [(d.id, d.device_kind) for d in jax.devices()], env, config, _source_digest())))
+
+
+def entry_path(directory: str, key: str) -> str:
+    return os.path.join(directory, key[:2], key + ".jex")
+
+
+def deserialize(path: str, devices):
+    """The jax.stages.Compiled stored at `path`, loaded onto `devices`, or None (not there, or unusable: logged)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        if jax.default_backend() == "cpu":
+            _initialize_lapack()
+    except Exception as e:  # noqa: BLE001 - any failure means: compile instead
+        logger.info("stored executable %s unusable (%s: %.200s); compiling it", path, type(e).__name__, e)
+        return None
+    return compiled
+
+
+class Prefetch:
+    """The stored steps the last start of an engine used, loaded on threads of their own from the moment a new
+    start of the same engine begins, so that they load while its weights do.
+
+    The manifest (directory/manifests/<digest of environment() and the engine's description>.json) maps each
+    entry's key to its devices' ids; ExecutableStore.write_manifest adds the entries a start used to those of
+    the manifest whose files remain. A prefetched step only ever answers its own key on the same devices
+    (`take`), so a manifest out of date costs loading time, never a wrong program."""
+
+    def __init__(self, directory: str, engine: str, threads: int):
+        name = hashlib.sha256(f"{environment()}\n{engine}".encode()).hexdigest()
+        self.directory = directory
+        self.path = os.path.join(directory, "manifests", name + ".json")
+        entries = self._read()
+        by_id = {d.id: d for d in jax.devices()}
+        self._entries = {k: ids for k, ids in entries.items() if all(i in by_id for i in ids)}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-prefetch")
+        self._futures = {k: self._pool.submit(deserialize, entry_path(directory, k), [by_id[i] for i in ids])
+                         for k, ids in self._entries.items()}
+        self._lock = threading.Lock()
+        self.taken = 0  # steps the store took from here
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _read(self) -> dict[str, list[int]]:
+        try:
+            with open(self.path) as f:
+                entries = json.load(f)
+            return {str(k): [int(i) for i in ids] for k, ids in entries.items()}
+        except FileNotFoundError:
+            return {}
+        except Exception as e:  # noqa: BLE001 - a damaged manifest only costs the prefetch
+            logger.info("executable manifest %s unreadable (%s); not prefetching", self.path, e)
+            return {}
+
+    def take(self, key: str, devices):
+        """The step prefetched for `key` on `devices` (waiting for its load), or None."""
+        with self._lock:
+            future = self._futures.pop(key, None)
+        if future is None or self._entries[key] != [d.id for d in devices]:
+            return None
+        compiled = future.result()
+        if compiled is not None:
+            with self._lock:
+                self.taken += 1
+        return compiled
+
+    def close(self) -> None:
+        """Drop the prefetched steps no one took (and those not loaded yet)."""
+        with self._lock:
+            futures, self._futures = self._futures, {}
+        for future in futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=False)
+
+    def write(self, used: dict[str, list[int]]) -> None:
+        entries = {k: ids for k, ids in self._read().items() if os.path.exists(entry_path(self.directory, k))}
+        entries.update(used)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # the manifest is an optimization: never fail a start over it
+            logger.info("could not write the executable manifest %s (%s)", self.path, e)
+
+
 class ExecutableStore:
     """Compiled executables under `directory`, one file per key."""
 
-    def __init__(self, directory: str, program: str, min_compile_seconds: float = 1.0):
+    def __init__(self, directory: str, program: str, min_compile_seconds: float = 1.0,
+                 prefetch: "Prefetch | None" = None):
         """program: the caller's description of what it compiles (e.g. repr of its configs).
-        min_compile_seconds: compiles quicker than this are not stored (JAX's persistent cache's default)."""
+        min_compile_seconds: compiles quicker than this are not stored (JAX's persistent cache's default).
+        prefetch: the steps the last start of this engine used, being loaded already (Prefetch)."""
         self.directory = directory
         self.min_compile_seconds = min_compile_seconds
-        backend = jax.devices()[0].client
-        env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "TF_", "CUDA_", "NVIDIA_")))
-        config = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)
-        self._base = "\n".join(map(str, (
-            FORMAT, jax.__version__, getattr(jax.lib, "__version__", None), backend.platform, backend.platform_version,
-            [(d.id, d.device_kind) for d in jax.devices()], env, config, _source_digest(), program)))
+        self._base = "\n".join((environment(), program))
+        self.prefetch = prefetch
         self.loaded = self.saved = 0
+        self.used: dict[str, list[int]] = {}  # key -> its devices' ids: the entries this process loaded or saved
         self._count_lock = threading.Lock()  # load and compile run on several threads (ModelRunner.warmup)
 
     def key(self, args, static) -> str:
@@ -132,25 +241,21 @@ class ExecutableStore:
         return h.hexdigest()
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.directory, key[:2], key + ".jex")
+        return entry_path(self.directory, key)
 
     def load(self, key: str, args):
         """The stored jax.stages.Compiled for `key`, loaded onto the devices of the step's arguments `args`
-        (program_devices), or None (not stored, or unreadable: logged)."""
-        path = self._path(key)
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=program_devices(args))
-            if jax.default_backend() == "cpu":
-                _initialize_lapack()
-        except Exception as e:  # noqa: BLE001 - any failure means: compile instead
-            logger.info("stored executable %s unusable (%s: %.200s); compiling it", path, type(e).__name__, e)
+        (program_devices), or None (not stored, or unreadable: logged). A step the prefetch holds for the
+        same devices comes from there."""
+        devices = program_devices(args)
+        compiled = self.prefetch.take(key, devices) if self.prefetch is not None else None
+        if compiled is None:
+            compiled = deserialize(self._path(key), devices)
+        if compiled is None:
             return None
         with self._count_lock:
             self.loaded += 1
+            self.used[key] = [d.id for d in devices]
         return compiled
 
     def compile(self, key: str, lowered, lower_seconds: float = 0.0):
@@ -188,3 +293,11 @@ class ExecutableStore:
             return
         with self._count_lock:
             self.saved += 1
+            self.used[key] = [d.id for d in _sharding_devices(jax.tree.leaves(compiled.input_shardings))]
+
+    def write_manifest(self) -> None:
+        """Record the entries this process used for the next start of the same engine to prefetch."""
+        if self.prefetch is not None:
+            with self._count_lock:
+                used = dict(self.used)
+            self.prefetch.write(used)

@@ -137,6 +137,7 @@ class LLMEngine:
         self.config = cfg = config
         self._start_time = time.perf_counter()
         startup.enable_compilation_cache(cfg.compilation_cache_dir)
+        self._prefetch = startup.prefetch_executables(cfg)  # stored steps load on threads of their own from here on
         # Weights this engine loads itself are its own to free while unstacking them (below); weights
         # handed in (data-parallel replicas share one load) must stay intact for the others.
         owns_weights = loaded is None
@@ -198,7 +199,7 @@ class LLMEngine:
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
             guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
-            executable_store=startup.executable_store(cfg, mc),
+            executable_store=startup.executable_store(cfg, mc, self._prefetch),
             kv_layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
             taps=self.proposer.taps if self.proposer is not None else None,
             serial_steps=spec is not None and (cfg.verify_step_command_buffers is False
@@ -271,6 +272,9 @@ class LLMEngine:
         if store is not None:  # since the last count: the pool's measuring compiles included
             stored = f", {store.loaded - self._store_mark} of {variants} steps loaded compiled from the store"
             self._store_mark = store.loaded
+            store.write_manifest()
+            if store.prefetch is not None:
+                store.prefetch.close()
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
                     time.perf_counter() - self._start_time, phases["load"], phases["prepare"], phases["setup"],
                     seconds, stored)

@@ -34,7 +34,7 @@ import jax
 
 from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.engine import kv_groups
-from jlight.engine.executable_store import ExecutableStore
+from jlight.engine.executable_store import ExecutableStore, Prefetch
 from jlight.engine.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
@@ -131,13 +131,26 @@ def check_hybrid(cfg, architecture: str) -> None:
 START_ONLY_FIELDS = dict(warmup=True, compile_threads=None, store_executables=True, compilation_cache_dir=None)
 
 
-def executable_store(cfg, model_config) -> ExecutableStore | None:
+def executable_store(cfg, model_config, prefetch: Prefetch | None = None) -> ExecutableStore | None:
     """The compiled-step store under the compilation cache, keyed by the engine's whole configuration but for
-    START_ONLY_FIELDS."""
+    START_ONLY_FIELDS; prefetch: prefetch_executables(cfg)'s."""
     if not (cfg.store_executables and cfg.compilation_cache_dir):
         return None
     program = dataclasses.replace(cfg, **START_ONLY_FIELDS)
-    return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((program, model_config)))
+    return ExecutableStore(os.path.join(cfg.compilation_cache_dir, "executables"), repr((program, model_config)),
+                           prefetch=prefetch)
+
+
+def prefetch_executables(cfg) -> Prefetch | None:
+    """For an engine that warms up every bucket with the store on: the steps its last start used, loading
+    from now on while the weights load (executable_store.Prefetch), on compile_threads' threads."""
+    if not (cfg.store_executables and cfg.compilation_cache_dir and cfg.warmup):
+        return None
+    prefetch = Prefetch(os.path.join(cfg.compilation_cache_dir, "executables"),
+                        repr(dataclasses.replace(cfg, **START_ONLY_FIELDS)), compile_threads(cfg.compile_threads, os.cpu_count() or 1))
+    if len(prefetch):
+        logger.info("loading %d compiled steps from the store while the weights load", len(prefetch))
+    return prefetch
 
 
 def host_tier(cfg, page_bytes: int, max_batched: int) -> HostTier:
