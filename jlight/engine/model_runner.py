@@ -152,6 +152,7 @@ class ModelRunner:
         kv_layout: the pool's jlight/core/kv_layout.KVGroups (layers grouped by attention kind; a step
         then carries every group's page table); None: one group."""
         self.executable_store = executable_store
+        self.warmup_timings: list[dict] = []  # a dict a step variant warm-up made: its bucket, seconds lowering and compiling, or loading
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
         self.draft_slots = draft_slots
         self.page_size, self.num_pages = page_size, num_pages
@@ -556,21 +557,25 @@ class ModelRunner:
                 key = store.key(args, (self._precision, options, layout)) if store is not None else None
                 wanted.append((T, layout, step, executables, args, key))
             # Stored steps load side by side (deserializing one runs outside Python's lock).
-            loads = [pool.submit(store.load, key, args) if key is not None else None
+            loads = [pool.submit(timed, store.load, key, args) if key is not None else None
                      for _, _, _, _, args, key in wanted]
             for (T, layout, step, executables, args, key), load in zip(wanted, loads):
-                stored = load.result() if load is not None else None
+                stored, seconds = load.result() if load is not None else (None, 0.0)
                 if stored is not None:
                     executables[layout] = stored
+                    self.warmup_timings.append(dict(tokens=T, loaded_s=seconds))
                     if progress is not None:
                         progress(T)
                     continue
                 start = time.perf_counter()
                 lowered = step.lower(*args, layout)
-                pending[pool.submit(self._compile, lowered, key, time.perf_counter() - start)] = (T, layout, executables)
+                lower_s = time.perf_counter() - start
+                pending[pool.submit(timed, self._compile, lowered, key, lower_s)] = (T, layout, executables, lower_s)
             for done in concurrent.futures.as_completed(pending):
-                T, layout, executables = pending[done]
-                executables[layout] = done.result()
+                T, layout, executables, lower_s = pending[done]
+                executables[layout], compile_s = done.result()
+                self.warmup_timings.append(dict(tokens=T, lowered_s=lower_s, compiled_s=compile_s,
+                                                done_s=time.perf_counter() - t0))
                 if progress is not None:
                     progress(T)
         self.write_history(self.history_dummy_slot, [])
@@ -591,6 +596,12 @@ class ModelRunner:
         if self.executable_store is None:
             return lowered.compile()
         return self.executable_store.compile(key, lowered, lower_seconds)
+
+
+def timed(fn, *args):
+    """(fn(*args), seconds it took)."""
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
 
 
 def _abstract_kv_pool(shape, kv_cache_dtype: str, kv_dtype, sharding):
