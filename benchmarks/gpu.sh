@@ -202,7 +202,7 @@ suite_peer() {
 }
 
 # A random checkpoint served on 127.0.0.1 (the serving and chaos suites): random_server NAME SERVER_COMMAND...
-# writes the SHAPE checkpoint (make_random_checkpoint.py) to CKPT, runs `SERVER_COMMAND CKPT --host --port
+# writes the SHAPE checkpoint (make_random_checkpoint.py, seed 0) to CKPT unless an earlier suite wrote it, runs `SERVER_COMMAND CKPT --host --port
 # --served-model-name SERVE_OPTS` into $OUT/NAME/server.log and waits up to START_TIMEOUT for /health.
 # Sets server (its pid), port and vocab; returns 1 if it never answered.
 random_server() {
@@ -212,9 +212,14 @@ random_server() {
   local serve_opts=${SERVE_OPTS:---dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --kv-cache-memory-fraction 0.8}
   port=${PORT:-8123}
   mkdir -p "$dir"
-  say "$name: writing the $shape checkpoint to $ckpt"
-  rm -rf "$ckpt"
-  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --out "$ckpt" >> "$LOG" 2>&1 || { say "$name: checkpoint failed"; return 1; }
+  if [ -f "$ckpt/.written-$shape" ]; then  # the same seed's weights: written by an earlier suite of this machine
+    say "$name: the $shape checkpoint in $ckpt is there"
+  else
+    say "$name: writing the $shape checkpoint to $ckpt"
+    rm -rf "$ckpt"
+    python3 benchmarks/make_random_checkpoint.py --shape "$shape" --out "$ckpt" >> "$LOG" 2>&1 || { say "$name: checkpoint failed"; return 1; }
+    touch "$ckpt/.written-$shape"
+  fi
   vocab=$(python3 -c "import json; print(json.load(open('$ckpt/config.json'))['vocab_size'])")
   say "$name: $* $ckpt --port $port $serve_opts"
   # shellcheck disable=SC2086

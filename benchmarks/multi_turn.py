@@ -114,6 +114,7 @@ def run_conversations(engine, system: list[int], user: list[list[list[int]]], a)
     next_turn = [0] * len(user)
     ready = collections.deque(range(len(user)))
     in_flight: dict[str, tuple[int, int, list[int]]] = {}
+    submitted, first_step = {}, {}  # request id -> the engine's step count at its submission, at its first token
     records = []
     while ready or in_flight:
         while ready and len(in_flight) < a.concurrency:
@@ -124,13 +125,17 @@ def run_conversations(engine, system: list[int], user: list[list[list[int]]], a)
             params = SamplingParams(temperature=a.temperature, max_tokens=a.reply_len, ignore_eos=True, seed=seed)
             rid = engine.add_request(f"conv{c}-turn{t}", None, params, prompt_token_ids=prompt)
             in_flight[rid] = (c, t, prompt)
+            submitted[rid] = engine.num_steps
         for out in engine.step():
+            if out.request_id not in first_step and out.outputs[0].token_ids:
+                first_step[out.request_id] = engine.num_steps
             if not out.finished:
                 continue
             c, t, prompt = in_flight.pop(out.request_id)
             reply = list(out.outputs[0].token_ids)
             records.append(dict(conversation=c, turn=t, prompt_tokens=len(prompt), cached_tokens=out.num_cached_tokens,
-                                ttft_s=out.first_token_time - out.arrival_time, reply=reply))
+                                ttft_s=out.first_token_time - out.arrival_time, reply=reply,
+                                steps_to_first_token=first_step.pop(out.request_id) - submitted.pop(out.request_id)))
             history[c] = prompt + reply
             next_turn[c] += 1
             if next_turn[c] < turns:
@@ -192,6 +197,11 @@ def run_tier(a, tier: str) -> dict:
         cached_prompt_tokens=sum(r["cached_tokens"] for r in records),
         ttft_ms=dict(median=statistics.median(ttft_ms), p99=float(np.percentile(ttft_ms, 99)), mean=statistics.fmean(ttft_ms)),
         ttft_ms_median_by_turn=[statistics.median(r["ttft_s"] * 1e3 for r in records if r["turn"] == t) for t in range(a.turns)],
+        # steps from a turn's submission to its first token (its prompt's chunks, and any step it waited), by turn
+        steps_to_first_token_median_by_turn=[statistics.median(r["steps_to_first_token"] for r in records if r["turn"] == t)
+                                             for t in range(a.turns)],
+        computed_prompt_tokens_median_by_turn=[statistics.median(r["prompt_tokens"] - r["cached_tokens"] for r in records
+                                                                 if r["turn"] == t) for t in range(a.turns)],
         device_cache_hit_tokens=delta("device_cache_hit_tokens"), host_cache_hit_tokens=delta("host_cache_hit_tokens"),
         preemptions=delta("num_preemptions"), steps=delta("num_steps"),
         host_ms_per_step={k: 1e3 * (v - seconds0[k]) / max(delta("num_steps"), 1) for k, v in engine.step_seconds.items()},
@@ -222,7 +232,9 @@ def print_run(r: dict, page_size: int) -> None:
     t = r["ttft_ms"]
     print(f"[tier {r['tier']}] {r['turns']} turns in {r['wall_s']:.1f} s: {r['output_tok_s']:.0f} output tok/s; TTFT median "
           f"{t['median']:.1f} ms, P99 {t['p99']:.1f} ms; by turn " + ", ".join(f"{x:.1f}" for x in r["ttft_ms_median_by_turn"])
-          + f" ms; prompt tokens {r['prompt_tokens']}, cached {r['cached_prompt_tokens']} (device hits "
+          + " ms; steps to the first token by turn " + ", ".join(f"{x:g}" for x in r["steps_to_first_token_median_by_turn"])
+          + "; prompt tokens computed by turn " + ", ".join(f"{x:g}" for x in r["computed_prompt_tokens_median_by_turn"])
+          + f"; prompt tokens {r['prompt_tokens']}, cached {r['cached_prompt_tokens']} (device hits "
           f"{r['device_cache_hit_tokens']}, host hits {r['host_cache_hit_tokens']}); preemptions {r['preemptions']}", flush=True)
     print(f"[tier {r['tier']}] host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
           + f"; step() calls over 100 ms: {r['step_calls_over_100ms']}, slowest "

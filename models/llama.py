@@ -113,10 +113,10 @@ class Llama(nnx.Module):
         kinds = attention_kinds.layer_kinds(c)
         for layer, kind in zip(self.layers, kinds) if layout.unrolled else [(self.layers, attention_kinds.static_kind(kinds))]:
             layer.kind = kind
-        if layout.unrolled:
+        self.kv_groups = kv_layout.group_layers(kv_layer_windows(c))
+        if layout.unrolled and self.kv_groups.num_groups > 1:  # else the index is unused, and layers alike trace as one
             for i, layer in enumerate(self.layers):
                 layer.layer_index = i
-        self.kv_groups = kv_layout.group_layers(kv_layer_windows(c))
         self.final_norm = p((c.hidden_size,), ("embed_norm",))
         self.lm_head = p((c.hidden_size, c.vocab_size), ("embed", "vocab"))  # tied embeddings: a copy of embed.T
 

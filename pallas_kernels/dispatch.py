@@ -65,6 +65,9 @@ class Kernels(NamedTuple):
     # runs a cheaper path for that step (0: none); the runner gives steps whose rows all fit it a table that
     # narrow. None: the attention has no such path.
     short_table_span: Callable | None = None
+    # An unrolled layer loop traces and lowers layers alike once (models/module.call_layer) instead of each
+    # layer anew; the program XLA compiles is the same once it inlines the calls.
+    trace_layers_once: bool = True
 
 
 def _check(name, impl, allowed=IMPLS):
@@ -82,14 +85,15 @@ def _use_pallas(impl: str) -> bool:
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
                 sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS,
-                cpu_kernel_max_rows: int = 0, gguf_kernel_max_rows: int = 0) -> Kernels:
+                cpu_kernel_max_rows: int = 0, gguf_kernel_max_rows: int = 0, trace_layers_once: bool = True) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
     kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
     fp8_w8a8_min_rows (EngineConfig.fp8_w8a8_min_rows): fp8 weights run W8A8-FP8 in steps of at least
     this many rows and weight-only below, on every matmul_impl (XLA's fp8 dot: no Pallas fp8 kernel).
     cpu_kernel_max_rows: steps of at most this many tokens run paged_attention_cpu (with attention_impl "auto"),
     gguf_kernel_max_rows: steps of at most this many rows multiply GGUF block-quantized weights in gguf_matmul_cpu
-    (the reference above); both C++ CPU kernels (cpu_ffi), loaded by the caller (0: the XLA reference)."""
+    (the reference above); both C++ CPU kernels (cpu_ffi), loaded by the caller (0: the XLA reference).
+    trace_layers_once (EngineConfig.trace_layers_once): Kernels.trace_layers_once."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
     if moe_impl not in MOE_IMPLS:
@@ -134,7 +138,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
         from jlight.pallas_kernels import grouped_matmul_pallas
 
         grouped = GroupedMatmul(grouped_matmul_pallas.grouped_matmul, grouped_matmul_pallas.fits)
-    return Kernels(write_kv, attention, matmul, moe_impl, grouped_matmul=grouped, short_table_span=short_table_span)
+    return Kernels(write_kv, attention, matmul, moe_impl, grouped_matmul=grouped, short_table_span=short_table_span,
+                   trace_layers_once=trace_layers_once)
 
 
 def fp8_or(matmul, fp8_w8a8_min_rows: int, x, w, out_dtype=None):

@@ -86,6 +86,10 @@ class EngineConfig:
     # every layer's weights out of the stack: a copy of the weights per step on the CPU);
     # "unroll": one body per layer over per-layer weights. "auto": unroll, for families that can.
     layer_loop: str = "auto"
+    # An unrolled loop traces and lowers layers alike once, as one function each layer calls (XLA inlines
+    # it: the same compiled program), not each layer anew: a 32-layer step lowers several times faster, so
+    # a start that compiles its buckets spends less of its serial (Python) time on them. False: each layer traced.
+    trace_layers_once: bool = True
     # One matmul for q/k/v and one for gate/up (models/layers.fuse_projections): fewer, wider
     # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
     # With layer_loop="scan" fusing copies each stacked group once at start-up (transient memory).
