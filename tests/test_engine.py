@@ -441,32 +441,44 @@ def test_a_request_larger_than_the_whole_kv_cache_is_refused(model_dir):
     assert len(out.token_ids) == 40 and out.finish_reason == "length"
 
 
-def _lowered_step_text(runner, T: int) -> str:
-    """The T-token bucket's step lowered as the warm-up lowers it (StableHLO text)."""
+def _lowered_step(runner, T: int):
+    """The T-token bucket's step lowered as the warm-up lowers it."""
     from jlight.engine import step_packing
 
     inp = runner.padding_inputs(T)
     ints, floats, layout = step_packing.pack(inp)
     return runner._step.lower(runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, ints,
-                              floats, runner.unconstrained_mask(inp), layout).as_text()
+                              floats, runner.unconstrained_mask(inp), layout)
+
+
+def _optimized_instructions(lowered):
+    """The compiled step's HLO instructions, names and source locations left out, as a multiset."""
+    import collections
+    import re
+
+    lines = (re.sub(r"stack_frame_id=\d+|metadata=\{[^}]*\}", "", line.strip()) for line in lowered.compile().as_text().splitlines())
+    return collections.Counter(re.sub(r"[,\s]+$", "", re.sub(r"%[\w.\-]+", "%x", line)) for line in lines if " = " in line)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
 def test_layers_traced_once_give_what_layers_traced_each_give(tiny_model, arch):
     """An unrolled step that traces its alike layers once (the default) computes what tracing every layer gives:
-    the same greedy tokens and prompt logprobs. Its lowered step defines one layer function a kind of layer (a
-    Llama's layers are alike; a Gemma 3's sliding-window and global layers sit in pools of their own, so each
-    knows its index statically and is its own) and calls it once a layer; traced each, none."""
+    the same greedy tokens and prompt logprobs, from the same compiled program once XLA has inlined the calls
+    (its optimized HLO, up to names). Its lowered step defines one layer function a kind of layer (a Llama's
+    layers are alike; a Gemma 3's sliding-window and global layers sit in pools of their own, so each knows its
+    index statically and is its own) and calls it once a layer; traced each, none."""
     import re
 
     path = tiny_model(arch, **({"sliding_window": 8, "num_hidden_layers": 6} if arch.startswith("Gemma") else {}))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
     prompts = random_prompts(3, 5, 30, seed=4)
-    outs = {}
+    outs, programs = {}, {}
     for once in (True, False):
         llm = jlight.LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=80,
                          layer_loop="unroll", trace_layers_once=once)
-        text = _lowered_step_text(llm.engine.runner, 32)
+        lowered = _lowered_step(llm.engine.runner, 32)
+        text = lowered.as_text()
+        programs[once] = _optimized_instructions(lowered)
         defined = re.findall(r"func\.func private @(_call_layer_traced[\w.]*)", text)
         calls = re.findall(r"call @_call_layer_traced", text)
         layers = llm.engine.model_config.num_layers
@@ -477,6 +489,7 @@ def test_layers_traced_once_give_what_layers_traced_each_give(tiny_model, arch):
         else:
             assert len(defined) == layers == len(calls)
         outs[once] = llm.generate(prompts, params, use_tqdm=False)
+    assert programs[True] == programs[False] and sum(programs[True].values()) > 100
     for a, b in zip(outs[True], outs[False]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         got, want = ([v for lp in o.prompt_logprobs[1:] for v in lp.values()] for o in (a, b))
