@@ -32,6 +32,20 @@ converts them to float16 (exact) into the slots, 64 positions at a time, fences 
 and arrives on the slot's barrier itself; then it fetches the next step's pages into the landing
 tile. Both products run in float16 (q converted once, P in float16), as paged_attention_mosaic's.
 
+fp8_qk (fp8 pools only; EngineConfig.fp8_prefill_qk): the wrapper quantizes the queries to e4m3 with one
+scale per query head (fp8_queries: amax over the step's real tokens / 448, values multiplied by the
+scale's reciprocal), and S = Q K^T runs on the fp8 tensor cores (wgmma e4m3 x e4m3, float32
+accumulator; both operands K-major, as fp8 wgmma requires: Q's rows and K's slots hold head_dim
+contiguous). K's pages go by TMA straight into fp8 slots (no landing tile, no conversion); V is still
+converted to float16 for O += P V (fp8 wgmma cannot take V's N-major layout). The pools carry no scale
+(K's is 1), so each query row's head scale, times the softmax scale (and 1 / soft_cap, in log2 units
+without a cap), is one float32 multiplier per row, copied with the query like the sinks, that multiplies
+the raw scores in place of the constant softmax scale. The accuracy trade: each query value keeps
+e4m3's 3 mantissa bits (a relative error of at most 2**-4, against bfloat16's 2**-9), so every score
+moves by up to 2**-4 of sum_i |q_i k_i| x scale; peaked softmaxes amplify that where two scores nearly
+tie. Per-head scales suffice because e4m3's relative precision does not depend on the scale (only
+values under 2**-6 of the head's amax fall into subnormals), so a per-token scale would buy little.
+
 Invariants the wrapper establishes: a static window (or none), so the kernel cuts steps while
 tracing; the page table is padded to whole steps (padding points at scratch page 0, as do a
 sliding-window group's pages that no window sees: only masked positions read them); the kernel's
@@ -40,7 +54,8 @@ integer inputs do not depend on the layer; and the output holds every real token
 
 Shared memory (D = 128, two stages of 128 positions): Q/O tiles 2 x 64 x D, K and V slots
 num_stages x kv_per_step x D each in the products' dtype: 160 KB over bf16 pools; fp8 pools add the
-two landing tiles (kv_per_step x D bytes each): 192 KB. One program per SM either way.
+two landing tiles (kv_per_step x D bytes each): 192 KB; under fp8_qk the K slots are fp8 and only V
+lands, and the e4m3 query tiles add 2 x 64 x D bytes: 160 KB. One program per SM in every case.
 
 CPU tests run it in Mosaic GPU's interpret mode, which runs the three warpgroups, the TMA copies
 and every barrier, but not wgmma on a transposed or a register operand: there the products are
