@@ -85,7 +85,9 @@ def rel_err(a, b):
 # ---------------------------------------------------------------- correctness
 
 ATTENTION_KERNELS = dict(triton=paged_attention_pallas.paged_attention, mosaic=paged_attention_mosaic.paged_attention,
-                         prefill=paged_prefill_mosaic.paged_attention)
+                         prefill=paged_prefill_mosaic.paged_attention,
+                         # fp8 pools only: run_checks adds it to "prefill"'s fp8 cases
+                         **{"prefill fp8 qk": functools.partial(paged_prefill_mosaic.paged_attention, fp8_qk=True)})
 
 
 def check_attention(rng, dtype, group, head_dim, q_lens, ctx_lens, num_tokens, sliding_window=None, impl="triton",
@@ -160,15 +162,17 @@ def run_checks(rng, quick, attention_impls=("triton", "mosaic"), matmuls=True, p
                 continue  # wgmma takes 16-bit floats; float32 stays on the Triton kernel
             if impl == "prefill" and t <= max(len(q_lens), 16):
                 continue  # the prefill kernel takes prefill-shaped steps
-            try:
-                err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window, impl=impl,
-                                              page_size=page_size, soft_cap=cap, sinks=sinks, pools=pools)
-            except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed check, not a lost run
-                err, finite = float("nan"), False
-                print(f"check attention {impl} {name} failed: {e!r:.1500}", flush=True)
-                traceback.print_exc()
-            rows.append(dict(kernel=f"attention {impl}", case=f"{name} p{page_size}", dtype=jnp.dtype(dtype).name, group=group,
-                             head_dim=head_dim, rel_err=err, all_written=finite))
+            # the prefill kernel over fp8 pools also with e4m3 queries (fp8_qk)
+            for kernel in [impl] + (["prefill fp8 qk"] if impl == "prefill" and pools == "fp8" else []):
+                try:
+                    err, finite = check_attention(rng, dtype, group, head_dim, q_lens, ctx, t, sliding_window=window,
+                                                  impl=kernel, page_size=page_size, soft_cap=cap, sinks=sinks, pools=pools)
+                except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed check, not a lost run
+                    err, finite = float("nan"), False
+                    print(f"check attention {kernel} {name} failed: {e!r:.1500}", flush=True)
+                    traceback.print_exc()
+                rows.append(dict(kernel=f"attention {kernel}", case=f"{name} p{page_size}", dtype=jnp.dtype(dtype).name,
+                                 group=group, head_dim=head_dim, rel_err=err, all_written=finite))
     if not matmuls:
         return rows
     for m, k, n in [(1, 4096, 14336), (7, 576, 1536), (512, 1536, 576), (4096, 4096, 1024)] if not quick else [(1, 128, 64), (20, 64, 48)]:
@@ -298,7 +302,8 @@ def _prefill_flops(q_lens, ctx_lens, num_heads, head_dim, window=None):
 def bench_prefill_attention(rng, quick, reps, trials, cases=None, only=None):
     """Prefill attention's rate (useful FLOPs over device time), Llama-3-8B heads (32 / 8, d = 128):
     the Triton kernel, the decode kernel's prefill blocks and the warp-specialized prefill kernel over
-    bf16 pools; the two Mosaic GPU paths over fp8 pools (kv_cache_dtype="fp8"); and, on the 4096-token
+    bf16 pools; the two Mosaic GPU paths over fp8 pools (kv_cache_dtype="fp8"), the prefill kernel there also
+    with e4m3 queries (fp8_qk); and, on the 4096-token
     chunk and the chunk over earlier context, the attention kinds (a 4096-token window alone; Gemma 2's
     soft-capping with that window; gpt-oss's sinks with a 128-token window). The prefill kernel also runs with
     its blocks launched in reverse (mixed steps: decode rows last). cases: only the cases whose name contains one of these strings; only: the variants so named."""
@@ -335,6 +340,10 @@ def bench_prefill_attention(rng, quick, reps, trials, cases=None, only=None):
         variants["prefill kernel fp8 pools"] = (
             lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale), causal,
             "mosaic prefill blocks fp8 pools")
+        # the same pools with Q K^T in e4m3 (EngineConfig.fp8_prefill_qk); its error against the 16-bit product's
+        variants["prefill kernel fp8 pools fp8 QK"] = (
+            lambda q: paged_prefill_mosaic.paged_attention(q, k8, v8, jnp.int32(0), md, scale=scale, fp8_qk=True), causal,
+            "prefill kernel fp8 pools")
         if case.startswith("mixed"):
             variants["prefill kernel blocks in reverse"] = (
                 lambda q: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, longest_first=False),

@@ -85,7 +85,8 @@ def _use_pallas(impl: str) -> bool:
 
 def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
                 sharded: bool = False, fp8_w8a8_min_rows: int = matmul_reference.FP8_W8A8_MIN_ROWS,
-                cpu_kernel_max_rows: int = 0, gguf_kernel_max_rows: int = 0, trace_layers_once: bool = True) -> Kernels:
+                cpu_kernel_max_rows: int = 0, gguf_kernel_max_rows: int = 0, fp8_prefill_qk: bool = False,
+                trace_layers_once: bool = True) -> Kernels:
     """sharded: the engine runs under a mesh. There "auto"/"pallas" attention stays on the Triton
     kernel, the one measured under tp/ep meshes on H200s; the Mosaic GPU kernel has run on one GPU only.
     fp8_w8a8_min_rows (EngineConfig.fp8_w8a8_min_rows): fp8 weights run W8A8-FP8 in steps of at least
@@ -93,6 +94,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
     cpu_kernel_max_rows: steps of at most this many tokens run paged_attention_cpu (with attention_impl "auto"),
     gguf_kernel_max_rows: steps of at most this many rows multiply GGUF block-quantized weights in gguf_matmul_cpu
     (the reference above); both C++ CPU kernels (cpu_ffi), loaded by the caller (0: the XLA reference).
+    fp8_prefill_qk (EngineConfig.fp8_prefill_qk): where the Mosaic GPU prefill kernel runs over fp8 pools,
+    it runs S = Q K^T on e4m3 queries (paged_prefill_mosaic's fp8_qk); other pools and kernels ignore it.
     trace_layers_once (EngineConfig.trace_layers_once): Kernels.trace_layers_once."""
     _check("attention_impl", attention_impl, ATTENTION_IMPLS)
     _check("matmul_impl", matmul_impl)
@@ -109,7 +112,8 @@ def get_kernels(attention_impl: str = "auto", matmul_impl: str = "auto", moe_imp
 
         write_kv, attention = paged_attention_pallas.write_kv, paged_attention_pallas.paged_attention
         if backend == "mosaic":
-            attention = mosaic_or_triton_attention
+            attention = functools.partial(mosaic_or_triton_attention, fp8_qk=True) if fp8_prefill_qk \
+                else mosaic_or_triton_attention
             # short contexts skip flash-decoding's combine
             short_table_span = paged_attention_mosaic.short_table_span
         attention = functools.partial(kernel_or_reference_attention, attention)
@@ -186,7 +190,7 @@ PALLAS_ATTENTION = "mosaic"
 PREFILL_KERNEL_MIN_WINDOW = 512
 
 
-def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None, sinks=None, **kw):
+def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None, sinks=None, fp8_qk: bool = False, **kw):
     """The Mosaic GPU kernels where they take the inputs, else the Triton kernel (float32, int8 pools
     with pages of 8 or 16, other sizes): prefill-shaped steps over 16-bit or fp8 pools run the
     warp-specialized prefill kernel (paged_prefill_mosaic.takes; on the H200 a 4096-token causal chunk
@@ -196,14 +200,16 @@ def mosaic_or_triton_attention(q, k_cache, v_cache, layer, md, *, soft_cap=None,
     pages of 8, 16, 32 or 64 tokens; int8 KV pools with pages of 32 or 64; fp8 pools). Both Mosaic
     kernels take every attention kind (a static sliding window, soft-capping, sink logits); the
     Triton kernel takes windows only, so a soft-capped or sink layer it would run goes to the XLA
-    reference instead."""
+    reference instead. fp8_qk: the prefill kernel over fp8 pools multiplies Q K^T in e4m3
+    (paged_prefill_mosaic.fp8_queries); off everywhere else."""
     # GPU kernel modules load only when chosen.
     from jlight.pallas_kernels import paged_attention_mosaic, paged_attention_pallas, paged_decode_mosaic, paged_prefill_mosaic
 
     kinds = dict(soft_cap=soft_cap, sinks=sinks)
     window = kw.get("sliding_window")
     if paged_prefill_mosaic.takes(q, k_cache, md, window) and (window is None or window >= PREFILL_KERNEL_MIN_WINDOW):
-        return paged_prefill_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
+        fp8_pools = k_cache.dtype == paged_prefill_mosaic.FP8_DTYPE
+        return paged_prefill_mosaic.paged_attention(q, k_cache, v_cache, layer, md, fp8_qk=fp8_qk and fp8_pools, **kinds, **kw)
     if paged_decode_mosaic.takes(q, k_cache, md):
         return paged_decode_mosaic.paged_attention(q, k_cache, v_cache, layer, md, **kinds, **kw)
     if paged_attention_mosaic.supports(q, k_cache):
@@ -221,7 +227,7 @@ def kernel_takes_kinds(kernel, sliding_window, soft_cap, sinks) -> bool:
     the reference), not the Triton kernel."""
     if sliding_window is not None and not isinstance(sliding_window, int):
         return False
-    return kernel is mosaic_or_triton_attention or (soft_cap is None and sinks is None)
+    return getattr(kernel, "func", kernel) is mosaic_or_triton_attention or (soft_cap is None and sinks is None)
 
 
 def kernel_or_reference_attention(kernel, q, k_cache, v_cache, layer, md, *, scale, sliding_window=None,

@@ -32,6 +32,20 @@ converts them to float16 (exact) into the slots, 64 positions at a time, fences 
 and arrives on the slot's barrier itself; then it fetches the next step's pages into the landing
 tile. Both products run in float16 (q converted once, P in float16), as paged_attention_mosaic's.
 
+fp8_qk (fp8 pools only; EngineConfig.fp8_prefill_qk): the wrapper quantizes the queries to e4m3 with one
+scale per query head (fp8_queries: amax over the step's real tokens / 448, values multiplied by the
+scale's reciprocal), and S = Q K^T runs on the fp8 tensor cores (wgmma e4m3 x e4m3, float32
+accumulator; both operands K-major, as fp8 wgmma requires: Q's rows and K's slots hold head_dim
+contiguous). K's pages go by TMA straight into fp8 slots (no landing tile, no conversion); V is still
+converted to float16 for O += P V (fp8 wgmma cannot take V's N-major layout). The pools carry no scale
+(K's is 1), so each query row's head scale, times the softmax scale (and 1 / soft_cap, in log2 units
+without a cap), is one float32 multiplier per row, copied with the query like the sinks, that multiplies
+the raw scores in place of the constant softmax scale. The accuracy trade: each query value keeps
+e4m3's 3 mantissa bits (a relative error of at most 2**-4, against bfloat16's 2**-9), so every score
+moves by up to 2**-4 of sum_i |q_i k_i| x scale; peaked softmaxes amplify that where two scores nearly
+tie. Per-head scales suffice because e4m3's relative precision does not depend on the scale (only
+values under 2**-6 of the head's amax fall into subnormals), so a per-token scale would buy little.
+
 Invariants the wrapper establishes: a static window (or none), so the kernel cuts steps while
 tracing; the page table is padded to whole steps (padding points at scratch page 0, as do a
 sliding-window group's pages that no window sees: only masked positions read them); the kernel's
@@ -40,7 +54,8 @@ integer inputs do not depend on the layer; and the output holds every real token
 
 Shared memory (D = 128, two stages of 128 positions): Q/O tiles 2 x 64 x D, K and V slots
 num_stages x kv_per_step x D each in the products' dtype: 160 KB over bf16 pools; fp8 pools add the
-two landing tiles (kv_per_step x D bytes each): 192 KB. One program per SM either way.
+two landing tiles (kv_per_step x D bytes each): 192 KB; under fp8_qk the K slots are fp8 and only V
+lands, and the e4m3 query tiles add 2 x 64 x D bytes: 160 KB. One program per SM in every case.
 
 CPU tests run it in Mosaic GPU's interpret mode, which runs the three warpgroups, the TMA copies
 and every barrier, but not wgmma on a transposed or a register operand: there the products are
@@ -48,6 +63,7 @@ plain dots on the same tiles (`interpreting`), and the CUDA lowering of the wgmm
 separately (tests/test_mosaic_prefill.py).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +72,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlight.core.batch_metadata import BatchMetadata, query_blocks, token_blocks
-from jlight.core.quantization import QuantizedKV
+from jlight.core.quantization import FP8_MAX, QuantizedKV, to_fp8
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.mosaic_common import interpret_params, kernel_name, swizzled_smem, upcast_tile
 from jlight.pallas_kernels.paged_attention_mosaic import (FP8_DTYPE, PAGE_SIZES, logits_log2, query_rows, row_values,
                                                           sink_rows, uses_prefill_blocks, wgmma_layouts)
 
 _MASKED = -1e30
+_LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # query rows of one compute warpgroup: one wgmma tile
 _ROWS = 2 * _WG_ROWS  # query rows of a program
 # Registers per thread (memory warpgroup, each compute warpgroup), the SM's 64K over 3 x 128 threads:
@@ -87,14 +104,23 @@ def takes(q, k_cache, md: BatchMetadata, sliding_window) -> bool:
 
 
 def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_base, table_width, group, page_size,
-            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, interpreting):
+            pages_per_step, num_stages, scale, sliding_window, soft_cap, has_sinks, convert, fp8_qk, interpreting):
     if has_sinks:  # each query row's sink logit ([kv_heads, 128], log2 units)
         sink_ref, *refs = refs
+    if fp8_qk:  # each query row's score multiplier: its head's query scale folded into the softmax scale
+        qscale_ref, *refs = refs
     o_ref, qo_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, schedule, *refs = refs
-    if convert:  # fp8 pools: the pages land here and the memory warpgroup converts them into the slots
-        k_land, v_land, k_landed, v_landed, *refs = refs
+    # fp8 pools: the pages land in these tiles and the memory warpgroup converts them into the slots;
+    # K only where its product runs in float16 (under fp8_qk K's pages go straight into its fp8 slots).
+    convert_k, convert_v = convert and not fp8_qk, convert
+    if convert_k:
+        k_land, k_landed, *refs = refs
+    if convert_v:
+        v_land, v_landed, *refs = refs
     if has_sinks:
-        (sink_smem,) = refs
+        sink_smem, *refs = refs
+    if fp8_qk:  # each compute warpgroup's e4m3 query tile, and its rows' score multipliers
+        q8_smem, qscale_smem = refs
     # meta (built in the wrapper): row, start, end of every block, the blocks in launch order, the
     # positions, the page table. Programs launch block by block (the KV heads of one block together), so
     # with the blocks longest first the long programs (a decode row at a long context beside a prefill
@@ -150,13 +176,14 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                     plgpu.copy_gmem_to_smem(pool_ref.at[page, :, head], dst.at[pl.ds(i * page_size, page_size)], bar)
 
             def fill(step, pool_ref, slots, ready, free, land=None, landed=None):
-                """The step's K or V into its slot, once both compute warpgroups have released the slot."""
+                """The step's K or V into its slot, once both compute warpgroups have released the slot;
+                through the landing tile (converted) where one is given."""
                 slot = slot_of(step)
 
                 @pl.when(step - first_step >= num_stages)
                 def _():
                     plgpu.barrier_wait(free.at[slot])
-                if not convert:
+                if land is None:
                     issue(step, pool_ref, slots.at[slot], ready.at[slot])
                     return
                 # fp8: the landed pages converted to float16 (exact), 64 positions at a time (few registers),
@@ -172,17 +199,15 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                 def _():
                     issue(step + 1, pool_ref, land, landed)
 
-            if convert:
-                issue(first_step, k_ref, k_land, k_landed)
-                issue(first_step, v_ref, v_land, v_landed)
+            k_landing = (k_land, k_landed) if convert_k else ()
+            v_landing = (v_land, v_landed) if convert_v else ()
+            for pool_ref, landing in ((k_ref, k_landing), (v_ref, v_landing)):
+                if landing:
+                    issue(first_step, pool_ref, *landing)
 
             def body(step, _):
-                if convert:
-                    fill(step, k_ref, k_smem, k_bar, k_free, k_land, k_landed)
-                    fill(step, v_ref, v_smem, v_bar, v_free, v_land, v_landed)
-                else:
-                    fill(step, k_ref, k_smem, k_bar, k_free)
-                    fill(step, v_ref, v_smem, v_bar, v_free)
+                fill(step, k_ref, k_smem, k_bar, k_free, *k_landing)
+                fill(step, v_ref, v_smem, v_bar, v_free, *v_landing)
             lax.fori_loop(first_step, num_steps, body, None)
 
             def drain(step, _):  # the last releases: every phase of a barrier that a thread waits on is waited
@@ -194,13 +219,26 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
         def _compute():
             plgpu.set_max_registers(_REGISTERS[convert][1], action="increase")
             r0, rows, (begin, clear_begin, clear_end, end) = wg_steps(wg)
-            q_smem = qo_smem.at[wg]
+            o_smem = qo_smem.at[wg]  # the output tile (and the query tile unless fp8_qk)
+            q_smem = q8_smem.at[wg] if fp8_qk else o_smem
             plgpu.copy_gmem_to_smem(q_ref.at[block, head, pl.ds(r0, _WG_ROWS)], q_smem, q_bar.at[wg])
             if has_sinks:
                 plgpu.copy_gmem_to_smem(sink_ref.at[head, pl.ds(r0, _WG_ROWS)], sink_smem.at[wg], q_bar.at[wg])
+            if fp8_qk:
+                plgpu.copy_gmem_to_smem(qscale_ref.at[head, pl.ds(r0, _WG_ROWS)], qscale_smem.at[wg], q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             iota, tile, row_vec = wgmma_layouts(interpreting)
             shape = (_WG_ROWS, kv_per_step)
+            if fp8_qk:
+                row_mult = row_values(qscale_smem.at[wg], interpreting)
+
+            def logits(s):
+                """Raw scores as logits in log2 units (logits_log2); under fp8_qk each row times its
+                multiplier, which holds the softmax scale (and 1 / soft_cap)."""
+                if not fp8_qk:
+                    return logits_log2(s, scale, soft_cap)
+                s = s * lax.broadcast_in_dim(row_mult, shape, [0])
+                return s if soft_cap is None else jnp.tanh(s) * (soft_cap * _LOG2E)
 
             def release(slot_free, slot):
                 if interpreting:
@@ -215,7 +253,10 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                 slot = slot_of(step)
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
                 if interpreting:
-                    s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+                    q_, k_ = q_smem[...], k_tile[...]
+                    if fp8_qk:  # e4m3 products are exact in float32, as the fp8 wgmma's
+                        q_, k_ = q_.astype(jnp.float32), k_.astype(jnp.float32)
+                    s = jnp.dot(q_, k_.T, preferred_element_type=jnp.float32)
                     schedule_barrier()
                 else:
                     def qk(acc_ref):
@@ -224,7 +265,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                         return acc_ref[...]  # reading the accumulator waits for the wgmma
                     s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
                 release(k_free, slot)
-                s = logits_log2(s, scale, soft_cap)
+                s = logits(s)
                 if masked:
                     r, c = iota(shape, 0), iota(shape, 1)
                     row_pos, kv_pos = first_pos + lax.div(r0 + r, group), step * kv_per_step + c
@@ -239,7 +280,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                 alpha = jnp.exp2(m - m_new)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(q_smem.dtype)
+                p16 = p.astype(o_smem.dtype)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 plgpu.barrier_arrive(schedule)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -269,7 +310,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
                 plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
 
-            head_dim = q_smem.shape[-1]
+            head_dim = o_smem.shape[-1]
             m0, l0 = row_vec(jnp.full((_WG_ROWS,), _MASKED, jnp.float32)), row_vec(jnp.zeros((_WG_ROWS,), jnp.float32))
             if has_sinks:  # the sink column opens the softmax: m = the sink, l = exp(0), no value
                 m0, l0 = row_values(sink_smem.at[wg], interpreting), row_vec(jnp.ones((_WG_ROWS,), jnp.float32))
@@ -290,21 +331,47 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, *refs, num_blocks, table_b
 
             @pl.when(rows > 0)
             def _():
-                q_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(q_smem.dtype)
+                o_smem[...] = (acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])).astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[block, head, pl.ds(r0, _WG_ROWS)])
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[block, head, pl.ds(r0, _WG_ROWS)])
                 plgpu.wait_smem_to_gmem(0)
 
 
+def fp8_queries(q, num_real_tokens=None):
+    """q [T, H, D] as e4m3 with one float32 scale per query head: (q8 [T, H, D], scale [H]), q ~ q8 * scale.
+
+    A head's scale is the amax of its real tokens' values (the first num_real_tokens; all tokens if
+    None) over 448, e4m3's largest value, and 1 where that amax is 0 (the head's values stay 0). The
+    values are multiplied by the scale's reciprocal (computed once per head), never divided by the
+    scale, and saturated at +-448: the quotient rounds differently from the product under XLA's
+    rewrites, and only the product is what `scale` undoes. Each value keeps e4m3's 3 mantissa bits:
+    a relative error of at most 2**-4, or 2**-10 * scale absolute below 2**-6 * scale (subnormals)."""
+    num_tokens = q.shape[0]
+    q32 = q.astype(jnp.float32)
+    if num_real_tokens is not None:  # padding tokens do not widen the scale
+        real = jnp.arange(num_tokens) < num_real_tokens
+        amax = jnp.max(jnp.where(real[:, None, None], jnp.abs(q32), 0.0), axis=(0, 2), initial=0.0)
+    else:
+        amax = jnp.max(jnp.abs(q32), axis=(0, 2), initial=0.0)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    inv_scale = 1.0 / scale
+    return to_fp8(q32 * inv_scale[None, :, None]), scale
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "kv_per_step",
-                                             "num_stages", "longest_first"))
+                                             "num_stages", "longest_first", "fp8_qk"))
 def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks=None, interpret: bool | None = None, kv_per_step: int = 128,
-                    num_stages: int = 2, longest_first: bool = True):
+                    num_stages: int = 2, longest_first: bool = True, fp8_qk: bool = False):
     """Same contract as attention_reference.paged_attention, for the inputs `takes` accepts.
 
     longest_first: launch the blocks in the order of their K/V steps, most first (`launch_order`);
-    False launches them in reverse (a row's later blocks before its earlier ones)."""
+    False launches them in reverse (a row's later blocks before its earlier ones).
+    fp8_qk (fp8 pools only): the queries quantized to e4m3 (fp8_queries: one scale per query head) and
+    S = Q K^T on the fp8 tensor cores, the query scale folded into the softmax scale; the module
+    docstring says what that costs in accuracy."""
+    if fp8_qk and k_cache.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_qk takes fp8 ({FP8_DTYPE.__name__}) pools, not {getattr(k_cache, 'dtype', type(k_cache).__name__)}")
     if not takes(q, k_cache, md, sliding_window):
         raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} with pools "
                          f"{getattr(k_cache, 'dtype', type(k_cache).__name__)}{k_cache.shape}, sliding_window="
@@ -330,7 +397,13 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     # float16 exactly).
     dtype = jnp.float16 if k_cache.dtype == FP8_DTYPE else q.dtype
     convert = k_cache.dtype != dtype
-    q_rows = query_rows(q, num_kv_heads, block_q, start, end, rows=_ROWS).astype(dtype)  # [blocks, KVH, 128, D]
+    if fp8_qk:  # e4m3 queries; each row's multiplier: its head's scale x the softmax scale (/ soft_cap), log2 units
+        q8, q_scale = fp8_queries(q, md.query_start[-1])
+        q_rows = query_rows(q8, num_kv_heads, block_q, start, end, rows=_ROWS)  # [blocks, KVH, 128, D] e4m3
+        fold = scale * _LOG2E if soft_cap is None else scale / soft_cap
+        row_mult = (q_scale * fold).reshape(num_kv_heads, group)[:, jnp.arange(_ROWS) % group]  # [KVH, 128]
+    else:
+        q_rows = query_rows(q, num_kv_heads, block_q, start, end, rows=_ROWS).astype(dtype)  # [blocks, KVH, 128, D]
     positions = jnp.pad(md.positions, (0, 1))  # keeps an unused block's read in range when T = 0
     order = launch_order(positions, start, end, kv_per_step, sliding_window) if longest_first \
         else jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32)
@@ -338,32 +411,35 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
 
     has_sinks = sinks is not None
     kv_tile = (num_stages, kv_per_step, head_dim)
-    # A slot is written by TMA (16-bit pools: pages_per_step copies) or by the memory warpgroup (fp8: one arrival).
-    slot_arrivals = 1 if convert else pages_per_step
+    # K's products run in e4m3 under fp8_qk (its pages TMA'd straight into fp8 slots), else in `dtype`;
+    # V's always in `dtype`.
+    convert_k, convert_v = convert and not fp8_qk, convert
+    # A slot is written by TMA (pages_per_step copies) or by the memory warpgroup (converted: one arrival).
+    arrivals = lambda converted: 1 if converted else pages_per_step
     scratch = [
-        swizzled_smem((2, _WG_ROWS, head_dim), dtype),  # each compute warpgroup's query tile, then its output
-        swizzled_smem(kv_tile, dtype),  # K slots
+        swizzled_smem((2, _WG_ROWS, head_dim), dtype),  # each compute warpgroup's query tile (unless fp8_qk), then its output
+        swizzled_smem(kv_tile, FP8_DTYPE if fp8_qk else dtype),  # K slots
         swizzled_smem(kv_tile, dtype),  # V slots
-        plgpu.Barrier(num_arrivals=2 if has_sinks else 1, num_barriers=2),  # a warpgroup's query (and sinks) copied
-        plgpu.Barrier(num_arrivals=slot_arrivals, num_barriers=num_stages),  # a K slot filled
-        plgpu.Barrier(num_arrivals=slot_arrivals, num_barriers=num_stages),  # a V slot filled
+        # a warpgroup's query (with its sinks, its rows' multipliers) copied
+        plgpu.Barrier(num_arrivals=1 + has_sinks + fp8_qk, num_barriers=2),
+        plgpu.Barrier(num_arrivals=arrivals(convert_k), num_barriers=num_stages),  # a K slot filled
+        plgpu.Barrier(num_arrivals=arrivals(convert_v), num_barriers=num_stages),  # a V slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a K slot released by both warpgroups
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # a V slot released by both warpgroups
         plgpu.Barrier(num_arrivals=2),  # the schedule barrier
     ]
-    if convert:
-        scratch += [
-            swizzled_smem(kv_tile[1:], k_cache.dtype),  # K pages landed (fp8)
-            swizzled_smem(kv_tile[1:], k_cache.dtype),  # V pages landed (fp8)
-            plgpu.Barrier(num_arrivals=pages_per_step),  # K pages landed
-            plgpu.Barrier(num_arrivals=pages_per_step),  # V pages landed
-        ]
+    for converted in (convert_k, convert_v):
+        if converted:  # the pages landed (fp8), and their barrier
+            scratch += [swizzled_smem(kv_tile[1:], k_cache.dtype), plgpu.Barrier(num_arrivals=pages_per_step)]
     if has_sinks:
         scratch.append(plgpu.SMEM((2, _WG_ROWS), jnp.float32))  # each compute warpgroup's rows' sink logits
+    if fp8_qk:
+        scratch += [swizzled_smem((2, _WG_ROWS, head_dim), FP8_DTYPE),  # each compute warpgroup's e4m3 query tile
+                    plgpu.SMEM((2, _WG_ROWS), jnp.float32)]  # each compute warpgroup's rows' multipliers
     kernel = functools.partial(
         _kernel, num_blocks=num_blocks, table_base=4 * num_blocks + num_tokens + 1, table_width=table.shape[1],
         group=group, page_size=page_size, pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert,
+        sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=has_sinks, convert=convert, fp8_qk=fp8_qk,
         interpreting=interpreting)
     out = plgpu.kernel(
         kernel,
@@ -377,7 +453,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
         interpret=interpret_params() if interpreting else None,
         kernel_name=kernel_name("jlight_paged_prefill", pools=repr([(p.shape, p.dtype) for p in pools]),
                                 q=repr((q_rows.shape, q_rows.dtype)), meta=meta.shape[0], **kernel.keywords),
-    )(meta, layer_offset, q_rows, *pools, *([sink_rows(sinks, num_kv_heads, _ROWS)] if has_sinks else []))
+    )(meta, layer_offset, q_rows, *pools, *([sink_rows(sinks, num_kv_heads, _ROWS)] if has_sinks else []),
+      *([row_mult] if fp8_qk else []))
 
     # token t is rows (t - start) * group + [0, group) of its block
     token_block, token_offset = token_blocks(md, num_tokens, num_blocks, block_q)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernel_batches import check_attention_output, cuda_lowering_text, random_attention_inputs, random_batch, reference_attention
-from jlight.core.quantization import FP8_KV_DTYPE
+from jlight.core.quantization import FP8_KV_DTYPE, to_fp8
 from jlight.pallas_kernels import dispatch, paged_attention_mosaic, paged_prefill_mosaic, pallas_mode
 
 S = jax.ShapeDtypeStruct
@@ -180,3 +180,99 @@ def test_blocks_launch_longest_first():
     windowed = np.asarray(paged_prefill_mosaic.launch_order(positions, start, end, 128, 256))
     # with a 256-token window the decode rows see 3 steps (744 / 128 = 5 through 7), the chunk's blocks 2-3
     assert windowed.tolist()[:2] == [0, 1] and sorted(windowed.tolist()[2:6]) == [2, 3, 4, 5]
+
+
+# ---- fp8_qk: e4m3 queries and Q K^T on the fp8 tensor cores (fp8 pools) ----------------------------
+
+def test_fp8_queries_scale_per_head_and_round_trip():
+    """One scale per head (amax of the real tokens / 448), values multiplied by its reciprocal (eagerly and
+    under jit alike), a round trip within e4m3's half ulp, zero heads and padding tokens handled."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((12, 4, 64)).astype(np.float32) * np.asarray([0.01, 1.0, 30.0, 1.0])[None, :, None]
+    q[:, 3] = 0.0  # a head whose rows are all zero
+    q[10:] = 1e4  # padding tokens (past the 10 real ones): they do not widen the scales
+    q = jnp.asarray(q, jnp.bfloat16)
+    q8, scale = paged_prefill_mosaic.fp8_queries(q, 10)
+    jq8, jscale = jax.jit(paged_prefill_mosaic.fp8_queries)(q, 10)
+    q32 = np.asarray(q, np.float32)
+    amax = np.abs(q32[:10]).max(axis=(0, 2))
+    np.testing.assert_allclose(np.asarray(scale), np.where(amax > 0, amax / 448, 1.0), rtol=1e-6)
+    assert q8.dtype == FP8_KV_DTYPE and np.asarray(scale)[3] == 1.0 and not np.any(np.asarray(q8[:10, 3], np.float32))
+    inv = 1.0 / scale  # the product with the reciprocal, bit for bit, eagerly and under jit
+    want = to_fp8(q.astype(jnp.float32) * inv[None, :, None])
+    for got8, got_scale in ((q8, scale), (jq8, jscale)):
+        np.testing.assert_array_equal(np.asarray(got8, np.float32), np.asarray(want, np.float32))
+        np.testing.assert_array_equal(np.asarray(got_scale), np.asarray(scale))
+    back = np.asarray(q8, np.float32)[:10] * np.asarray(scale)[None, :, None]
+    s = np.asarray(scale)[None, :, None]
+    # 3 mantissa bits: half an ulp relative (2**-4), or 2**-10 of the scale absolute among subnormals
+    assert np.all(np.abs(back - q32[:10]) <= np.maximum(2 ** -4 * np.abs(q32[:10]), 2 ** -10 * s) * (1 + 1e-6))
+    assert np.abs(np.asarray(q8, np.float32)[:10]).max() == 448.0  # each head's amax lands on e4m3's largest value
+    assert np.all(np.abs(np.asarray(q8, np.float32)) <= 448.0)  # padding saturates, never NaN
+
+
+@pytest.mark.parametrize("case", [KIND_CASES[0]], ids=[KIND_CASES[0][0]])
+def test_fp8_qk_matches_reference(case, monkeypatch):
+    """fp8_qk against the reference (interpreted, under the race detector too). On the queries the kernel
+    multiplies (fp8_queries' values times their head's scale) it is the reference within the 16-bit
+    kernels' tolerance: the scale folding and the e4m3 products are exact. On the bf16 queries it differs by
+    the queries' rounding alone (at most 2**-4 of each value): bounded here by the reference's own drift
+    between the two query sets, plus the 16-bit tolerance."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
+
+    interpreting = pallas_mode.default_interpret()
+    if interpreting:
+        monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
+    name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools, window, cap, sinks, kv_per_step = case
+    rng = np.random.default_rng(sum(map(ord, name)))
+    q, k, v, md = random_attention_inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap,
+              sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2 + 5, jnp.float32) if sinks else None)
+    q8, scale = paged_prefill_mosaic.fp8_queries(q, md.query_start[-1])
+    q_used = q8.astype(jnp.float32) * scale[None, :, None]
+    want_used = reference_attention(q_used, k, v, jnp.int32(1), md, **kw)
+    want = reference_attention(q.astype(jnp.float32), k, v, jnp.int32(1), md, **kw)
+    got = paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, kv_per_step=kv_per_step, fp8_qk=True, **kw)
+    check_attention_output(got, want_used, md, jnp.bfloat16)
+    real = int(md.query_start[-1])
+    drift = np.abs(np.asarray(want_used)[:real] - np.asarray(want)[:real])
+    assert np.all(np.abs(np.asarray(got, np.float32)[:real] - np.asarray(want)[:real]) <= drift + 4e-2)
+    assert not (interpreting and interpret_pallas_call.get_races().races_found)
+
+
+@pytest.mark.parametrize("head_dim,page_size,kinds", [(128, 16, {}), (64, 32, dict(sliding_window=1000, soft_cap=50.0, sinks=True))])
+def test_fp8_qk_lowers_to_fp8_wgmma(head_dim, page_size, kinds):
+    """Under fp8_qk Q K^T lowers for CUDA as an e4m3 x e4m3 wgmma (float32 accumulator) and P V stays
+    float16; without it both products are float16."""
+    import re
+
+    kw = dict(kinds, sinks=jnp.zeros(32, jnp.float32) if kinds.get("sinks") else None)
+    lower = lambda **extra: cuda_lowering_text(paged_prefill_mosaic.paged_attention, [256, 1], [3000, 700], 264,
+                                                page_size=page_size, num_heads=32, head_dim=head_dim,
+                                                pool=lambda shape: S(shape, FP8_KV_DTYPE), **kw, **extra)
+    wgmmas = lambda text: sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k\d+\.(\w+\.\w+\.\w+)", text)))
+    assert wgmmas(lower(fp8_qk=True)) == ["f32.e4m3.e4m3", "f32.f16.f16"]
+    assert wgmmas(lower()) == ["f32.f16.f16"]
+    with pytest.raises(ValueError, match="fp8_qk takes fp8"):
+        cuda_lowering_text(paged_prefill_mosaic.paged_attention, [256, 1], [3000, 700], 264, page_size=16, num_heads=32,
+                           head_dim=128, pool=lambda shape: S(shape, jnp.bfloat16), fp8_qk=True)
+
+
+def test_dispatch_turns_fp8_qk_on_for_fp8_pools_only(monkeypatch):
+    """get_kernels(fp8_prefill_qk=True) (EngineConfig.fp8_prefill_qk) sends prefill steps over fp8 pools to the
+    prefill kernel with fp8_qk, steps over 16-bit pools without; off by default."""
+    from jlight.engine.engine_config import EngineConfig
+
+    q, k, v, md = random_attention_inputs(np.random.default_rng(2), 4, 64, [40, 1], [300, 1], 48, 16, 2)
+    k8, v8 = k.astype(FP8_KV_DTYPE), v.astype(FP8_KV_DTYPE)
+    calls = []
+    monkeypatch.setattr(paged_prefill_mosaic, "paged_attention", lambda *a, **kw: calls.append(kw["fp8_qk"]))
+    on, off = (dispatch.get_kernels("mosaic", fp8_prefill_qk=f).paged_attention for f in (True, False))
+    for attention in (on, off):
+        attention(q, k8, v8, jnp.int32(0), md, scale=0.125, sliding_window=None)
+        attention(q, k, v, jnp.int32(0), md, scale=0.125, sliding_window=None)
+        attention(q, k8, v8, jnp.int32(0), md, scale=0.125, sliding_window=None, soft_cap=30.0)  # kinds still the kernel's
+    assert calls == [True, False, True, False, False, False]
+    assert EngineConfig(model="m", kv_cache_dtype="fp8", fp8_prefill_qk=True).validate().fp8_prefill_qk
+    with pytest.raises(ValueError, match="fp8_prefill_qk"):
+        EngineConfig(model="m", fp8_prefill_qk=True).validate()  # bf16 pools: nothing to run in fp8

@@ -66,6 +66,11 @@ class EngineConfig:
     # int8 pages of 32 or 64 tokens run the Mosaic GPU attention, pages of 8 or 16 the Triton one
     # (H200, B=64 decode at 4k context: 324 / 313 vs 343 us; docs/BENCHMARKS.md).
     kv_cache_dtype: str = "auto"
+    # With kv_cache_dtype="fp8", the Mosaic GPU prefill kernel quantizes each step's queries to e4m3 (one scale per
+    # query head) and runs Q K^T on the fp8 tensor cores instead of converting K to float16
+    # (pallas_kernels/paged_prefill_mosaic.py, fp8_qk; it costs up to 2**-4 relative error per query value).
+    # Other kernels, the XLA reference and the CPU ignore it. Off until it wins a GPU benchmark.
+    fp8_prefill_qk: bool = False
     enable_prefix_caching: bool = True
     # GiB of host memory for the K/V of pages the prefix cache evicts (vLLM's kv_offloading_size; host_tier.py):
     # they are copied there instead of dropped, and copied back when a later prompt's prefix needs them.
@@ -171,6 +176,10 @@ class EngineConfig:
             bad("gguf_kernel_max_rows", "must be >= 0 (0: GGUF weights dequantized at every step)")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             bad("kv_cache_dtype", "must be 'auto' (the model's dtype), 'fp8' (e4m3) or 'int8'")
+        if not isinstance(self.fp8_prefill_qk, bool):
+            bad("fp8_prefill_qk", "must be True or False")
+        if self.fp8_prefill_qk and self.kv_cache_dtype != "fp8":
+            bad("fp8_prefill_qk", f"needs kv_cache_dtype='fp8' (got {self.kv_cache_dtype!r}): it multiplies queries by fp8 K pages")
         if self.moe_impl not in MOE_IMPLS:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):

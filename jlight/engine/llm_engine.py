@@ -191,7 +191,8 @@ class LLMEngine:
         self.runner = ModelRunner(  # its K/V pools stay abstract until allocate_pools
             self.family, mc, params,
             dispatch.get_kernels(cfg.attention_impl, cfg.matmul_impl, cfg.moe_impl, sharded=mesh is not None,
-                                 fp8_w8a8_min_rows=cfg.fp8_w8a8_min_rows, trace_layers_once=cfg.trace_layers_once,
+                                 fp8_w8a8_min_rows=cfg.fp8_w8a8_min_rows, fp8_prefill_qk=cfg.fp8_prefill_qk,
+                                 trace_layers_once=cfg.trace_layers_once,
                                  **cpu_kernel_rows(cfg, mesh, dispatch.on_gpu())),
             num_pages=num_pages, page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
