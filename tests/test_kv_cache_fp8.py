@@ -158,3 +158,25 @@ def test_fp8_cache_perplexity_on_smollm2(fp8_row):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="measured 94.53% top-1 agreement < 99% (e4m3's 3 mantissa bits)")
 def test_fp8_cache_agreement_on_smollm2(fp8_row):
     assert fp8_row["top1_agreement"] >= 0.99
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Mosaic GPU prefill kernel runs on a GPU; on the CPU only "
+                    "interpreted, where the engine's steps take minutes (its numerics: tests/test_mosaic_prefill.py)")
+def test_engine_fp8_prefill_qk_gives_the_same_greedy_tokens(tiny_model):
+    """bf16 model with head_dim 128 over fp8 pools: the prefill kernel's Q K^T on e4m3 queries
+    (EngineConfig.fp8_prefill_qk) gives the greedy tokens of the 16-bit queries' Q K^T, prompts crossing pages
+    and chunks."""
+    import jlight
+    from jlight import SamplingParams
+
+    model = tiny_model("LlamaForCausalLM", hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in (40, 130, 300, 520)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = {}
+    for fp8_qk in (False, True):
+        llm = jlight.LLM(model, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=256, page_size=16, num_pages=256,
+                         kv_cache_dtype="fp8", fp8_prefill_qk=fp8_qk)
+        out[fp8_qk] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out[True] == out[False]
