@@ -73,13 +73,9 @@ KIND_CASES = [
 ]
 
 
-# The first two run by default (fp8, windows, sinks and soft-capping between them); the others with -m extended.
-@pytest.mark.parametrize("case", KIND_CASES[:2] + [pytest.param(c, marks=pytest.mark.extended) for c in KIND_CASES[2:]],
-                         ids=[c[0] for c in KIND_CASES])
-def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
-    """Against the reference; interpreted, under the race detector too: over fp8 pools the memory
-    warpgroup also writes the slots (its conversions) and refills the landing tiles, and a window
-    starts a block's steps past 0 (other slots than step 0's first). On a GPU: the compiled kernel."""
+def _kind_case(case, monkeypatch):
+    """(q, K and V pools, md, the kernel's keywords, kv_per_step, races() -> whether the interpreter's race
+    detector found any) of a KIND_CASES case; interpreted, under the race detector."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
 
     interpreting = pallas_mode.default_interpret()
@@ -90,11 +86,23 @@ def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
     q, k, v, md = random_attention_inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap,
               sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2 + 5, jnp.float32) if sinks else None)  # they matter
+    return q, k, v, md, kw, kv_per_step, lambda: interpreting and interpret_pallas_call.get_races().races_found
+
+
+# The first two run by default (fp8, windows, sinks and soft-capping between them); the others with -m extended.
+@pytest.mark.parametrize("case", KIND_CASES[:2] + [pytest.param(c, marks=pytest.mark.extended) for c in KIND_CASES[2:]],
+                         ids=[c[0] for c in KIND_CASES])
+def test_fp8_pools_and_attention_kinds_match_reference(case, monkeypatch):
+    """Against the reference; interpreted, under the race detector too: over fp8 pools the memory
+    warpgroup also writes the slots (its conversions) and refills the landing tiles, and a window
+    starts a block's steps past 0 (other slots than step 0's first). On a GPU: the compiled kernel."""
+    q, k, v, md, kw, kv_per_step, races = _kind_case(case, monkeypatch)
+    window = kw["sliding_window"]
     assert paged_prefill_mosaic.takes(q, k, md, window)
     want = reference_attention(q.astype(jnp.float32), k, v, jnp.int32(1), md, **kw)  # the reference reads fp8 as float32
     got = paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(1), md, kv_per_step=kv_per_step, **kw)
     check_attention_output(got, want, md, jnp.bfloat16)
-    assert not (interpreting and interpret_pallas_call.get_races().races_found)
+    assert not races()
 
 
 @pytest.mark.extended  # test_matches_reference's default case runs the same slot protocol under the detector
@@ -218,16 +226,7 @@ def test_fp8_qk_matches_reference(case, monkeypatch):
     kernels' tolerance: the scale folding and the e4m3 products are exact. On the bf16 queries it differs by
     the queries' rounding alone (at most 2**-4 of each value): bounded here by the reference's own drift
     between the two query sets, plus the 16-bit tolerance."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
-
-    interpreting = pallas_mode.default_interpret()
-    if interpreting:
-        monkeypatch.setattr(paged_prefill_mosaic, "interpret_params", lambda: params.InterpretGPUParams(detect_races=True))
-    name, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools, window, cap, sinks, kv_per_step = case
-    rng = np.random.default_rng(sum(map(ord, name)))
-    q, k, v, md = random_attention_inputs(rng, group, head_dim, q_lens, ctx_lens, num_tokens, page_size, kv_heads, pools=pools)
-    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap,
-              sinks=jnp.asarray(rng.standard_normal(kv_heads * group) * 2 + 5, jnp.float32) if sinks else None)
+    q, k, v, md, kw, kv_per_step, races = _kind_case(case, monkeypatch)
     q8, scale = paged_prefill_mosaic.fp8_queries(q, md.query_start[-1])
     q_used = q8.astype(jnp.float32) * scale[None, :, None]
     want_used = reference_attention(q_used, k, v, jnp.int32(1), md, **kw)
@@ -237,7 +236,7 @@ def test_fp8_qk_matches_reference(case, monkeypatch):
     real = int(md.query_start[-1])
     drift = np.abs(np.asarray(want_used)[:real] - np.asarray(want)[:real])
     assert np.all(np.abs(np.asarray(got, np.float32)[:real] - np.asarray(want)[:real]) <= drift + 4e-2)
-    assert not (interpreting and interpret_pallas_call.get_races().races_found)
+    assert not races()
 
 
 @pytest.mark.parametrize("head_dim,page_size,kinds", [(128, 16, {}), (64, 32, dict(sliding_window=1000, soft_cap=50.0, sinks=True))])
