@@ -17,6 +17,7 @@ renders ~60k distinct tokens, ~16 MB of cache, and a dozen silent readers would 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -37,24 +38,45 @@ def sse(payload: dict) -> str:
 
 class TokenText:
     """Token id -> its text and its bytes, cached (logprobs need them for every token). Shared by the
-    requests of a server, from the event loop and the host workers: a dict's get and set are atomic,
-    and two threads that miss the same token at once store the same value."""
+    requests of a server, from the event loop and the host workers. Two lists indexed by token id hold
+    them (about 100 bytes a token once cached: a dict of int keys took 170, and grew in jumps as it resized),
+    sized to the vocabulary up front where the tokenizer says it; an id past the end grows both under a lock.
+    A list's get and set are atomic, and two threads that miss the same token at once store the same value."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.cache, self.bytes_cache = tokenizer, {}, {}
+        self.tokenizer = tokenizer
+        size = getattr(tokenizer, "vocab_size", 0)
+        size = size if isinstance(size, int) else 0
+        self._texts: list[str | None] = [None] * size
+        self._raw: list[bytes | None] = [None] * size
+        self._grow = threading.Lock()
+
+    def __len__(self) -> int:
+        """Tokens whose text is cached."""
+        return len(self._texts) - self._texts.count(None)
+
+    def _reach(self, token_id: int) -> None:
+        if token_id >= len(self._texts):
+            with self._grow:
+                more = token_id + 1 - len(self._texts)
+                if more > 0:
+                    self._texts.extend([None] * more)
+                    self._raw.extend([None] * more)
 
     def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
+        self._reach(token_id)
+        text = self._texts[token_id]
         if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def bytes(self, token_id: int) -> list[int]:
         """The token's own bytes: for part of a multi-byte character its text is U+FFFD. Cached as a
         bytes object (a list of ints takes twice the memory); each call gives a fresh list."""
-        raw = self.bytes_cache.get(token_id)
+        self._reach(token_id)
+        raw = self._raw[token_id]
         if raw is None:
-            raw = self.bytes_cache[token_id] = bytes(self.tokenizer.token_bytes(token_id))
+            raw = self._raw[token_id] = bytes(self.tokenizer.token_bytes(token_id))
         return list(raw)
 
 
@@ -81,7 +103,7 @@ class ResponseBuilder:
         self.want_logprobs, self.num_top = want_logprobs, num_top_logprobs
         self.echo = echo
         # the server's shared cache (see the module's docstring); a builder of its own without one
-        self.tokenizer, self.token_text = tokenizer, token_text or TokenText(tokenizer)
+        self.tokenizer, self.token_text = tokenizer, token_text if token_text is not None else TokenText(tokenizer)
         self.created = int(time.time())
         # choice index -> (token ids, logprobs) taken from the stream but not sent yet (held back)
         self.unsent_logprobs: dict[int, tuple[list[int], PackedLogprobs]] = {}
