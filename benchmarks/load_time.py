@@ -158,7 +158,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import jlight
 llm = jlight.LLM(sys.argv[1], dtype="bfloat16", max_model_len=int(sys.argv[2]), compile_threads=json.loads(sys.argv[3]),
-                 compilation_cache_dir=sys.argv[4])
+                 compilation_cache_dir=sys.argv[4], **json.loads(sys.argv[5]))
 e = llm.engine
 store = e.runner.executable_store
 print("READY " + json.dumps({"in_process_s": time.perf_counter() - t0, "load_s": e.load_seconds,
@@ -169,10 +169,11 @@ print("READY " + json.dumps({"in_process_s": time.perf_counter() - t0, "load_s":
 """
 
 
-def timed_start(model: str, cache: str, max_model_len: int, compile_threads: int | None) -> dict:
-    """One process that builds jlight.LLM(model) (every bucket compiled) and exits: its wall time to ready."""
+def timed_start(model: str, cache: str, max_model_len: int, compile_threads: int | None, options: dict) -> dict:
+    """One process that builds jlight.LLM(model, **options) (every bucket compiled) and exits: its wall time to ready."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", STARTUP_CHILD, model, str(max_model_len), json.dumps(compile_threads), cache],
+    proc = subprocess.Popen([sys.executable, "-c", STARTUP_CHILD, model, str(max_model_len), json.dumps(compile_threads), cache,
+                             json.dumps(options)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready_s, report = None, None
     for line in proc.stdout:
@@ -185,16 +186,17 @@ def timed_start(model: str, cache: str, max_model_len: int, compile_threads: int
     return {"ready_s": ready_s, **report, "remat_warnings": err.count("Can't reduce memory use")}
 
 
-def measure_startup(model: str, work: str, runs: int, max_model_len: int, compile_threads: int | None) -> dict:
+def measure_startup(model: str, work: str, runs: int, max_model_len: int, compile_threads: int | None,
+                    options: dict) -> dict:
     starts = {"cold": [], "warm": []}
     for i in range(runs):
         cache = os.path.join(work, f"xla-cache-{i}")
         shutil.rmtree(cache, ignore_errors=True)
         for kind in ("cold", "warm"):
-            starts[kind].append(timed_start(model, cache, max_model_len, compile_threads))
+            starts[kind].append(timed_start(model, cache, max_model_len, compile_threads, options))
             r = starts[kind][-1]
             phases = r.get("phases_s", {})
-            print(f"start {kind}: ready in {r['ready_s']:.1f} s (process start and imports "
+            print(f"start {kind} {json.dumps(options)}: ready in {r['ready_s']:.1f} s (process start and imports "
                   f"{r['ready_s'] - r['in_process_s'] + (r['in_process_s'] - sum(phases.values()) - r['compile_s']):.1f} s, "
                   f"load {r['load_s']:.1f} s, prepare {phases.get('prepare', 0):.1f} s, set-up {phases.get('setup', 0):.1f} s, "
                   f"compile {r['compile_s']:.1f} s, {len(r['buckets'])} buckets, {r['executables_loaded']} loaded "
@@ -202,7 +204,7 @@ def measure_startup(model: str, work: str, runs: int, max_model_len: int, compil
             for t in r["warmup_timings"]:
                 print("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
         shutil.rmtree(cache, ignore_errors=True)
-    return {"compile_threads": compile_threads, "max_model_len": max_model_len,
+    return {"compile_threads": compile_threads, "max_model_len": max_model_len, "engine_options": options,
             **{f"{kind}_ready_s_median": float(np.median([r["ready_s"] for r in rs])) for kind, rs in starts.items()},
             "starts": starts}
 
@@ -228,6 +230,9 @@ def main(argv=None) -> int:
     parser.add_argument("--startup-runs", type=int, default=2, help="cold + warm pairs")
     parser.add_argument("--max-model-len", type=int, default=4096, help="of the started engines")
     parser.add_argument("--compile-threads", type=int, default=None, help="EngineConfig.compile_threads (default: auto)")
+    parser.add_argument("--engine-options", action="append", type=json.loads, default=None, metavar="JSON",
+                        help='engine options of the started engines, e.g. \'{"trace_layers_once": false}\'; repeat to '
+                             "time several sets of starts in one run (default: one set, {})")
     args = parser.parse_args(argv)
     shape = dict(SMALL if args.small else LLAMA3_8B)
     if args.layers is not None:
@@ -244,7 +249,8 @@ def main(argv=None) -> int:
         label = ("llama3-8b-shape-small" if args.small else "llama3-8b-shape") + f"-{shape['num_hidden_layers']}L"
         if not args.startup_only:
             rows.append(measure(label, hf_dir, work, args.drop_caches))
-        startup = measure_startup(hf_dir, work, args.startup_runs, args.max_model_len, args.compile_threads) if args.startup else None
+        startup = [measure_startup(hf_dir, work, args.startup_runs, args.max_model_len, args.compile_threads, options)
+                   for options in args.engine_options or [{}]] if args.startup else None
         shutil.rmtree(hf_dir, ignore_errors=True)
         gguf = None if args.no_smollm2 else local_default_gguf()
         if gguf:
@@ -263,9 +269,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['model']:34s} {r['source_bytes'] / 1e9:7.2f} {r['source_load_s']:10.2f} {r['convert_s']:9.2f} "
               f"{r['orbax_bytes'] / 1e9:8.2f} {r['orbax_load_s']:12.2f} {r['source_load_s'] / r['orbax_load_s']:7.1f}x {r['cold_cache']}")
-    if startup:
-        print(f"start to ready ({label}, compile_threads={args.compile_threads}): cold {startup['cold_ready_s_median']:.1f} s, "
-              f"warm {startup['warm_ready_s_median']:.1f} s (medians of {args.startup_runs})")
+    for st in startup or []:
+        print(f"start to ready ({label}, compile_threads={args.compile_threads}, {json.dumps(st['engine_options'])}): "
+              f"cold {st['cold_ready_s_median']:.1f} s, warm {st['warm_ready_s_median']:.1f} s (medians of {args.startup_runs})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "load_time.json")
     with open(path, "w") as f:
