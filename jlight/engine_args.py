@@ -22,7 +22,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
                    help="fp8 weights: steps of at least this many tokens multiply fp8 x fp8, smaller ones upcast the "
                         "weights (0: always fp8 x fp8; default 64)")
     p.add_argument("--gguf-weights", default=None, choices=["auto", "dequantize"],
-                   help="a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0 weights on the CPU: auto keeps them as stored and multiplies them "
+                   help="a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K weights on the CPU: auto keeps them as stored and multiplies them "
                         "in float32 in jlight's CPU kernel (built once with the C++ compiler); dequantize: float weights")
     p.add_argument("--mesh", default=None, help='device mesh, e.g. "tp=2" or "dp=2,tp=4"')
     p.add_argument("--disaggregated", default=None,

@@ -30,7 +30,7 @@ SOURCES = tuple(os.path.join(HERE, name) for name in ("gguf_matmul_cpu.cc", "pag
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 # FFI target -> the library's handler symbol
 TARGETS = {"jlight_gguf_q4_matmul": "JlightGgufQ4Matmul", "jlight_gguf_q8_matmul": "JlightGgufQ8Matmul",
-           "jlight_paged_attention_cpu": "JlightPagedAttentionCpu"}
+           "jlight_gguf_q8_min_matmul": "JlightGgufQ8MinMatmul", "jlight_paged_attention_cpu": "JlightPagedAttentionCpu"}
 
 
 def _compiler() -> str | None:

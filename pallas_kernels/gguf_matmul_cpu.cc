@@ -1,8 +1,10 @@
-// x [rows, k] float32 times a GGUF block-quantized weight stored as the file stores it, one output channel a
-// row ([n, k]: blocks of 32 weights, each with a float16 scale d and, for Q4_1, a float16 minimum m), in
-// float32. One row: y[c] = sum over the row's blocks of d * (x . values) + m * sum(x). Several rows: each block
-// is dequantized once (d * values + m) and multiplied with every row, 8 rows (AVX-512) or 4 a pass over a
-// chunk of output channels, so the weights come from memory once a call. Q4_0 comes as Q4_1 with m = -8 d.
+// x [rows, k] float32 times a GGUF block-quantized weight kept as jlight/core/gguf_weights.py describes, one
+// output channel a row ([n, k]: blocks of 32 stored values, each with a scale d a block, or two (one a half
+// of 16: Q6_K), and for Q4_1 / Q4_K / Q5_K a minimum m a block), in float32. d and m are float16 (Q4_0, Q4_1,
+// Q5_0, Q8_0) or float32 (the K-quants), told apart by the scales' dtype. One row: y[c] = sum over the
+// row's blocks of d * (x . values) + m * sum(x). Several rows: each block is dequantized once (d * values + m)
+// and multiplied with every row, 8 rows (AVX-512) or 4 a pass over a chunk of output channels, so the weights
+// come from memory once a call. Q4_0 comes as Q4_1 with m = -8 d.
 // Built and loaded by cpu_ffi.py with the other CPU kernels (gguf_matmul_cpu.py is its Python side); XLA calls
 // it through its FFI with its intra-op thread pool.
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -59,6 +62,10 @@ float HalfToFloat(uint16_t h) {
   return f;
 #endif
 }
+
+// A scale or minimum as float: float16 (its bits) or float32.
+float ScaleToFloat(uint16_t h) { return HalfToFloat(h); }
+float ScaleToFloat(float f) { return f; }
 
 // A block's 32 stored values (before d and m) in weight order.
 struct Q4 {  // 16 bytes: weight i in the low nibble of byte i, weight 16 + i in its high nibble
@@ -114,8 +121,8 @@ struct Q8 {  // 32 signed bytes
 struct Job {
   const float* x;                 // [rows, k]
   const uint8_t* q;               // [n, k / 32 * kBytes]
-  const uint16_t* d;              // [n, k / 32] float16
-  const uint16_t* m;              // [n, k / 32] float16, or null (Q8_0)
+  const void* d;                  // [n, k / 32 * scales a block] float16 or float32
+  const void* m;                  // [n, k / 32] as d, or null (no minimum)
   float* y;                       // [rows, n]
   std::unique_ptr<float[]> xsum;  // [rows, k / 32]: each block's sum of x (the m term)
   int64_t rows, k, n, chunks;
@@ -131,17 +138,30 @@ float HorizontalSum(__m256 v) {
 }
 #endif
 
-// Output channels [c0, c1) for the G x rows from r0.
-template <typename Q, int G>
+// Output channels [c0, c1) for the G x rows from r0; S: the scales' type (uint16_t: float16 bits, or float),
+// kSub: scales a block of 32 (1, or 2: one a half).
+template <typename Q, typename S, int kSub, int G>
 void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
   const int64_t blocks = j.k / kBlock;
   for (int64_t c = c0; c < c1; ++c) {
     const uint8_t* q = j.q + c * blocks * Q::kBytes;
-    const uint16_t* d = j.d + c * blocks;
-    const uint16_t* m = j.m ? j.m + c * blocks : nullptr;
+    const S* d = static_cast<const S*>(j.d) + c * blocks * kSub;
+    const S* m = j.m ? static_cast<const S*>(j.m) + c * blocks : nullptr;
     float mterm[G] = {};
 #if defined(JLIGHT_AVX512)
-    if constexpr (G == 1) {
+    if constexpr (G == 1 && kSub == 2) {
+      // One row, a scale a 16-lane half: two sums, one a half, scaled apart.
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512 w[2];
+        Q::Values(q + b * Q::kBytes, w);
+        const float* xr = j.x + r0 * j.k + b * kBlock;
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[2 * b])), _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[2 * b + 1])), _mm512_mul_ps(_mm512_loadu_ps(xr + 16), w[1]),
+                               acc1);
+      }
+      j.y[r0 * j.n + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    } else if constexpr (G == 1) {
       // One row: d * (x . values) a block, the m term from the block sums of x (xsum): no dequantizing fma.
       __m512 acc = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
@@ -149,8 +169,8 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
         Q::Values(q + b * Q::kBytes, w);
         const float* xr = j.x + r0 * j.k + b * kBlock;
         const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]));
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(HalfToFloat(d[b])), t, acc);
-        if (m) mterm[0] += HalfToFloat(m[b]) * j.xsum[r0 * blocks + b];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[b])), t, acc);
+        if (m) mterm[0] += ScaleToFloat(m[b]) * j.xsum[r0 * blocks + b];
       }
       j.y[r0 * j.n + c] = _mm512_reduce_add_ps(acc) + mterm[0];
     } else {
@@ -160,9 +180,8 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
       for (int64_t b = 0; b < blocks; ++b) {
         __m512 w[2];
         Q::Values(q + b * Q::kBytes, w);
-        const __m512 vd = _mm512_set1_ps(HalfToFloat(d[b])), vm = _mm512_set1_ps(m ? HalfToFloat(m[b]) : 0.0f);
-        w[0] = _mm512_fmadd_ps(vd, w[0], vm);
-        w[1] = _mm512_fmadd_ps(vd, w[1], vm);
+        const __m512 vm = _mm512_set1_ps(m ? ScaleToFloat(m[b]) : 0.0f);
+        for (int i = 0; i < 2; ++i) w[i] = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[b * kSub + i * kSub / 2])), w[i], vm);
         for (int g = 0; g < G; ++g) {
           const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
           acc[g][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w[0], acc[g][0]);
@@ -172,7 +191,20 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
       for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
     }
 #elif defined(JLIGHT_AVX2)
-    if constexpr (G == 1) {
+    if constexpr (G == 1 && kSub == 2) {
+      // One row, a scale a half (two 8-lane vectors): a sum a half, scaled apart.
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256 w[4];
+        Q::Values(q + b * Q::kBytes, w);
+        const float* xr = j.x + r0 * j.k + b * kBlock;
+        const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], _mm256_mul_ps(_mm256_loadu_ps(xr), w[0]));
+        const __m256 t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], _mm256_mul_ps(_mm256_loadu_ps(xr + 16), w[2]));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(ScaleToFloat(d[2 * b])), t0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(ScaleToFloat(d[2 * b + 1])), t1, acc1);
+      }
+      j.y[r0 * j.n + c] = HorizontalSum(_mm256_add_ps(acc0, acc1));
+    } else if constexpr (G == 1) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         __m256 w[4];
@@ -183,8 +215,8 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
         __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xr + 8), w[1]);
         t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], t0);
         t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], t1);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToFloat(d[b])), _mm256_add_ps(t0, t1), acc);
-        if (m) mterm[0] += HalfToFloat(m[b]) * j.xsum[r0 * blocks + b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ScaleToFloat(d[b])), _mm256_add_ps(t0, t1), acc);
+        if (m) mterm[0] += ScaleToFloat(m[b]) * j.xsum[r0 * blocks + b];
       }
       j.y[r0 * j.n + c] = HorizontalSum(acc) + mterm[0];
     } else {
@@ -193,8 +225,8 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
       for (int64_t b = 0; b < blocks; ++b) {
         __m256 w[4];
         Q::Values(q + b * Q::kBytes, w);
-        const __m256 vd = _mm256_set1_ps(HalfToFloat(d[b])), vm = _mm256_set1_ps(m ? HalfToFloat(m[b]) : 0.0f);
-        for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(vd, w[i], vm);
+        const __m256 vm = _mm256_set1_ps(m ? ScaleToFloat(m[b]) : 0.0f);
+        for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_set1_ps(ScaleToFloat(d[b * kSub + i * kSub / 4])), w[i], vm);
         for (int g = 0; g < G; ++g) {
           const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
           acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[g][0]);
@@ -206,16 +238,19 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
       for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = HorizontalSum(_mm256_add_ps(acc[g][0], acc[g][1]));
     }
 #else
+    constexpr int64_t kPart = kBlock / kSub;  // the values a scale covers
     float acc[G] = {};
     float w[kBlock];
     for (int64_t b = 0; b < blocks; ++b) {
       Q::Values(q + b * Q::kBytes, w);
-      const float db = HalfToFloat(d[b]), mb = m ? HalfToFloat(m[b]) : 0.0f;
+      const float mb = m ? ScaleToFloat(m[b]) : 0.0f;
       for (int g = 0; g < G; ++g) {
         const float* xr = j.x + (r0 + g) * j.k + b * kBlock;
-        float dot = 0.0f;
-        for (int i = 0; i < kBlock; ++i) dot += xr[i] * w[i];
-        acc[g] += db * dot;
+        for (int s = 0; s < kSub; ++s) {
+          float dot = 0.0f;
+          for (int64_t i = s * kPart; i < (s + 1) * kPart; ++i) dot += xr[i] * w[i];
+          acc[g] += ScaleToFloat(d[b * kSub + s]) * dot;
+        }
         mterm[g] += mb * j.xsum[(r0 + g) * blocks + b];
       }
     }
@@ -224,49 +259,44 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
   }
 }
 
-template <typename Q>
+template <typename Q, typename S, int kSub>
 void RunChunk(const Job& j, int64_t chunk) {
   const int64_t c0 = chunk * kChunkRows, c1 = std::min(j.n, c0 + kChunkRows);
   int64_t r = 0;
-  for (; r + kRowGroup <= j.rows; r += kRowGroup) RowGroup<Q, kRowGroup>(j, r, c0, c1);
+  for (; r + kRowGroup <= j.rows; r += kRowGroup) RowGroup<Q, S, kSub, kRowGroup>(j, r, c0, c1);
   switch (j.rows - r) {
-    case 7: RowGroup<Q, 7>(j, r, c0, c1); break;
-    case 6: RowGroup<Q, 6>(j, r, c0, c1); break;
-    case 5: RowGroup<Q, 5>(j, r, c0, c1); break;
-    case 4: RowGroup<Q, 4>(j, r, c0, c1); break;
-    case 3: RowGroup<Q, 3>(j, r, c0, c1); break;
-    case 2: RowGroup<Q, 2>(j, r, c0, c1); break;
-    case 1: RowGroup<Q, 1>(j, r, c0, c1); break;
+    case 7: RowGroup<Q, S, kSub, 7>(j, r, c0, c1); break;
+    case 6: RowGroup<Q, S, kSub, 6>(j, r, c0, c1); break;
+    case 5: RowGroup<Q, S, kSub, 5>(j, r, c0, c1); break;
+    case 4: RowGroup<Q, S, kSub, 4>(j, r, c0, c1); break;
+    case 3: RowGroup<Q, S, kSub, 3>(j, r, c0, c1); break;
+    case 2: RowGroup<Q, S, kSub, 2>(j, r, c0, c1); break;
+    case 1: RowGroup<Q, S, kSub, 1>(j, r, c0, c1); break;
     default: break;
   }
 }
 
-template <typename Q>
+template <typename Q, typename S, int kSub>
 void Work(Job& j) {
   for (int64_t chunk; (chunk = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
-    RunChunk<Q>(j, chunk);
+    RunChunk<Q, S, kSub>(j, chunk);
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-template <typename Q>
+// The shapes checked (Dispatch).
+template <typename Q, typename S, int kSub>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::AnyBuffer& d,
-               const uint16_t* m, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
-  const auto xd = x.dimensions(), qd = q.dimensions(), dd = d.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || xd[1] % kBlock != 0 || qd[0] != dd[0] ||
-      dd[1] != xd[1] / kBlock || qd[1] != dd[1] * Q::kBytes) {
-    return ffi::Error::InvalidArgument(
-        "jlight's GGUF matmul takes x [rows, k], blocks [n, k / 32 * block bytes] and scales [n, k / 32]");
-  }
+               ffi::AnyBuffer* m, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
   job->q = static_cast<const uint8_t*>(q.untyped_data());
-  job->d = static_cast<const uint16_t*>(d.untyped_data());
-  job->m = m;
+  job->d = d.untyped_data();
+  job->m = m ? m->untyped_data() : nullptr;
   job->y = y->typed_data();
-  job->rows = xd[0];
-  job->k = xd[1];
-  job->n = qd[0];
+  job->rows = x.dimensions()[0];
+  job->k = x.dimensions()[1];
+  job->n = q.dimensions()[0];
   job->chunks = (job->n + kChunkRows - 1) / kChunkRows;
   const int64_t sums = job->rows * (job->k / kBlock);
   job->xsum.reset(new float[sums]);
@@ -279,8 +309,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
   // chunk finds none and returns, and the caller waits only for chunks already claimed, never for a task
   // the pool has not started: no deadlock when the pool is busy or has one thread.
   const int64_t helpers = std::min(std::max<int64_t>(1, pool.num_threads()), job->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work<Q>(*job); });
-  Work<Q>(*job);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work<Q, S, kSub>(*job); });
+  Work<Q, S, kSub>(*job);
   while (job->done.load(std::memory_order_acquire) < job->chunks) {
 #ifdef JLIGHT_AVX2
     _mm_pause();
@@ -289,22 +319,60 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// Checks the shapes and runs the instance for the scales' dtype and count: float16 a block (Q4_0, Q4_1, Q5_0,
+// Q8_0), float32 a block (Q4_K, Q5_K), float32 two a block without minimums (Q6_K, as Q8).
+template <typename Q>
+ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::AnyBuffer& d,
+                    ffi::AnyBuffer* m, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), dd = d.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || xd[1] % kBlock != 0 || qd[0] != dd[0] ||
+      qd[1] != xd[1] / kBlock * Q::kBytes) {
+    return ffi::Error::InvalidArgument(
+        "jlight's GGUF matmul takes x [rows, k], blocks [n, k / 32 * block bytes] and scales [n, k / 32 * scales a block]");
+  }
+  const int64_t blocks = xd[1] / kBlock;
+  if (m && (m->dimensions().size() != 2 || m->dimensions()[0] != dd[0] || m->dimensions()[1] != blocks ||
+            m->element_type() != d.element_type())) {
+    return ffi::Error::InvalidArgument("jlight's GGUF matmul takes minimums [n, k / 32] of its scales' dtype");
+  }
+  const ffi::DataType type = d.element_type();
+  if (type == ffi::DataType::F16 && dd[1] == blocks) return Run<Q, uint16_t, 1>(pool, x, q, d, m, y);
+  if (type == ffi::DataType::F32 && dd[1] == blocks) return Run<Q, float, 1>(pool, x, q, d, m, y);
+  if constexpr (std::is_same_v<Q, Q8>) {
+    if (type == ffi::DataType::F32 && dd[1] == 2 * blocks && !m) return Run<Q, float, 2>(pool, x, q, d, m, y);
+  }
+  return ffi::Error::InvalidArgument(
+      "jlight's GGUF matmul takes float16 scales a block of 32, or float32 ones a block of 32 (or of 16 for Q8 "
+      "values without minimums)");
+}
+
 ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
                     ffi::AnyBuffer m, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  if (m.dimensions().size() != 2 || m.dimensions()[0] != d.dimensions()[0] || m.dimensions()[1] != d.dimensions()[1]) {
-    return ffi::Error::InvalidArgument("jlight's GGUF Q4 matmul takes minimums shaped as its scales");
-  }
-  return Run<Q4>(pool, x, q, d, static_cast<const uint16_t*>(m.untyped_data()), y);
+  return Dispatch<Q4>(pool, x, q, d, &m, y);
 }
 
 ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
                     ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Run<Q8>(pool, x, q, d, nullptr, y);
+  return Dispatch<Q8>(pool, x, q, d, nullptr, y);
+}
+
+ffi::Error Q8MinMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
+                       ffi::AnyBuffer m, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Dispatch<Q8>(pool, x, q, d, &m, y);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ4Matmul, Q4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ8MinMatmul, Q8MinMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -1,4 +1,4 @@
-"""Random ragged batches and paged caches for the kernel tests and benchmarks."""
+"""Random ragged batches and paged caches for the kernel tests and benchmarks, and random GGUF K-quant blocks."""
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -109,3 +109,24 @@ def random_attention_inputs(rng: np.random.Generator, group: int, head_dim: int,
         k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.bfloat16)
     return q, k, v, md
+
+
+# A GGUF K-quant super-block (256 values): its bytes and the offsets of its float16 scales (d; Q4_K / Q5_K: dmin).
+K_QUANT_LAYOUT = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def random_k_quant_blocks(rng: np.random.Generator, type_name: str, rows: int, k: int, scale: float | None = None):
+    """A [rows, k] GGUF K-quant tensor of random bytes ([rows, row bytes], k a multiple of 256) with finite float16
+    scales: any finite float16 (both signs, subnormals, up to 65504) by default, else `scale` times standard
+    normal ones (weights of a size a model runs on)."""
+    size, offsets = K_QUANT_LAYOUT[type_name]
+    data = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+    for at in offsets:
+        if scale is None:
+            bits = rng.integers(0, 1 << 16, (rows, k // 256), dtype=np.uint16)
+            bits[(bits >> 10) & 0x1F == 0x1F] &= np.uint16(0xBFFF)  # infinities and NaNs -> finite (exponent 15)
+            halves = bits.view(np.float16)
+        else:
+            halves = (rng.standard_normal((rows, k // 256)) * scale).astype(np.float16)
+        data[..., at:at + 2] = halves[..., None].view(np.uint8)
+    return data.reshape(rows, -1)

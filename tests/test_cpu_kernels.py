@@ -1,7 +1,8 @@
 """jlight's C++ CPU kernels (pallas_kernels/cpu_ffi.py): GGUF weights kept as the file stores them
-(jlight/core/gguf_weights.py) and the kernel that multiplies them (gguf_matmul_cpu), decode attention
-(paged_attention_cpu), each against its XLA reference; the blocks against gguf-py's own dequantization; and
-the default engine, which keeps SmolLM2's Q4_1 / Q8_0 weights and runs both kernels, against transformers.
+(jlight/core/gguf_weights.py; the K-quants as their sub-blocks) and the kernel that multiplies them
+(gguf_matmul_cpu), decode attention (paged_attention_cpu), each against its XLA reference; the blocks against
+gguf-py's own dequantization (the float load's numbers); and the default engine, which keeps SmolLM2's
+Q4_1 / Q8_0 weights and runs both kernels, against transformers.
 """
 import shutil
 
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 
 from direct_forward import hf_greedy, transformers_from_gguf
-from jlight.core.gguf_weights import GGUFQ4Weight, GGUFQ8Weight, dequantize_gguf_t
+from jlight.core.gguf_weights import GGUFQ4Weight, GGUFQ8MinWeight, GGUFQ8Weight, dequantize_gguf_t
 from jlight.loading.default_model import cache_dir
 from jlight.loading.gguf_blocks import split_blocks
+from kernel_batches import random_k_quant_blocks
 from jlight.pallas_kernels import attention_reference, cpu_ffi, dispatch, gguf_matmul_cpu, matmul_reference, paged_attention_cpu
 
 HAS_COMPILER = cpu_ffi._compiler() is not None
@@ -38,8 +40,16 @@ def _blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def _device_weight(type_name: str, rows: int, k: int, seed: int = 0):
-    host = split_blocks(type_name, _blocks(type_name, rows, k, seed))
-    return host.to_device(lambda path, a: jax.device_put(a), "w")
+    """A [rows, k] weight of `type_name` kept as the engine keeps it: gguf-py's quantization of a random weight,
+    or, for the K-quants (which gguf-py does not quantize), random blocks with weights of about 0.05."""
+    rng = np.random.default_rng(seed)
+    data = (random_k_quant_blocks(rng, type_name, rows, k, scale=2e-3) if type_name in K_QUANTS
+            else _blocks(type_name, rows, k, seed))
+    return split_blocks(type_name, data).to_device(lambda path, a: jax.device_put(a), "w")
+
+
+# The K-quants -> the form they are kept in and its block (values a scale).
+K_QUANTS = {"Q4_K": (GGUFQ4Weight, 32), "Q5_K": (GGUFQ8MinWeight, 32), "Q6_K": (GGUFQ8Weight, 16)}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
@@ -54,16 +64,64 @@ def test_blocks_are_gguf_py_s_numbers(type_name):
     np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)), want)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 11, 16, 45])
-@pytest.mark.parametrize("k,n", [(64, 33), (96, 70), (576, 200)])
-def test_kernel_matches_reference(kernel, type_name, rows, k, n):
+@pytest.mark.parametrize("type_name", list(K_QUANTS))
+def test_k_quant_blocks_are_gguf_py_s_numbers(type_name):
+    """Random Q4_K / Q5_K / Q6_K super-blocks, with scales anywhere in float16's finite range, kept as their
+    sub-blocks (float32 d and m) dequantize to exactly gguf-py's numbers for the same bytes: the float32
+    weights the dequantizing load makes (gguf_loader), float32 equality, no tolerance."""
+    import gguf
+    kind, block = K_QUANTS[type_name]
+    data = random_k_quant_blocks(np.random.default_rng(7), type_name, 24, 512)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    w = split_blocks(type_name, data).to_device(lambda path, a: jax.device_put(a), "w")
+    assert isinstance(w, kind) and w.shape == (512, 24)
+    assert w.scales.dtype == jnp.float32 and w.scales.shape == (24, 512 // block)
+    np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)), want)
+
+
+def _check_kernel(kernel, type_name: str, rows: int, k: int, n: int):
     w = _device_weight(type_name, n, k, seed=rows)
     x = jnp.asarray(np.random.default_rng(rows + k).standard_normal((rows, k)), jnp.float32)
     got = jax.jit(kernel)(x, w)
     want = matmul_reference.matmul(x, w)
     assert got.shape == want.shape == (rows, n) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 11, 16, 45])
+@pytest.mark.parametrize("k,n", [(64, 33), (96, 70), (576, 200)])
+def test_kernel_matches_reference(kernel, type_name, rows, k, n):
+    _check_kernel(kernel, type_name, rows, k, n)
+
+
+@pytest.mark.parametrize("type_name", list(K_QUANTS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("k,n", [(256, 33), (768, 70)])
+def test_k_quant_kernel_matches_reference(kernel, type_name, rows, k, n):
+    """The kernel's float32-scale instances: Q4_K as Q4 blocks, Q5_K as Q8 values with minimums, Q6_K as Q8
+    values with a scale a 16; one row, a row group and its remainders."""
+    _check_kernel(kernel, type_name, rows, k, n)
+
+
+def test_fusing_takes_only_one_form(kernel):
+    """Projections kept in one form (type, scale dtype and block) fuse on their rows; a group that mixes forms
+    (Q4_K q beside Q6_K v; Q8_0 beside Q6_K, both int8 values) keeps its parts, each as loaded."""
+    from jlight.models.layers import FusedWeight, fuse_projections
+    parts = {"wq": _device_weight("Q4_K", 64, 256), "wk": _device_weight("Q4_K", 32, 256),
+             "wv": _device_weight("Q6_K", 32, 256), "w_gate": _device_weight("Q6_K", 48, 256, seed=1),
+             "w_up": _device_weight("Q6_K", 40, 256, seed=2)}
+    fused = fuse_projections(parts)
+    assert set(fused) == {"wq", "wk", "wv", "w_gate_up"} and all(fused[n] is parts[n] for n in ("wq", "wk", "wv"))
+    gate_up = fused["w_gate_up"]
+    assert isinstance(gate_up, FusedWeight) and gate_up.widths == (48, 40) and isinstance(gate_up.weight, GGUFQ8Weight)
+    want = jnp.concatenate([dequantize_gguf_t(parts["w_gate"]), dequantize_gguf_t(parts["w_up"])])
+    np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(gate_up.weight)), np.asarray(want))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 256)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(kernel(x, gate_up.weight)), np.asarray(x @ want.T), rtol=1e-5, atol=1e-5)
+    mixed = {"wq": _device_weight("Q8_0", 64, 256), "wk": _device_weight("Q6_K", 32, 256), "wv": _device_weight("Q8_0", 32, 256)}
+    unfused = fuse_projections(mixed)
+    assert set(unfused) == set(mixed) and all(unfused[n] is mixed[n] for n in mixed)
 
 
 def test_kernel_takes_leading_dims_and_out_dtype(kernel):

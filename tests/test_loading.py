@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from jlight.core.errors import ModelLoadError, UnsupportedModelError
+from jlight.core.gguf_weights import GGUFQ4Weight, GGUFQ8MinWeight, GGUFQ8Weight, dequantize_gguf_t
 from jlight.loading import load_model
 from jlight.loading.gguf_loader import _GEMMA_LAYER_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
+from kernel_batches import random_k_quant_blocks
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,10 @@ def _llama_cpp_permute(w, num_heads):
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
+def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama", k_quants=None):
+    """The HF model in hf_dir as llama.cpp's converter writes it, its matrices in linear_qtype. k_quants: GGUF
+    tensor names' suffix (e.g. "attn_q.weight") -> Q4_K / Q5_K / Q6_K, tensors written as random blocks of that
+    type instead (kernel_batches.random_k_quant_blocks; gguf-py does not quantize K-quants)."""
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
@@ -148,7 +153,11 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama"):
             arr = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
         elif gemma and name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as 1 + w
-        if arr.ndim == 2:
+        k_quant = next((t for suffix, t in (k_quants or {}).items() if gname.endswith(suffix)), None)
+        if k_quant:
+            data = random_k_quant_blocks(np.random.default_rng(len(gname)), k_quant, *arr.shape, scale=2e-3)
+            w.add_tensor(gname, data, raw_dtype=gguf.GGMLQuantizationType[k_quant])
+        elif arr.ndim == 2:
             data = gguf.quants.quantize(arr, qtype)  # uint8 blocks, or a float16 array for F16
             w.add_tensor(gname, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
         else:
@@ -221,6 +230,34 @@ def test_gguf_gemma_architectures(tiny_model, tmp_path, arch, gguf_arch):
     for key, want in ref.params["layers"].items():
         np.testing.assert_allclose(np.asarray(got.params["layers"][key]), np.asarray(want), atol=1e-3 * float(np.abs(want).max()),
                                    err_msg=key)
+
+
+# GGUF tensor suffix -> (K-quant, jlight's param, the form it is kept in): every K-quant on q and k, whose rows the
+# loader un-permutes, and a tied LM head kept as the embedding's Q6_K blocks.
+K_QUANT_TENSORS = {"attn_q.weight": ("Q4_K", "wq", GGUFQ4Weight), "attn_k.weight": ("Q6_K", "wk", GGUFQ8Weight),
+                   "attn_v.weight": ("Q5_K", "wv", GGUFQ8MinWeight), "attn_output.weight": ("Q6_K", "wo", GGUFQ8Weight),
+                   "ffn_gate.weight": ("Q5_K", "w_gate", GGUFQ8MinWeight), "ffn_up.weight": ("Q4_K", "w_up", GGUFQ4Weight),
+                   "ffn_down.weight": ("Q4_K", "w_down", GGUFQ4Weight), "token_embd.weight": ("Q6_K", None, GGUFQ8Weight)}
+
+
+def test_gguf_k_quants_kept_as_sub_blocks(tiny_model, tmp_path):
+    """keep_gguf_blocks keeps a GGUF's Q4_K / Q5_K / Q6_K linear weights in their sub-block forms, each
+    dequantizing to exactly the weight the float load makes (llama.cpp's Q/K row order undone on every field's
+    rows), and the tied LM head as the embedding's Q6_K blocks."""
+    path = tiny_model("LlamaForCausalLM", hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    write_tiny_gguf(tmp_path / "k.gguf", path, "F16", k_quants={s: t for s, (t, _, _) in K_QUANT_TENSORS.items()})
+    kept = load_model(str(tmp_path / "k.gguf"), unstacked=True, keep_gguf_blocks=True).params
+    dense = load_model(str(tmp_path / "k.gguf"), unstacked=True).params
+    assert isinstance(kept["lm_head"], GGUFQ8Weight) and kept["lm_head"].scales.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(kept["lm_head"])).T, np.asarray(dense["lm_head"]))
+    np.testing.assert_array_equal(np.asarray(kept["embed"]), np.asarray(dense["embed"]))
+    for layer in range(len(kept["layers"])):
+        for _, name, kind in K_QUANT_TENSORS.values():
+            if name is None:
+                continue
+            w = kept["layers"][layer][name]
+            assert isinstance(w, kind), name
+            np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)).T, np.asarray(dense["layers"][layer][name]))
 
 
 def test_gguf_unsupported_quant_type(llama_dir, tmp_path):

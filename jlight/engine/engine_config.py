@@ -38,10 +38,11 @@ class EngineConfig:
     # and run XLA's dot. Over SmolLM2's layers (2 cores) the kernel took 30.7 / 96.3 / 191.9 / 326.7 ms at
     # 16 / 64 / 128 / 256 rows, the dequantize-and-dot 155.7 / 188.9 / 242.1 / 334.5 ms.
     gguf_kernel_max_rows: int = 256
-    # A GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 linear weights on the CPU. "auto": kept as the file stores them (0.6-1.1
-    # bytes a weight instead of float32's 4: batch-1 decode reads a fifth of the bytes) and multiplied in float32
-    # by the CPU kernel (pallas_kernels/gguf_matmul_cpu.py), where the CPU kernels run (above) and no
-    # quantization is asked; else dequantized. "dequantize": every weight dequantized to the model dtype at load
+    # A GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K linear weights on the CPU. "auto": kept as the file
+    # stores them, the K-quants as their sub-blocks (0.6-1.25 bytes a weight instead of float32's 4: batch-1 decode
+    # reads a third to a sixth of the bytes) and multiplied in float32 by the CPU kernel
+    # (pallas_kernels/gguf_matmul_cpu.py), where the CPU kernels run (above) and no quantization is asked; else
+    # dequantized. "dequantize": every weight dequantized to the model dtype at load
     # (what GPUs and meshes always do).
     gguf_weights: str = "auto"
     mesh: str | None = None  # e.g. "tp=2"; None: one device

@@ -73,7 +73,7 @@ def cpu_kernel_rows(cfg: EngineConfig, mesh, gpu: bool) -> dict:
 
 
 def keeps_gguf_blocks(cfg: EngineConfig, mesh, gpu: bool) -> bool:
-    """Whether the engine loads a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 linear weights as stored
+    """Whether the engine loads a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K linear weights as stored
     (EngineConfig.gguf_weights "auto"): a GGUF model, no quantization asked, and the CPU kernels ready."""
     gguf = cfg.model is None or str(cfg.model).endswith(".gguf")
     if cfg.gguf_weights != "auto" or not gguf or cfg.quantization:

@@ -3,7 +3,8 @@
 `load_model(model)` dispatches on what `model` names:
   None            -> the default model, SmolLM2-135M-Instruct (GGUF, see default_model.py)
   path/to/x.gguf  -> a llama.cpp GGUF file (weights dequantized at load time, or with keep_gguf_blocks its
-                     Q4_0/Q4_1/Q5_0/Q8_0 linear weights kept as stored: what the CPU engine does by default)
+                     Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept as stored, the K-quants as their
+                     sub-blocks: what the CPU engine does by default)
   a `jlight convert` output directory -> its orbax params (orbax_loader.py)
   a directory     -> a HF checkpoint (config.json + safetensors + tokenizer.json); FP8 ones
                      (compressed-tensors, fp8) keep their linear weights in fp8 (fp8_checkpoint.py)
@@ -65,8 +66,9 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
     on device (default jax.device_put); the sharding code passes one that shards it. unstacked=True:
     a dense model's `layers` come as per-layer dicts (assemble_params), read from safetensors or GGUF
-    files that way; a converted checkpoint's stay stacked. keep_gguf_blocks: a GGUF file's Q4_0, Q4_1 and
-    Q8_0 linear weights stay in their blocks (jlight/core/gguf_weights.py) instead of being dequantized."""
+    files that way; a converted checkpoint's stay stacked. keep_gguf_blocks: a GGUF file's Q4_0, Q4_1, Q5_0,
+    Q8_0, Q4_K, Q5_K and Q6_K linear weights stay in their blocks (jlight/core/gguf_weights.py) instead of
+    being dequantized."""
     if model is None:
         path = default_gguf_path()
         logger.info("loading the default model, SmolLM2-135M-Instruct (%s)", path)
