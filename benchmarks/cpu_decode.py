@@ -22,7 +22,10 @@ transformers and llama.cpp (llama-cpp-python) on the same GGUF, in the same run 
 - Each engine runs in its own process, one after the other, each repeat again (interleaved), and the
   host's CPU use just before each is recorded: on a shared machine, quiet means "busy" near 0.
 
-  python benchmarks/cpu_decode.py [--new-tokens 128] [--repeats 3] [--first-answers 3] [--out DIR]
+- --model PATH: another GGUF file instead of the default model, for every engine (llama.cpp-q4_1 then runs that
+  file's own quantization types; the first answers stay the default model's).
+
+  python benchmarks/cpu_decode.py [--new-tokens 128] [--repeats 3] [--first-answers 3] [--out DIR] [--model PATH]
                                   [--engines jlight,jlight-f32,f32-line,transformers,llama.cpp-f32,llama.cpp-q4_1]
 """
 from __future__ import annotations
@@ -79,8 +82,8 @@ def decode_rate(generate, n_new: int, repeats: int) -> dict:
 
 
 def jlight_child(gguf: str, n_new: int, repeats: int, **options) -> dict:
-    """jlight.LLM(**options) on the default model (default options: the GGUF's Q4_1 / Q8_0 weights kept and
-    multiplied in float32 by the CPU kernels). weight_bytes: what a decode step reads of the weights (all
+    """jlight.LLM(gguf, **options) (default options: the GGUF's quantized linear weights kept and multiplied in
+    float32 by the CPU kernels). weight_bytes: what a decode step reads of the weights (all
     but the embedding, of which it reads a row)."""
     import jax
 
@@ -88,7 +91,7 @@ def jlight_child(gguf: str, n_new: int, repeats: int, **options) -> dict:
     from jlight import SamplingParams
 
     t = time.perf_counter()
-    llm = jlight.LLM(**options)
+    llm = jlight.LLM(gguf, **options)
     start_s = time.perf_counter() - t
 
     def generate(prompt, n):
@@ -322,6 +325,7 @@ def main():
     ap.add_argument("--first-answers", type=int, default=3, help="cold + warm `jlight generate` pairs (0: none)")
     ap.add_argument("--engines", default=",".join(e for e in ENGINES if e != "jlight-ngram"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default=None, help="a GGUF file instead of the default model")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -331,14 +335,14 @@ def main():
 
     from jlight.loading.default_model import default_gguf_path
 
-    gguf = default_gguf_path()
+    gguf = a.model or default_gguf_path()
     engines = [e for e in a.engines.split(",") if e]
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     work = tempfile.mkdtemp(prefix="jlight_cpu_decode_")
     result = dict(result_header(), cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                  new_tokens=a.new_tokens, prompt_tokens=64, rows=[])
+                  model=gguf, new_tokens=a.new_tokens, prompt_tokens=64, rows=[])
     try:
         if a.first_answers:
             result["first_answer"] = first_answers(a.first_answers, work)
@@ -349,7 +353,8 @@ def main():
             cpu_ffi.build(os.path.join(work, "kernel_cache"))
             result["first_answer"]["kernel_build_s"] = time.perf_counter() - t
             print(f"one-time build of the CPU kernels: {result['first_answer']['kernel_build_s']:.1f} s", flush=True)
-        sources = {"llama.cpp-f32": f32_gguf(gguf, os.path.join(os.path.dirname(gguf), "SmolLM2-135M-Instruct.F32.gguf"))
+        f32_name = os.path.basename(gguf).removesuffix(".gguf") + ".F32.gguf" if a.model else "SmolLM2-135M-Instruct.F32.gguf"
+        sources = {"llama.cpp-f32": f32_gguf(gguf, os.path.join(os.path.dirname(gguf), f32_name))
                    if "llama.cpp-f32" in engines else None, "llama.cpp-q4_1": gguf}
         runs: dict[str, list] = {e: [] for e in engines}
         for _ in range(a.repeats):
