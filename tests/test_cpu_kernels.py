@@ -4,7 +4,11 @@
 gguf-py's own dequantization (the float load's numbers); and the default engine, which keeps SmolLM2's
 Q4_1 / Q8_0 weights and runs both kernels, against transformers.
 """
+import os
+import platform
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +106,35 @@ def test_k_quant_kernel_matches_reference(kernel, type_name, rows, k, n):
     """The kernel's float32-scale instances: Q4_K as Q4 blocks, Q5_K as Q8 values with minimums, Q6_K as Q8
     values with a scale a 16; one row, a row group and its remainders."""
     _check_kernel(kernel, type_name, rows, k, n)
+
+
+# Run in a process of its own (XLA registers a target once a process): the GGUF kernel built with extra compiler
+# flags (argv[2:]) into the cache argv[1], against the reference on every kept form.
+_CHECK_BUILD = """
+import sys
+from jlight.pallas_kernels import cpu_ffi, gguf_matmul_cpu
+from test_cpu_kernels import K_QUANTS, _check_kernel
+cpu_ffi.FLAGS = cpu_ffi.FLAGS + tuple(sys.argv[2:])
+assert cpu_ffi.load(sys.argv[1])
+for type_name in ("Q4_1", "Q8_0", *K_QUANTS):
+    for rows in (1, 3, 8, 9):
+        _check_kernel(gguf_matmul_cpu.matmul, type_name, rows, 512, 40)
+"""
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")],
+                         ids=["avx2", "portable"])
+def test_kernel_paths_below_avx512(kernel, tmp_path, flags):
+    """The kernel's AVX2 and portable C++ paths, which an AVX-512 host's -march=native build never takes: built
+    without those instruction sets, each against the reference on every kept form (about 30 s a build)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction-set flags")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", _CHECK_BUILD, str(tmp_path), *flags], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_fusing_takes_only_one_form(kernel):
