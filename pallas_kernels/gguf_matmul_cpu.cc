@@ -149,19 +149,7 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
     const S* m = j.m ? static_cast<const S*>(j.m) + c * blocks : nullptr;
     float mterm[G] = {};
 #if defined(JLIGHT_AVX512)
-    if constexpr (G == 1 && kSub == 2) {
-      // One row, a scale a 16-lane half: two sums, one a half, scaled apart.
-      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        __m512 w[2];
-        Q::Values(q + b * Q::kBytes, w);
-        const float* xr = j.x + r0 * j.k + b * kBlock;
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[2 * b])), _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[2 * b + 1])), _mm512_mul_ps(_mm512_loadu_ps(xr + 16), w[1]),
-                               acc1);
-      }
-      j.y[r0 * j.n + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    } else if constexpr (G == 1) {
+    if constexpr (G == 1 && kSub == 1) {
       // One row: d * (x . values) a block, the m term from the block sums of x (xsum): no dequantizing fma.
       __m512 acc = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
@@ -174,7 +162,7 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
       }
       j.y[r0 * j.n + c] = _mm512_reduce_add_ps(acc) + mterm[0];
     } else {
-      // Several rows: the block dequantized once (d * values + m), then two fmas a row.
+      // Several rows, or a scale a half: the block dequantized once (d * values + m), then two fmas a row.
       __m512 acc[G][2];
       for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
@@ -191,20 +179,7 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
       for (int g = 0; g < G; ++g) j.y[(r0 + g) * j.n + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
     }
 #elif defined(JLIGHT_AVX2)
-    if constexpr (G == 1 && kSub == 2) {
-      // One row, a scale a half (two 8-lane vectors): a sum a half, scaled apart.
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        __m256 w[4];
-        Q::Values(q + b * Q::kBytes, w);
-        const float* xr = j.x + r0 * j.k + b * kBlock;
-        const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], _mm256_mul_ps(_mm256_loadu_ps(xr), w[0]));
-        const __m256 t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], _mm256_mul_ps(_mm256_loadu_ps(xr + 16), w[2]));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(ScaleToFloat(d[2 * b])), t0, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(ScaleToFloat(d[2 * b + 1])), t1, acc1);
-      }
-      j.y[r0 * j.n + c] = HorizontalSum(_mm256_add_ps(acc0, acc1));
-    } else if constexpr (G == 1) {
+    if constexpr (G == 1 && kSub == 1) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         __m256 w[4];
@@ -361,25 +336,22 @@ ffi::Error Q8MinMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return Dispatch<Q8>(pool, x, q, d, &m, y);
 }
 
+// The matmuls with minimums (Q4, Q8 with minimums): x, values, scales, minimums -> y.
+auto BindWithMinimums() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ4Matmul, Q4Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ4Matmul, Q4Matmul, BindWithMinimums());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ8MinMatmul, Q8MinMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ8MinMatmul, Q8MinMatmul, BindWithMinimums());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JlightGgufQ8Matmul, Q8Matmul,
                               ffi::Ffi::Bind()
