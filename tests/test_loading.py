@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -258,6 +259,22 @@ def test_gguf_k_quants_kept_as_sub_blocks(tiny_model, tmp_path):
             w = kept["layers"][layer][name]
             assert isinstance(w, kind), name
             np.testing.assert_array_equal(np.asarray(dequantize_gguf_t(w)).T, np.asarray(dense["layers"][layer][name]))
+
+
+def test_gguf_forms_that_differ_by_layer_stack_as_floats(tiny_model, tmp_path):
+    """A stacked load (the scanned layer loop's) keeps a weight in its blocks where every layer has one form; a
+    weight kept in two forms (ffn_down: Q4_K in layer 0, Q6_K in layer 1) or kept in one layer and float in the
+    other (attn_v: Q5_K beside F16) does not stack, and comes as the float load's weights instead."""
+    path = tiny_model("LlamaForCausalLM", hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    write_tiny_gguf(tmp_path / "mixed.gguf", path, "F16", k_quants={
+        "attn_q.weight": "Q4_K", "blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q6_K", "blk.0.attn_v.weight": "Q5_K"})
+    kept = load_model(str(tmp_path / "mixed.gguf"), keep_gguf_blocks=True).params["layers"]
+    dense = load_model(str(tmp_path / "mixed.gguf")).params["layers"]
+    assert isinstance(kept["wq"], GGUFQ4Weight) and kept["wq"].shape == (2, 256, 256)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(dequantize_gguf_t(kept["wq"])), 1, 2), np.asarray(dense["wq"]))
+    for name in ("w_down", "wv"):
+        assert isinstance(kept[name], jax.Array) and kept[name].dtype == jnp.float32, name
+        np.testing.assert_array_equal(np.asarray(kept[name]), np.asarray(dense[name]))
 
 
 def test_gguf_unsupported_quant_type(llama_dir, tmp_path):
