@@ -78,6 +78,7 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _split_k(type_name: str, data: np.ndarray) -> GGUFHostWeight:
+    """A Q4_K / Q5_K / Q6_K tensor's super-blocks [rows, row bytes] -> its sub-blocks' fields (the module's forms)."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, _SUPER_BYTES[type_name])  # [rows, super-blocks, bytes]
     if type_name == "Q6_K":
