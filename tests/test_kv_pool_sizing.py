@@ -31,6 +31,23 @@ def test_gpu_memory_utilization_is_the_engines_whole_share():
         pages_for_memory(STATS, PAGE, 0.8, 0.15)
 
 
+@pytest.mark.parametrize("utilization", [None, 0.9])
+def test_a_few_megabytes_more_in_use_leave_the_pool_its_shape(utilization):
+    """The pool's shape keys every stored step: a warm start, with a few stored steps loaded before it measures,
+    sizes the pool as the cold start did, and a pool sized from memory never exceeds what fits."""
+    cold = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB + 37 * MIB}
+    warm = {**cold, "bytes_in_use": cold["bytes_in_use"] + 5 * MIB}
+    pages = pages_for_memory(cold, PAGE, 0.8, utilization)
+    assert pages == pages_for_memory(warm, PAGE, 0.8, utilization)
+    assert pages * PAGE % startup.POOL_GRANULE_BYTES == 0
+    exact = (int(80 * GIB - 37 * MIB) * 0.8 if utilization is None else 70 * GIB - 37 * MIB) // PAGE
+    assert exact - startup.POOL_GRANULE_BYTES // PAGE < pages <= exact
+    step = 3 * GIB + 11 * MIB  # the room beside the largest step: the same rule
+    assert pages_beside_step(pages, cold, PAGE, step, utilization) == pages_beside_step(pages, warm, PAGE, step, utilization)
+    # a pool of fewer than two granules keeps every page
+    assert startup.whole_granules(130, PAGE) == 130 and startup.whole_granules(300, PAGE) == 256
+
+
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
 def test_gpu_memory_utilization_outside_0_1_is_refused(value):
     with pytest.raises(ValueError, match="gpu_memory_utilization.*must be in \\(0, 1\\]"):
