@@ -67,6 +67,14 @@ float HalfToFloat(uint16_t h) {
 float ScaleToFloat(uint16_t h) { return HalfToFloat(h); }
 float ScaleToFloat(float f) { return f; }
 
+#ifdef JLIGHT_AVX512
+// The first `lanes` of 16 scales or minimums as floats (the others 0): float16 bits converted, or float32.
+__m512 Load16(const uint16_t* h, __mmask16 lanes) {
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(static_cast<__mmask32>(lanes), h)));
+}
+__m512 Load16(const float* f, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, f); }
+#endif
+
 // A block's 32 stored values (before d and m) in weight order.
 struct Q4 {  // 16 bytes: weight i in the low nibble of byte i, weight 16 + i in its high nibble
   static constexpr int64_t kBytes = 16;
@@ -151,16 +159,26 @@ void RowGroup(const Job& j, int64_t r0, int64_t c0, int64_t c1) {
 #if defined(JLIGHT_AVX512)
     if constexpr (G == 1 && kSub == 1) {
       // One row: d * (x . values) a block, the m term from the block sums of x (xsum): no dequantizing fma.
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        __m512 w[2];
-        Q::Values(q + b * Q::kBytes, w);
-        const float* xr = j.x + r0 * j.k + b * kBlock;
-        const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]));
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(ScaleToFloat(d[b])), t, acc);
-        if (m) mterm[0] += ScaleToFloat(m[b]) * j.xsum[r0 * blocks + b];
+      // Sixteen blocks' scales (and minimums) become floats in one conversion, the m term is a vector dot of
+      // the minimums with xsum, and even and odd blocks add into two sums, so no block waits on the last.
+      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, macc = _mm512_setzero_ps();
+      alignas(64) float ds[16];
+      const float* xs = j.xsum.get() + r0 * blocks;
+      int64_t b = 0;
+      for (; b < blocks; b += 16) {
+        const int64_t count = std::min<int64_t>(16, blocks - b);
+        const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+        _mm512_store_ps(ds, Load16(d + b, lanes));
+        if (m) macc = _mm512_fmadd_ps(Load16(m + b, lanes), _mm512_maskz_loadu_ps(lanes, xs + b), macc);
+        for (int64_t i = 0; i < count; ++i) {
+          __m512 w[2];
+          Q::Values(q + (b + i) * Q::kBytes, w);
+          const float* xr = j.x + r0 * j.k + (b + i) * kBlock;
+          const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], _mm512_mul_ps(_mm512_loadu_ps(xr), w[0]));
+          acc[i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(ds[i]), t, acc[i & 1]);
+        }
       }
-      j.y[r0 * j.n + c] = _mm512_reduce_add_ps(acc) + mterm[0];
+      j.y[r0 * j.n + c] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), macc));
     } else {
       // Several rows, or a scale a half: the block dequantized once (d * values + m), then two fmas a row.
       __m512 acc[G][2];
