@@ -180,7 +180,7 @@ def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_b
 
 
 # A pool sized from memory is a whole number of these (when it holds two or more): the pool's shape is part of
-# every compiled step's key (executable_store.py), and what is in use when a start measures varies by a few
+# every compiled step's key (executable_store.py), and what is in use when a start measures can vary by a few
 # megabytes from start to start (the stored steps a warm start has loaded by then, buffers of the load not yet
 # freed), which must not change the shape. At most this much of the budget goes unused.
 POOL_GRANULE_BYTES = 256 << 20
