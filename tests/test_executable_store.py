@@ -3,6 +3,7 @@ configuration loads every bucket instead of tracing it and gives the same tokens
 or a damaged entry compiles instead (the separate damaged-entry test runs with -m extended); a step that
 JAX's persistent cache could serve is still stored with its code, so a new process runs it."""
 import glob
+import logging
 import os
 import subprocess
 import sys
@@ -194,7 +195,7 @@ def test_how_a_start_compiles_is_not_part_of_the_key(tmp_path):
     assert key() != key(max_num_seqs=3) and key() != key(seed=1)
 
 
-def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path):
+def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path, caplog):
     """The manifest a warmed-up start writes lists its steps; the next start of the same engine loads them
     while its weights load, and the store's loads take every one from there (same tokens). A damaged manifest
     or another engine's prefetches nothing and the steps load from their files."""
@@ -203,10 +204,10 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path):
     model_dir = tiny_model("LlamaForCausalLM")
     directory = os.path.join(str(tmp_path), "executables")
 
-    def start(engine="this engine"):
+    def start(engine="this engine", pages=64 + os.getpid() % 1000):
         prefetch = Prefetch(directory, engine, threads=2)
         llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
-                         num_pages=64 + os.getpid() % 1000, store_executables=False, warmup=False)
+                         num_pages=pages, store_executables=False, warmup=False)
         runner = llm.engine.runner
         runner.executable_store = ExecutableStore(directory, repr(llm.engine.config), min_compile_seconds=0.0,
                                                   prefetch=prefetch)
@@ -222,6 +223,14 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path):
     assert len(prefetched) == buckets and prefetched.taken == buckets
     assert second.engine.runner.executable_store.loaded == buckets
     assert _tokens(second) == _tokens(first)
+    # The same engine, its pool of another size (as one sized from memory can be): nothing matches, and it says so.
+    with caplog.at_level(logging.WARNING, logger="jlight.engine.executable_store"):
+        moved, prefetched = start(pages=63 + os.getpid() % 1000)
+    assert len(prefetched) == buckets and prefetched.taken == 0 and moved.engine.runner.executable_store.loaded == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"none of the {buckets} compiled steps the last start of this engine stored matched this start's, so they were "
+        "compiled again: the steps' inputs differ from that start's (a KV pool sized from memory to another size, "
+        "for one; num_pages fixes it)"]
 
     other, prefetched = start("another engine")
     assert len(prefetched) == 0 and other.engine.runner.executable_store.loaded == buckets

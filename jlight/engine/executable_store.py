@@ -168,6 +168,7 @@ class Prefetch:
                          for k, ids in self._entries.items()}
         self._lock = threading.Lock()
         self.taken = 0  # steps the store took from here
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -196,12 +197,19 @@ class Prefetch:
         return compiled
 
     def close(self) -> None:
-        """Drop the prefetched steps no one took (and those not loaded yet)."""
+        """Drop the prefetched steps no one took (and those not loaded yet). The first close says so when the
+        manifest listed steps and the start took none: then its steps' inputs differ from the last start's, and
+        a start the user expected to be warm compiled everything again."""
         with self._lock:
             futures, self._futures = self._futures, {}
+            first, self._closed = not self._closed, True
         for future in futures.values():
             future.cancel()
         self._pool.shutdown(wait=False)
+        if first and self._entries and not self.taken:
+            logger.warning("none of the %d compiled steps the last start of this engine stored matched this start's, so "
+                           "they were compiled again: the steps' inputs differ from that start's (a KV pool sized from "
+                           "memory to another size, for one; num_pages fixes it)", len(self._entries))
 
     def write(self, used: dict[str, list[int]]) -> None:
         entries = {k: ids for k, ids in self._read().items() if os.path.exists(entry_path(self.directory, k))}
