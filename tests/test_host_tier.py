@@ -199,6 +199,34 @@ def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync(pinned):
     assert runner.page(1) == runner.page(2) == [-1.0, -1.0] and runner.page(3) == [4.0, 4.0]
 
 
+@pytest.mark.parametrize("pinned", [None, False], ids=["pinned_host", "numpy"])
+def test_a_prefix_match_restores_pages_its_own_restores_evicted(pinned):
+    """Restoring a prefix's head can evict the rest of the prefix from the device (no free page left): those
+    keys, evicted in the same scheduling pass, are restored too (their pages keep their K/V until the step
+    after the sync), not computed again."""
+    from jlight.engine.block_manager import BlockManager
+    from jlight.engine.host_tier import HostTier
+
+    runner, tier = _PoolRunner(), HostTier(capacity=8, max_batch=4, pinned=pinned)
+    bm = BlockManager(num_pages=5, page_size=2, host_tier=tier)
+    tokens = list(range(7))  # three full pages to match
+    prefix = bm.allocate(3)  # pages 1, 2, 3 (K: 2.0, 3.0, 4.0)
+    keys = bm.publish_full_pages(prefix, [], lambda a, b: tokens[a:b], 3)
+    bm.release(prefix)
+    for page in (2, 3):  # the head's page least recent
+        bm.evictable.move_to_end(page)
+    held = bm.allocate(2)  # the free page 4, then page 1: the head goes to the host
+    tier.sync(runner)
+    assert held == [4, 1] and keys[0] in tier and keys[1] in bm.cached and keys[2] in bm.cached
+    pages, matched = bm.match_prefix(tokens)
+    # The head comes back into page 2, evicting keys[1] there; keys[1] comes back into page 3, evicting keys[2];
+    # keys[2] would need a page the match itself holds.
+    assert (pages, matched) == ([2, 3], keys[:2])
+    tier.sync(runner)
+    assert runner.page(2) == [2.0, 2.0] and runner.page(3) == [3.0, 3.0]
+    assert tier.restored_pages == 2 and tier.offloaded_pages == 3 and keys[2] in tier
+
+
 class _BigPoolRunner:
     """A runner's page interface (ModelRunner's four page copies, donated writes) over a K pool of 1 MiB pages
     ([2 layers, pages, 2**17] float32, page p holding p) and a V pool without pages; counts its calls."""

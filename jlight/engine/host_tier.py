@@ -3,12 +3,15 @@ copied back when a later prefix needs them (vLLM's CPU offloading; `kv_offloadin
 
 The block manager tells the tier what happens to cached pages between two steps: `offload(page, key)`
 when it evicts a page that holds a prefix key, `restore(key, page)` when a prefix match takes a
-fresh device page for a key the tier holds. `sync(runner)`, called after scheduling and before the
-step's launch, turns those into copies:
-  1. restores take their keys' host arrays first, so this sync's offloads cannot drop them;
+fresh device page for a key the tier holds. A key evicted since the last sync counts as held: its
+page keeps its K/V until the step after the sync, so a prefix match in the same scheduling pass (one
+whose own restores evicted the rest of its prefix, say) restores it instead of computing it again.
+`sync(runner)`, called after scheduling and before the step's launch, turns those into copies:
+  1. restores of keys copied before take their host arrays first, so this sync's offloads cannot drop them;
   2. offloads are dispatched: one gather of the evicted pages on the device, as one array a page and
      leaf (dispatched before any write into those pages, so it reads their old contents, the device
      running in dispatch order), then one asynchronous copy of all of them to `pinned_host` memory;
+     restores of keys evicted since the last sync take those copies;
   3. restores are dispatched: one copy of all their host arrays to the device, then one scatter into
      their device pages with the pools donated (before the step that reads them).
 A sync is a fixed number of calls a batch of pages, whatever the number of pages or layers, and touches
@@ -69,6 +72,7 @@ class HostTier:
         self.reserve_seconds = 0.0  # and how long that took
         self.pages: collections.OrderedDict[bytes, object] = collections.OrderedDict()
         self._offloads: list[tuple[int, bytes]] = []  # (device page, key), queued since the last sync
+        self._pending: set[bytes] = set()  # their keys
         self._restores: list[tuple[int, bytes]] = []
         self._landing: collections.deque[tuple[bytes, object]] = collections.deque()  # numpy pages not landed
         self._device_shardings = None  # one page's leaves' placements on the device (read_page_list's)
@@ -78,7 +82,7 @@ class HostTier:
 
     # ---- what the block manager calls ------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
-        return key in self.pages
+        return key in self.pages or key in self._pending
 
     @property
     def num_used(self) -> int:
@@ -88,18 +92,21 @@ class HostTier:
         """`page`, holding `key`'s K/V, leaves the device cache: keep a copy (before the page is rewritten)."""
         if key in self.pages:
             self.pages.move_to_end(key)
-        else:
+        elif key not in self._pending:  # evicted twice before a sync: one copy
             self._offloads.append((page, key))
+            self._pending.add(key)
 
     def restore(self, key: bytes, page: int) -> None:
         """`page` (fresh) is to hold `key`'s K/V again, before the next step reads it."""
-        self.pages.move_to_end(key)
+        if key in self.pages:
+            self.pages.move_to_end(key)
         self._restores.append((page, key))
 
     def clear(self) -> None:
         """Forget every key (the prefix cache was reset); copies in flight finish unread."""
         self.pages.clear()
         self._offloads.clear()
+        self._pending.clear()
         self._restores.clear()
         self._landing.clear()
 
@@ -108,18 +115,15 @@ class HostTier:
         """Dispatch the copies queued since the last sync (see the module docstring for their order)."""
         if self._restores or self._offloads:
             self._decide_pinned(runner)
-            restores = [(page, self.pages[key]) for page, key in self._restores]
-            self._restores.clear()
-            offloads, queued = [], set()
-            for page, key in self._offloads:
-                if key in self.pages:  # evicted twice before a sync: one copy
-                    self.pages.move_to_end(key)
-                elif key not in queued:
-                    queued.add(key)
-                    offloads.append((page, key))
+            held = {key: self.pages[key] for _, key in self._restores if key in self.pages}
+            wanted = {key for _, key in self._restores if key not in held}  # evicted since the last sync
+            offloads = list(self._offloads)
             self._offloads.clear()
+            self._pending.clear()
             for batch in _batches(offloads, self.max_batch):
-                self._dispatch_offload(runner, batch)
+                self._dispatch_offload(runner, batch, wanted, held)
+            restores = [(page, held[key]) for page, key in self._restores]
+            self._restores.clear()
             for batch in _batches(restores, self.max_batch):
                 self._write_restore(runner, batch)
         while self._landing and _ready(self._landing[0][1]):
@@ -127,7 +131,9 @@ class HostTier:
             if self.pages.get(key) is data:  # still held: its numpy copy (done) replaces the device arrays
                 self.pages[key] = jax.tree.map(np.asarray, data)
 
-    def _dispatch_offload(self, runner, batch: list[tuple[int, bytes]]) -> None:
+    def _dispatch_offload(self, runner, batch: list[tuple[int, bytes]], wanted: set[bytes], held: dict) -> None:
+        """Copy `batch`'s pages to the host; the copies of `wanted` keys go into `held` too (for this sync's
+        restores, whatever the LRU drops meanwhile)."""
         per_page = runner.read_page_list(padded_pages([page for page, _ in batch]))[: len(batch)]
         leaves, treedef = jax.tree.flatten(per_page)
         if self._device_shardings is None:
@@ -142,6 +148,8 @@ class HostTier:
                 self.pages.popitem(last=False)
                 self.dropped_pages += 1
             self.pages[key] = data
+            if key in wanted:
+                held[key] = data
             if not self.pinned:
                 self._landing.append((key, data))
             self.offloaded_pages += 1
