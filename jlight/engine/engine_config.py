@@ -55,7 +55,9 @@ class EngineConfig:
     # (XLA's one-row matmuls; docs/BENCHMARKS.md).
     min_token_bucket: int | None = None
     page_size: int = 16
-    num_pages: int | None = None  # default: sized from kv_cache_memory_fraction
+    # default: sized from kv_cache_memory_fraction (or gpu_memory_utilization) in whole 256 MiB of pages
+    # (startup.POOL_GRANULE_BYTES), so that starts whose memory in use differs by megabytes run the same programs
+    num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
     # vLLM's knob, for its users: the engine's whole share of the memory JAX's allocator manages
     # (bytes_limit: 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise). When given,
