@@ -72,7 +72,8 @@ class EngineConfig:
     # With kv_cache_dtype="fp8", the Mosaic GPU prefill kernel quantizes each step's queries to e4m3 (one scale per
     # query head) and runs Q K^T on the fp8 tensor cores instead of converting K to float16
     # (pallas_kernels/paged_prefill_mosaic.py, fp8_qk; it costs up to 2**-4 relative error per query value).
-    # Other kernels, the XLA reference and the CPU ignore it. Off until it wins a GPU benchmark.
+    # Other kernels, the XLA reference and the CPU ignore it. Off by default: the kernel runs faster so, and the
+    # quantized queries double the fp8 cache's perplexity cost (docs/BENCHMARKS.md, quantization quality).
     fp8_prefill_qk: bool = False
     enable_prefix_caching: bool = True
     # GiB of host memory for the K/V of pages the prefix cache evicts (vLLM's kv_offloading_size; host_tier.py):
