@@ -164,7 +164,7 @@ store = e.runner.executable_store
 print("READY " + json.dumps({"in_process_s": time.perf_counter() - t0, "load_s": e.load_seconds,
       "phases_s": e.startup_seconds, "compile_s": e.warmup_seconds, "buckets": e.runner.buckets,
       "executables_loaded": store.loaded if store else None, "executables_saved": store.saved if store else None,
-      "num_pages": e.runner.num_pages,
+      "num_pages": e.runner.num_pages, "in_use_at_sizing": e.memory_in_use_at_sizing,
       "prefetched": store.prefetch.taken if store is not None and store.prefetch is not None else None,
       "warmup_timings": e.runner.warmup_timings}), flush=True)
 """
@@ -202,7 +202,8 @@ def measure_startup(model: str, work: str, runs: int, max_model_len: int, compil
                   f"load {r['load_s']:.1f} s, prepare {phases.get('prepare', 0):.1f} s, set-up {phases.get('setup', 0):.1f} s, "
                   f"compile {r['compile_s']:.1f} s, {len(r['buckets'])} buckets, {r['executables_loaded']} loaded "
                   f"compiled, {r['prefetched']} of them prefetched, {r['executables_saved']} saved; a KV pool of "
-                  f"{r['num_pages']} pages), {r['remat_warnings']} remat warnings", flush=True)
+                  f"{r['num_pages']} pages sized beside {(r.get('in_use_at_sizing') or 0) / 2**20:.0f} MiB in use), "
+                  f"{r['remat_warnings']} remat warnings", flush=True)
             for t in r["warmup_timings"]:
                 print("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
         shutil.rmtree(cache, ignore_errors=True)

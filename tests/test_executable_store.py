@@ -239,3 +239,32 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path, 
     damaged, prefetched = start("another engine")
     assert len(prefetched) == 0 and damaged.engine.runner.executable_store.loaded == buckets
     assert len(Prefetch(directory, "another engine", threads=1)) == buckets  # rewritten whole by that start
+
+
+def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeypatch):
+    """Prefetch reads the manifest's entries into host memory on its threads; an entry is loaded onto its devices
+    (where it holds device memory, which the KV pool is sized beside) only when its key is taken, and runs then."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import serialize_executable
+
+    from jlight.engine import executable_store
+    from jlight.engine.executable_store import Prefetch
+
+    directory = os.path.join(str(tmp_path), "executables")
+    x = jnp.arange(8.0)
+    store = ExecutableStore(directory, "a program", min_compile_seconds=0.0, prefetch=Prefetch(directory, "engine", 1))
+    key = store.key((x,), "static")
+    store.compile(key, jax.jit(lambda a: a * 2 + 1).lower(x))
+    store.write_manifest()
+
+    loads = []
+    real = serialize_executable.deserialize_and_load
+    monkeypatch.setattr(executable_store.serialize_executable, "deserialize_and_load",
+                        lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    prefetch = Prefetch(directory, "engine", threads=1)
+    prefetch._pool.shutdown(wait=True)  # every read done
+    assert len(prefetch) == 1 and loads == []
+    compiled = ExecutableStore(directory, "a program", prefetch=prefetch).load(key, (x,))
+    assert len(loads) == 1 and prefetch.taken == 1
+    assert compiled(x).tolist() == (x * 2 + 1).tolist()

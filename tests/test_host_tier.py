@@ -300,15 +300,16 @@ def test_a_sync_moves_pages_in_a_fixed_number_of_calls_and_never_through_numpy(n
 
 
 def test_warmup_takes_the_tiers_pinned_memory_where_asked(model_dir):
-    """On the CPU the default takes nothing; asked, warm-up takes the tier's whole capacity in chunks, frees
-    it, and the tier then offloads and restores as before."""
+    """By default the engine's warm-up takes the tier's whole capacity on a GPU and nothing on the CPU; asked,
+    warm-up takes it in chunks, frees it, and the tier then offloads and restores as before."""
     first, second = conversations(seed=2)
     tiered = small_engine(model_dir, host_pages=8)
     tier = tiered.block_manager.host_tier
-    assert tier.pinned and tier.reserved_bytes == 0
+    by_default = 8 * PAGE_BYTES if jax.default_backend() == "gpu" else 0
+    assert tier.pinned and tier.reserved_bytes == by_default
     tier.reserve = True
     tier.warmup(tiered.runner, chunk_bytes=3 * PAGE_BYTES)
-    assert tier.reserved_bytes == 8 * PAGE_BYTES and tier.reserve_seconds > 0
+    assert tier.reserved_bytes == by_default + 8 * PAGE_BYTES and tier.reserve_seconds > 0
     got = run_one_by_one(tiered, first + second)
     assert len(got) == 6 and tiered.stats().host_cache_hit_tokens > 0
 
@@ -319,11 +320,12 @@ def test_a_tier_over_xlas_pinned_pool_is_refused_at_warmup(model_dir, monkeypatc
     engine = small_engine(model_dir, host_pages=8)
     tier = engine.block_manager.host_tier
     tier.reserve = True
+    taken = tier.reserved_bytes  # by the engine's own warm-up on a GPU
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
     with pytest.raises(ValueError, match="over XLA's pinned pool of 0 GiB; lower kv_offloading_size, or raise "
                                          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
         tier.warmup(engine.runner)
-    assert tier.reserved_bytes == 0
+    assert tier.reserved_bytes == taken
 
 
 def test_restored_pages_hold_the_bytes_first_computed(model_dir):

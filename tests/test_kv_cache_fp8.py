@@ -162,13 +162,13 @@ def test_fp8_cache_agreement_on_smollm2(fp8_row):
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Mosaic GPU prefill kernel runs on a GPU; on the CPU only "
                     "interpreted, where the engine's steps take minutes (its numerics: tests/test_mosaic_prefill.py)")
-def test_engine_fp8_prefill_qk_predicts_as_the_16_bit_queries_do(tiny_model):
-    """bf16 model with head_dim 128 over fp8 pools: the prefill kernel's Q K^T on e4m3 queries
-    (EngineConfig.fp8_prefill_qk) against the 16-bit queries' Q K^T, teacher-forced over prompts crossing pages
-    and chunks: the same next-token prediction at 80% of the positions or more, and the prompt tokens'
-    logprobs 0.05 apart or less on average. Not the same greedy continuations: on the H100 a 130-token prompt's
-    12 greedy tokens parted after 7 (e4m3 queries carry 3 mantissa bits; the kernels' outputs differ by ~2.3%
-    of their norm, kernel_bench)."""
+def test_engine_fp8_prefill_qk_moves_predictions_no_more_than_the_fp8_cache_does(tiny_model):
+    """bf16 model with head_dim 128, teacher-forced over prompts crossing pages and chunks: the prefill kernel's
+    Q K^T on e4m3 queries (EngineConfig.fp8_prefill_qk) against the 16-bit queries over the same fp8 pools moves
+    the next-token predictions and the prompt tokens' logprobs at most twice as much as the fp8 pools themselves
+    move them against bf16 pools (on SmolLM2, emulated on the CPU, the two costs are alike: BENCHMARKS). A wrong
+    scale or a transposed operand moves them far more. Not exact tokens: on the H100 a 130-token prompt's 12
+    greedy tokens parted after 7, and this random model's flat logits move its top-1 at a quarter of positions."""
     import jlight
     from jlight import SamplingParams
 
@@ -178,15 +178,24 @@ def test_engine_fp8_prefill_qk_predicts_as_the_16_bit_queries_do(tiny_model):
     prompts = [rng.integers(3, 500, size=n).tolist() for n in (40, 130, 300, 520)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     out = {}
-    for fp8_qk in (False, True):
+    for cache, fp8_qk in (("auto", False), ("fp8", False), ("fp8", True)):
         llm = jlight.LLM(model, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=256, page_size=16, num_pages=256,
-                         kv_cache_dtype="fp8", fp8_prefill_qk=fp8_qk)
-        out[fp8_qk] = [o.prompt_logprobs[1:] for o in llm.generate(prompts, params, use_tqdm=False)]
-    same, gaps = [], []
-    for prompt, off, on in zip(prompts, out[False], out[True]):
-        for token, a, b in zip(prompt[1:], off, on):
-            same.append(max(a, key=a.get) == max(b, key=b.get))
-            gaps.append(abs(a[token] - b[token]))
-    assert len(same) == sum(len(p) - 1 for p in prompts)
-    assert np.mean(same) >= 0.8, np.mean(same)
-    assert np.mean(gaps) <= 0.05, np.mean(gaps)
+                         kv_cache_dtype=cache, fp8_prefill_qk=fp8_qk)
+        out[cache, fp8_qk] = [o.prompt_logprobs[1:] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def moved(before, after):
+        """The share of positions whose top-1 differs, and the prompt tokens' mean logprob gap."""
+        same, gaps = [], []
+        for prompt, a_, b_ in zip(prompts, before, after):
+            for token, a, b in zip(prompt[1:], a_, b_):
+                same.append(max(a, key=a.get) == max(b, key=b.get))
+                gaps.append(abs(a[token] - b[token]))
+        assert len(same) == sum(len(p) - 1 for p in prompts)
+        return 1 - np.mean(same), np.mean(gaps)
+
+    cache_moves, cache_gap = moved(out["auto", False], out["fp8", False])
+    qk_moves, qk_gap = moved(out["fp8", False], out["fp8", True])
+    print(f"top-1 moved: fp8 pools {cache_moves:.4f}, e4m3 queries {qk_moves:.4f}; "
+          f"logprob gap: fp8 pools {cache_gap:.4f}, e4m3 queries {qk_gap:.4f}")
+    assert 0 < qk_moves <= 2 * cache_moves, (qk_moves, cache_moves)  # > 0: the queries really are e4m3
+    assert qk_gap <= 2 * cache_gap, (qk_gap, cache_gap)

@@ -33,9 +33,10 @@ Invariants:
   must be set up before it runs: on the CPU the LAPACK function pointers of the linalg custom calls (the gated
   DeltaNet reference's solve_triangular lowers to one; unset, the step segfaults at its first run). `load`
   initializes them, as JAX's own export does before it calls a deserialized module.
-- A start that warms up every bucket loads, from its first moment, the entries the last start of the same
-  engine (its EngineConfig but for how it compiles) used, listed in a manifest (Prefetch), so they load while
-  the weights do; a loaded entry still answers only its own key on its own devices.
+- A start that warms up every bucket reads, from its first moment, the entries the last start of the same
+  engine (its EngineConfig but for how it compiles) used, listed in a manifest (Prefetch), so they are read
+  while the weights load; each is loaded onto its devices only when its own key asks for it on those devices,
+  after the KV pool is sized, so that what the start finds in use is what a cold start found.
 - Entries are only ever read by the process that asks for their exact key; the directory is the
   user's own cache (the engine's compilation cache directory), never shared input.
 """
@@ -131,14 +132,27 @@ def entry_path(directory: str, key: str) -> str:
     return os.path.join(directory, key[:2], key + ".jex")
 
 
-def deserialize(path: str, devices):
-    """The jax.stages.Compiled stored at `path`, loaded onto `devices`, or None (not there, or unusable: logged)."""
+def read_entry(path: str):
+    """The entry stored at `path` as (payload, in_tree, out_tree), read into host memory only, or None (not
+    there, or unreadable: logged)."""
     if not os.path.exists(path):
         return None
     try:
         with open(path, "rb") as f:
             payload, in_tree, out_tree = pickle.load(f)
-        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+    except Exception as e:  # noqa: BLE001 - any failure means: compile instead
+        logger.info("stored executable %s unreadable (%s: %.200s); compiling it", path, type(e).__name__, e)
+        return None
+    return payload, in_tree, out_tree
+
+
+def load_entry(path: str, entry, devices):
+    """The jax.stages.Compiled of `entry` (read_entry's, from `path`) loaded onto `devices`, or None (no entry,
+    or unusable: logged)."""
+    if entry is None:
+        return None
+    try:
+        compiled = serialize_executable.deserialize_and_load(*entry, execution_devices=devices)
         if jax.default_backend() == "cpu":
             _initialize_lapack()
     except Exception as e:  # noqa: BLE001 - any failure means: compile instead
@@ -147,9 +161,18 @@ def deserialize(path: str, devices):
     return compiled
 
 
+def deserialize(path: str, devices):
+    """The jax.stages.Compiled stored at `path`, loaded onto `devices`, or None (not there, or unusable: logged)."""
+    return load_entry(path, read_entry(path), devices)
+
+
 class Prefetch:
-    """The stored steps the last start of an engine used, loaded on threads of their own from the moment a new
-    start of the same engine begins, so that they load while its weights do.
+    """The stored steps the last start of an engine used, read on threads of their own from the moment a new
+    start of the same engine begins, so that they are read while its weights load.
+
+    They are read into host memory only, and loaded onto their devices when taken: a loaded executable holds
+    device memory, and the KV pool is sized from the memory in use before the steps are taken, so a warm start
+    sizes it as a cold one did (the pool's shape is part of every step's key).
 
     The manifest (directory/manifests/<digest of environment() and the engine's description>.json) maps each
     entry's key to its devices' ids; ExecutableStore.write_manifest adds the entries a start used to those of
@@ -164,8 +187,7 @@ class Prefetch:
         by_id = {d.id: d for d in jax.devices()}
         self._entries = {k: ids for k, ids in entries.items() if all(i in by_id for i in ids)}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-prefetch")
-        self._futures = {k: self._pool.submit(deserialize, entry_path(directory, k), [by_id[i] for i in ids])
-                         for k, ids in self._entries.items()}
+        self._futures = {k: self._pool.submit(read_entry, entry_path(directory, k)) for k in self._entries}
         self._lock = threading.Lock()
         self.taken = 0  # steps the store took from here
         self._closed = False
@@ -185,12 +207,12 @@ class Prefetch:
             return {}
 
     def take(self, key: str, devices):
-        """The step prefetched for `key` on `devices` (waiting for its load), or None."""
+        """The step prefetched for `key` on `devices` (waiting for its read), loaded onto them, or None."""
         with self._lock:
             future = self._futures.pop(key, None)
         if future is None or self._entries[key] != [d.id for d in devices]:
             return None
-        compiled = future.result()
+        compiled = load_entry(entry_path(self.directory, key), future.result(), devices)
         if compiled is not None:
             with self._lock:
                 self.taken += 1

@@ -183,6 +183,7 @@ class LLMEngine:
         self.proposer = proposers.make_proposer(spec, cfg, self.family, mc, params, self.tokenizer, kv_dtype,
                                                 self.kv_layout.num_groups, dispatch.on_gpu())
         stats = startup.device_memory_stats()  # None on the CPU
+        self.memory_in_use_at_sizing = stats.get("bytes_in_use") if stats else None  # what the pool was sized beside
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan, stats)
         whole = kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len, max_batched) + 1
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
