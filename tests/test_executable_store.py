@@ -243,7 +243,8 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path, 
 
 def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeypatch):
     """Prefetch reads the manifest's entries into host memory on its threads; an entry is loaded onto its devices
-    (where it holds device memory, which the KV pool is sized beside) only when its key is taken, and runs then."""
+    (where it holds device memory, which the KV pool is sized beside) only when its key is taken, and runs then.
+    The manifest gives the last start's pool size too."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import serialize_executable
@@ -256,7 +257,7 @@ def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeyp
     store = ExecutableStore(directory, "a program", min_compile_seconds=0.0, prefetch=Prefetch(directory, "engine", 1))
     key = store.key((x,), "static")
     store.compile(key, jax.jit(lambda a: a * 2 + 1).lower(x))
-    store.write_manifest()
+    store.write_manifest(pool_pages=1234)  # the KV pool this start sized from memory, for the next to keep
 
     loads = []
     real = serialize_executable.deserialize_and_load
@@ -264,7 +265,7 @@ def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeyp
                         lambda *a, **kw: loads.append(a) or real(*a, **kw))
     prefetch = Prefetch(directory, "engine", threads=1)
     prefetch._pool.shutdown(wait=True)  # every read done
-    assert len(prefetch) == 1 and loads == []
+    assert len(prefetch) == 1 and loads == [] and prefetch.pool_pages == 1234
     compiled = ExecutableStore(directory, "a program", prefetch=prefetch).load(key, (x,))
     assert len(loads) == 1 and prefetch.taken == 1
     assert compiled(x).tolist() == (x * 2 + 1).tolist()

@@ -18,6 +18,7 @@ from simulated_devices import run_script
 GIB = 2 ** 30
 STATS = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB}  # 20 GiB of weights loaded
 PAGE = 2 * 2 ** 20  # 2 MiB a page
+MIB = 2 ** 20
 
 
 def test_kv_cache_memory_fraction_takes_a_share_of_what_is_left():
@@ -31,21 +32,23 @@ def test_gpu_memory_utilization_is_the_engines_whole_share():
         pages_for_memory(STATS, PAGE, 0.8, 0.15)
 
 
-@pytest.mark.parametrize("utilization", [None, 0.9])
-def test_a_few_megabytes_more_in_use_leave_the_pool_its_shape(utilization):
-    """The pool's shape keys every stored step: a warm start, with a few stored steps loaded before it measures,
-    sizes the pool as the cold start did, and a pool sized from memory never exceeds what fits."""
+def test_a_start_keeps_the_last_starts_pool_when_near_it():
+    """The pool's shape keys every stored step: a warm start that finds a few hundred MB more (or less) in use
+    keeps the pool the last start chose; one far from it (another card, other weights) sizes its own."""
+    cfg = EngineConfig()
     cold = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB + 37 * MIB}
-    warm = {**cold, "bytes_in_use": cold["bytes_in_use"] + 5 * MIB}
-    pages = pages_for_memory(cold, PAGE, 0.8, utilization)
-    assert pages == pages_for_memory(warm, PAGE, 0.8, utilization)
-    assert pages * PAGE % startup.POOL_GRANULE_BYTES == 0
-    exact = (int(80 * GIB - 37 * MIB) * 0.8 if utilization is None else 70 * GIB - 37 * MIB) // PAGE
-    assert exact - startup.POOL_GRANULE_BYTES // PAGE < pages <= exact
-    step = 3 * GIB + 11 * MIB  # the room beside the largest step: the same rule
-    assert pages_beside_step(pages, cold, PAGE, step, utilization) == pages_beside_step(pages, warm, PAGE, step, utilization)
-    # a pool of fewer than two granules keeps every page
-    assert startup.whole_granules(130, PAGE) == 130 and startup.whole_granules(300, PAGE) == 256
+    size = lambda stats, last=None: startup.kv_pool_pages(cfg, PAGE, None, 4096, 0, stats, last)  # noqa: E731
+    first = size(cold)
+    assert first == pages_for_memory(cold, PAGE, 0.8, None)
+    for moved in (208 * MIB, 512 * MIB, -300 * MIB):  # 0.8 of it: within 512 MiB of pages
+        warm = {**cold, "bytes_in_use": cold["bytes_in_use"] + moved}
+        assert pages_for_memory(warm, PAGE, 0.8, None) != first and size(warm, first) == first
+    far = {**cold, "bytes_in_use": cold["bytes_in_use"] + GIB}
+    assert size(far, first) == pages_for_memory(far, PAGE, 0.8, None) < first
+    # within 512 MiB but over 2% of a small pool: its own size
+    small = {"bytes_limit": 10 * GIB, "bytes_in_use": 9 * GIB}
+    assert size(small, size(small) + 10) == size(small) == int(GIB * 0.8) // PAGE
+    assert startup.settled_pages(1000, None, PAGE) == 1000 and startup.settled_pages(1000, 1, PAGE) == 1000
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
@@ -61,8 +64,6 @@ def test_the_cli_passes_gpu_memory_utilization():
 
 
 # ---- room for the largest step (startup.pages_beside_step, pool_beside_step, step_memory_bytes) ----------
-
-MIB = 2 ** 20
 
 
 def test_the_pool_keeps_its_pages_when_the_step_fits_beside_them():

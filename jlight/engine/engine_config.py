@@ -55,8 +55,8 @@ class EngineConfig:
     # (XLA's one-row matmuls; docs/BENCHMARKS.md).
     min_token_bucket: int | None = None
     page_size: int = 16
-    # default: sized from kv_cache_memory_fraction (or gpu_memory_utilization) in whole 256 MiB of pages
-    # (startup.POOL_GRANULE_BYTES), so that starts whose memory in use differs by megabytes run the same programs
+    # default: sized from kv_cache_memory_fraction (or gpu_memory_utilization); a start keeps the size the last
+    # start of the same engine chose when its own is near it (startup.settled_pages), so that it runs the same programs
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
     # vLLM's knob, for its users: the engine's whole share of the memory JAX's allocator manages

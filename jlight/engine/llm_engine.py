@@ -185,6 +185,8 @@ class LLMEngine:
         stats = startup.device_memory_stats()  # None on the CPU
         self.memory_in_use_at_sizing = stats.get("bytes_in_use") if stats else None  # what the pool was sized beside
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan, stats)
+        # The pool sized from memory, for the next start of this engine to keep (startup.settled_pages).
+        self._pool_from_memory = num_pages if cfg.num_pages is None and stats is not None else None
         whole = kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len, max_batched) + 1
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -274,7 +276,7 @@ class LLMEngine:
         if store is not None:  # since the last count: the pool's measuring compiles included
             stored = f", {store.loaded - self._store_mark} of {variants} steps loaded compiled from the store"
             self._store_mark = store.loaded
-            store.write_manifest()
+            store.write_manifest(self._pool_from_memory)
             if store.prefetch is not None:
                 store.prefetch.close()
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
@@ -316,7 +318,8 @@ class LLMEngine:
         startup.device_memory_stats(), read here when not given)."""
         stats = startup.device_memory_stats() if stats is None else stats
         return startup.kv_pool_pages(self.config, self._pool_bytes_per_page(kv_dtype, plan), self.kv_layout.windows,
-                                     self.max_model_len, self.state_pool_bytes(), stats)
+                                     self.max_model_len, self.state_pool_bytes(), stats,
+                                     self._prefetch.pool_pages if self._prefetch is not None else None)
 
     def _fit_pool_beside_step(self, p0: int, stats: dict, kv_dtype, plan, whole: int, all_buckets: bool) -> int:
         """The pool's pages once the largest step has its memory (startup.pool_beside_step). The step buckets

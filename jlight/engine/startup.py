@@ -168,45 +168,52 @@ def device_memory_stats() -> dict | None:
     return stats if stats and "bytes_limit" in stats else None
 
 
-def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int, stats: dict | None) -> int:
+def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int, stats: dict | None,
+                  last_pages: int | None = None) -> int:
     """Pages of bytes_per_page (on one device) the KV pool holds, after state_bytes of recurrent-state pools
-    (allocated with the pages, so taken out of their budget first). stats: device_memory_stats()."""
+    (allocated with the pages, so taken out of their budget first). stats: device_memory_stats(). last_pages:
+    the pool the last start of this engine sized from memory (executable_store.Prefetch.pool_pages), kept when
+    near (settled_pages)."""
     if stats is not None:
-        return pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
-                                state_bytes)
+        pages = pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
+                                 state_bytes)
+        return settled_pages(pages, last_pages, bytes_per_page)
     wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(windows, cfg.page_size, max_model_len,
                                                              cfg.max_num_batched_tokens or 512) + 1
     return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
 
 
-# A pool sized from memory is a whole number of these (when it holds two or more): the pool's shape is part of
-# every compiled step's key (executable_store.py), and what is in use when a start measures can vary by a few
-# megabytes from start to start (the stored steps a warm start has loaded by then, buffers of the load not yet
-# freed), which must not change the shape. At most this much of the budget goes unused.
-POOL_GRANULE_BYTES = 256 << 20
-
-
-def whole_granules(pages: int, bytes_per_page: int) -> int:
-    """pages rounded down to a multiple of POOL_GRANULE_BYTES' worth of pages, when that is at least two granules."""
-    granule = max(1, POOL_GRANULE_BYTES // bytes_per_page)
-    return pages // granule * granule if pages >= 2 * granule else pages
-
-
 def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
                      gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
-    already loaded, in whole granules (whole_granules). gpu_memory_utilization (vLLM's meaning): the engine's
-    whole share of bytes_limit, so the pool gets that share less what is in use; else kv_cache_memory_fraction
-    of what is left. state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with
-    the pages and counted as in use before them."""
+    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
+    the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
+    state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
+    and counted as in use before them."""
     limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
     if gpu_memory_utilization is None:
-        return max(2, whole_granules(int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page, bytes_per_page))
+        return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
     budget = int(limit * gpu_memory_utilization) - in_use
     if budget < 2 * bytes_per_page:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
                          f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
-    return whole_granules(budget // bytes_per_page, bytes_per_page)
+    return budget // bytes_per_page
+
+
+# A start keeps the pool the last start of the same engine sized from memory when its own figure is within this
+# much of it: what is in use when a start measures moves by a few hundred megabytes from start to start (buffers
+# of the load not yet freed), and the pool's shape is part of every stored step's key. The KV budget's own
+# headroom (kv_cache_memory_fraction, gpu_memory_utilization) and the step margin cover the difference.
+POOL_SETTLE_BYTES = 512 << 20
+POOL_SETTLE_FRACTION = 0.02  # ... and within this share of the pool
+
+
+def settled_pages(pages: int, last_pages: int | None, bytes_per_page: int) -> int:
+    """last_pages when it is within POOL_SETTLE_BYTES and POOL_SETTLE_FRACTION of pages, else pages."""
+    if last_pages is None or last_pages < 2:
+        return pages
+    gap = abs(last_pages - pages)
+    return last_pages if gap * bytes_per_page <= POOL_SETTLE_BYTES and gap <= POOL_SETTLE_FRACTION * pages else pages
 
 
 STEP_MARGIN_FRACTION = 0.05  # of the largest step's measured memory ...
@@ -240,12 +247,11 @@ def step_memory_bytes(compiled_steps) -> int | None:
 def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int,
                       gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """At most p0 pages, so that what is in use (stats' bytes_in_use: the weights) + state_bytes + the pool +
-    step_bytes + step_margin fit the budget: bytes_limit, or its gpu_memory_utilization share; fewer than p0 in
-    whole granules (whole_granules). Can be 0."""
+    step_bytes + step_margin fit the budget: bytes_limit, or its gpu_memory_utilization share. Can be 0."""
     limit = stats["bytes_limit"]
     budget = limit if gpu_memory_utilization is None else int(limit * gpu_memory_utilization)
     room = budget - stats.get("bytes_in_use", 0) - state_bytes - step_bytes - step_margin(step_bytes)
-    return min(p0, whole_granules(max(0, room) // bytes_per_page, bytes_per_page))
+    return min(p0, max(0, room) // bytes_per_page)
 
 
 def pool_beside_step(cfg, p0: int, stats: dict, bytes_per_page: int, step_bytes: int | None, step_tokens: int,
