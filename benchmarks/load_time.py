@@ -11,7 +11,10 @@
 5. With the default model available locally (SmolLM2-135M-Instruct Q4_1 GGUF), the same for
    it: GGUF load (dequantization) vs its converted orbax checkpoint.
 
-6. With --startup: the start of an engine over the HF checkpoint to ready (`jlight.LLM(dir)`: load,
+6. With --copy-paths: the copy the load is made of, over the checkpoint's own files (memory-mapped, from the page
+   cache, in 128 MiB pieces): jax.device_put of the mapped bytes (the loader's path), the same through pinned host
+   memory, and the host's own copy of them, on 1, 8 and 16 threads.
+7. With --startup: the start of an engine over the HF checkpoint to ready (`jlight.LLM(dir)`: load,
    every step bucket compiled), each in a new process, cold (an empty compilation cache) and then warm
    (the cache the cold start filled), --startup-runs pairs; each start's phases from its own "ready in"
    line, and the XLA rematerialization warnings it printed ("Can't reduce memory use"), counted.
@@ -22,6 +25,7 @@ The files were just written, so reads are served from the OS page cache unless
   python benchmarks/load_time.py --out DIR            # Llama-3-8B shape, ~16 GB x2 on disk (GPU box)
   python benchmarks/load_time.py --small --out DIR    # scaled-down shape, CPU, well under a minute
   python benchmarks/load_time.py --startup --no-smollm2 --out DIR   # + cold and warm starts to ready (GPU box)
+  python benchmarks/load_time.py --copy-paths --startup-only --no-smollm2 --out DIR   # the load's copies alone
 Prints a table and writes DIR/load_time.json.
 """
 from __future__ import annotations
@@ -153,12 +157,48 @@ def measure(label: str, source: str, work: str, drop_caches: bool) -> dict:
             "orbax_load_s": orbax_s, "cold_cache": source_cold and orbax_cold}
 
 
+def copy_paths(checkpoint: str, piece_bytes: int = 128 << 20, threads=(1, 8, 16)) -> list[dict]:
+    """GB/s of the checkpoint's files' bytes (memory-mapped, 128 MiB pieces) put on the device directly, through
+    pinned host memory (where the device has it), and copied on the host, on each number of threads."""
+    import concurrent.futures
+
+    device = jax.devices()[0]
+    pieces = []
+    for name in sorted(os.listdir(checkpoint)):
+        if name.endswith(".safetensors"):
+            mm = np.memmap(os.path.join(checkpoint, name), dtype=np.uint8, mode="r")
+            pieces += [mm[i:i + piece_bytes] for i in range(0, len(mm), piece_bytes)]
+    for p in pieces:
+        int(p[::4096].sum())  # every page touched: in the page cache
+    nbytes = sum(p.nbytes for p in pieces)
+    pinned = device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
+    paths = {"mapped file -> device": lambda a: jax.device_put(a, device),
+             "host copy (numpy)": np.array}
+    if pinned:
+        to_pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        paths["mapped file -> pinned -> device"] = lambda a: jax.device_put(jax.device_put(a, to_pinned), on_device)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # XLA's pinned pool grown first (it pins once)
+            jax.block_until_ready(list(pool.map(paths["mapped file -> pinned -> device"], pieces)))
+    rows = []
+    for n in threads:
+        for name, put in paths.items():
+            jax.block_until_ready(put(pieces[0]))
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                jax.block_until_ready(list(pool.map(put, pieces)))  # all of them held: at most the checkpoint's size
+            seconds = time.perf_counter() - start
+            rows.append({"path": name, "threads": n, "bytes": nbytes, "seconds": seconds})
+            print(f"{name:32s} {n:2d} threads: {nbytes / seconds / 1e9:6.2f} GB/s ({nbytes / 1e9:.2f} GB)", flush=True)
+    return rows
+
+
 STARTUP_CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
 import jlight
-llm = jlight.LLM(sys.argv[1], dtype="bfloat16", max_model_len=int(sys.argv[2]), compile_threads=json.loads(sys.argv[3]),
-                 compilation_cache_dir=sys.argv[4], **json.loads(sys.argv[5]))
+llm = jlight.LLM(sys.argv[1], dtype="bfloat16", max_model_len=int(sys.argv[2]), compilation_cache_dir=sys.argv[4],
+                 **{"compile_threads": json.loads(sys.argv[3]), **json.loads(sys.argv[5])})  # --engine-options win
 e = llm.engine
 store = e.runner.executable_store
 print("READY " + json.dumps({"in_process_s": time.perf_counter() - t0, "load_s": e.load_seconds,
@@ -228,6 +268,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default=None, help="where to write the checkpoints (default: a temp dir, removed after)")
     parser.add_argument("--drop-caches", action="store_true", help="drop the OS page cache before each load (root)")
     parser.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 GGUF comparison")
+    parser.add_argument("--copy-paths", action="store_true", help="also time the load's copy paths (see the docstring)")
     parser.add_argument("--startup", action="store_true", help="also time engine starts to ready, cold and warm")
     parser.add_argument("--startup-only", action="store_true", help="with --startup: skip the load and convert timings")
     parser.add_argument("--startup-runs", type=int, default=2, help="cold + warm pairs")
@@ -252,6 +293,7 @@ def main(argv=None) -> int:
         label = ("llama3-8b-shape-small" if args.small else "llama3-8b-shape") + f"-{shape['num_hidden_layers']}L"
         if not args.startup_only:
             rows.append(measure(label, hf_dir, work, args.drop_caches))
+        copies = copy_paths(hf_dir) if args.copy_paths else None
         startup = [measure_startup(hf_dir, work, args.startup_runs, args.max_model_len, args.compile_threads, options)
                    for options in args.engine_options or [{}]] if args.startup else None
         shutil.rmtree(hf_dir, ignore_errors=True)
@@ -267,7 +309,7 @@ def main(argv=None) -> int:
     from harness import result_header
 
     result = {**result_header(argv), "benchmark": "load_time", "device": str(jax.devices()[0].device_kind),
-              "shape": shape, "rows": rows, "startup": startup}
+              "shape": shape, "rows": rows, "copy_paths": copies, "startup": startup}
     print(f"\n{'model':34s} {'src GB':>7s} {'src load s':>10s} {'convert s':>9s} {'orbax GB':>8s} {'orbax load s':>12s} {'speed-up':>8s} cold")
     for r in rows:
         print(f"{r['model']:34s} {r['source_bytes'] / 1e9:7.2f} {r['source_load_s']:10.2f} {r['convert_s']:9.2f} "

@@ -2,6 +2,7 @@
 configuration loads every bucket instead of tracing it and gives the same tokens; another configuration
 or a damaged entry compiles instead (the separate damaged-entry test runs with -m extended); a step that
 JAX's persistent cache could serve is still stored with its code, so a new process runs it."""
+import functools
 import glob
 import logging
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import jlight
@@ -269,3 +271,35 @@ def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeyp
     compiled = ExecutableStore(directory, "a program", prefetch=prefetch).load(key, (x,))
     assert len(loads) == 1 and prefetch.taken == 1
     assert compiled(x).tolist() == (x * 2 + 1).tolist()
+
+
+def test_a_warm_start_that_finds_more_in_use_keeps_the_pool_and_loads_every_step(tiny_model, tmp_path, monkeypatch):
+    """On a device with memory statistics the pool is sized from what is in use, which moves from start to start
+    (on the H100, by 190-380 MiB for the 8B): a warm start that finds more in use keeps the pool the cold start
+    chose (startup.settled_pages, from the store's manifest), so every step it needs comes from the store."""
+    from jlight.engine import startup
+
+    model_dir = tiny_model("LlamaForCausalLM")
+    limit = 1 << 40
+    in_use = [limit - (256 << 20)]  # 256 MiB left after the weights: 0.8 of it for pages
+    monkeypatch.setattr(startup, "device_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": in_use[0]})
+    # The room beside the largest step is not the subject here (its margin alone is 256 MiB): the pool keeps P0.
+    monkeypatch.setattr(startup, "pool_beside_step", lambda cfg, p0, *args: p0)
+    # Every step stored, however quickly the tiny model compiles (the store's default skips those under 1 s).
+    monkeypatch.setattr(startup, "ExecutableStore", functools.partial(ExecutableStore, min_compile_seconds=0.0))
+
+    def start():
+        return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+                          compilation_cache_dir=str(tmp_path)).engine
+
+    cold = start()
+    store = cold.runner.executable_store
+    pages, variants, bytes_per_page = cold.runner.num_pages, store.saved, cold._pool_bytes_per_page(np.float32, None)
+    assert variants > 0 and store.loaded == 0
+    assert pages == startup.pages_for_memory(startup.device_memory_stats(), bytes_per_page, 0.8, None)
+    in_use[0] += 1 << 20  # 1 MiB more in use: alone, a smaller pool
+    assert startup.pages_for_memory(startup.device_memory_stats(), bytes_per_page, 0.8, None) < pages
+    warm = start()
+    assert warm.runner.num_pages == pages
+    assert warm.runner.executable_store.loaded == variants and warm.runner.executable_store.prefetch.taken == variants
+    assert warm.runner.executable_store.saved == 0
