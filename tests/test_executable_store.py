@@ -259,7 +259,7 @@ def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeyp
     store = ExecutableStore(directory, "a program", min_compile_seconds=0.0, prefetch=Prefetch(directory, "engine", 1))
     key = store.key((x,), "static")
     store.compile(key, jax.jit(lambda a: a * 2 + 1).lower(x))
-    store.write_manifest(pool_pages=1234)  # the KV pool this start sized from memory, for the next to keep
+    store.write_manifest([1234, 1200])  # the KV pools this start sized from memory, for the next to keep
 
     loads = []
     real = serialize_executable.deserialize_and_load
@@ -267,38 +267,46 @@ def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeyp
                         lambda *a, **kw: loads.append(a) or real(*a, **kw))
     prefetch = Prefetch(directory, "engine", threads=1)
     prefetch._pool.shutdown(wait=True)  # every read done
-    assert len(prefetch) == 1 and loads == [] and prefetch.pool_pages == 1234
+    assert len(prefetch) == 1 and loads == [] and prefetch.pool_sizes == [1234, 1200]
     compiled = ExecutableStore(directory, "a program", prefetch=prefetch).load(key, (x,))
     assert len(loads) == 1 and prefetch.taken == 1
     assert compiled(x).tolist() == (x * 2 + 1).tolist()
 
 
-def test_a_warm_start_that_finds_more_in_use_keeps_the_pool_and_loads_every_step(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("share", ["kv_cache_memory_fraction", "gpu_memory_utilization"])
+def test_a_warm_start_that_finds_more_in_use_keeps_the_pool_and_loads_every_step(tiny_model, tmp_path, monkeypatch, share):
     """On a device with memory statistics the pool is sized from what is in use, which moves from start to start
-    (on the H100, by 190-380 MiB for the 8B): a warm start that finds more in use keeps the pool the cold start
-    chose (startup.settled_pages, from the store's manifest), so every step it needs comes from the store."""
+    (on the H100, by 190-380 MiB for the 8B): a warm start that finds more in use keeps the pools the cold start
+    chose (startup.settled_pages, from the store's manifest): P0, and with gpu_memory_utilization the smaller pool
+    beside the largest step too, so every step it needs comes from the store."""
     from jlight.engine import startup
 
     model_dir = tiny_model("LlamaForCausalLM")
-    limit = 1 << 40
-    in_use = [limit - (256 << 20)]  # 256 MiB left after the weights: 0.8 of it for pages
+    if share == "kv_cache_memory_fraction":
+        limit, options = 1 << 40, {}
+        in_use = [limit - (256 << 20)]  # 256 MiB left after the weights: 0.8 of it for pages
+        # The room beside the largest step is not the subject here (its margin alone is 256 MiB): the pool keeps P0.
+        monkeypatch.setattr(startup, "pool_beside_step", lambda cfg, p0, *args: p0)
+    else:
+        limit, options = 300 << 20, {"gpu_memory_utilization": 0.95}
+        in_use = [10 << 20]  # the pool: what 0.95 of 300 MiB leaves beside the largest step and its 256 MiB margin
     monkeypatch.setattr(startup, "device_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": in_use[0]})
-    # The room beside the largest step is not the subject here (its margin alone is 256 MiB): the pool keeps P0.
-    monkeypatch.setattr(startup, "pool_beside_step", lambda cfg, p0, *args: p0)
     # Every step stored, however quickly the tiny model compiles (the store's default skips those under 1 s).
     monkeypatch.setattr(startup, "ExecutableStore", functools.partial(ExecutableStore, min_compile_seconds=0.0))
 
     def start():
         return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
-                          compilation_cache_dir=str(tmp_path)).engine
+                          compilation_cache_dir=str(tmp_path), **options).engine
 
     cold = start()
     store = cold.runner.executable_store
     pages, variants, bytes_per_page = cold.runner.num_pages, store.saved, cold._pool_bytes_per_page(np.float32, None)
+    p0 = startup.pages_for_memory(startup.device_memory_stats(), bytes_per_page, 0.8, options.get("gpu_memory_utilization"))
     assert variants > 0 and store.loaded == 0
-    assert pages == startup.pages_for_memory(startup.device_memory_stats(), bytes_per_page, 0.8, None)
-    in_use[0] += 1 << 20  # 1 MiB more in use: alone, a smaller pool
-    assert startup.pages_for_memory(startup.device_memory_stats(), bytes_per_page, 0.8, None) < pages
+    assert pages == p0 if share == "kv_cache_memory_fraction" else pages < p0
+    in_use[0] += 5 * bytes_per_page  # 5 pages' worth more in use: alone, smaller pools
+    assert startup.pages_for_memory(startup.device_memory_stats(), bytes_per_page, 0.8,
+                                    options.get("gpu_memory_utilization")) < p0
     warm = start()
     assert warm.runner.num_pages == pages
     assert warm.runner.executable_store.loaded == variants and warm.runner.executable_store.prefetch.taken == variants

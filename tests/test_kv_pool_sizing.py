@@ -37,7 +37,7 @@ def test_a_start_keeps_the_last_starts_pool_when_near_it():
     keeps the pool the last start chose; one far from it (another card, other weights) sizes its own."""
     cfg = EngineConfig()
     cold = {"bytes_limit": 100 * GIB, "bytes_in_use": 20 * GIB + 37 * MIB}
-    size = lambda stats, last=None: startup.kv_pool_pages(cfg, PAGE, None, 4096, 0, stats, last)  # noqa: E731
+    size = lambda stats, last=None: startup.kv_pool_pages(cfg, PAGE, None, 4096, 0, stats, last and [last])  # noqa: E731
     first = size(cold)
     assert first == pages_for_memory(cold, PAGE, 0.8, None)
     for moved in (208 * MIB, 512 * MIB, -300 * MIB):  # 0.8 of it: within 512 MiB of pages
@@ -48,7 +48,19 @@ def test_a_start_keeps_the_last_starts_pool_when_near_it():
     # within 512 MiB but over 2% of a small pool: its own size
     small = {"bytes_limit": 10 * GIB, "bytes_in_use": 9 * GIB}
     assert size(small, size(small) + 10) == size(small) == int(GIB * 0.8) // PAGE
-    assert startup.settled_pages(1000, None, PAGE) == 1000 and startup.settled_pages(1000, 1, PAGE) == 1000
+    assert startup.settled_pages(1000, [], PAGE) == 1000 and startup.settled_pages(1000, [1], PAGE) == 1000
+    assert startup.settled_pages(1000, [1015, 990, 5000], PAGE) == 990  # the nearest
+
+
+def test_the_pool_beside_the_step_settles_on_the_last_starts_when_near():
+    cfg = EngineConfig(gpu_memory_utilization=0.9)
+    p0 = pages_for_memory(STATS, PAGE, 0.8, 0.9)
+    step = 4 * GIB
+    own = pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, pages_per_sequence=513)
+    assert own == pages_beside_step(p0, STATS, PAGE, step, 0.9) < p0
+    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[p0, own + 100]) == own + 100
+    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 1000]) == own  # 2 GiB away
+    assert pool_beside_step(cfg, own + 10, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 100]) == own + 10  # <= P0
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
@@ -181,8 +193,9 @@ def test_an_engine_shrinks_its_pool_by_the_largest_steps_memory(tiny_model, monk
     p0 = pages_for_memory(stats, per_page, 0.8, 0.95)
     step = _room_is_left(engine, stats, int(300 * MIB * 0.95))
     assert runner.num_pages == pages_beside_step(p0, stats, per_page, step, 0.95) < p0
-    # every bucket compiled against the first pool, then again against the smaller one
-    assert len(compiles) == 2 * runner.num_step_variants(runner.buckets)
+    # gpu_memory_utilization: the pool always shrinks beside the step, so the largest bucket alone measured it
+    # against the first pool, and every bucket compiled once against the smaller one
+    assert len(compiles) == runner.num_step_variants(runner.buckets[-1:]) + runner.num_step_variants(runner.buckets)
     assert engine.block_manager.num_pages == runner.num_pages
 
 

@@ -175,15 +175,16 @@ class Prefetch:
     sizes it as a cold one did (the pool's shape is part of every step's key).
 
     The manifest (directory/manifests/<digest of environment() and the engine's description>.json) maps each
-    entry's key to its devices' ids, and keeps the KV pool size the last start chose from memory (pool_pages);
-    ExecutableStore.write_manifest adds the entries a start used to those of the manifest whose files remain. A prefetched step only ever answers its own key on the same devices
-    (`take`), so a manifest out of date costs loading time, never a wrong program."""
+    entry's key to its devices' ids, and keeps the KV pool sizes the last start chose from memory (pool_sizes);
+    ExecutableStore.write_manifest adds the entries a start used to those of the manifest whose files remain.
+    A prefetched step only ever answers its own key on the same devices (`take`), so a manifest out of date
+    costs loading time, never a wrong program."""
 
     def __init__(self, directory: str, engine: str, threads: int):
         name = hashlib.sha256(f"{environment()}\n{engine}".encode()).hexdigest()
         self.directory = directory
         self.path = os.path.join(directory, "manifests", name + ".json")
-        entries, self.pool_pages = self._read()  # pool_pages: the last start's KV pool sized from memory, or None
+        entries, self.pool_sizes = self._read()  # the KV pools the last start sized from memory
         by_id = {d.id: d for d in jax.devices()}
         self._entries = {k: ids for k, ids in entries.items() if all(i in by_id for i in ids)}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="jlight-prefetch")
@@ -195,19 +196,18 @@ class Prefetch:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _read(self) -> tuple[dict[str, list[int]], int | None]:
-        """The manifest's entries and pool_pages; none and None when it is missing or damaged."""
+    def _read(self) -> tuple[dict[str, list[int]], list[int]]:
+        """The manifest's entries and pool_sizes; none of either when it is missing or damaged."""
         try:
             with open(self.path) as f:
                 manifest = json.load(f)
-            pages = manifest["pool_pages"]
             return ({str(k): [int(i) for i in ids] for k, ids in manifest["entries"].items()},
-                    None if pages is None else int(pages))
+                    [int(pages) for pages in manifest["pool_sizes"]])
         except FileNotFoundError:
-            return {}, None
+            return {}, []
         except Exception as e:  # noqa: BLE001 - a damaged manifest only costs the prefetch
             logger.info("executable manifest %s unreadable (%s: %s); not prefetching", self.path, type(e).__name__, e)
-            return {}, None
+            return {}, []
 
     def take(self, key: str, devices):
         """The step prefetched for `key` on `devices` (waiting for its read), loaded onto them, or None."""
@@ -236,16 +236,16 @@ class Prefetch:
                            "they were compiled again: the steps' inputs differ from that start's (a KV pool sized from "
                            "memory to another size, for one; num_pages fixes it)", len(self._entries))
 
-    def write(self, used: dict[str, list[int]], pool_pages: int | None = None) -> None:
-        """Add `used` to the manifest's entries whose files remain; pool_pages: this start's KV pool sized from
-        memory (None: given by num_pages, or no device statistics)."""
+    def write(self, used: dict[str, list[int]], pool_sizes=()) -> None:
+        """Add `used` to the manifest's entries whose files remain; pool_sizes: this start's KV pools sized from
+        memory (none: num_pages given, or no device statistics)."""
         entries = {k: ids for k, ids in self._read()[0].items() if os.path.exists(entry_path(self.directory, k))}
         entries.update(used)
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump({"entries": entries, "pool_pages": pool_pages}, f)
+                json.dump({"entries": entries, "pool_sizes": [int(p) for p in pool_sizes]}, f)
             os.replace(tmp, self.path)
         except OSError as e:  # the manifest is an optimization: never fail a start over it
             logger.info("could not write the executable manifest %s (%s)", self.path, e)
@@ -330,10 +330,10 @@ class ExecutableStore:
             self.saved += 1
             self.used[key] = [d.id for d in _sharding_devices(jax.tree.leaves(compiled.input_shardings))]
 
-    def write_manifest(self, pool_pages: int | None = None) -> None:
-        """Record the entries this process used, and pool_pages (Prefetch.write), for the next start of the same
+    def write_manifest(self, pool_sizes=()) -> None:
+        """Record the entries this process used, and pool_sizes (Prefetch.write), for the next start of the same
         engine to prefetch."""
         if self.prefetch is not None:
             with self._count_lock:
                 used = dict(self.used)
-            self.prefetch.write(used, pool_pages)
+            self.prefetch.write(used, pool_sizes)

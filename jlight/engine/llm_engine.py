@@ -185,8 +185,9 @@ class LLMEngine:
         stats = startup.device_memory_stats()  # None on the CPU
         self.memory_in_use_at_sizing = stats.get("bytes_in_use") if stats else None  # what the pool was sized beside
         num_pages = cfg.num_pages or self._size_kv_pool(kv_dtype, sharding_plan, stats)
-        # The pool sized from memory, for the next start of this engine to keep (startup.settled_pages).
-        self._pool_from_memory = num_pages if cfg.num_pages is None and stats is not None else None
+        # The pools sized from memory (P0, and the pool beside the step where smaller), for the next start of this
+        # engine to keep (startup.settled_pages).
+        self._pool_sizes = [num_pages] if cfg.num_pages is None and stats is not None else []
         whole = kv_groups.pages_per_sequence(self.kv_layout.windows, cfg.page_size, self.max_model_len, max_batched) + 1
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) | set(mc.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -211,8 +212,11 @@ class LLMEngine:
         store = self.runner.executable_store
         self._store_mark = store.loaded if store is not None else 0  # steps loaded from the store before _warmup's count
         if cfg.num_pages is None and stats is not None:
+            # With gpu_memory_utilization the pool is the whole budget, so it always shrinks beside the step: the
+            # largest bucket alone measures it, and the rest compile once, against the pool that stays.
             num_pages = self._fit_pool_beside_step(num_pages, stats, kv_dtype, sharding_plan, whole,
-                                                   all_buckets=cfg.warmup and warmup)
+                                                   all_buckets=cfg.warmup and warmup and cfg.gpu_memory_utilization is None)
+            self._pool_sizes += [num_pages] if num_pages != self._pool_sizes[0] else []
         self.runner.allocate_pools(num_pages)
         if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
             logger.warning("the KV cache (%d pages of %d tokens) cannot hold one sequence of max_model_len=%d tokens (%d "
@@ -276,7 +280,7 @@ class LLMEngine:
         if store is not None:  # since the last count: the pool's measuring compiles included
             stored = f", {store.loaded - self._store_mark} of {variants} steps loaded compiled from the store"
             self._store_mark = store.loaded
-            store.write_manifest(self._pool_from_memory)
+            store.write_manifest(self._pool_sizes)
             if store.prefetch is not None:
                 store.prefetch.close()
         logger.info("ready in %.1f s (loading %.1f s, preparing weights %.1f s, KV cache and set-up %.1f s, compiling %.1f s%s)",
@@ -319,7 +323,7 @@ class LLMEngine:
         stats = startup.device_memory_stats() if stats is None else stats
         return startup.kv_pool_pages(self.config, self._pool_bytes_per_page(kv_dtype, plan), self.kv_layout.windows,
                                      self.max_model_len, self.state_pool_bytes(), stats,
-                                     self._prefetch.pool_pages if self._prefetch is not None else None)
+                                     self._last_pool_sizes())
 
     def _fit_pool_beside_step(self, p0: int, stats: dict, kv_dtype, plan, whole: int, all_buckets: bool) -> int:
         """The pool's pages once the largest step has its memory (startup.pool_beside_step). The step buckets
@@ -336,7 +340,11 @@ class LLMEngine:
                                                                  threads=threads)
         step_bytes = startup.step_memory_bytes(self.runner.compiled_steps(largest))
         return startup.pool_beside_step(self.config, p0, stats, self._pool_bytes_per_page(kv_dtype, plan), step_bytes,
-                                        largest, self.state_pool_bytes(), whole)
+                                        largest, self.state_pool_bytes(), whole, self._last_pool_sizes())
+
+    def _last_pool_sizes(self) -> list[int]:
+        """The pools the last start of this engine sized from memory (its store's manifest), or none."""
+        return self._prefetch.pool_sizes if self._prefetch is not None else []
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, prompt: str | None, sampling_params: SamplingParams | None = None,

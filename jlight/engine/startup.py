@@ -169,15 +169,15 @@ def device_memory_stats() -> dict | None:
 
 
 def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int, stats: dict | None,
-                  last_pages: int | None = None) -> int:
+                  last_sizes=None) -> int:
     """Pages of bytes_per_page (on one device) the KV pool holds, after state_bytes of recurrent-state pools
-    (allocated with the pages, so taken out of their budget first). stats: device_memory_stats(). last_pages:
-    the pool the last start of this engine sized from memory (executable_store.Prefetch.pool_pages), kept when
-    near (settled_pages)."""
+    (allocated with the pages, so taken out of their budget first). stats: device_memory_stats(). last_sizes:
+    the pools the last start of this engine sized from memory (executable_store.Prefetch.pool_sizes), one kept
+    when near (settled_pages)."""
     if stats is not None:
         pages = pages_for_memory(stats, bytes_per_page, cfg.kv_cache_memory_fraction, cfg.gpu_memory_utilization,
                                  state_bytes)
-        return settled_pages(pages, last_pages, bytes_per_page)
+        return settled_pages(pages, last_sizes, bytes_per_page)
     wanted = cfg.max_num_seqs * kv_groups.pages_per_sequence(windows, cfg.page_size, max_model_len,
                                                              cfg.max_num_batched_tokens or 512) + 1
     return max(2, min(wanted, max(0, (2 << 30) - state_bytes) // bytes_per_page))
@@ -200,20 +200,20 @@ def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction:
     return budget // bytes_per_page
 
 
-# A start keeps the pool the last start of the same engine sized from memory when its own figure is within this
-# much of it: what is in use when a start measures moves by a few hundred megabytes from start to start (buffers
-# of the load not yet freed), and the pool's shape is part of every stored step's key. The KV budget's own
-# headroom (kv_cache_memory_fraction, gpu_memory_utilization) and the step margin cover the difference.
+# A start keeps a pool size the last start of the same engine chose from memory when its own figure is within
+# this much of it: what is in use when a start measures moves by a few hundred megabytes from start to start (for
+# an 8B on the H100, by 190-380 MiB either way), and the pool's shape is part of every stored step's key. The KV
+# budget's headroom (kv_cache_memory_fraction, gpu_memory_utilization) and the step margin cover the difference.
 POOL_SETTLE_BYTES = 512 << 20
 POOL_SETTLE_FRACTION = 0.02  # ... and within this share of the pool
 
 
-def settled_pages(pages: int, last_pages: int | None, bytes_per_page: int) -> int:
-    """last_pages when it is within POOL_SETTLE_BYTES and POOL_SETTLE_FRACTION of pages, else pages."""
-    if last_pages is None or last_pages < 2:
-        return pages
-    gap = abs(last_pages - pages)
-    return last_pages if gap * bytes_per_page <= POOL_SETTLE_BYTES and gap <= POOL_SETTLE_FRACTION * pages else pages
+def settled_pages(pages: int, last_sizes, bytes_per_page: int) -> int:
+    """The size among last_sizes nearest to pages when within POOL_SETTLE_BYTES and POOL_SETTLE_FRACTION of it,
+    else pages."""
+    near = [last for last in last_sizes or () if last >= 2 and abs(last - pages) * bytes_per_page <= POOL_SETTLE_BYTES
+            and abs(last - pages) <= POOL_SETTLE_FRACTION * pages]
+    return min(near, key=lambda last: abs(last - pages)) if near else pages
 
 
 STEP_MARGIN_FRACTION = 0.05  # of the largest step's measured memory ...
@@ -255,15 +255,18 @@ def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int
 
 
 def pool_beside_step(cfg, p0: int, stats: dict, bytes_per_page: int, step_bytes: int | None, step_tokens: int,
-                     state_bytes: int, pages_per_sequence: int) -> int:
+                     state_bytes: int, pages_per_sequence: int, last_sizes=None) -> int:
     """The KV pool's pages once the largest step (step_tokens tokens, step_bytes measured; None: unknown)
-    has its room (pages_beside_step), with one log line. Raises ValueError naming the knobs when that
+    has its room (pages_beside_step), fewer pages settled on one of last_sizes when near (settled_pages, never
+    above p0), with one log line. Raises ValueError naming the knobs when that
     leaves fewer pages than one max_model_len sequence (pages_per_sequence, the scratch page included)."""
     if step_bytes is None:
         logger.info("the KV pool keeps %d pages (kv_cache_memory_fraction / gpu_memory_utilization alone): XLA gave no "
                     "memory analysis of the largest step (%d tokens)", p0 - 1, step_tokens)
         return p0
     pages = pages_beside_step(p0, stats, bytes_per_page, step_bytes, cfg.gpu_memory_utilization, state_bytes)
+    if pages < p0:
+        pages = min(p0, settled_pages(pages, last_sizes, bytes_per_page))
     what = (f"the largest step ({step_tokens} tokens) needs {fmt_bytes(step_bytes)} beyond its inputs "
             f"(XLA's memory analysis; + {fmt_bytes(step_margin(step_bytes))} margin)")
     if pages == p0:
