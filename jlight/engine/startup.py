@@ -11,7 +11,8 @@ Invariants:
   (`pages_for_memory`: P0 pages); on the CPU, what max_num_seqs full-length sequences need, within 2 GiB. A
   hybrid model's recurrent-state pools come out of the same budget first.
 - On such a device the pool also leaves room for the largest step (`pages_beside_step`): the engine compiles
-  its step buckets (all of them when it warms up, else the largest) against a pool of P0 pages before
+  its step buckets (all of them when it warms up with kv_cache_memory_fraction, else the largest: a pool of
+  gpu_memory_utilization is the whole budget and always shrinks) against a pool of P0 pages before
   allocating it, and XLA's memory analysis says what the largest step needs beyond its inputs
   (`step_memory_bytes`: temporaries, generated code, outputs not aliased to the donated pools). Then in use
   (the weights) + recurrent state + pool + step + margin (`step_margin`: 5% of the step, at least 256 MiB; it
@@ -20,6 +21,9 @@ Invariants:
   second compile), else it shrinks to what fits and they compile again at that size;
   a pool shrunk below one max_model_len sequence is an error naming the knobs. Where the memory analysis is
   unavailable, the pool keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
+- Either size lands on one the last start of the same engine chose when within POOL_SETTLE_BYTES and
+  POOL_SETTLE_FRACTION of it (`settled_pages`; the sizes kept in the compiled-step store's manifest): the
+  pool's shape is in every stored step's key, and what is in use moves from start to start.
 - The memory plan names the bytes of one device (the first of the engine's): its share of the
   weights, its share of the K/V pools, and what its allocator has left (the host's available memory
   on the CPU, whose allocator keeps no statistics).
