@@ -125,3 +125,20 @@ def test_a_warm_start_loads_every_step_from_the_compilation_cache(tiny_model, tm
     assert (cold_hits, cold_misses) == (0, 2)
     assert (warm_hits, warm_misses) == (2, 0)
     assert cold_ids == warm_ids and np.array(eval(warm_ids)).size == 6
+
+
+def test_every_step_variant_compiles_on_a_thread_of_its_own(tiny_model, monkeypatch):
+    """A bucket can make several steps (the verify step's serial variant here; on GPUs a narrow page-table
+    variant): with cores enough, warm-up compiles as many at once as there are steps, not buckets, so the last
+    ones do not wait for a thread."""
+    from jlight.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    threads = []
+    warmup = ModelRunner.warmup
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **kw: threads.append(kw["threads"]) or warmup(self, *a, **kw))
+    llm = _engine(tiny_model("LlamaForCausalLM"), speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                  verify_step_command_buffers=False)
+    runner = llm.engine.runner
+    assert runner.num_step_variants(runner.buckets) == 2 * len(runner.buckets) == 4
+    assert threads == [4]

@@ -140,8 +140,8 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 300.0
     seed: int = 0
     warmup: bool = True
-    # Step buckets compiled at once at start-up (XLA compiles outside Python's lock); None: one per CPU
-    # core, at most the number of buckets. 1 compiles them one after the other.
+    # Steps compiled at once at start-up (XLA compiles outside Python's lock); None: one per CPU core, at most
+    # the number of steps (a bucket can make two or four: ModelRunner.num_step_variants). 1: one after the other.
     compile_threads: int | None = None
     # JAX's persistent compilation cache: a warm start loads its compiled steps from here instead of
     # compiling them. Default $JLIGHT_COMPILATION_CACHE_DIR ("" for none), else $JLIGHT_CACHE/xla.

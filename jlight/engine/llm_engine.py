@@ -266,7 +266,7 @@ class LLMEngine:
         pending = [T for T in buckets if not runner.is_compiled(T)]
         seconds = 0.0
         if pending:
-            threads = startup.compile_threads(self.config.compile_threads, len(pending))
+            threads = startup.compile_threads(self.config.compile_threads, runner.num_step_variants(pending))
             logger.info("compiling %s%s, %d at a time", startup.describe_buckets(pending), what, threads)
             with Progress(runner.num_step_variants(pending), "compiling step buckets", "bucket") as bar:
                 seconds = runner.warmup(progress=lambda T: bar.update(), buckets=pending, threads=threads)
@@ -332,7 +332,7 @@ class LLMEngine:
         largest alone. They are kept when the pool keeps its p0 pages."""
         largest = self.runner.buckets[-1]
         buckets = self.runner.buckets if all_buckets else [largest]
-        threads = startup.compile_threads(self.config.compile_threads, len(buckets))
+        threads = startup.compile_threads(self.config.compile_threads, self.runner.num_step_variants(buckets))
         logger.info("compiling %s before sizing the KV pool: the largest step's memory, %d at a time",
                     startup.describe_buckets(buckets), threads)
         with Progress(self.runner.num_step_variants(buckets), "compiling step buckets", "bucket") as bar:

@@ -57,10 +57,11 @@ def enable_compilation_cache(path: str | None) -> None:
         logger.warning("persistent compilation cache disabled: %s", e)
 
 
-def compile_threads(requested: int | None, num_buckets: int) -> int:
-    """Buckets compiled at once: `requested`, else one per CPU core, never more than there are buckets."""
+def compile_threads(requested: int | None, num_steps: int) -> int:
+    """Steps compiled at once: `requested`, else one per CPU core, never more than the num_steps to compile (a
+    bucket's step variants each count: ModelRunner.num_step_variants)."""
     threads = requested if requested is not None else (os.cpu_count() or 1)
-    return max(1, min(threads, num_buckets))
+    return max(1, min(threads, num_steps))
 
 
 def describe_buckets(buckets) -> str:
