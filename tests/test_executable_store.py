@@ -246,7 +246,7 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path, 
 def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeypatch):
     """Prefetch reads the manifest's entries into host memory on its threads; an entry is loaded onto its devices
     (where it holds device memory, which the KV pool is sized beside) only when its key is taken, and runs then.
-    The manifest gives the last start's pool size too."""
+    The manifest gives the last start's pool sizes too."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import serialize_executable
