@@ -94,7 +94,8 @@ def _split_k(type_name: str, data: np.ndarray) -> GGUFHostWeight:
         packed = values[..., :16] | (values[..., 16:] << 4)  # Q4_1's order: value i and 16 + i in byte i
         return GGUFHostWeight(GGUFQ4Weight, (packed.reshape(rows, -1), d, m))
     low = _nibbles(blocks[..., 48:].reshape(rows, -1, 4, 32))  # [rows, super-blocks, 8, 32]
-    fifth = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [rows, super-blocks, 8, 32]: bit j, sub-block j
+    # [rows, super-blocks, 8, 32]: bit j of the 32 bytes is sub-block j's fifth bits
+    fifth = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
     values = low | (fifth << 4)
     return GGUFHostWeight(GGUFQ8MinWeight, (values.astype(np.int8).reshape(rows, -1), d, m))
 

@@ -186,8 +186,8 @@ def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = Fal
     """Yield (HF name, float32 array in HF layout), one tensor at a time, in the file's order.
 
     keep_blocks: the linear weights stored as one of gguf_blocks.KEPT_TYPES (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
-    Q6_K) come as GGUFHostWeights (their blocks, [out, ...] rows: gguf_blocks.py) instead, and a model whose LM head is its token embedding gets the
-    embedding's blocks as lm_head.weight too (the embedding itself is dequantized: a step reads one row).
+    Q6_K) come as GGUFHostWeights (their blocks, [out, ...] rows: gguf_blocks.py) instead, and a model whose LM
+    head is its token embedding gets the embedding's blocks as lm_head.weight too (the embedding itself is dequantized: a step reads one row).
     The dequantization (numpy, which releases Python's lock) runs on one thread per core, at most that
     many tensors ahead of the one yielded, so the host holds a few dequantized tensors at a time."""
     # gguf loads only for GGUF checkpoints.
