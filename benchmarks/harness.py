@@ -89,9 +89,11 @@ def random_engine(name: str, dtype: str = "bfloat16", *, max_model_len: int = 40
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
 
-    if loaded is None:
+    made_here = loaded is None  # then the engine is given the weights: one copy at the peak, not two
+    if made_here:
         loaded = random_loaded_model(name, jnp.dtype(dtype), seed=seed, max_position_embeddings=max_model_len)
-    return LLMEngine(EngineConfig(model=None, max_model_len=max_model_len, **engine_fields), loaded=loaded)
+    return LLMEngine(EngineConfig(model=None, max_model_len=max_model_len, **engine_fields), loaded=loaded,
+                     give_weights=made_here)
 
 
 def write_random_checkpoint(directory: str, shape: str = "small", **kwargs) -> int:

@@ -327,7 +327,8 @@ def test_a_replica_on_its_own_device_compiles_nothing_after_warmup(model_dir):
 def test_unrolled_layers_load_per_layer_and_free_what_they_fuse(model_dir, hf_model, monkeypatch):
     """layer_loop="unroll" gives transformers' greedy tokens; an engine that loads its own weights loads
     them per layer (never stacked) and frees the q/k/v and gate/up parts as it fuses them (peak ~ one
-    copy of the weights); stacked weights handed in (shared by data-parallel replicas) are left intact."""
+    copy of the weights); stacked weights handed in (shared by data-parallel replicas) are left intact, and
+    weights given (give_weights=True) are freed as they are split."""
     import jlight.loading
     from jlight.engine.engine_config import EngineConfig
     from jlight.engine.llm_engine import LLMEngine
@@ -361,6 +362,14 @@ def test_unrolled_layers_load_per_layer_and_free_what_they_fuse(model_dir, hf_mo
     assert not any(leaf.is_deleted() for leaf in stacked)  # ... but handed-in weights are not freed
     assert shared.params["layers"] is not None  # and stay usable: a second engine can be built from them
     LLMEngine(config, loaded=shared)
+
+    given = real_load(model_dir, dtype="float32")
+    stacked = jax.tree.leaves(given.params["layers"])
+    engine = LLMEngine(config, loaded=given, give_weights=True)  # weights given, not lent: freed as they are split
+    assert all(leaf.is_deleted() for leaf in stacked) and given.params is None
+    engine.add_request("given", None, params, prompt_token_ids=prompt)
+    tokens = [out for _ in range(64) for out in engine.step() if out.finished]
+    assert tokens[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 8)
 
 
 def test_warmup_for_one_request_compiles_only_its_buckets(tiny_model):

@@ -116,31 +116,37 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded=None, devices=None):
-        """`devices`: run on these devices only (a data-parallel replica's group); default all."""
+    def __init__(self, config: EngineConfig | None = None, loaded=None, devices=None, *, give_weights: bool = False):
+        """`devices`: run on these devices only (a data-parallel replica's group); default all.
+        `loaded`: a LoadedModel to run instead of loading config.model. Its weights stay intact unless
+        `give_weights`: then they are the engine's to free as it prepares its own layout, which keeps the
+        peak near one copy of the weights (a model over half the device's memory fits only so), and
+        `loaded.params` is None afterwards."""
         config = (config or EngineConfig()).validate()
         if devices is not None and not config.mesh:
             if len(devices) != 1:
                 raise ValueError(f"{len(devices)} devices given without a mesh; pass mesh= to use several")
             if loaded is not None:
-                loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params, devices[0]))
+                given, loaded = loaded, dataclasses.replace(loaded, params=jax.device_put(loaded.params, devices[0]))
+                if give_weights:
+                    given.params = None
             with jax.default_device(devices[0]):  # caches and buffers made at set-up live there too
-                self._init(config, loaded, None, warmup=False)
+                self._init(config, loaded, None, warmup=False, give_weights=give_weights)
             # Warm up outside that context, as step() runs: the default device is part of jit's cache key,
             # so buckets compiled under it compiled again on first use. The weights are committed to
             # devices[0], so the steps run there anyway.
             self.warmup_seconds = self._warmup() if config.warmup else 0.0
         else:
-            self._init(config, loaded, devices)
+            self._init(config, loaded, devices, give_weights=give_weights)
 
-    def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True) -> None:
+    def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True, give_weights: bool = False) -> None:
         self.config = cfg = config
         self._start_time = time.perf_counter()
         startup.enable_compilation_cache(cfg.compilation_cache_dir)
         self._prefetch = startup.prefetch_executables(cfg)  # stored steps load on threads of their own from here on
-        # Weights this engine loads itself are its own to free while unstacking them (below); weights
-        # handed in (data-parallel replicas share one load) must stay intact for the others.
-        owns_weights = loaded is None
+        # Weights this engine loads itself, or is given, are its own to free while unstacking them (below);
+        # weights only lent (data-parallel replicas share one load) stay intact for the others.
+        owns_weights = loaded is None or give_weights
         mesh = None
         if cfg.mesh:
             mesh = make_mesh(cfg.mesh, devices)
