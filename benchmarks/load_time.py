@@ -293,9 +293,11 @@ def main(argv=None) -> int:
         label = ("llama3-8b-shape-small" if args.small else "llama3-8b-shape") + f"-{shape['num_hidden_layers']}L"
         if not args.startup_only:
             rows.append(measure(label, hf_dir, work, args.drop_caches))
-        copies = copy_paths(hf_dir) if args.copy_paths else None
         startup = [measure_startup(hf_dir, work, args.startup_runs, args.max_model_len, args.compile_threads, options)
                    for options in args.engine_options or [{}]] if args.startup else None
+        # After the starts: this process's own JAX client takes most of the device's memory (75% by default), and a
+        # start beside it ran out of time on the H100.
+        copies = copy_paths(hf_dir) if args.copy_paths else None
         shutil.rmtree(hf_dir, ignore_errors=True)
         gguf = None if args.no_smollm2 else local_default_gguf()
         if gguf:

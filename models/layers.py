@@ -31,18 +31,28 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
-def split_layers(stacked, donate: bool = False) -> list:
+def split_layers(stacked, donate: bool = False, through_host: bool = False) -> list:
     """A tree of stacked [layers, ...] weights -> one tree per layer (for unrolled layer loops).
 
     One leaf at a time: with donate=True each stacked leaf is deleted as soon as it is split, so
     the peak is the weights plus one leaf, not twice the weights (the caller must not use the
     stacked tree afterwards).
+    through_host=True (with donate, for leaves on one device): each leaf goes to host memory, is
+    deleted, and its slices come back into the place it held. The device's free memory then stays
+    in one block, where a split on the device leaves a hole of a leaf's size between its slices and
+    the next leaf's, and a KV pool sized to what is free then finds no block large enough.
     """
     leaves, treedef = jax.tree.flatten(stacked)
     num_layers = leaves[0].shape[0]
     split = jax.jit(lambda a: tuple(a[i] for i in range(num_layers)))
     per_leaf = []
     for leaf in leaves:
+        if donate and through_host and len(leaf.devices()) == 1:
+            (device,) = leaf.devices()
+            host = np.asarray(leaf)
+            leaf.delete()
+            per_leaf.append(tuple(jax.device_put([host[i] for i in range(num_layers)], device)))
+            continue
         per_leaf.append(split(leaf))
         if donate:
             jax.block_until_ready(per_leaf[-1])
@@ -141,13 +151,15 @@ def column_projections(ops, x, layer, names: tuple[str, ...], matmul) -> list:
     return jnp.split(y, bounds, axis=-1)
 
 
-def unstack_layers(params: dict, donate: bool = False) -> dict:
+def unstack_layers(params: dict, donate: bool = False, through_host: bool = False) -> dict:
     """Split every stacked group of a params tree ("layers", DeepSeek's "dense_layers") into one
     tree per layer, for the unrolled forward (the GPU default).
 
     Costs a longer compile (the layer body is compiled once per layer) and buys weights that the
     matmul kernels read where they lie, instead of a per-step slice copy out of the stack.
     donate=True frees each stacked weight as it is split (split_layers), so the peak is the weights
-    plus one leaf rather than twice the weights.
+    plus one leaf rather than twice the weights; through_host=True keeps the free memory in one block
+    as it does (split_layers).
     """
-    return {name: split_layers(group, donate) if isinstance(group, dict) else group for name, group in params.items()}
+    return {name: split_layers(group, donate, through_host) if isinstance(group, dict) else group
+            for name, group in params.items()}

@@ -94,3 +94,22 @@ def test_fused_layout_runs_the_fused_weights():
         return family.compute_logits(p, config, h, kernels, ops)
 
     np.testing.assert_allclose(np.asarray(logits(fused)), np.asarray(logits(params)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("through_host", [False, True])
+def test_a_donated_split_gives_each_layer_its_slice_and_frees_the_stack(through_host):
+    """unstack_layers(donate=True): every per-layer leaf equals its slice of the stacked leaf, and the stacked
+    leaves are deleted, on the device or through host memory (the GPU's way, which keeps free memory in one block)."""
+    family, _, hf = CONFIGS["qwen2_moe"]
+    config = ModelConfig.from_hf_dict(hf)
+    params = family.init_params(config, jax.random.PRNGKey(2), jnp.float32)
+    expected = {k: np.asarray(v) for k, v in params["layers"].items()}
+    stacked = list(params["layers"].values())
+    devices = stacked[0].devices()
+    per_layer = family.unstack_layers(params, donate=True, through_host=through_host)
+    assert all(leaf.is_deleted() for leaf in stacked)
+    assert len(per_layer["layers"]) == config.num_layers
+    for i, layer in enumerate(per_layer["layers"]):
+        for name, value in layer.items():
+            assert value.devices() == devices
+            np.testing.assert_array_equal(np.asarray(value), expected[name][i], err_msg=f"layer {i} {name}")

@@ -31,9 +31,10 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
     split_here = unrolled and not isinstance(params.get("layers"), list)  # else loaded per layer (load_model(unstacked=True)); hybrid groups: models/hybrid.py
     if split_here:
         # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
-        # Mixtral-8x7B, 93 GB, fits one H200 only that way). Sharded weights keep their
-        # shardings when split, and a plan over the per-layer tree runs them under the mesh.
-        params = family.unstack_layers(params, donate=owns_weights)
+        # Mixtral-8x7B, 93 GB, fits one H200 only that way); on a GPU through host memory, so
+        # that the free memory the KV pool is sized from stays one block. Sharded weights keep
+        # their shardings when split, and a plan over the per-layer tree runs them under the mesh.
+        params = family.unstack_layers(params, donate=owns_weights, through_host=owns_weights and gpu)
         jax.block_until_ready(params)
         if plan is not None:
             plan = ShardingPlan(mesh, plan.source_config, family.param_axes(plan.source_config, Layout(unrolled=True)))
