@@ -159,7 +159,8 @@ def measure(label: str, source: str, work: str, drop_caches: bool) -> dict:
 
 def copy_paths(checkpoint: str, piece_bytes: int = 128 << 20, threads=(1, 8, 16)) -> list[dict]:
     """GB/s of the checkpoint's files' bytes (memory-mapped, 128 MiB pieces) put on the device directly, through
-    pinned host memory (where the device has it), and copied on the host, on each number of threads."""
+    pinned host memory (where the device has it), and copied on the host, on each number of threads; then
+    jlight's own load of the files (load_model), twice in this process."""
     import concurrent.futures
 
     device = jax.devices()[0]
@@ -190,6 +191,20 @@ def copy_paths(checkpoint: str, piece_bytes: int = 128 << 20, threads=(1, 8, 16)
             seconds = time.perf_counter() - start
             rows.append({"path": name, "threads": n, "bytes": nbytes, "seconds": seconds})
             print(f"{name:32s} {n:2d} threads: {nbytes / seconds / 1e9:6.2f} GB/s ({nbytes / 1e9:.2f} GB)", flush=True)
+    # The engine's own load of the same files, twice: the second finds the per-shape transposes compiled in this
+    # process, so the difference is their compile (a warm start compiles them again: they are too quick for
+    # JAX's persistent cache).
+    from jlight.loading import load_model
+
+    for attempt in ("first", "second"):
+        start = time.perf_counter()
+        loaded = load_model(checkpoint, dtype="bfloat16", unstacked=True)
+        jax.block_until_ready(loaded.params)
+        seconds = time.perf_counter() - start
+        name = f"jlight load_model, {attempt}"
+        rows.append({"path": name, "threads": min(8, os.cpu_count() or 1), "bytes": nbytes, "seconds": seconds})
+        print(f"{name:32s} {rows[-1]['threads']:2d} threads: {nbytes / seconds / 1e9:6.2f} GB/s ({seconds:.2f} s)", flush=True)
+        del loaded
     return rows
 
 
