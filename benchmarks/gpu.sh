@@ -8,11 +8,13 @@
 #       bash benchmarks/gpu.sh peer vllm_growth.py          (the vLLM peer, from a carried .peerN folder)
 #
 # Other model families (issues 31, 32): random bf16 weights of benchmarks/family_shapes.py's shapes, MODEL=gemma3-12b,
-# gpt-oss-20b or qwen3-next-16l (Qwen3-Next cut to 16 layers); one suite a call (the engine compiles every bucket):
+# gpt-oss-20b or qwen3-next-16l (Qwen3-Next cut to 16 layers); one suite a call (the engine compiles every bucket;
+# gpt-oss-20b was ready in 144 s on an H100, give its throughput run 400 s). qwen3-next-16l's 54 GB of weights leave
+# no KV pool in JAX's default 75% of an 80 GB card: run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, vLLM's share:
 #       MODEL=gemma3-12b FIXED= SUITE_TIMEOUT=570 bash benchmarks/gpu.sh throughput   (nano-vllm workload and batch-1
 #                   decode, for MoE shapes also against the active weights' roofline; FIXED= drops the 1000 x 1000 run)
 #       MODEL=gpt-oss-20b VARIANTS=bf16-b8 bash benchmarks/gpu.sh decode              (batch-1 against its bandwidth line)
-#       MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000
+#       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000
 #                   (TTFT up to 32k: 32k context, 64 sequences, prefix caching off, as vllm_growth.py)
 # and their vLLM peer, benchmarks/vllm_families.py (the same shapes, load_format="dummy", vllm_bench.py's requests):
 #       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape gemma3-12b
