@@ -68,7 +68,7 @@ from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config,
 # ------------------------------------------------------------------ models
 
 
-def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192):
+def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192, mxfp4: bool = False):
     """model_configs.random_loaded_model (a LoadedModel of random weights, no tokenizer), with JAX's persistent
     compilation cache switched on first, in the directory an engine would use (EngineConfig.compilation_cache_dir),
     so the jitted random init compiles once per machine and shape, as the engine's steps do."""
@@ -78,7 +78,8 @@ def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings
     if cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    return model_configs.random_loaded_model(name, dtype, seed=seed, max_position_embeddings=max_position_embeddings)
+    return model_configs.random_loaded_model(name, dtype, seed=seed, max_position_embeddings=max_position_embeddings,
+                                             mxfp4=mxfp4)
 
 
 def random_engine(name: str, dtype: str = "bfloat16", *, max_model_len: int = 4096, seed: int = 0, loaded=None,

@@ -15,6 +15,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 
 from jlight.core.config import ModelConfig
 
@@ -125,14 +126,40 @@ def make_config(name: str, max_position_embeddings: int | None = None, num_layer
                        rms_norm_eps=1e-5, **fields)
 
 
-def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192):
-    """A jlight.loading.LoadedModel with random weights and no tokenizer."""
+def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192, mxfp4: bool = False):
+    """A jlight.loading.LoadedModel with random weights and no tokenizer. mxfp4: the routed experts' weights
+    ([layers, experts, in, out] `experts_*`) as random MXFP4 (Mxfp4Weight: codes uniform, exponents near 2^-7, rows
+    past a multiple of 32 kept as the float tail), what quantization="mxfp4" runs from a gpt-oss checkpoint."""
     from jlight.loading import LoadedModel
     from jlight.models import get_model_family
 
     config = make_config(name, max_position_embeddings)
     params = jax.jit(lambda k: get_model_family(config).init_params(config, k, dtype))(jax.random.PRNGKey(seed))
+    if mxfp4:
+        params = dict(params, layers=random_mxfp4_experts(params["layers"], seed))
     return LoadedModel(config=config, params=params, tokenizer=None, generation_config={}, name=f"random-{name}", dtype=dtype)
+
+
+def random_mxfp4_experts(layers: dict, seed: int) -> dict:
+    """`layers` with each stacked expert weight [L, X, in, out] replaced by a random Mxfp4Weight of that shape
+    (the float weight freed as it goes)."""
+    from jlight.core.quantization import Mxfp4Weight
+
+    names = [n for n, w in layers.items() if n.startswith("experts_") and getattr(w, "ndim", 0) == 4]
+    if not names:
+        raise ValueError("mxfp4: this shape has no stacked expert weights ([layers, experts, in, out] experts_*)")
+    out, key = dict(layers), jax.random.PRNGKey(seed + 1)
+    for name in names:
+        w = layers[name]
+        *lead, d_in, d_out = w.shape
+        packed = d_in // 32 * 32
+        key, kb, ks = jax.random.split(key, 3)
+        blocks = jax.random.bits(kb, (*lead, packed // 2, d_out), jnp.uint8)
+        scales = jax.random.randint(ks, (*lead, packed // 32, d_out), 118, 123, jnp.int32).astype(jnp.uint8)
+        out[name] = Mxfp4Weight(blocks, scales, w[..., packed:, :])
+        jax.block_until_ready(out[name])
+        w.delete()
+    return out
 
 
 def routed_fraction(config: ModelConfig) -> float:

@@ -47,7 +47,8 @@ def build_engine(a) -> LLMEngine:
         opts["fp8_w8a8_min_rows"] = a.fp8_w8a8_min_rows
     if a.model_config:
         dtype = a.dtype if a.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        loaded = harness.random_loaded_model(a.model_config, jnp.dtype(dtype), max_position_embeddings=a.max_model_len)
+        loaded = harness.random_loaded_model(a.model_config, jnp.dtype(dtype), max_position_embeddings=a.max_model_len,
+                                             mxfp4=a.quantization == "mxfp4")
         return LLMEngine(EngineConfig(model=None, **{**opts, "dtype": "auto"}), loaded=loaded, give_weights=True)
     return LLMEngine(EngineConfig(model=a.model, **opts))
 
@@ -94,7 +95,8 @@ def main(argv=None):
     ap.add_argument("--model-config", default=None, choices=harness.CONFIG_NAMES,
                     help="random weights of this named shape instead (benchmarks/model_configs.py)")
     ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's; random weights: bfloat16 (float32 on CPU)")
-    ap.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8", "mxfp4"],
+                    help="mxfp4 with --model-config: the routed experts as random MXFP4 (gpt-oss-20b)")
     ap.add_argument("--fp8-w8a8-min-rows", type=int, default=None,
                     help="fp8: steps of at least this many tokens run W8A8-FP8, smaller ones weight-only (default: EngineConfig's)")
     ap.add_argument("--num-requests", type=int, default=256, help="nano workload's requests (0: skip it)")

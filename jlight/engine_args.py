@@ -13,11 +13,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Fa
     else:
         p.add_argument("--model", "-m", default=None, help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8"],
+    p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8", "mxfp4"],
                    help="int8: weight-only (faster decode at small batches, slower prefill on GPU); w8a8: int8 activations too "
                         "(faster prefill); fp8: e4m3 weights with a scale per output channel, e4m3 activations per token in "
                         "steps of >= --fp8-w8a8-min-rows tokens (docs/BENCHMARKS.md has the figures and quality). HF FP8 "
-                        "checkpoints (compressed-tensors, fp8) load as fp8 without this flag")
+                        "checkpoints (compressed-tensors, fp8) load as fp8 without this flag; mxfp4: an MXFP4 checkpoint's "
+                        "experts (gpt-oss) kept as stored, 4 bits a weight (without it they load expanded)")
     p.add_argument("--fp8-w8a8-min-rows", type=int, default=None,
                    help="fp8 weights: steps of at least this many tokens multiply fp8 x fp8, smaller ones upcast the "
                         "weights (0: always fp8 x fp8; default 64)")

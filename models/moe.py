@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jlight.core.quantization import QuantizedWeight, dequantize
+from jlight.core.quantization import Mxfp4Weight, QuantizedWeight, dequantize, dequantize_mxfp4
 from jlight.core.moe_impls import MOE_IMPLS
 
 
@@ -93,7 +93,8 @@ def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: i
 
 # ---------------------------------------------------------------------------------------------
 # Expert FFN. x: [T, E]; topk ids/weights: [T, k]; w_gate, w_up: [X, E, F]; w_down: [X, F, E]
-# (arrays or int8 QuantizedWeights with scales [X, out]). Returns [T, E] in x's dtype.
+# (arrays, int8 QuantizedWeights with scales [X, out], or Mxfp4Weights, expanded to the rows' dtype where
+# they are read: the gathered path expands only the chosen experts). Returns [T, E] in x's dtype.
 # ---------------------------------------------------------------------------------------------
 
 EXPERT_IMPLS = MOE_IMPLS  # the engine's moe_impl values (EngineConfig, --moe-impl)
@@ -124,7 +125,7 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, matmul):
     registers); the int8 scales are applied here.
     """
     quantized = isinstance(w, QuantizedWeight)
-    values = _values(w)
+    values = _values(w) if not isinstance(w, Mxfp4Weight) else dequantize_mxfp4(w, rows.dtype)
     values = values if quantized else values.astype(rows.dtype)
     y = matmul(rows, values, group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     if not quantized:
@@ -142,13 +143,15 @@ MAX_GATHER_ELEMENTS = 2 ** 31 - 1
 def _gathered_matmul(rows, w, ids, max_elements: int):
     """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts,
     in chunks of rows whose gathered weights hold at most max_elements."""
-    values = _values(w)
-    per_row = values.shape[1] * values.shape[2]
+    shape = _shape(w)
+    per_row = shape[1] * shape[2]
     chunk = max(1, max_elements // per_row)
     if rows.shape[0] > chunk:
         return jnp.concatenate([_gathered_matmul(rows[i:i + chunk], w, ids[i:i + chunk], max_elements)
                                 for i in range(0, rows.shape[0], chunk)])
-    y = jnp.einsum("ri,rio->ro", rows, values[ids].astype(rows.dtype), preferred_element_type=jnp.float32)
+    gathered = (dequantize_mxfp4(Mxfp4Weight(*(field[ids] for field in w)), rows.dtype) if isinstance(w, Mxfp4Weight)
+                else _values(w)[ids].astype(rows.dtype))
+    y = jnp.einsum("ri,rio->ro", rows, gathered, preferred_element_type=jnp.float32)
     return y * w.scales[ids].astype(jnp.float32) if isinstance(w, QuantizedWeight) else y
 
 
@@ -195,12 +198,17 @@ def _values(w):
     return w.values if isinstance(w, QuantizedWeight) else w
 
 
+def _shape(w) -> tuple:
+    """[X, in, out] of an expert weight of any form."""
+    return w.shape if isinstance(w, Mxfp4Weight) else _values(w).shape
+
+
 def _num_experts(w):
-    return _values(w).shape[0]
+    return _shape(w)[0]
 
 
 def _grouped_fits(grouped, w_gate) -> bool:
-    embed, mlp = _values(w_gate).shape[1:]
+    embed, mlp = _shape(w_gate)[1:]
     return grouped.fits(embed, mlp) and grouped.fits(mlp, embed)
 
 
@@ -217,6 +225,8 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
     contraction: 123.6 and 1303.5). It loses one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
     Elsewhere (CPU): the gathered path when the pairs are few next to the experts (it reads only
     the chosen experts' weights; a gather copies what it reads, hence the factor 3), else ragged_dot.
+    MXFP4 experts take the gathered path by that rule everywhere, the Pallas kernel included: the other
+    paths expand every expert's weights each step.
     """
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"moe_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}")
@@ -225,6 +235,8 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
                          "pallas_kernels.dispatch.get_kernels(moe_impl='pallas') (Kernels.grouped_matmul)")
     if impl != "auto":
         return impl
+    if isinstance(w_gate, Mxfp4Weight) and 3 * num_pairs <= _num_experts(w_gate):
+        return "gathered"  # it expands the chosen experts only; the others take every expert expanded
     if grouped is not None and _grouped_fits(grouped, w_gate):
         return "pallas"
     if 3 * num_pairs <= _num_experts(w_gate):
@@ -249,6 +261,8 @@ def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str =
 
 
 def _dense(w, dtype):
+    if isinstance(w, Mxfp4Weight):
+        return dequantize_mxfp4(w, dtype)
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
 
 

@@ -120,3 +120,54 @@ def test_converted_checkpoint_gives_transformers_tokens(model, tmp_path):
     prompt = list(range(3, 40))
     got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
     assert got[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)
+
+
+def test_mxfp4_weights_kept_as_stored_expand_to_the_files_values():
+    """Mxfp4HostWeight.to_device's layout (two values a byte along `in`, a scale a 32-row block, the tail rows
+    after) expands (dequantize_mxfp4) to what the host's dequantization gives, column splits and tail included."""
+    import jax.numpy as jnp
+
+    from jlight.core.quantization import dequantize_mxfp4
+    from jlight.loading.mxfp4 import Mxfp4HostWeight
+
+    rng = np.random.default_rng(5)
+    host = Mxfp4HostWeight(rng.integers(0, 256, (3, 24, 2, 16)).astype(np.uint8),
+                           rng.integers(110, 140, (3, 24, 2)).astype(np.uint8))
+    for w in (host, host.columns(slice(1, None, 2)).with_tail(rng.normal(size=(3, 1, 12)).astype(np.float32))):
+        kept = w.to_device(jnp.float32)
+        assert kept.blocks.dtype == kept.scales.dtype == np.uint8 and kept.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(dequantize_mxfp4(kept, jnp.float32)), w.dequantize())
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_mxfp4_kept_as_stored_gives_transformers_tokens(model, tmp_path, layer_loop):
+    """quantization="mxfp4" keeps the MXFP4 checkpoint's experts as stored (uint8 blocks and scales, bias rows in
+    the model dtype) and the engine gives transformers' greedy tokens of the same file, through check_engine's
+    batch (preemption, chunked prefill across windows, the prefix cache); a model without MXFP4 weights is refused."""
+    import torch
+    import transformers
+
+    from jlight.core.quantization import Mxfp4Weight
+
+    path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    check_engine(path, hf, quantization="mxfp4", layer_loop=layer_loop)
+    loaded = load_model(path, dtype="float32", keep_mxfp4=True)
+    kept = [w for w in jax_leaves_of(loaded.params, Mxfp4Weight)]
+    assert len(kept) == 3 and all(w.blocks.dtype == np.uint8 and w.shape[0] == 2 for w in kept)  # gate, up, down
+    import jlight
+
+    llm = jlight.LLM(path, dtype="float32", quantization="mxfp4", layer_loop=layer_loop, num_pages=16, warmup=False,
+                     compilation_cache_dir=None)
+    ran = jax_leaves_of(llm.engine.runner.params, Mxfp4Weight)  # the step's own weights, as stored
+    assert len(ran) == (3 if layer_loop == "scan" else 3 * 2) and all(w.blocks.dtype == np.uint8 for w in ran)
+    with pytest.raises(ValueError, match="'mxfp4' keeps an MXFP4 checkpoint's experts"):
+        jlight.LLM(model[0], dtype="float32", quantization="mxfp4", num_pages=16, warmup=False,
+                   compilation_cache_dir=None)
+
+
+def jax_leaves_of(tree, kind):
+    import jax
+
+    return [w for w in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(w, kind)]

@@ -6,6 +6,8 @@ then through the engine with batching, chunked prefill and prefix caching.
 """
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,3 +180,38 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
     zeroed = ffn(x, jnp.where(remote, 0, ids), jnp.where(remote, 0.0, weights), *ws, jax.nn.silu, "dense", None)
     assert np.all(np.isfinite(np.asarray(marked)))
     np.testing.assert_allclose(np.asarray(marked), np.asarray(zeroed), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_mxfp4_experts_compute_what_their_expanded_weights_do(tokens):
+    """Experts kept as MXFP4 (Mxfp4Weight, with gpt-oss's tail row on gate and up) give every expert path
+    (dense, gathered, in chunks too, ragged_dot) the answer of the same weights expanded to float32 first."""
+    from jlight.core.quantization import dequantize_mxfp4
+    from jlight.loading.mxfp4 import Mxfp4HostWeight
+    from jlight.models import moe
+
+    rng = np.random.default_rng(tokens)
+    experts, embed, mlp = 6, 64, 32
+
+    def kept(d_in, d_out, tail_rows):
+        host = Mxfp4HostWeight(rng.integers(0, 256, (experts, d_out, d_in // 32, 16)).astype(np.uint8),
+                               rng.integers(118, 124, (experts, d_out, d_in // 32)).astype(np.uint8))
+        if tail_rows:
+            host = host.with_tail(rng.normal(size=(experts, tail_rows, d_out)).astype(np.float32))
+        return host.to_device(jnp.float32)
+
+    w = [kept(embed, mlp, 1), kept(embed, mlp, 1), kept(mlp, embed + 1, 0)]
+    expanded = [dequantize_mxfp4(v, jnp.float32) for v in w]
+    x = jnp.asarray(rng.normal(size=(tokens, embed + 1)), jnp.float32)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.normal(size=(tokens, experts)))), 2)
+    want = np.asarray(dense_expert_ffn(x, ids, weights, *expanded, jax.nn.silu))
+    runs = {"dense": lambda *a: dense_expert_ffn(*a, jax.nn.silu),
+            "gathered": lambda *a: moe.gathered_expert_ffn(*a, jax.nn.silu),
+            "gathered in chunks": lambda *a: moe.gathered_expert_ffn(*a, jax.nn.silu, max_gather_elements=2 * embed * mlp),
+            "ragged_dot": lambda *a: grouped_expert_ffn(*a, jax.nn.silu)}
+    for name, fn in runs.items():
+        got = np.asarray(jax.jit(fn)(x, ids, weights, *w))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-4, err_msg=name)
+    assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2]) == ("gathered" if tokens == 1 else "ragged_dot")
+    kernel = types.SimpleNamespace(fits=lambda k, n: True, matmul=None)  # a GPU's Pallas grouped matmul: gathered first
+    assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2], kernel) == ("gathered" if tokens == 1 else "pallas")

@@ -155,7 +155,8 @@ class LLMEngine:
             # per layer (assemble_params' unstacked); a mesh's sharding plan places the stacked weights first.
             loaded = loading.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh,
                                         unstacked=mesh is None and unrolls(cfg, None, dispatch.on_gpu()),
-                                        keep_gguf_blocks=keeps_gguf_blocks(cfg, mesh, dispatch.on_gpu()))
+                                        keep_gguf_blocks=keeps_gguf_blocks(cfg, mesh, dispatch.on_gpu()),
+                                        keep_mxfp4=cfg.quantization == "mxfp4")
         jax.block_until_ready(loaded.params)  # the transfers done: the load's time is all in load_seconds
         self.load_seconds = time.perf_counter() - self._start_time
         self.loaded = loaded

@@ -62,13 +62,13 @@ def resolve_dtype(dtype, checkpoint_dtype: str) -> Any:
 
 
 def load_model(model: str | None = None, dtype="auto", place: Callable | None = None, mesh=None,
-               unstacked: bool = False, keep_gguf_blocks: bool = False) -> LoadedModel:
+               unstacked: bool = False, keep_gguf_blocks: bool = False, keep_mxfp4: bool = False) -> LoadedModel:
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
     on device (default jax.device_put); the sharding code passes one that shards it. unstacked=True:
     a dense model's `layers` come as per-layer dicts (assemble_params), read from safetensors or GGUF
     files that way; a converted checkpoint's stay stacked. keep_gguf_blocks: a GGUF file's Q4_0, Q4_1, Q5_0,
     Q8_0, Q4_K, Q5_K and Q6_K linear weights stay in their blocks (jlight/core/gguf_weights.py) instead of
-    being dequantized."""
+    being dequantized. keep_mxfp4: an MXFP4 HF checkpoint's experts (gpt-oss) stay as stored (Mxfp4Weights)."""
     if model is None:
         path = default_gguf_path()
         logger.info("loading the default model, SmolLM2-135M-Instruct (%s)", path)
@@ -83,16 +83,17 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     if orbax_loader.is_orbax_model_dir(model):
         return load_converted_dir(model, mesh=mesh, dtype=dtype)
     if os.path.isdir(model):
-        return load_hf_dir(model, dtype, place, unstacked=unstacked)
+        return load_hf_dir(model, dtype, place, unstacked=unstacked, keep_mxfp4=keep_mxfp4)
     if os.path.exists(model):
         raise ModelLoadError(f"{model} is neither a .gguf file nor a HF model directory (with config.json)")
     if looks_like_hub_id(model) and not model.startswith((".", "/", "~")):
         logger.info("loading %s from the Hugging Face hub", model)
-        return load_hf_dir(download_from_hub(model), dtype, place, name=model, unstacked=unstacked)
+        return load_hf_dir(download_from_hub(model), dtype, place, name=model, unstacked=unstacked, keep_mxfp4=keep_mxfp4)
     raise ModelLoadError(f"model path {model} does not exist; pass a .gguf file, a HF model directory or a hub id like org/name")
 
 
-def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = None, unstacked: bool = False) -> LoadedModel:
+def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = None, unstacked: bool = False,
+                keep_mxfp4: bool = False) -> LoadedModel:
     config_path = os.path.join(model_dir, "config.json")
     config = ModelConfig.from_json_file(config_path)  # raises ModelLoadError/UnsupportedModelError
     with open(config_path) as f:
@@ -103,7 +104,7 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     scheme = fp8_scheme(hf_config)  # an FP8 checkpoint's linear weights come as Fp8Weights (fp8_checkpoint.py)
     if scheme is not None:
         tensors = fp8_tensors(tensors, scheme)
-    params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked)
+    params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked, keep_mxfp4=keep_mxfp4)
     generation_config = st.read_generation_config(model_dir)
     has_tokenizer = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
     tokenizer = Tokenizer.from_dir(model_dir, generation_config) if has_tokenizer else None

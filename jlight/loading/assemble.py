@@ -34,6 +34,7 @@ from jlight.core.gguf_weights import GGUF_WEIGHTS, dequantize_gguf_t
 from jlight.core.quantization import LINEAR_WEIGHTS, Fp8Weight
 from jlight.loading.fp8_checkpoint import Fp8HostWeight
 from jlight.loading.gguf_blocks import GGUFHostWeight
+from jlight.loading.mxfp4 import Mxfp4HostWeight
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.hf_names_families import family_name_mapper, split_fused_tensors
 from jlight.loading.hf_names_hybrid import hybrid_name_mapper
@@ -51,6 +52,7 @@ def assemble_params(
     unstacked: bool = False,
     transform_on_device: bool | None = None,
     threads: int | None = None,
+    keep_mxfp4: bool = False,
 ) -> dict:
     """Consume (hf_name, array) pairs and return the params tree of the config's model family.
 
@@ -68,14 +70,18 @@ def assemble_params(
     the weights and a compile per weight shape at every start).
     transform_on_device: transpose and cast each tensor on the device (None: with the default placement on a
     backend other than the CPU; see the module's invariants). threads: tensors placed at once (None: up to 8,
-    one per CPU core).
+    one per CPU core). keep_mxfp4: an MXFP4 checkpoint's experts (gpt-oss) stay as stored (Mxfp4Weights, their
+    float rows in `dtype`), on one device (the default placement).
     """
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:
         name_mapper = moe_name_mapper(config) or family_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
+    if keep_mxfp4 and place is not None:
+        raise ValueError("quantization='mxfp4' keeps MXFP4 experts on one device; drop the mesh, or load them expanded "
+                         "(quantization=None)")
     if config.family not in HYBRID_FAMILIES:  # the hybrid families' mappers split their fused tensors themselves
-        tensors = split_fused_tensors(config, tensors)
+        tensors = split_fused_tensors(config, tensors, keep_mxfp4)
     if transform_on_device is None:
         transform_on_device = place is None and jax.default_backend() != "cpu"
     elif transform_on_device and place is not None:
@@ -99,7 +105,10 @@ def assemble_params(
             if mapped is None:
                 continue
             for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
-                if isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
+                if isinstance(tensor, Mxfp4HostWeight):  # kept as the file's blocks, laid out on the device
+                    arr, shape = tensor, tensor.shape
+                    put = lambda path, w: w.to_device(np_dtype)  # noqa: E731
+                elif isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
                     arr, shape = tensor, tensor.shape
                     put = lambda path, w: w.to_device(lambda p, a: place(p, host_array(a, a.dtype)), path)  # noqa: E731
                 else:

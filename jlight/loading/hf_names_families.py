@@ -23,7 +23,7 @@ import numpy as np
 from jlight.core.config import ModelConfig
 from jlight.loading.fp8_checkpoint import Fp8HostWeight
 from jlight.loading.hf_names import map_hf_name
-from jlight.loading.mxfp4 import expand_mxfp4
+from jlight.loading.mxfp4 import Mxfp4HostWeight, expand_mxfp4
 
 _LAYER_RE = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 # Per-layer tensors whose names differ from Llama's: suffix -> (jlight name, transpose)
@@ -66,19 +66,25 @@ def family_name_mapper(config: ModelConfig) -> Callable | None:
     return _MAPPERS.get(config.family)
 
 
-def _gpt_oss_experts(prefix: str, gate_up: np.ndarray, bias: np.ndarray):
-    """gate_up [X, E, 2F] interleaved + bias [X, 2F] -> gate, up [X, E + 1, F] (last row the bias)."""
+def _gpt_oss_experts(prefix: str, gate_up: np.ndarray | Mxfp4HostWeight, bias: np.ndarray):
+    """gate_up [X, E, 2F] interleaved + bias [X, 2F] -> gate, up [X, E + 1, F] (last row the bias); kept
+    MXFP4 weights stay so, the bias their tail row."""
+    if isinstance(gate_up, Mxfp4HostWeight):
+        bias = np.asarray(bias)[:, None, :]
+        yield prefix + "mlp.experts.gate_proj_with_bias", gate_up.columns(slice(0, None, 2)).with_tail(bias[..., 0::2])
+        yield prefix + "mlp.experts.up_proj_with_bias", gate_up.columns(slice(1, None, 2)).with_tail(bias[..., 1::2])
+        return
     with_bias = np.concatenate([np.asarray(gate_up), np.asarray(bias)[:, None, :]], axis=1)  # [X, E + 1, 2F]
     yield prefix + "mlp.experts.gate_proj_with_bias", with_bias[..., 0::2]
     yield prefix + "mlp.experts.up_proj_with_bias", with_bias[..., 1::2]
 
 
-def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]):
+def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], keep_mxfp4: bool = False):
     """(name, array) pairs with Phi-3's fused qkv_proj / gate_up_proj cut into Llama's names, and
     gpt-oss's gate_up_proj + gate_up_proj_bias into gate and up weights with their bias row
-    (MXFP4 experts expanded first, loading/mxfp4.py)."""
+    (MXFP4 experts expanded first, or with keep_mxfp4 kept as stored: loading/mxfp4.py)."""
     if config.family == "gpt_oss":
-        tensors = expand_mxfp4(tensors)
+        tensors = expand_mxfp4(tensors, keep=keep_mxfp4)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     splits = {
         "self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),

@@ -1,4 +1,4 @@
-"""MXFP4 expert weights (gpt-oss checkpoints), expanded on the host as they are read.
+"""MXFP4 expert weights (gpt-oss checkpoints), expanded on the host as they are read, or kept as stored.
 
 An MXFP4 tensor `NAME` is stored as two: `NAME_blocks` uint8 [experts, out, in / 32, 16], each byte
 two 4-bit e2m1 values (low nibble first, so byte j of a block holds elements 2j and 2j + 1), and
@@ -6,12 +6,20 @@ two 4-bit e2m1 values (low nibble first, so byte j of a block holds elements 2j 
 `expand_mxfp4` turns each pair into the float32 `NAME` [experts, in, out], the layout of gpt-oss's
 bf16 checkpoints, which the loader then casts to the load dtype (bf16 holds every MXFP4 value
 exactly, as long as the exponents stay in bf16's range). Every other tensor passes through.
+With keep=True (quantization="mxfp4") each pair stays as the file's bytes (Mxfp4HostWeight), put on the device
+as a jlight.core.quantization.Mxfp4Weight that the expert matmuls expand where they read it.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Iterable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jlight.core.quantization import Mxfp4Weight
 
 # e2m1: sign, two exponent bits, one mantissa bit
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -30,8 +38,58 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2)  # [X, in, out]
 
 
-def expand_mxfp4(tensors: Iterable[tuple[str, np.ndarray]]):
-    """(name, array) pairs with every NAME_blocks + NAME_scales pair replaced by NAME, dequantized."""
+@dataclasses.dataclass
+class Mxfp4HostWeight:
+    """An MXFP4 tensor as the file stores it, on the host: blocks [X, out, G, 16], scales [X, out, G] (uint8),
+    and `tail` rows [X, r, out] to append after its in = 32 G rows (gpt-oss's bias row), or None. `shape` is the
+    [X, in + r, out] weight it stands for; to_device() makes it a jlight.core.quantization.Mxfp4Weight."""
+    blocks: np.ndarray
+    scales: np.ndarray
+    tail: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.blocks.shape[:-1] != self.scales.shape or self.blocks.shape[-1] != 16:
+            raise ValueError(f"MXFP4 blocks {self.blocks.shape} and scales {self.scales.shape} do not pair: blocks must "
+                             "be [..., groups, 16] bytes with one scale per group")
+
+    @property
+    def shape(self) -> tuple:
+        *lead, out, groups, _ = self.blocks.shape
+        return (*lead, 32 * groups + (0 if self.tail is None else self.tail.shape[-2]), out)
+
+    def columns(self, cols: slice) -> "Mxfp4HostWeight":
+        """The output columns `cols` (a view)."""
+        tail = None if self.tail is None else self.tail[..., cols]
+        return Mxfp4HostWeight(self.blocks[..., cols, :, :], self.scales[..., cols, :], tail)
+
+    def with_tail(self, rows: np.ndarray) -> "Mxfp4HostWeight":
+        """These [X, r, out] rows appended after the stored ones."""
+        return Mxfp4HostWeight(self.blocks, self.scales, np.asarray(rows))
+
+    def dequantize(self) -> np.ndarray:
+        values = dequantize(self.blocks, self.scales)
+        return values if self.tail is None else np.concatenate([values, self.tail.astype(np.float32)], axis=-2)
+
+    def to_device(self, dtype) -> Mxfp4Weight:
+        """The file's bytes to the device, laid out there as an Mxfp4Weight (its tail in `dtype`)."""
+        *lead, out, _, _ = self.blocks.shape
+        tail = np.zeros((*lead, 0, out), np.float32) if self.tail is None else self.tail
+        return _device_layout(jax.device_put(np.asarray(self.blocks)), jax.device_put(np.asarray(self.scales)),
+                              jax.device_put(np.asarray(tail)), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _device_layout(blocks, scales, tail, dtype) -> Mxfp4Weight:
+    """[X, out, G, 16] blocks and [X, out, G] scales -> Mxfp4Weight's [X, in / 2, out] and [X, G, out]: byte
+    16 g + j of a row's blocks holds elements 32 g + 2 j (low nibble) and 32 g + 2 j + 1 (high)."""
+    *lead, out, groups, _ = blocks.shape
+    packed = jnp.swapaxes(blocks.reshape(*lead, out, groups * 16), -1, -2)
+    return Mxfp4Weight(packed, jnp.swapaxes(scales, -1, -2), tail.astype(dtype))
+
+
+def expand_mxfp4(tensors: Iterable[tuple[str, np.ndarray]], keep: bool = False):
+    """(name, array) pairs with every NAME_blocks + NAME_scales pair replaced by NAME, dequantized, or with
+    keep=True kept as an Mxfp4HostWeight."""
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in tensors:
         base, kind = _split(name)
@@ -41,7 +99,8 @@ def expand_mxfp4(tensors: Iterable[tuple[str, np.ndarray]]):
         got = pending.setdefault(base, {})
         got[kind] = tensor
         if len(got) == 2:
-            yield base, dequantize(got["blocks"], got["scales"])
+            kept = Mxfp4HostWeight(np.asarray(got["blocks"], np.uint8), np.asarray(got["scales"], np.uint8))
+            yield base, kept if keep else kept.dequantize()
             del pending[base]
     for base, got in pending.items():
         raise ValueError(f"checkpoint has {base}_{next(iter(got))} without its "

@@ -3,7 +3,8 @@ Fp8Weight (jlight/core/quantization.py), per output column, symmetric."""
 import jax
 
 from jlight.core.quantization import (
-    LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, Fp8Weight, QuantizedWeight, W8A8Weight, quantize_fp8, quantize_int8)
+    LINEAR_WEIGHTS, QUANTIZABLE, QUANT_MODES, Fp8Weight, Mxfp4Weight, QuantizedWeight, W8A8Weight, quantize_fp8,
+    quantize_int8)
 
 
 def quantize_params(params: dict, mode: str, keep=None) -> dict:
@@ -63,7 +64,10 @@ def quantize_params(params: dict, mode: str, keep=None) -> dict:
 
 def stored_quantization(params) -> str | None:
     """The quantization mode of already-quantized weights ("int8", "w8a8" or "fp8": a converted checkpoint,
-    a HF FP8 checkpoint), or None for float ones."""
+    a HF FP8 checkpoint; "mxfp4": an MXFP4 checkpoint's experts kept as stored), or None for float ones."""
+    kept = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Mxfp4Weight))
+    if any(isinstance(w, Mxfp4Weight) for w in kept):
+        return "mxfp4"
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     first = next((w for w in leaves if isinstance(w, QuantizedWeight)), None)
     if first is None:
@@ -77,6 +81,9 @@ def quantize_unless_stored(params: dict, mode: str | None, field: str = "quantiz
     stored = stored_quantization(params)
     if mode is None or stored == mode:
         return params
+    if mode == "mxfp4":
+        raise ValueError(f"{field}='mxfp4' keeps an MXFP4 checkpoint's experts (gpt-oss) as stored, and this model has "
+                         f"none (its weights: {stored or 'float'}); drop the option or pass 'fp8' / 'int8'")
     if stored is not None:
         raise ValueError(f"{field}={mode!r}: the checkpoint's weights are already quantized as {stored!r}; drop the "
                          f"option (or pass {stored!r}), or convert the original weights again")
