@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlight.core.quantization import Mxfp4Weight
+from jlight.core.quantization import FP4_E2M1_VALUES, Mxfp4Weight
 
-# e2m1: sign, two exponent bits, one mantissa bit
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+FP4_VALUES = np.array(FP4_E2M1_VALUES, np.float32)
 
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
