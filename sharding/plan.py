@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jlight.core.parallel_ops import ParallelOps
 from jlight.core.config import ModelConfig
-from jlight.core.quantization import QuantizedKV, scales_sharding
+from jlight.core.quantization import Mxfp4Weight, QuantizedKV, scales_sharding
 from jlight.core.recurrent_state import PagesAndState
 from jlight.sharding.mesh import describe, mesh_sizes
 from jlight.sharding.rules import KV_CACHE_AXES, is_axes, logical_to_spec, param_specs
@@ -105,6 +105,17 @@ class ShardingPlan:
                 arr = np.pad(arr, pad)
         return arr
 
+    def _mxfp4_spec(self, axes: tuple[str, ...], w: Mxfp4Weight, name: str) -> P:
+        """The weight's spec for each of its fields, once its `in` axis splits at whole 32-row blocks."""
+        spec = logical_to_spec(axes)
+        split = spec[-2] if len(spec) >= 2 else None
+        parts = math.prod(self.mesh.shape[a] for a in ((split,) if isinstance(split, str) else split or ()))
+        if w.tail.shape[-2] and parts > 1 or w.scales.shape[-2] % parts:
+            raise ValueError(f"{name}: MXFP4 weights split their {w.shape[-2]} input rows over mesh axis {split!r} of "
+                             f"size {parts} only at whole 32-row blocks ({w.scales.shape[-2]} here); choose a smaller "
+                             f"{split}, or load the experts expanded (quantization=None)")
+        return spec
+
     def _put(self, arr, spec: P, name: str = "weight"):
         if self.mesh is None:
             return jax.device_put(arr)
@@ -145,6 +156,8 @@ class ShardingPlan:
 
         def prepare(path, axes, leaf):
             name = jax.tree_util.keystr(path)
+            if isinstance(leaf, Mxfp4Weight):  # each field on the weight's axes: [.., in/2 | in/32 | r, out]
+                return Mxfp4Weight(*(self._put(field, self._mxfp4_spec(axes, leaf, name), name) for field in leaf))
             if hasattr(leaf, "values") and hasattr(leaf, "scales"):  # QuantizedWeight
                 values = self._transform(axes, leaf.values)
                 scales = self._transform(axes[:-2] + axes[-1:], leaf.scales)

@@ -23,8 +23,8 @@ class EngineConfig:
     # None, "int8" (weight-only), "w8a8" (int8 activations too) or "fp8" (float8_e4m3fn weights, one scale per
     # output channel: W8A8-FP8 or weight-only by fp8_w8a8_min_rows). A checkpoint stored quantized (jlight
     # convert, a HF FP8 checkpoint) runs as stored with None or its own mode. "mxfp4": an MXFP4 checkpoint's
-    # experts (gpt-oss) kept as stored, 4 bits a weight, expanded where the expert matmuls read them (one device);
-    # None expands them to the model dtype at load.
+    # experts (gpt-oss) kept as stored, 4 bits a weight, expanded where the expert matmuls read them; None expands
+    # them to the model dtype at load.
     quantization: str | None = None
     # fp8 weights: steps of at least this many rows (tokens) quantize their activations per token to e4m3
     # and multiply fp8 x fp8 (XLA's fp8 gemm, the fp8 tensor cores on Hopper); smaller ones (decode) upcast
@@ -172,9 +172,6 @@ class EngineConfig:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.quantization not in (None, "int8", "w8a8", "fp8", "mxfp4"):
             bad("quantization", "must be None, 'int8', 'w8a8', 'fp8' or 'mxfp4'")
-        if self.quantization == "mxfp4" and self.mesh:
-            bad("quantization", "'mxfp4' keeps MXFP4 experts on one device; drop mesh, or pass None (experts expanded "
-                                "to the model dtype at load)")
         if self.fp8_w8a8_min_rows < 0:
             bad("fp8_w8a8_min_rows", "must be >= 0 (0: W8A8-FP8 at every step)")
         if self.gguf_weights not in ("auto", "dequantize"):

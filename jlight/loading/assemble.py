@@ -71,15 +71,15 @@ def assemble_params(
     transform_on_device: transpose and cast each tensor on the device (None: with the default placement on a
     backend other than the CPU; see the module's invariants). threads: tensors placed at once (None: up to 8,
     one per CPU core). keep_mxfp4: an MXFP4 checkpoint's experts (gpt-oss) stay as stored (Mxfp4Weights, their
-    float rows in `dtype`), on one device (the default placement).
+    float rows in `dtype`), put by the default placement (a sharding plan places them after).
     """
     family = get_model_family(config)
     shapes = family.param_shapes(config)
     if name_mapper is None:
         name_mapper = moe_name_mapper(config) or family_name_mapper(config) or hybrid_name_mapper(config) or map_hf_name
     if keep_mxfp4 and place is not None:
-        raise ValueError("quantization='mxfp4' keeps MXFP4 experts on one device; drop the mesh, or load them expanded "
-                         "(quantization=None)")
+        raise ValueError("keep_mxfp4: MXFP4 experts are put on the device whole (three arrays a weight), not through "
+                         "place=; load without place= (a sharding plan places them after), or expanded (keep_mxfp4=False)")
     if config.family not in HYBRID_FAMILIES:  # the hybrid families' mappers split their fused tensors themselves
         tensors = split_fused_tensors(config, tensors, keep_mxfp4)
     if transform_on_device is None:
