@@ -14,10 +14,13 @@
 #       MODEL=gemma3-12b FIXED= SUITE_TIMEOUT=570 bash benchmarks/gpu.sh throughput   (nano-vllm workload and batch-1
 #                   decode, for MoE shapes also against the active weights' roofline; FIXED= drops the 1000 x 1000 run)
 #       MODEL=gpt-oss-20b VARIANTS=bf16-b8 bash benchmarks/gpu.sh decode              (batch-1 against its bandwidth line)
+#       MODEL=gpt-oss-20b FIXED= SUITE_TIMEOUT=400 bash benchmarks/gpu.sh throughput --quantization mxfp4
+#                   (the experts as random MXFP4, kept as stored: quantization="mxfp4")
 #       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000
 #                   (TTFT up to 32k: 32k context, 64 sequences, prefix caching off, as vllm_growth.py)
 # and their vLLM peer, benchmarks/vllm_families.py (the same shapes, load_format="dummy", vllm_bench.py's requests):
 #       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape gemma3-12b
+#       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape gpt-oss-20b --quantization mxfp4
 #       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape qwen3-next-16l --ttft 2048 8192 32000
 #
 # Words after a suite name go to that suite's script, after its defaults (argparse: the last value wins).

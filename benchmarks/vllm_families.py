@@ -7,7 +7,8 @@ On the GPU machine, through the peer's runner (../shared/peer/README.md; the pat
     bash .peer6/device.sh ../benchmarks/vllm_families.py --shape qwen3-next-16l --ttft 2048 8192 32000 [--decode]
 
 --shape NAME writes family_shapes.SHAPES[NAME] as config.json (no quantization_config: gpt-oss's experts are bf16,
-not the release's MXFP4) and loads it with load_format="dummy".
+not the release's MXFP4; with --quantization mxfp4, the release's quantization_config) and loads it with
+load_format="dummy".
 
 Default: ../shared/peer/vllm_bench.py's run, its LLM arguments (max_model_len 4096, max_num_seqs 256,
 gpu_memory_utilization 0.9, seed 0) and its measurements with its request generators, call for call:
@@ -50,6 +51,9 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 d = tempfile.mkdtemp(prefix=f"{a.shape}_dummy_")
 cfg = family_shapes.shape(a.shape)
+if a.quantization == "mxfp4":  # the release's own quantization_config: MXFP4 experts, everything else bf16
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
 growth = a.ttft is not None
 max_model_len = max(32768, max(a.ttft) + 128) if growth else 4096
