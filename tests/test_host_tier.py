@@ -16,11 +16,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PAGE_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8-token pages, 2 KV heads of 16, float32
 
 
-def small_engine(model_dir, host_pages=None):
+def small_engine(model_dir, host_pages=None, copies="device_put"):
     """40 device pages (39 usable, 312 tokens): less than the workload's prefixes need."""
     size = None if host_pages is None else host_pages * PAGE_BYTES / 2**30
     return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, page_size=8, num_pages=40,
-                      kv_offloading_size=size).engine
+                      kv_offloading_size=size, kv_offloading_copies=copies).engine
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,27 @@ def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_d
     assert [f._cache_size() for f in copies] == compiled
     # The tier's scatters (one a power-of-two page count) write into the donated pools, not a copy of them.
     writes = [c for (kind, _), c in runner._page_copies.items() if kind == "write_list"]
+    assert len(writes) == 4 and all("input_output_alias={ {0}: (0, {}, may-alias)" in c.as_text() for c in writes)
+
+
+def test_copies_inside_the_programs_give_the_recomputed_tokens(model_dir):
+    """kv_offloading_copies="in_program": the gather writes the evicted pages to pinned host memory and the scatter
+    reads them from there, in their own programs compiled at warm-up (the scatter into the donated pools); the
+    tokens are an engine's that recomputes, and every held page is a pinned_host array."""
+    first, second = conversations(seed=2)
+    want = run_one_by_one(small_engine(model_dir), first + second)
+    tiered = small_engine(model_dir, host_pages=200, copies="in_program")
+    runner = tiered.runner
+    compiled = dict(runner._page_copies)
+    got = run_one_by_one(tiered, first + second)
+    assert [t for t, _ in got] == [t for t, _ in want] and [c for _, c in got[3:]] == [120, 120, 120]
+    tier = tiered.block_manager.host_tier
+    assert tier.offloaded_pages > 0 and tier.restored_pages >= 15
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(list(tier.pages.values()))} == {"pinned_host"}
+    assert runner._page_copies == compiled  # nothing compiled after warm-up
+    kinds = {kind for kind, _ in compiled}
+    assert {"read_list_host", "write_list_host"} <= kinds and not kinds & {"read_list", "write_list"}
+    writes = [c for (kind, _), c in compiled.items() if kind == "write_list_host"]
     assert len(writes) == 4 and all("input_output_alias={ {0}: (0, {}, may-alias)" in c.as_text() for c in writes)
 
 
@@ -161,7 +182,8 @@ class _PoolRunner:
     def write_pages(self, pages, data):
         self.k_cache = self.k_cache.at[:, pages].set(data[0])
 
-    def read_page_list(self, pages):
+    def read_page_list(self, pages, host=False):
+        assert not host  # the tier's default copies (device_put)
         return [(self.k_cache[:, p:p + 1], None) for p in pages]
 
     def write_page_list(self, pages, data):
@@ -253,7 +275,8 @@ class _BigPoolRunner:
         self._count("write_pages")
         self.k_cache = self._write(self.k_cache, pages, data[0])
 
-    def read_page_list(self, pages):
+    def read_page_list(self, pages, host=False):
+        assert not host  # the tier's default copies (device_put)
         self._count("read_page_list")
         return [(self.k_cache[:, p:p + 1], None) for p in pages]
 

@@ -82,6 +82,10 @@ class EngineConfig:
     # they are copied there instead of dropped, and copied back when a later prompt's prefix needs them.
     # None: off. Needs prefix caching.
     kv_offloading_size: float | None = None
+    # How the host tier's pinned pages travel (host_tier.COPIES): "device_put" (a gather on the device, then
+    # jax.device_put to pinned memory; back the same way before the scatter) or "in_program" (the gather writes
+    # them to pinned memory and the scatter reads them from there, inside the programs).
+    kv_offloading_copies: str = "device_put"
     # vLLM's knob: True keeps every page of every layer, as for a model without attention kinds. False (the
     # default): a model whose layers differ in kind (sliding windows beside full attention: Gemma 2/3, gpt-oss)
     # keeps a page table per group of layers of one kind, and its sliding-window layers give back the pages
@@ -190,6 +194,8 @@ class EngineConfig:
             bad("moe_impl", f"must be one of {', '.join(MOE_IMPLS)}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             bad("layer_loop", "must be 'auto', 'scan' or 'unroll'")
+        if self.kv_offloading_copies not in ("device_put", "in_program"):
+            bad("kv_offloading_copies", "must be 'device_put' or 'in_program'")
         if self.kv_offloading_size is not None:
             if not self.kv_offloading_size > 0:
                 bad("kv_offloading_size", "must be > 0 GiB (or None for no host tier)")

@@ -53,15 +53,24 @@ from jlight.engine.model_runner import padded_pages
 
 logger = logging.getLogger(__name__)
 
+# How pinned pages travel (HostTier's `copies`).
+COPIES = ("device_put", "in_program")
 # XLA:GPU's limit on each device's pool of pinned host memory, in GiB (64 unless this variable says otherwise).
 HOST_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 
 class HostTier:
-    def __init__(self, capacity: int, max_batch: int, pinned: bool | None = None, reserve: bool | None = None):
+    def __init__(self, capacity: int, max_batch: int, pinned: bool | None = None, reserve: bool | None = None,
+                 copies: str = "device_put"):
         """`pinned`: keep pages in `pinned_host` memory (True), in numpy arrays (False), or the first where
         every device of the pools has that memory (None). `reserve`: take the tier's pinned memory at warm-up
-        (True), not (False), or on GPUs (None; see the module docstring)."""
+        (True), not (False), or on GPUs (None; see the module docstring). `copies` (pinned pages): "device_put"
+        gathers the pages on the device and copies them with jax.device_put (and back the same way before the
+        scatter); "in_program" has the gather write them to pinned memory, and the scatter read them from there,
+        inside the programs (ModelRunner.read_page_list / write_page_list with host=True)."""
+        if copies not in COPIES:
+            raise ValueError(f"copies={copies!r} is not one of {', '.join(COPIES)}")
+        self.copies = copies
         if capacity < 1:
             raise ValueError(f"the host KV tier holds {capacity} pages; raise kv_offloading_size to hold at least one page")
         self.capacity = capacity
@@ -134,11 +143,12 @@ class HostTier:
     def _dispatch_offload(self, runner, batch: list[tuple[int, bytes]], wanted: set[bytes], held: dict) -> None:
         """Copy `batch`'s pages to the host; the copies of `wanted` keys go into `held` too (for this sync's
         restores, whatever the LRU drops meanwhile)."""
-        per_page = runner.read_page_list(padded_pages([page for page, _ in batch]))[: len(batch)]
+        in_program = self.pinned and self.copies == "in_program"
+        per_page = runner.read_page_list(padded_pages([page for page, _ in batch]), host=in_program)[: len(batch)]
         leaves, treedef = jax.tree.flatten(per_page)
         if self._device_shardings is None:
             self._device_shardings = [a.sharding for a in jax.tree.leaves(per_page[0])]
-        if self.pinned:
+        if self.pinned and not in_program:
             leaves = jax.device_put(leaves, [a.sharding.with_memory_kind("pinned_host") for a in leaves])
         else:
             for a in leaves:
@@ -156,6 +166,11 @@ class HostTier:
 
     def _write_restore(self, runner, batch: list[tuple[int, object]]) -> None:
         pages = padded_pages([page for page, _ in batch])
+        if self.pinned and self.copies == "in_program":
+            data = [data for _, data in batch]
+            runner.write_page_list(pages, data + data[:1] * (len(pages) - len(batch)), host=True)
+            self.restored_pages += len(batch)
+            return
         leaves, treedef = jax.tree.flatten([data for _, data in batch])
         on_device = jax.tree.unflatten(treedef, jax.device_put(leaves, self._device_shardings * len(batch)))
         runner.write_page_list(pages, on_device + on_device[:1] * (len(pages) - len(batch)))  # padding: scratch page 0
@@ -168,8 +183,9 @@ class HostTier:
     def warmup(self, runner, chunk_bytes: int = 256 << 20) -> None:
         """Compile the gather and the scatter for every batch size; take and free the tier's pinned memory
         (`reserve`), in arrays of at most chunk_bytes."""
-        runner.warmup_page_copies(self.max_batch, kinds=("read_list", "write_list"))
         self._decide_pinned(runner)
+        runner.warmup_page_copies(self.max_batch, kinds=("read_list_host", "write_list_host")
+                                  if self.pinned and self.copies == "in_program" else ("read_list", "write_list"))
         leaves = jax.tree.leaves((runner.k_cache, runner.v_cache))
         reserve = self.reserve if self.reserve is not None else all(
             d.platform == "gpu" for a in leaves for d in a.sharding.device_set)

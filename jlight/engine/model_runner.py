@@ -235,15 +235,17 @@ class ModelRunner:
             donate_argnums=(0,))
         # The same, one array per page (the host tier's unit of storage): the gather of n pages as n outputs,
         # and the scatter of n such pages in one call, the pools donated.
-        self._read_page_list = jax.jit(
-            lambda pools, pages: [jax.tree.map(lambda a: a[:, pages[i:i + 1]] if paged(a) else None, pools)
-                                  for i in range(pages.shape[0])])
+        self._read_page_list_fn = lambda pools, pages: [
+            jax.tree.map(lambda a: a[:, pages[i:i + 1]] if paged(a) else None, pools) for i in range(pages.shape[0])]
+        self._read_page_list = jax.jit(self._read_page_list_fn)
         self._write_page_list = jax.jit(
             lambda pools, pages, data: jax.tree.map(
                 lambda a, *d: a.at[:, pages].set(jnp.concatenate(d, axis=1)) if paged(a) else a, pools, *data,
                 is_leaf=lambda x: x is None),
             donate_argnums=(0,))
-        # ("read" | "write" | "read_list" | "write_list", page count) -> compiled ahead of time (warmup_page_copies)
+        # ("read" | "write" | "read_list" | "write_list" | "read_list_host" | "write_list_host", page count) ->
+        # compiled ahead of time (warmup_page_copies); the _host kinds move the pages to and from pinned host
+        # memory inside the program (read_page_list / write_page_list with host=True)
         self._page_copies = {}
 
     # ---- the K/V pools --------------------------------------------------------------------
@@ -469,25 +471,48 @@ class ModelRunner:
         compiled = self._page_copies.get(("write", len(pages)))
         self.k_cache, self.v_cache = (compiled or self._write_pages)((self.k_cache, self.v_cache), pages, data)
 
-    def read_page_list(self, pages: np.ndarray) -> list:
-        """read_pages as one (k, v) pair a page (leaves [layers, 1, ...]): n device arrays a leaf, from one call."""
-        compiled = self._page_copies.get(("read_list", len(pages)))
-        return (compiled or self._read_page_list)((self.k_cache, self.v_cache), pages)
+    def read_page_list(self, pages: np.ndarray, host: bool = False) -> list:
+        """read_pages as one (k, v) pair a page (leaves [layers, 1, ...]): n device arrays a leaf, from one call;
+        host=True: in pinned host memory, copied there by the same program."""
+        kind = "read_list_host" if host else "read_list"
+        compiled = self._page_copies.get((kind, len(pages))) or self._page_list_copy(kind, len(pages))
+        return compiled((self.k_cache, self.v_cache), pages)
 
-    def write_page_list(self, pages: np.ndarray, data: list) -> None:
-        """write_pages from read_page_list's form (one pair a page, on this runner's devices): one call, the
-        pools donated."""
-        compiled = self._page_copies.get(("write_list", len(pages)))
-        self.k_cache, self.v_cache = (compiled or self._write_page_list)((self.k_cache, self.v_cache), pages, data)
+    def write_page_list(self, pages: np.ndarray, data: list, host: bool = False) -> None:
+        """write_pages from read_page_list's form (one pair a page, on this runner's devices; host=True: in
+        pinned host memory, copied to the devices by the same program): one call, the pools donated."""
+        kind = "write_list_host" if host else "write_list"
+        compiled = self._page_copies.get((kind, len(pages))) or self._page_list_copy(kind, len(pages))
+        self.k_cache, self.v_cache = compiled((self.k_cache, self.v_cache), pages, data)
+
+    def _page_list_copy(self, kind: str, n: int):
+        """The callable of read_page_list / write_page_list for `kind` and n pages: the jitted function of the
+        device kinds, or the host kinds' compiled ahead of time (their placements are part of the program)."""
+        if kind in ("read_list", "write_list"):
+            return self._read_page_list if kind == "read_list" else self._write_page_list
+        pools, pages = (self.k_cache, self.v_cache), np.zeros(n, np.int32)
+        on_host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), pools)
+        out_host = jax.tree.map(lambda a, s: s if a.shape[1] == self.num_pages else None, pools, on_host)
+        read = jax.jit(self._read_page_list_fn, out_shardings=[out_host] * n)
+        if kind == "read_list_host":
+            self._page_copies[kind, n] = read.lower(pools, pages).compile()
+        else:
+            data = jax.eval_shape(read, pools, pages)
+            data = jax.tree.map(lambda d, s: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=s), data, [out_host] * n)
+            self._page_copies[kind, n] = self._write_page_list.lower(pools, pages, data).compile()
+        return self._page_copies[kind, n]
 
     def warmup_page_copies(self, max_pages: int, kinds=("read", "write")) -> None:
         """Compile the page copies of `kinds` (read_pages / write_pages: "read", "write"; read_page_list /
-        write_page_list: "read_list", "write_list") ahead of time for every power-of-two page count up to
-        max_pages (as the steps are: the pools a step gives back carry another form of the same sharding, a
-        jit cache miss)."""
+        write_page_list: "read_list", "write_list", and through pinned host memory "read_list_host",
+        "write_list_host") ahead of time for every power-of-two page count up to max_pages (as the steps are:
+        the pools a step gives back carry another form of the same sharding, a jit cache miss)."""
         pools, n = (self.k_cache, self.v_cache), 1
         while True:
             pages = np.zeros(n, np.int32)
+            for kind in ("read_list_host", "write_list_host"):
+                if kind in kinds and (kind, n) not in self._page_copies:
+                    self._page_list_copy(kind, n)
             for read_kind, write_kind, reader, writer in (("read", "write", self._read_pages, self._write_pages),
                                                           ("read_list", "write_list", self._read_page_list,
                                                            self._write_page_list)):

@@ -164,7 +164,7 @@ def host_tier(cfg, page_bytes: int, max_batched: int) -> HostTier:
     if capacity < 1:
         raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB holds no page of {page_bytes} bytes; "
                          "raise it or leave it unset")
-    return HostTier(capacity, max_batch=-(-max_batched // cfg.page_size))
+    return HostTier(capacity, max_batch=-(-max_batched // cfg.page_size), copies=cfg.kv_offloading_copies)
 
 
 def device_memory_stats() -> dict | None:
