@@ -40,6 +40,11 @@ UNSUPPORTED_VARIANTS = {
     "Gemma3nForConditionalGeneration": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, KV sharing between layers and its "
     "audio/vision towers), none of which jlight implements",
     "Gemma3nForCausalLM": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, KV sharing between layers), none of which jlight implements",
+    "Gemma4ForCausalLM": "Gemma 4 (per-layer embeddings, full-attention layers with their own head_dim and KV heads, keys "
+    "as values, proportional RoPE, KV sharing between layers, a MoE block beside the MLP), none of which jlight "
+    "implements yet (docs/gemma4_scope.md)",
+    "Gemma4ForConditionalGeneration": "Gemma 4 with its vision and audio towers; its text model needs what "
+    "Gemma4ForCausalLM does, none of which jlight implements yet (docs/gemma4_scope.md)",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
