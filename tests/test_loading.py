@@ -105,7 +105,6 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama", k_quants=No
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
     sd = hf_state_dict(hf_dir)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -130,15 +129,7 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama", k_quants=No
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if cfg.get(key):
                 w.add_float32(f"{arch}.{key}", cfg[key])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(cfg["vocab_size"] - len(vocab))]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{{ messages[0]['content'] }}")
+    add_tiny_vocab(w, hf_dir, cfg["vocab_size"])
     qtype = gguf.GGMLQuantizationType[linear_qtype]
     for name, arr in sd.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
@@ -168,6 +159,21 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama", k_quants=No
     w.write_tensors_to_file()
     w.close()
     return sd
+
+
+def add_tiny_vocab(w, hf_dir, vocab_size):
+    """The tiny model's byte-level BPE as llama.cpp's converter writes a GPT-2 style vocabulary (padded to
+    vocab_size), BOS 1, EOS 2 and a chat template."""
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(vocab_size - len(vocab))]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{{ messages[0]['content'] }}")
 
 
 # Largest dequantization error allowed, relative to the weight's max magnitude.

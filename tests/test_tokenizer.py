@@ -202,3 +202,39 @@ def test_sentencepiece_gguf_tokenizer_matches_sentencepiece(spm_pair, text):
     assert tok.encode(text) == [1] + sp.encode(text)  # BOS added by default for SentencePiece GGUFs
     assert tok.decode(tok.encode(text)) == sp.decode(sp.encode(text))
     assert "".join(stream(tok, tok.encode(text))) == tok.decode(tok.encode(text))
+
+
+# tiktoken 0.9.0's o200k_base pat_str (tiktoken_ext/openai_public.py), the split of gpt-oss's and Llama 4's
+# tokenizers, which GGUF files name "gpt-4o" / "llama4" in tokenizer.ggml.pre.
+O200K_PAT_STR = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+@pytest.mark.parametrize("pre", ["gpt-4o", "llama4"])
+def test_gguf_gpt4o_pre_tokenizer_splits_as_o200k(pre):
+    """A GGUF tokenizer with tokenizer.ggml.pre "gpt-4o" (gpt-oss) or "llama4" splits text where tiktoken's
+    o200k_base pattern does: case changes inside words, contractions kept on their word, digits in threes,
+    punctuation taking a trailing newline or slash (GPT-2's regex, the fallback, splits this text elsewhere)."""
+    import regex
+
+    from jlight.loading.gguf_tokenizer import _pre_tokenizer
+
+    text = "HelloWorld's JSON-parser DON'T 1234567 naïve CAFÉs\n/usr/bin\r\n  x  ¿Qué? 3.14159"
+    want = [m.span() for m in regex.finditer(O200K_PAT_STR, text)]
+    assert [span for _, span in _pre_tokenizer(pre).pre_tokenize_str(text)] == want
+    assert [span for _, span in _pre_tokenizer("gpt2").pre_tokenize_str(text)] != want
+
+
+def test_gguf_unknown_pre_tokenizer_is_named_in_a_warning(caplog):
+    from jlight.loading.gguf_tokenizer import _pre_tokenizer
+
+    with caplog.at_level("WARNING", logger="jlight.loading.gguf_tokenizer"):
+        _pre_tokenizer("some-new-model")
+    assert "'some-new-model'" in caplog.text and "GPT-2's regex" in caplog.text

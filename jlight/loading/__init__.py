@@ -68,18 +68,18 @@ def load_model(model: str | None = None, dtype="auto", place: Callable | None = 
     a dense model's `layers` come as per-layer dicts (assemble_params), read from safetensors or GGUF
     files that way; a converted checkpoint's stay stacked. keep_gguf_blocks: a GGUF file's Q4_0, Q4_1, Q5_0,
     Q8_0, Q4_K, Q5_K and Q6_K linear weights stay in their blocks (jlight/core/gguf_weights.py) instead of
-    being dequantized. keep_mxfp4: an MXFP4 HF checkpoint's experts (gpt-oss) stay as stored (Mxfp4Weights)."""
+    being dequantized. keep_mxfp4: an MXFP4 checkpoint's experts (gpt-oss's, HF or GGUF) stay as stored (Mxfp4Weights)."""
     if model is None:
         path = default_gguf_path()
         logger.info("loading the default model, SmolLM2-135M-Instruct (%s)", path)
-        return load_gguf(path, dtype, place, unstacked, keep_gguf_blocks)
+        return load_gguf(path, dtype, place, unstacked, keep_gguf_blocks, keep_mxfp4)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a path or hub id string, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
     if os.path.exists(model):  # a path that is not there is refused below, without a "loading" line first
         logger.info("loading %s", model)
     if model.endswith(".gguf"):
-        return load_gguf(model, dtype, place, unstacked, keep_gguf_blocks)
+        return load_gguf(model, dtype, place, unstacked, keep_gguf_blocks, keep_mxfp4)
     if orbax_loader.is_orbax_model_dir(model):
         return load_converted_dir(model, mesh=mesh, dtype=dtype)
     if os.path.isdir(model):
@@ -127,13 +127,14 @@ def load_converted_dir(model_dir: str, mesh=None, dtype="auto") -> LoadedModel:
     return LoadedModel(config, params, tokenizer, generation_config, model_dir, dtype)
 
 
-def load_gguf(path: str, dtype="auto", place=None, unstacked: bool = False, keep_blocks: bool = False) -> LoadedModel:
+def load_gguf(path: str, dtype="auto", place=None, unstacked: bool = False, keep_blocks: bool = False,
+              keep_mxfp4: bool = False) -> LoadedModel:
     reader, config, arch = load_gguf_model(path)
     gguf_default = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     jdtype = resolve_dtype(dtype, gguf_default)
     tokenizer = gguf_tokenizer(reader, path)
     tensors = _progress(gguf_tensors(reader, config, arch, keep_blocks), len(reader.tensors), os.path.basename(path))
-    params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked)
+    params = assemble_params(config, tensors, jdtype, place=place, unstacked=unstacked, keep_mxfp4=keep_mxfp4)
     generation_config = {"eos_token_id": list(tokenizer.eos_token_ids)} if tokenizer.eos_token_ids else {}
     return LoadedModel(config, params, tokenizer, generation_config, path, jdtype)
 

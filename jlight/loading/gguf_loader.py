@@ -4,14 +4,33 @@ Tensors are yielded one at a time under their HF names, so `assemble_params` and
 `hf_names.py` serve GGUF and safetensors alike. The llama.cpp conventions undone here:
 - GGUF dims are listed fastest-first; the reader's numpy arrays already come out in HF's
   [out, in] row-major order, so no transpose is needed beyond the HF one.
-- llama.cpp's converter permutes the rows of Q and K of "llama" models so that RoPE pairs
-  adjacent elements (GPT-J style); jlight's RoPE is HF's rotate-half, so the permutation is
-  inverted. Qwen2/Qwen3 and Gemma GGUFs are not permuted by the converter and are left as they are.
+- llama.cpp's converter permutes the rows of Q and K of "llama" and "smollm3" models (its LlamaModel
+  and subclasses) so that RoPE pairs adjacent elements (GPT-J style); jlight's RoPE is HF's rotate-half,
+  so the permutation is inverted. Qwen2/Qwen3, Gemma, Phi-3 and gpt-oss GGUFs are not permuted by the
+  converter and are left as they are.
 - Gemma 2/3: the converter stores every RMSNorm weight plus one (llama.cpp's norm multiplies by
   the weight; Gemma's by 1 + weight), so one is taken off again. The metadata carries no
   query_pre_attn_scalar, local RoPE base or layer pattern: llama.cpp derives them from the
   architecture, and so does `gguf_config` (scale head_dim, or hidden / heads for the 27B models;
   local layers' RoPE base 10,000; Gemma 3 five local layers to one global, Gemma 2 alternating).
+- Phi-3 ("phi3"): q/k/v are one attn_qkv ([q; k; v] rows) and gate/up one ffn_up ([gate; up] rows, no
+  ffn_gate), not permuted; they are cut into Llama's names here (so blocks kept with keep_blocks are cut by
+  rows too). The metadata has no head_dim (hidden / heads) and gives the rotated dimensions as
+  rope.dimension_count (partial rotary); LongRoPE's factors are the tensors rope_factors_long /
+  rope_factors_short, with rope.scaling.original_context_length and rope.scaling.attn_factor, and no
+  rope.scaling.type. sliding_window 0 means none.
+- SmolLM3 ("smollm3"): Llama's tensors, Q/K permuted as Llama's. No key names the layers without RoPE:
+  llama.cpp leaves it out of every 4th layer (layer i uses RoPE unless (i + 1) % 4 == 0), as does
+  HF's default no_rope_layer_interval; `gguf_config` writes that no_rope_layers list.
+- gpt-oss ("gpt-oss"): q/k/v/o biases, attn_sinks, post_attention_norm (HF's post_attention_layernorm,
+  the MLP's input norm), the router ffn_gate_inp (+ bias) and the experts ffn_gate_exps / ffn_up_exps /
+  ffn_down_exps [experts, out, in] with their biases (or ffn_gate_up_exps, [gate; up] rows). The HF
+  checkpoint interleaves gate and up (gate_up_proj columns 0, 2, ... gate); `_gpt_oss_experts` interleaves
+  them again, so the stream carries HF's gate_up_proj (+ _bias) and down_proj. MXFP4 experts become HF's
+  _blocks / _scales pair (mxfp4.from_ggml_mxfp4: ggml packs elements j and j + 16 in byte j of a block,
+  HF elements 2j and 2j + 1), expanded later by mxfp4.expand_mxfp4 like an HF MXFP4 checkpoint's. Layers
+  alternate sliding (even) and full (odd) windows, and the clamped SwiGLU's limit 7.0 and alpha 1.702 are
+  llama.cpp's constants: no key carries them. YaRN's ramp is not truncated (HF gpt-oss's truncate=false).
 """
 from __future__ import annotations
 
@@ -27,14 +46,27 @@ from jlight.core.config import ModelConfig
 from jlight.core.errors import ModelLoadError, UnsupportedModelError
 from jlight.loading.gguf_blocks import KEPT_TYPES, GGUFHostWeight, split_blocks
 from jlight.loading.gguf_file import GGUFFile
+from jlight.loading.mxfp4 import Mxfp4HostWeight, from_ggml_mxfp4
 
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # The types gguf-py's numpy dequantization reads (gguf.quants), K-quants included.
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# MXFP4 is read on expert tensors (gpt-oss's, the ones llama.cpp writes in it), kept as HF's MXFP4 layout.
+EXPERT_QUANT_TYPES = ("MXFP4",)
+_EXPERT_SUFFIXES = ("_exps.weight",)
 _GEMMA = ("gemma2", "gemma3")
+# The architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+_PERMUTED = ("llama", "smollm3")
+# HF model_type of a GGUF architecture, where the names differ.
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+# SmolLM3: llama.cpp's n_no_rope_layer_step, a constant of the architecture (no metadata key).
+_SMOLLM3_NO_ROPE_INTERVAL = 4
+# gpt-oss: llama.cpp's clamped SwiGLU constants (no metadata key), HF's defaults.
+_GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 # Gemma's 27B models scale scores by (hidden / heads)^-0.5 instead of head_dim^-0.5 (llama.cpp
 # tells them by their layer count).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -63,9 +95,29 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3's fused tensors under the HF names split_fused_tensors knows (ffn_up holds [gate; up]).
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+# gpt-oss: HF's names, and for the experts the names `_gpt_oss_experts` takes ([experts, out, in] weights,
+# or Mxfp4HostWeights) and turns into HF's gate_up_proj / down_proj.
+_GPT_OSS_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    **{f"ffn_{part}_exps.{kind}": f"mlp.experts.{part}_proj{'_bias' if kind == 'bias' else ''}"
+       for part in ("gate", "up", "down", "gate_up") for kind in ("weight", "bias")},
+}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
+                     "gpt-oss": _GPT_OSS_LAYER_NAMES}
 # The HF names of the linear weights kept as blocks (keep_blocks).
-_BLOCK_WEIGHTS = tuple(f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj", "lm_head"))
+_BLOCK_WEIGHTS = tuple(f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj",
+                                               "up_proj", "gate_up_proj", "down_proj", "lm_head"))
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -95,8 +147,8 @@ def gguf_config(reader, path: str) -> ModelConfig:
         raise UnsupportedModelError(
             f"GGUF file {path} has architecture {arch!r}; jlight runs GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
         # Llama 3.1+ GGUFs store per-frequency RoPE factors as a tensor, not as rope_scaling metadata.
         raise UnsupportedModelError(f"GGUF file {path} uses per-frequency RoPE factors (rope_freqs); load the HF safetensors checkpoint instead")
 
@@ -106,34 +158,37 @@ def gguf_config(reader, path: str) -> ModelConfig:
     num_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
     num_layers = int(meta("block_count"))
-    scaling_type = meta("rope.scaling.type")
-    rope_scaling = None
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF file {path} uses rope scaling {scaling_type!r}; jlight supports linear scaling in GGUF files")
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     hf = dict(
         architectures=[GGUF_ARCHITECTURES[arch]],
-        model_type={"gemma3": "gemma3_text"}.get(arch, arch),
+        model_type=_MODEL_TYPES.get(arch, arch),
         vocab_size=int(meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(meta("context_length", 4096)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=arch == "qwen2",
+        rope_scaling=_rope_scaling(reader, arch, path, tensors),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch in ("qwen2", "gpt-oss"),
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=list(eos_ids),
     )
+    rope_dims = meta("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:  # partial rotary (Phi-4-mini)
+        if arch in _PERMUTED:
+            # llama.cpp rotates adjacent pairs of the first rope dims of the permuted rows; un-permuting the
+            # whole head does not give HF's rotate-half of its first rope dims.
+            raise UnsupportedModelError(f"GGUF file {path} ({arch}) rotates {rope_dims} of {head_dim} head dimensions; "
+                                        "jlight reads partial RoPE from unpermuted GGUFs only: load the HF checkpoint instead")
+        hf["partial_rotary_factor"] = int(rope_dims) / head_dim
     if arch in _GEMMA:
         window = meta("attention.sliding_window")
         hf.update(
@@ -145,26 +200,101 @@ def gguf_config(reader, path: str) -> ModelConfig:
         )
         if arch == "gemma3":
             hf.update(rope_local_base_freq=10000.0, sliding_window_pattern=int(meta("attention.sliding_window_pattern", 6)))
+    elif arch == "phi3":
+        window = int(meta("attention.sliding_window", 0))  # the converter writes 0 for none
+        hf.update(sliding_window=window or None)
+        if meta("rope.scaling.original_context_length") is not None:  # HF Phi-3 keeps it at the top level too
+            hf["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
+    elif arch == "gpt-oss":
+        hf.update(
+            num_local_experts=int(_required(meta, "expert_count", path)),
+            num_experts_per_tok=int(_required(meta, "expert_used_count", path)),
+            intermediate_size=int(meta("expert_feed_forward_length", hf["intermediate_size"])),
+            sliding_window=int(_required(meta, "attention.sliding_window", path)),
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            **_GPT_OSS_SWIGLU,
+        )
     else:
         hf.update(sliding_window=None, use_sliding_window=False)
+        if arch == "smollm3":
+            hf.update(no_rope_layers=[int((i + 1) % _SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(num_layers)])
     return ModelConfig.from_hf_dict(hf)
+
+
+def _required(meta, key: str, path: str):
+    value = meta(key)
+    if value is None:
+        raise ModelLoadError(f"GGUF file {path} has no {key} metadata, which its architecture needs; the file is "
+                             "incomplete: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    return value
+
+
+def _rope_scaling(reader, arch: str, path: str, tensors: dict) -> dict | None:
+    """HF's rope_scaling of the metadata: linear, YaRN, or (the tensors rope_factors_long / _short) LongRoPE."""
+    def meta(key, default=None):
+        return field_value(reader, f"{arch}.{key}", default)
+
+    scaling_type = meta("rope.scaling.type")
+    factors = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors]
+    if factors or scaling_type == "longrope":
+        if len(factors) != 2:
+            raise UnsupportedModelError(f"GGUF file {path} uses LongRoPE without both rope_factors_long and "
+                                        "rope_factors_short tensors; convert the model again with llama.cpp's converter")
+        from gguf.quants import dequantize
+
+        long_f, short_f = ([float(x) for x in dequantize(tensors[n].data, tensors[n].tensor_type).reshape(-1)]
+                           for n in factors)
+        scaling = {"rope_type": "longrope", "long_factor": long_f, "short_factor": short_f}
+        if meta("rope.scaling.original_context_length") is not None:
+            scaling["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
+        if meta("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(meta("rope.scaling.attn_factor"))
+        return scaling
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if scaling_type == "yarn":
+        ext = meta("rope.scaling.yarn_ext_factor")
+        if ext is not None and float(ext) != 1.0:
+            raise UnsupportedModelError(f"GGUF file {path} sets rope.scaling.yarn_ext_factor={ext}; jlight's YaRN "
+                                        "(HF's) has no extrapolation mix factor: load the HF checkpoint instead")
+        original = meta("rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(f"GGUF file {path} uses YaRN without rope.scaling.original_context_length; "
+                                 "convert the model again with llama.cpp's convert_hf_to_gguf.py")
+        scaling = {"rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(original)}
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                            ("yarn_attn_factor", "attention_factor")):
+            if meta(f"rope.scaling.{key}") is not None:
+                scaling[hf_key] = float(meta(f"rope.scaling.{key}"))
+        if arch == "gpt-oss":
+            scaling["truncate"] = False
+        return scaling
+    raise UnsupportedModelError(f"GGUF file {path} uses rope scaling {scaling_type!r}; jlight supports linear, "
+                                "YaRN and LongRoPE scaling in GGUF files")
 
 
 def check_quant_types(reader, path: str) -> None:
     """Fail before loading anything if a tensor uses a quantization jlight cannot dequantize."""
     for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_QUANT_TYPES:
-            raise UnsupportedModelError(
-                f"GGUF file {path}: tensor {t.name} uses quantization type {t.tensor_type.name}, which jlight does not "
-                f"dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}. Use a GGUF file quantized with one of them"
-            )
+        kind = t.tensor_type.name
+        if kind in SUPPORTED_QUANT_TYPES or (kind in EXPERT_QUANT_TYPES and t.name.endswith(_EXPERT_SUFFIXES)):
+            continue
+        where = " (jlight reads MXFP4 on expert tensors, *_exps.weight, only)" if kind in EXPERT_QUANT_TYPES else ""
+        raise UnsupportedModelError(
+            f"GGUF file {path}: tensor {t.name} uses quantization type {kind}{where}, which jlight does not "
+            f"dequantize; supported: {', '.join(SUPPORTED_QUANT_TYPES)}. Use a GGUF file quantized with one of them"
+        )
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """llama.cpp tensor name -> HF name, or None for tensors jlight does not use."""
+    """llama.cpp tensor name -> HF name, or None for tensors jlight does not use. Phi-3's attn_qkv / ffn_up
+    map to HF's fused qkv_proj / gate_up_proj; gpt-oss's experts to the names `_gpt_oss_experts` takes."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".", 2)  # ["blk", N, suffix]
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}"
@@ -188,13 +318,17 @@ def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = Fal
     keep_blocks: the linear weights stored as one of gguf_blocks.KEPT_TYPES (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
     Q6_K) come as GGUFHostWeights (their blocks, [out, ...] rows: gguf_blocks.py) instead, and a model whose LM
     head is its token embedding gets the embedding's blocks as lm_head.weight too (the embedding itself is dequantized: a step reads one row).
+    Phi-3's fused attn_qkv / ffn_up come cut into q/k/v and gate/up (blocks or floats); gpt-oss's experts come as
+    HF's gate_up_proj / down_proj (+ _bias), MXFP4 ones as their _blocks / _scales (`_gpt_oss_experts`).
     The dequantization (numpy, which releases Python's lock) runs on one thread per core, at most that
     many tensors ahead of the one yielded, so the host holds a few dequantized tensors at a time."""
     # gguf loads only for GGUF checkpoints.
     from gguf.quants import dequantize
 
-    def convert(t, name):
+    def convert(t, name) -> list[tuple[str, object]]:
         arr = None
+        if t.tensor_type.name in EXPERT_QUANT_TYPES:  # MXFP4 experts [X, out, G * 17] -> HF's blocks and scales
+            return [(name, from_ggml_mxfp4(t.data))]
         if keep_blocks and name.endswith(_BLOCK_WEIGHTS) and t.tensor_type.name in KEPT_TYPES:
             arr = split_blocks(t.tensor_type.name, t.data)
         if arr is None:
@@ -203,25 +337,118 @@ def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = Fal
             arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
         heads = (config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias"))
                  else config.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
-        if arch == "llama" and heads is not None:
+        if arch in _PERMUTED and heads is not None:
             permute = functools.partial(unpermute_rows, num_heads=heads)
             arr = arr.map_rows(permute) if isinstance(arr, GGUFHostWeight) else permute(arr)
         elif arch in _GEMMA and name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
-        return name, arr
+        if arch == "phi3":
+            return _split_phi3(name, arr, config)
+        return [(name, arr)]
 
     wanted = [(t, name) for t in reader.tensors if (name := hf_tensor_name(t.name, arch)) is not None]
     if keep_blocks and not any(name == "lm_head.weight" for _, name in wanted):
         wanted += [(t, "lm_head.weight") for t, name in wanted if name == "model.embed_tokens.weight"
                    and t.tensor_type.name in KEPT_TYPES]
-    workers = os.cpu_count() or 1
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jlight-gguf") as pool:
-        ahead = collections.deque(pool.submit(convert, t, name) for t, name in wanted[:workers])
-        for t, name in wanted[workers:]:
-            yield ahead.popleft().result()
-            ahead.append(pool.submit(convert, t, name))
-        while ahead:
-            yield ahead.popleft().result()
+
+    def converted():
+        workers = os.cpu_count() or 1
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jlight-gguf") as pool:
+            ahead = collections.deque(pool.submit(convert, t, name) for t, name in wanted[:workers])
+            for t, name in wanted[workers:]:
+                yield from ahead.popleft().result()
+                ahead.append(pool.submit(convert, t, name))
+            while ahead:
+                yield from ahead.popleft().result()
+
+    return _gpt_oss_experts(converted(), reader.path) if arch == "gpt-oss" else converted()
+
+
+def _rows(arr, start: int, stop: int):
+    """Rows start:stop (output channels) of a float [out, in] array or a GGUFHostWeight."""
+    return arr.map_rows(lambda f: f[start:stop]) if isinstance(arr, GGUFHostWeight) else arr[start:stop]
+
+
+def _split_phi3(name: str, arr, config: ModelConfig) -> list[tuple[str, object]]:
+    """Phi-3's attn_qkv ([q; k; v] rows) and ffn_up ([gate; up] rows, or up alone beside an ffn_gate) under
+    Llama's names; other tensors as they are."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    rows = arr.shape[1] if isinstance(arr, GGUFHostWeight) else arr.shape[0]  # GGUFHostWeight.shape is [in, out]
+    if name.endswith("qkv_proj.weight"):
+        layer, kind = name[: -len("qkv_proj.weight")], "attn_qkv"
+        parts = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+    elif name.endswith("gate_up_proj.weight"):
+        layer, kind = name[: -len("gate_up_proj.weight")], "ffn_up"
+        if rows == config.intermediate_size:  # ffn_up without its gate: an ffn_gate tensor sits beside it
+            return [(layer + "up_proj.weight", arr)]
+        parts = (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size))
+    else:
+        return [(name, arr)]
+    if rows != sum(n for _, n in parts):
+        raise ModelLoadError(f"GGUF tensor {kind} of {layer.rstrip('.')} has {rows} rows, but the metadata implies "
+                             f"{' + '.join(str(n) for _, n in parts)}; the file's metadata does not match its weights")
+    out, start = [], 0
+    for part, n in parts:
+        out.append((f"{layer}{part}.weight", _rows(arr, start, start + n)))
+        start += n
+    return out
+
+
+def _gpt_oss_experts(tensors, path: str):
+    """gpt-oss's expert tensors as HF's: gate and up ([X, F, in] each, or one [X, 2F, in] of [gate; up] rows)
+    interleaved into gate_up_proj [X, in, 2F] (gate at the even columns) and gate_up_proj_bias [X, 2F];
+    down_proj [X, F, out] ([in, out], transposed from the file's [out, in]). MXFP4 weights (Mxfp4HostWeights,
+    [X, out, G, 16]) come as HF's NAME_blocks / NAME_scales, gate and up rows interleaved the same way."""
+    pending: dict[str, dict] = {}
+    for name, arr in tensors:
+        prefix, sep, part = name.rpartition(".mlp.experts.")
+        if not sep:
+            yield name, arr
+            continue
+        prefix += sep
+        if part == "down_proj":
+            if isinstance(arr, Mxfp4HostWeight):
+                yield prefix + "down_proj_blocks", arr.blocks
+                yield prefix + "down_proj_scales", arr.scales
+            else:
+                yield prefix + "down_proj", np.swapaxes(arr, -1, -2)
+            continue
+        if part == "down_proj_bias":
+            yield name, arr
+            continue
+        got = pending.setdefault(prefix, {})
+        if part.startswith("gate_up_proj"):  # [gate; up] rows (ffn_gate_up_exps), the bias [X, 2F]
+            tail = part[len("gate_up_proj"):]
+            if isinstance(arr, Mxfp4HostWeight):  # its "columns" are the file's rows (out)
+                half = arr.shape[-1] // 2
+                halves = arr.columns(slice(0, half)), arr.columns(slice(half, None))
+            else:
+                halves = np.split(arr, 2, axis=1)
+            got["gate_proj" + tail], got["up_proj" + tail] = halves
+        else:
+            got[part] = arr
+        if len(got) == 4:
+            yield from _interleave_gate_up(prefix, got)
+            del pending[prefix]
+    for prefix, got in pending.items():
+        missing = sorted({"gate_proj", "up_proj", "gate_proj_bias", "up_proj_bias"} - set(got))
+        raise ModelLoadError(f"GGUF file {path}: {prefix.rstrip('.')} lacks the expert tensors' "
+                             f"{', '.join(missing)} (ffn_gate_exps / ffn_up_exps and their .bias); the file is incomplete")
+
+
+def _interleave_gate_up(prefix: str, got: dict):
+    gate, up = got["gate_proj"], got["up_proj"]
+    if isinstance(gate, Mxfp4HostWeight) and isinstance(up, Mxfp4HostWeight):
+        for field in ("blocks", "scales"):
+            g, u = getattr(gate, field), getattr(up, field)  # [X, F, G, 16] / [X, F, G]
+            both = np.stack([g, u], axis=2)  # [X, F, 2, ...]: row 2 f gate f, row 2 f + 1 up f
+            yield f"{prefix}gate_up_proj_{field}", both.reshape(g.shape[0], 2 * g.shape[1], *g.shape[2:])
+    else:  # [X, F, in] floats (an MXFP4 half expanded)
+        g, u = (np.swapaxes(w.dequantize(), -1, -2) if isinstance(w, Mxfp4HostWeight) else w for w in (gate, up))
+        both = np.stack([g, u], axis=2).reshape(g.shape[0], 2 * g.shape[1], g.shape[2])
+        yield prefix + "gate_up_proj", np.swapaxes(both, -1, -2)
+    bias = np.stack([got["gate_proj_bias"], got["up_proj_bias"]], axis=-1)  # [X, F, 2]
+    yield prefix + "gate_up_proj_bias", bias.reshape(bias.shape[0], -1)
 
 
 def load_gguf_model(path: str):

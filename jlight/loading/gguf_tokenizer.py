@@ -10,9 +10,13 @@ Supported:
 """
 from __future__ import annotations
 
+import logging
+
 from jlight.core.errors import UnsupportedModelError
 from jlight.loading.gguf_loader import field_value
 from jlight.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special; USER_DEFINED ones are
 # added tokens matched verbatim but kept in decoded text.
@@ -26,6 +30,15 @@ _LLAMA3_REGEX = (
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# tiktoken's o200k_base (gpt-oss, Llama 4: llama.cpp's GPT4O pre-tokenizer): case-aware letter runs with their
+# contraction, digits in threes, a punctuation run taking a trailing newline or slash.
+_GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_PRE = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX, "gpt-4o": _GPT4O_REGEX,
+              "llama4": _GPT4O_REGEX}
 
 
 def _pre_tokenizer(pre: str | None):
@@ -35,7 +48,7 @@ def _pre_tokenizer(pre: str | None):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    regex = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}.get(pre)
+    regex = _REGEX_PRE.get(pre)
     if regex is not None:
         return pre_tokenizers.Sequence(
             [
@@ -43,6 +56,9 @@ def _pre_tokenizer(pre: str | None):
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
+    if pre not in (None, "gpt2", "default"):
+        logger.warning("GGUF tokenizer.ggml.pre %r is not one jlight knows; splitting text with GPT-2's regex, which may "
+                       "tokenize some text differently from the model's own tokenizer", pre)
     return byte_level  # "gpt2", "default" and unknown values: GPT-2's own regex
 
 

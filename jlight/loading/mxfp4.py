@@ -8,6 +8,10 @@ bf16 checkpoints, which the loader then casts to the load dtype (bf16 holds ever
 exactly, as long as the exponents stay in bf16's range). Every other tensor passes through.
 With keep=True (quantization="mxfp4") each pair stays as the file's bytes (Mxfp4HostWeight), put on the device
 as a jlight.core.quantization.Mxfp4Weight that the expert matmuls expand where they read it.
+A GGUF file's MXFP4 tensor (ggml type MXFP4, llama.cpp's gpt-oss experts) has the same values in another byte
+order: a block of 32 is 17 bytes, the e8m0 exponent, then 16 bytes whose low nibbles are elements 0..15 and
+high nibbles elements 16..31 (ggml's e2m1 table is HF's doubled, its exponent 2^(e - 128): the same value).
+`from_ggml_mxfp4` repacks it into the HF layout above.
 """
 from __future__ import annotations
 
@@ -84,6 +88,18 @@ def _device_layout(blocks, scales, tail, dtype) -> Mxfp4Weight:
     *lead, out, groups, _ = blocks.shape
     packed = jnp.swapaxes(blocks.reshape(*lead, out, groups * 16), -1, -2)
     return Mxfp4Weight(packed, jnp.swapaxes(scales, -1, -2), tail.astype(dtype))
+
+
+def from_ggml_mxfp4(data: np.ndarray) -> Mxfp4HostWeight:
+    """A GGUF MXFP4 tensor's bytes [..., out, G * 17] (ggml's blocks) -> the Mxfp4HostWeight of the same values:
+    blocks [..., out, G, 16] in HF's nibble order (byte j: elements 2j low, 2j + 1 high), scales [..., out, G]."""
+    data = np.asarray(data, np.uint8)
+    if data.shape[-1] % 17:
+        raise ValueError(f"GGUF MXFP4 rows of {data.shape[-1]} bytes are not whole 17-byte blocks")
+    blocks = data.reshape(*data.shape[:-1], -1, 17)
+    packed = blocks[..., 1:]
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [..., G, 32] codes in element order
+    return Mxfp4HostWeight(values[..., 0::2] | (values[..., 1::2] << 4), np.ascontiguousarray(blocks[..., 0]))
 
 
 def expand_mxfp4(tensors: Iterable[tuple[str, np.ndarray]], keep: bool = False):
