@@ -40,12 +40,14 @@ MXFP4_SCRIPT = textwrap.dedent("""
     from jlight.core.quantization import Mxfp4Weight
 
     out = {{}}
-    for mesh in ("tp=2", "ep=2"):
+    for mesh in ("tp=2", "ep=2", "dp=2"):
         llm = jlight.LLM({path!r}, dtype="float32", mesh=mesh, quantization="mxfp4", max_num_seqs=4,
                          max_num_batched_tokens=16, min_token_bucket=16, page_size=8, num_pages=64,
                          compilation_cache_dir=None, warmup=False)
         res = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         out[mesh] = [r.outputs[0].token_ids for r in res]
+        if mesh == "dp=2":  # two replicas of one load, each on its device
+            continue
         kept = [w for w in jax.tree.leaves(llm.engine.runner.params, is_leaf=lambda x: isinstance(x, Mxfp4Weight))
                 if isinstance(w, Mxfp4Weight)]
         out[mesh + " kept"] = [[str(w.blocks.dtype), len(w.blocks.sharding.device_set), str(w.blocks.sharding.spec)]
@@ -61,8 +63,8 @@ MXFP4_SCRIPT = textwrap.dedent("""
 
 def test_mxfp4_experts_under_tp2_and_ep2_match_transformers(tiny_model, tmp_path):
     """gpt-oss's experts kept as MXFP4 (quantization="mxfp4") split over tp (the mlp axis: gate/up columns, the
-    down projection's input rows at whole 32-row blocks) and over ep (the experts): transformers' greedy tokens of
-    the same MXFP4 file. An mlp of 32 rows cannot split at a block over tp=2: refused, naming the weight."""
+    down projection's input rows at whole 32-row blocks), over ep (the experts), and in dp=2 replicas of one load:
+    transformers' greedy tokens of the same MXFP4 file. An mlp of 32 rows cannot split at a block over tp=2: refused, naming the weight."""
     import torch
     import transformers
     from test_gpt_oss import _mxfp4_copy
@@ -73,7 +75,7 @@ def test_mxfp4_experts_under_tp2_and_ep2_match_transformers(tiny_model, tmp_path
     hf = transformers.GptOssForCausalLM.from_pretrained(
         path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, 16) for p in PROMPTS]
-    assert out["tp=2"] == expected and out["ep=2"] == expected
+    assert out["tp=2"] == expected and out["ep=2"] == expected and out["dp=2"] == expected
     for mesh, axis in (("tp=2", "tp"), ("ep=2", "ep")):  # the step ran the stored bytes, split over the mesh
         kept = out[mesh + " kept"]
         assert kept and all(dtype == "uint8" and devices == 2 and axis in spec for dtype, devices, spec in kept), kept

@@ -49,7 +49,8 @@ class DataParallelEngine:
         if len(devices) % dp:
             raise ValueError(f"mesh={config.mesh!r}: dp={dp} does not divide the {len(devices)} devices")
         per = len(devices) // dp
-        loaded = loading.load_model(config.model, dtype=config.dtype)  # once; each replica copies it to its devices
+        loaded = loading.load_model(config.model, dtype=config.dtype,  # once; each replica copies it to its devices
+                                    keep_mxfp4=config.quantization == "mxfp4")
         replica_config = dataclasses.replace(config, mesh=replica_spec)
         self.replicas = [LLMEngine(replica_config, loaded=loaded, devices=devices[r * per:(r + 1) * per])
                          for r in range(dp)]

@@ -130,7 +130,8 @@ class DisaggregatedEngine:
         if num_prefill + num_decode > len(devices):
             raise ValueError(f"disaggregated={config.disaggregated!r} needs {num_prefill + num_decode} devices; "
                              f"there are {len(devices)}")
-        loaded = loading.load_model(config.model, dtype=config.dtype)  # once; each engine copies it to its devices
+        loaded = loading.load_model(config.model, dtype=config.dtype,  # once; each engine copies it to its devices
+                                    keep_mxfp4=config.quantization == "mxfp4")
         check_pages_only(loaded.config, f"disaggregated={config.disaggregated!r}", "leave disaggregated unset")
         engines = []
         for group in (devices[:num_prefill], devices[num_prefill:num_prefill + num_decode]):
