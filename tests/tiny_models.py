@@ -60,10 +60,27 @@ ARCH_CONFIG = {
     # gpt-oss: sinks, biases, alternating 8-token windows, 8 experts top-2 with the clamped swiglu, YaRN.
     "GptOssForCausalLM": dict(model_type="gpt_oss", head_dim=16, intermediate_size=32, num_local_experts=8,
                               num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5),  # a limit that clamps here
+    # Gemma 4: two geometries (sliding 16 x 2 KV heads, full 32 x 1 KV head with keys as values), proportional RoPE
+    # on the full layers (2 of 16 pairs rotated), per-layer embeddings, the last 2 layers reading layers 3's and 2's
+    # K/V with 2x MLPs, the MoE block, a soft-cap that bites. Overrides switch each off (tests/test_gemma4.py).
+    "Gemma4ForCausalLM": dict(model_type="gemma4_text", head_dim=16, intermediate_size=96, num_hidden_layers=6,
+                              global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention", "sliding_attention", "full_attention"],
+                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                                  "rope_theta": 10000.0}},
+                              vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=8,
+                              num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=True, num_experts=4,
+                              top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=5.0,
+                              tie_word_embeddings=True),
 }
 # Architectures whose norm weights, biases and sink logits get noise on top of HF's init (ones, or Gemma's
 # zeros, zero biases), so a norm loaded into the wrong place, a missing (1 + w) or bias changes the logits.
-NOISY_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GptOssForCausalLM")
+# Gemma 4's layer_scalar (a stored buffer) and router scales (ones at init) get the same noise.
+NOISY_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GptOssForCausalLM",
+               "Gemma4ForCausalLM")
+NOISY_SCALES = ("layer_scalar", "router.scale", "router.per_expert_scale")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -94,8 +111,11 @@ def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
     if architecture in NOISY_NORMS:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name or "bias" in name or "sinks" in name:
+                if "norm" in name or "bias" in name or "sinks" in name or name.endswith(NOISY_SCALES):
                     param.add_(torch.randn_like(param) * 0.3)
+            for name, buffer in model.named_buffers():
+                if name.endswith(NOISY_SCALES):
+                    buffer.add_(torch.randn_like(buffer) * 0.3)
     if settings.get("dtype"):  # e.g. dtype="bfloat16": store the weights in that dtype
         model = model.to(getattr(torch, settings["dtype"]))
     path = os.path.join(tmp_dir, _dir_name(architecture, config_overrides))

@@ -32,6 +32,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # its text model; the vision and audio towers' weights are skipped
 }
 # Variants of supported families that jlight does not run, and what they would need.
 UNSUPPORTED_VARIANTS = {
@@ -40,11 +42,6 @@ UNSUPPORTED_VARIANTS = {
     "Gemma3nForConditionalGeneration": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, KV sharing between layers and its "
     "audio/vision towers), none of which jlight implements",
     "Gemma3nForCausalLM": "Gemma 3n (per-layer embeddings, AltUp, LAuReL, KV sharing between layers), none of which jlight implements",
-    "Gemma4ForCausalLM": "Gemma 4 (per-layer embeddings, full-attention layers with their own head_dim and KV heads, keys "
-    "as values, proportional RoPE, KV sharing between layers, a MoE block beside the MLP), none of which jlight "
-    "implements yet (docs/gemma4_scope.md)",
-    "Gemma4ForConditionalGeneration": "Gemma 4 with its vision and audio towers; its text model needs what "
-    "Gemma4ForCausalLM does, none of which jlight implements yet (docs/gemma4_scope.md)",
 }
 
 # HF config fields of the MoE and MLA families, copied as-is into ModelConfig.extra
@@ -61,6 +58,15 @@ MOE_MLA_CONFIG_KEYS = (
 ATTENTION_CONFIG_KEYS = (
     "layer_types", "sliding_window_pattern", "no_rope_layers", "attn_logit_softcapping", "final_logit_softcapping",
     "query_pre_attn_scalar", "rope_local_base_freq", "original_max_position_embeddings",
+)
+
+
+# HF config fields of Gemma 4's text model (models/gemma4.py), copied as-is into ModelConfig.extra for that family
+# (num_experts and moe_intermediate_size are in MOE_MLA_CONFIG_KEYS).
+GEMMA4_CONFIG_KEYS = (
+    "global_head_dim", "num_global_key_value_heads", "per_layer_config", "attention_k_eq_v", "num_kv_shared_layers",
+    "use_double_wide_mlp", "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block",
+    "top_k_experts",
 )
 
 
@@ -118,9 +124,13 @@ class ModelConfig:
         unsupported = next((a for a in archs if a in UNSUPPORTED_VARIANTS), None)
         if arch is None and unsupported:
             raise UnsupportedModelError(f"{unsupported} is not supported: it is {UNSUPPORTED_VARIANTS[unsupported]}")
-        if cfg.get("use_bidirectional_attention"):
-            raise UnsupportedModelError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not supported; "
-                                        "jlight runs causal language models")
+        if arch is not None and SUPPORTED_ARCHITECTURES[arch] == "gemma4":
+            cfg = _gemma4_text_config(cfg)
+        if cfg.get("use_bidirectional_attention") and not (arch and SUPPORTED_ARCHITECTURES[arch] == "gemma4"
+                                                           and cfg["use_bidirectional_attention"] == "vision"):
+            raise UnsupportedModelError(f"{arch} with use_bidirectional_attention={cfg['use_bidirectional_attention']!r} "
+                                        "(non-causal attention: an embedding model) is not supported; jlight runs causal "
+                                        "language models")
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -152,7 +162,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -182,8 +192,20 @@ def _num_layers_of_types(cfg: dict) -> int:
 
 def _extra_keys(arch: str) -> tuple[str, ...]:
     """The HF config fields ModelConfig.extra keeps for an architecture (HYBRID_CONFIG_KEYS for a hybrid family)."""
-    hybrid = SUPPORTED_ARCHITECTURES[arch] in HYBRID_FAMILIES
-    return MOE_MLA_CONFIG_KEYS + ATTENTION_CONFIG_KEYS + (HYBRID_CONFIG_KEYS if hybrid else ())
+    family = SUPPORTED_ARCHITECTURES[arch]
+    return (MOE_MLA_CONFIG_KEYS + ATTENTION_CONFIG_KEYS + (HYBRID_CONFIG_KEYS if family in HYBRID_FAMILIES else ())
+            + (GEMMA4_CONFIG_KEYS if family == "gemma4" else ()))
+
+
+def _gemma4_text_config(cfg: dict) -> dict:
+    """Gemma 4's text model's fields at the top level: Gemma4ForConditionalGeneration nests them in `text_config`
+    (its own fields, e.g. eos_token_id and tie_word_embeddings, win where both have one); a flat config as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    outer = {k: v for k, v in cfg.items() if k in ("architectures", "eos_token_id", "bos_token_id", "pad_token_id",
+                                                    "tie_word_embeddings") and v is not None}
+    return {**text, **outer}
 
 
 def _rope_settings(cfg: dict) -> tuple[float, dict | None, dict]:
@@ -212,8 +234,11 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None, dict]:
 
 
 def _scaling(params: dict) -> dict | None:
+    """The scaling dict of a RoPE's parameters (None: unscaled). Gemma 4's "proportional" RoPE keeps its
+    partial_rotary_factor: it shapes that table alone (models/gemma4.py)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return None if rope_type == "default" else {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kept = ("rope_theta",) if rope_type == "proportional" else ("rope_theta", "partial_rotary_factor")
+    return None if rope_type == "default" else {k: v for k, v in params.items() if k not in kept}
 
 
 def _theta_and_scaling(cfg: dict, params) -> tuple[float, dict | None]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from jlight.core.config import ModelConfig
 from jlight.loading.fp8_checkpoint import Fp8HostWeight
+from jlight.loading import hf_names_gemma4
 from jlight.loading.hf_names import map_hf_name
 from jlight.loading.mxfp4 import Mxfp4HostWeight, expand_mxfp4
 
@@ -63,6 +64,8 @@ _MAPPERS = {"gemma": _mapper(_GEMMA_NORMS), "gpt_oss": _mapper(_GPT_OSS_TENSORS)
 
 def family_name_mapper(config: ModelConfig) -> Callable | None:
     """The name mapper of a family whose names differ from Llama's, else None."""
+    if config.family == "gemma4":  # its layers' groups depend on the config
+        return hf_names_gemma4.name_mapper(config)
     return _MAPPERS.get(config.family)
 
 

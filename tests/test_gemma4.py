@@ -1,0 +1,154 @@
+"""Gemma 4 (text) against transformers on tiny random-weight models (float32).
+
+The tiny model (tests/tiny_models.py) has every text feature on: sliding layers of head_dim 16 with 2 KV
+heads beside full layers of head_dim 32 with 1 KV head and keys as values, proportional RoPE, per-layer
+embeddings, the last two layers reading earlier layers' K/V with 2x MLPs, the MoE block, noisy norms,
+layer scalars and router scales. DENSE switches all of those off but the two geometries. Logits within
+1e-4 and 32 greedy tokens identical; through the engine (batched, chunked prefill over the 8-token window,
+prefix cache, preemption) identical greedy tokens; Gemma4ForConditionalGeneration's text model read from
+its nested config and `model.language_model.*` names. And the configurations jlight refuses.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from families_common import PROMPTS, check_direct, check_engine, hf_model
+from jlight.core.config import ModelConfig
+from jlight.core.errors import UnsupportedModelError
+from jlight.loading import load_model
+from jlight.models import gemma4, get_model_family
+
+ARCH = "Gemma4ForCausalLM"
+DENSE = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, enable_moe_block=False,
+             attention_k_eq_v=False)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_model):
+    path = tiny_model(ARCH)
+    return path, hf_model(path, ARCH)
+
+
+def test_full_model_matches_transformers(full):
+    path, hf = full
+    loaded = load_model(path, dtype="float32")
+    assert set(loaded.params) >= {"sliding_layers", "full_layers", "shared_sliding_layers", "shared_full_layers", "ple_embed"}
+    assert loaded.params["shared_sliding_layers"]["w_gate"].shape == (1, 64, 192)  # double-wide
+    assert "wk" not in loaded.params["shared_full_layers"] and "wv" not in loaded.params["full_layers"]
+    check_direct(loaded.params, loaded.config, hf)
+
+
+def test_dense_core_matches_transformers(tiny_model):
+    """No PLE, KV sharing, MoE or keys-as-values: the two geometries (16 x 2 and 32 x 2 KV heads) alone."""
+    path = tiny_model(ARCH, **DENSE)
+    loaded = load_model(path, dtype="float32")
+    assert set(loaded.params) == {"embed", "final_norm", "lm_head", "sliding_layers", "full_layers"}
+    assert get_model_family(loaded.config).kv_cache_shapes(loaded.config, 5, 8)[0] == (6, 5, 8, 2, 32)
+    check_direct(loaded.params, loaded.config, hf_model(path, ARCH), prompts=PROMPTS[:2])
+
+
+def test_engine_matches_transformers(full):
+    """Unrolled layers (as on the GPU); the pool holds the 4 non-shared layers in 4 groups of one (one full, three sliding)."""
+    outs = check_engine(*full, num_pages=32, layer_loop="unroll")
+    assert len(outs) == 5
+
+
+def test_conditional_generation_text_model(full, tmp_path):
+    """Gemma4ForConditionalGeneration: text_config nested, eos at the top level, text weights under
+    model.language_model.*, a vision tower's tensor beside them (skipped): the text model's logits."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    path, hf = full
+    text_cfg = json.load(open(os.path.join(path, "config.json")))
+    text_cfg.pop("architectures")
+    cfg = dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", text_config=text_cfg,
+               vision_config=None, audio_config=None, eos_token_id=[1, 106], tie_word_embeddings=True)
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    tensors["model.vision_tower.encoder.patch_embedder.weight"] = np.ones((3, 7), np.float32)
+    out = tmp_path / "mm"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(out), dtype="float32")
+    assert loaded.config.architecture == "Gemma4ForConditionalGeneration" and loaded.config.eos_token_ids == (1, 106)
+    assert loaded.config.extra["hidden_size_per_layer_input"] == 8
+    with torch.no_grad():  # the same weights as transformers' multimodal class reads them
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+        mm = Gemma4ForConditionalGeneration(Gemma4Config(**{k: v for k, v in cfg.items() if k != "architectures"}))
+        assert {k for k in mm.state_dict() if "layers" not in k} - {"lm_head.weight"} <= set(tensors)
+    check_direct(loaded.params, loaded.config, hf, prompts=PROMPTS[2:])
+
+
+def _config(**fields) -> dict:
+    return {**dict(architectures=[ARCH], model_type="gemma4_text", vocab_size=32, hidden_size=16, intermediate_size=16,
+                   num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1e6}}), **fields}
+
+
+def test_both_geometry_forms_read_alike():
+    """The hub form (global_head_dim, num_global_key_value_heads with attention_k_eq_v) and transformers' saved
+    per_layer_config give the same geometries; without attention_k_eq_v the global KV heads are ignored."""
+    hub = ModelConfig.from_hf_dict(_config(global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True))
+    saved = ModelConfig.from_hf_dict(_config(attention_k_eq_v=True, per_layer_config={
+        "05": {"head_dim": 16, "num_key_value_heads": 1}}))
+    for cfg in (hub, saved):
+        assert gemma4.plan(cfg).geometry == {"sliding_attention": (8, 2), "full_attention": (16, 1)}
+        # W = 16 (both kinds'); the pool takes the full layers' 1 x 16, the sliding layers view it as 2 x 8
+        assert gemma4.kv_cache_shapes(cfg, 3, 4)[0] == (6, 3, 4, 1, 16)
+    plain = ModelConfig.from_hf_dict(_config(num_global_key_value_heads=1))
+    assert gemma4.plan(plain).geometry["full_attention"] == (512, 2)  # HF's default global_head_dim
+
+
+def test_proportional_rope_table():
+    cfg = ModelConfig.from_hf_dict(_config(global_head_dim=16))
+    full = gemma4.rope_tables(cfg)["full_attention"].inv_freq
+    assert full.shape == (8,) and np.count_nonzero(full) == 2  # int(0.25 * 16 // 2) rotated pairs
+    np.testing.assert_allclose(full[:2], [1.0, 1e6 ** (-2 / 16)], rtol=1e-6)  # exponent over the whole head_dim
+
+
+def test_kv_sharing_producers():
+    """The shared layers read the last non-shared layer of their own type (the last layer forced full)."""
+    types = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 3
+    p = gemma4.plan(ModelConfig.from_hf_dict(_config(num_kv_shared_layers=3, layer_types=types)))
+    assert p.types[-1] == "full_attention" and p.producer == (0, 1, 2, 1, 1, 2) and p.num_pool_layers == 3
+    with pytest.raises(UnsupportedModelError, match="num_kv_shared_layers=1 leaves no non-shared full_attention"):
+        gemma4.plan(ModelConfig.from_hf_dict(_config(num_kv_shared_layers=1, layer_types=["sliding_attention"] * 6)))
+
+
+def test_bidirectional_all_is_refused():
+    ModelConfig.from_hf_dict(_config(use_bidirectional_attention="vision"))  # the multimodal mask only
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention='all'"):
+        ModelConfig.from_hf_dict(_config(use_bidirectional_attention="all"))
+
+
+def test_unknown_per_layer_override_is_refused():
+    cfg = ModelConfig.from_hf_dict(_config(per_layer_config={"5": {"head_dim": 16, "intermediate_size": 8}}))
+    with pytest.raises(UnsupportedModelError, match=r"per_layer_config overrides \['intermediate_size'\]"):
+        gemma4.plan(cfg)
+
+
+def test_heads_not_fitting_the_pool_view_are_refused():
+    """W = 2 x 8 = 16; full layers of head_dim 4 view it as 4 heads, which 2 query heads cannot share."""
+    cfg = ModelConfig.from_hf_dict(_config(global_head_dim=4, num_attention_heads=2))
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads 2 must be a multiple of 4"):
+        gemma4.param_shapes(cfg)
+
+
+def test_mesh_is_refused(tiny_model):
+    """Tensor parallelism: refused when the step is traced, before anything is computed."""
+    import jax.numpy as jnp
+
+    from sharding.tensor_parallel import TensorParallelOps
+
+    loaded = load_model(tiny_model(ARCH, **DENSE), dtype="float32")
+    k, v = (jnp.zeros(s) for s in gemma4.kv_cache_shapes(loaded.config, 2, 8))
+    with pytest.raises(UnsupportedModelError, match="does not run on a mesh"):
+        gemma4.forward(loaded.params, loaded.config, jnp.zeros(4, jnp.int32), k, v, None, None,
+                       TensorParallelOps(axis_name="tp", tp=2, vocab_size=512))
