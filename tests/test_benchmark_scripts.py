@@ -103,6 +103,36 @@ def test_offline_throughput_with_a_host_tier_reports_its_counters_and_copy_rates
     assert rates["memory_kind"] == "pinned_host" and rates["device_to_host"] > 0 and rates["host_to_device"] > 0
 
 
+def test_random_mxfp4_experts_run_as_stored_and_compute_their_expansion(bench):
+    """--quantization mxfp4 on a MoE shape: random MXFP4 experts (the float weight's rows past a multiple of 32 kept as
+    the tail) that the engine runs as stored, and whose expansion gives the same greedy tokens as an engine given
+    the expanded weights."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import model_configs
+
+    from families_common import engine_greedy_tokens
+    from jlight.core.quantization import Mxfp4Weight, dequantize_mxfp4
+
+    loaded = model_configs.random_loaded_model("tiny-gpt-oss", jnp.float32, mxfp4=True)
+    kept = {k: w for k, w in loaded.params["layers"].items() if isinstance(w, Mxfp4Weight)}
+    assert sorted(kept) == ["experts_down", "experts_gate", "experts_up"]
+    assert all(w.blocks.dtype == jnp.uint8 and w.shape[-2] % 32 == w.tail.shape[-2] for w in kept.values())
+    expanded = dataclasses.replace(loaded, params=dict(loaded.params, layers={
+        **loaded.params["layers"], **{k: dequantize_mxfp4(w, jnp.float32) for k, w in kept.items()}}))
+    engines = [bench.random_engine("tiny-gpt-oss", "float32", loaded=m, max_model_len=64, max_num_seqs=2, num_pages=32,
+                                   quantization=q, compilation_cache_dir=None, warmup=False)
+               for m, q in ((loaded, "mxfp4"), (expanded, None))]
+    ran = [w for w in jax.tree.leaves(engines[0].runner.params, is_leaf=lambda x: isinstance(x, Mxfp4Weight))
+           if isinstance(w, Mxfp4Weight)]
+    assert ran and all(w.blocks.dtype == jnp.uint8 for w in ran)
+    prompts = [list(range(3, 23)), list(range(40, 47))]
+    tokens = [engine_greedy_tokens(e, prompts, 8) for e in engines]
+    assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[0])
+
+
 def test_decode_latency_variants_share_one_random_model(bench, tmp_path):
     # An engine built from the script's shared LoadedModel must leave it usable for the next variant, and fused
     # projections (the default) must decode the same greedy tokens from the same weights as separate ones.
