@@ -170,7 +170,8 @@ class LLMEngine:
         # A hybrid model's recurrent-state slots: one a running sequence, and as many snapshot slots for the
         # prefix cache (state_pool.py: one saved state a prompt).
         self.state_pool = StatePool(cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0) if stateful else None
-        params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights)
+        params, sharding_plan = prepare_params(cfg, self.family, loaded, mesh, dispatch.on_gpu(), owns_weights,
+                                               given=give_weights)
         jax.block_until_ready(params)
         self.startup_seconds = {"load": self.load_seconds, "prepare": time.perf_counter() - self._start_time - self.load_seconds}
         if sharding_plan is not None:

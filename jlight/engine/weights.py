@@ -15,10 +15,12 @@ from jlight.quantization.rtn import quantize_unless_stored
 from jlight.sharding.plan import ShardingPlan
 
 
-def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weights: bool = False):
+def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weights: bool = False,
+                   given: bool = False):
     """Quantize, shard, unroll and fuse the loaded weights as the config asks. Returns (params, plan);
     a plan's config is the model config the engine runs (e.g. KV heads replicated up to tp).
-    owns_weights: the weights are this engine's own load, so their parts may be freed as they go."""
+    owns_weights: the weights are this engine's own load, or given to it, so their parts may be freed as they go.
+    given: they were handed over (LLMEngine(give_weights=True)) as one stacked tree."""
     params = loaded.params
     params = quantize_unless_stored(params, cfg.quantization)
     plan = None
@@ -31,10 +33,13 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
     split_here = unrolled and not isinstance(params.get("layers"), list)  # else loaded per layer (load_model(unstacked=True)); hybrid groups: models/hybrid.py
     if split_here:
         # Donating the stacked copy keeps the peak near one copy of the weights (a bf16
-        # Mixtral-8x7B, 93 GB, fits one H200 only that way); on a GPU through host memory, so
-        # that the free memory the KV pool is sized from stays one block. Sharded weights keep
-        # their shardings when split, and a plan over the per-layer tree runs them under the mesh.
-        params = family.unstack_layers(params, donate=owns_weights, through_host=owns_weights and gpu)
+        # Mixtral-8x7B, 93 GB, fits one H200 only that way). Given weights split on a GPU go through
+        # host memory, so that the free memory the KV pool is sized from stays one block: split on
+        # the device, gpt-oss-20b's random weights (42 GB on an 80 GB card) left no block for its
+        # pool. It costs the time of a copy out at numpy's rate (1.7 GB/s on the H200), so a load
+        # of the engine's own splits on the device as before. Sharded weights keep their shardings
+        # when split, and a plan over the per-layer tree runs them under the mesh.
+        params = family.unstack_layers(params, donate=owns_weights, through_host=given and gpu)
         jax.block_until_ready(params)
         if plan is not None:
             plan = ShardingPlan(mesh, plan.source_config, family.param_axes(plan.source_config, Layout(unrolled=True)))
