@@ -31,15 +31,25 @@ The params tree holds one group per layer shape (models/hybrid.py's contract): "
 with its kind static. Top level: embed, final_norm, lm_head, and with PLE ple_embed [Vp, layers * P],
 ple_proj [E, layers * P], ple_norm [P].
 
-The KV pool (one device) holds the non-shared layers, pool layer = layer index, at one per-token
-width W = the widest kind's kv_heads * head_dim: [layers, pages, page_size, W / hd_b, hd_b] with hd_b
-the widest kind's head_dim. A layer of another geometry views the pool as [..., W / hd, hd] (a
-reshape of contiguous trailing dims) and writes each KV head repeated W / (kv_heads * hd) times, so
-viewed head j holds head j // repeat and query head h still reads KV head h // (H / kv_heads). A
-mesh (tensor parallelism) is refused: the repeated heads are not placed per device.
+The KV pool holds the non-shared layers, pool layer = layer index, at one per-token width W = the widest
+kind's kv_heads * head_dim: [layers, pages, page_size, W / hd_b, hd_b] with hd_b the widest kind's head_dim.
+A layer of another geometry views the pool as [..., W / hd, hd] (a reshape of contiguous trailing dims) and
+writes each KV head repeated W / (kv_heads * hd) times, so viewed head j holds head j // repeat and query
+head h still reads KV head h // (H / kv_heads).
+
+On a mesh of tp devices the step runs `mesh_config`'s config (ShardingPlan's mesh_config argument; a tp step
+over another config is refused): every kind's KV heads replicated up
+to tp (as the plan replicates num_kv_heads), so W is the largest max(kv_heads, tp) * head_dim of the kinds. The pool's
+head axis splits over tp; each device holds W / tp contiguous values a token, which mesh_config requires to be
+whole heads of every kind, so the view, the repeat and GQA hold per device on the device's query heads. The
+K/V projections split on their columns: a kind with at least tp KV heads computes its own heads; a kind with
+fewer splits inside a head, its slices are all-gathered and each device keeps the head its query heads read
+(head axis_index // (tp / kv_heads)). Per-layer embeddings: ple_embed splits on vocab as embed; ple_proj and
+the layers' ple_gate / ple_out are replicated and applied to the device's own tokens (no collective).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -64,6 +74,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 GROUPS = {(SLIDING, False): "sliding_layers", (FULL, False): "full_layers",
           (SLIDING, True): "shared_sliding_layers", (FULL, True): "shared_full_layers"}
 _PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")  # per_layer_config's overrides that jlight reads
+MESH_TP = "mesh_config_tp"  # the extra field mesh_config writes: the tp its config was made for
 
 
 class Geometry(NamedTuple):
@@ -169,6 +180,48 @@ def base_geometry(config: ModelConfig) -> Geometry:
     return p.geometry[kinds[0]]
 
 
+def mesh_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config the engine runs on a mesh of `tp` tensor-parallel devices (sharding/plan.py): each kind's KV
+    heads replicated up to tp, written as per_layer_config for every layer, so kv_cache_shapes and the layers'
+    views are the mesh's. Raises ValueError, naming the fields, where a kind's KV heads do not split over tp or a
+    device's W / tp values a token are not whole heads of a kind that its query heads can share."""
+    c = config
+    if tp == 1:
+        return c
+    p = plan(c)
+    where = f"{c.architecture} on tp={tp}"
+    for t in sorted(set(p.types)):
+        g = p.geometry[t]
+        if g.kv_heads % tp and (tp % g.kv_heads or g.head_dim % (tp // g.kv_heads)):
+            raise ValueError(f"{where}: {t} layers have {g.kv_heads} KV heads of head_dim {g.head_dim} "
+                             f"({_geometry_fields(c, t)}); tp must divide the KV heads, or be a multiple of them "
+                             "that divides head_dim times the KV heads (each device then keeps a copy of one head); "
+                             "choose another tp")
+    geometry = {t: Geometry(g.head_dim, max(g.kv_heads, tp)) for t, g in p.geometry.items()}
+    per_layer = {str(i): {"head_dim": geometry[t].head_dim, "num_key_value_heads": geometry[t].kv_heads}
+                 for i, t in enumerate(p.types)}
+    out = dataclasses.replace(c, num_kv_heads=c.num_kv_heads * max(1, tp // c.num_kv_heads),
+                              extra={**c.extra, "per_layer_config": per_layer, MESH_TP: tp})
+    width = pool_width(out)
+    for t in sorted(set(p.types)):
+        hd = geometry[t].head_dim
+        if (width // tp) % hd or c.num_heads % (width // hd):
+            raise ValueError(f"{where}: the KV pool is {width} values a token ({width // tp} a device), its {t} layers' "
+                             f"view {width // hd} heads of head_dim {hd}; each device's share must be whole heads and "
+                             f"num_attention_heads ({c.num_heads}) a multiple of the view's heads; choose another tp")
+    return out
+
+
+def _geometry_fields(config: ModelConfig, layer_type: str) -> str:
+    """The config fields that set a kind's head_dim and KV heads, for messages."""
+    if config.extra.get("per_layer_config") is not None:
+        return "per_layer_config"
+    if layer_type == SLIDING:
+        return "head_dim, num_key_value_heads"
+    kv = "num_global_key_value_heads" if config.extra.get("attention_k_eq_v") else "num_key_value_heads"
+    return f"global_head_dim, {kv}"
+
+
 def proportional_inv_freq(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
     """Gemma 4's "proportional" RoPE: [head_dim // 2] float32, the first int(f * head_dim // 2) entries
     theta^(-2j / head_dim), the rest 0 (unrotated), all divided by `factor`."""
@@ -192,6 +245,18 @@ def rope_tables(config: ModelConfig) -> dict:
         else:
             tables[t] = attention_kinds.RopeTable(*inv_frequencies(g.head_dim, float(theta), scaling))
     return tables
+
+
+def _own_heads(y, head_dim: int, ops):
+    """A K or V projection's output [T, columns] (this device's columns) -> [T, heads, head_dim], the KV heads this
+    device keeps: its columns as whole heads; or, when its kind has fewer KV heads than tp (the columns split inside
+    a head), the whole heads all-gathered over tp and the one its query heads read kept (module docstring)."""
+    if y.shape[-1] >= head_dim:
+        return y.reshape(y.shape[0], -1, head_dim)
+    share = head_dim // y.shape[-1]  # devices that hold one head between them
+    whole = jax.lax.all_gather(y, ops.axis_name, axis=1, tiled=True)  # [T, kv_heads * head_dim]
+    head = jax.lax.axis_index(ops.axis_name) // share
+    return jax.lax.dynamic_slice_in_dim(whole, head * head_dim, head_dim, axis=1)[:, None]
 
 
 def _rms(x, eps: float):
@@ -263,10 +328,10 @@ class Gemma4Layer(nnx.Module):
         k_cache, v_cache = k_cache.reshape(view), v_cache.reshape(view)
         slot, md = kv_layout.layer_view(step.md, step.kv_groups, jnp.int32(pool_layer), pool_layer)
         if not self.shared:
-            k = ops.column_linear(x, value(self, "wk"), mm).reshape(num_tokens, -1, g.head_dim)
-            v = k if self.k_is_v else ops.column_linear(x, value(self, "wv"), mm).reshape(num_tokens, -1, g.head_dim)
+            k = _own_heads(ops.column_linear(x, value(self, "wk"), mm), g.head_dim, ops)  # [T, kv heads here, head_dim]
+            v = k if self.k_is_v else _own_heads(ops.column_linear(x, value(self, "wv"), mm), g.head_dim, ops)
             k = attention_kinds.apply_table(self.norm(k, "k_norm"), step.md, table)
-            repeat = width // g.width
+            repeat = width // (k.shape[1] * g.head_dim)  # this device's width over its KV heads' width
             k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(_rms(v, eps), repeat, axis=1)  # [T, W / head_dim, head_dim]
             k_cache, v_cache = kernels.write_kv(k_cache, v_cache, slot, k, v, md.slot_mapping)
         window = c.sliding_window if self.layer_type == SLIDING else None
@@ -299,10 +364,10 @@ class Gemma4Layer(nnx.Module):
         if hasattr(self, "router"):
             y = self.norm(y, "post_mlp_norm_1") + self.norm(self.experts(h, step), "post_moe_norm")
         h = h + self.norm(y, "post_mlp_norm")
-        if ple is not None:
-            ops, mm = step.ops, step.kernels.matmul
-            gated = activation(self.config.hidden_act)(ops.column_linear(h, value(self, "ple_gate"), mm)) * ple
-            h = h + self.norm(ops.row_linear(gated, value(self, "ple_out"), mm), "ple_post_norm")
+        if ple is not None:  # replicated weights on this device's tokens (h's and ple's, split alike)
+            mm = step.kernels.matmul
+            gated = activation(self.config.hidden_act)(mm(h, value(self, "ple_gate"))) * ple
+            h = h + self.norm(mm(gated, value(self, "ple_out")), "ple_post_norm")
         return h * value(self, "layer_scalar").astype(h.dtype), k_cache, v_cache
 
 
@@ -330,20 +395,21 @@ class Gemma4(nnx.Module):
         self.lm_head = p((E, c.vocab_size), ("embed", "vocab"))  # tied embeddings: a copy of embed.T
 
     def per_layer_inputs(self, tokens, h0, step: Step):
-        """ple [T, layers, P] from the tokens and the scaled token embedding h0 [T, embed]."""
+        """ple [T, layers, P] from the tokens and the scaled token embedding h0 [T, embed] ([T / tp, ..] both
+        under sequence parallelism: ops.embed splits the lookup as it splits h0; ple_proj is replicated)."""
         c, ops = self.config, step.ops
         P = c.extra["hidden_size_per_layer_input"]
         tok = ops.embed(value(self, "ple_embed"), tokens).astype(h0.dtype) * jnp.asarray(math.sqrt(P), h0.dtype)
-        proj = ops.column_linear(h0, value(self, "ple_proj"), step.kernels.matmul) * jnp.asarray(c.hidden_size ** -0.5, h0.dtype)
-        proj = rms_norm(proj.reshape(tokens.shape[0], c.num_layers, P), value(self, "ple_norm"), c.rms_norm_eps)
+        proj = step.kernels.matmul(h0, value(self, "ple_proj")) * jnp.asarray(c.hidden_size ** -0.5, h0.dtype)
+        proj = rms_norm(proj.reshape(h0.shape[0], c.num_layers, P), value(self, "ple_norm"), c.rms_norm_eps)
         return (proj + tok.reshape(proj.shape)) * jnp.asarray(2 ** -0.5, h0.dtype)
 
     def __call__(self, tokens, k_cache, v_cache, md, kernels, ops):
         c, pl = self.config, self.plan
-        if getattr(ops, "tp", 1) > 1:
-            raise UnsupportedModelError(f"{c.architecture} does not run on a mesh (tensor parallelism): its KV pool's "
-                                        "uniform-width view repeats the narrower layers' KV heads, which are not placed "
-                                        "per device; run it on one device")
+        if getattr(ops, "tp", 1) != c.extra.get(MESH_TP, 1):
+            raise UnsupportedModelError(f"{c.architecture} runs on tp={getattr(ops, 'tp', 1)} only with the config of "
+                                        "gemma4.mesh_config(config, tp), which ShardingPlan takes as its mesh_config "
+                                        "argument; build the plan with it")
         step = Step(md, kernels, ops, rope_tables(c), self.kv_groups)
         final_norm = value(self, "final_norm")
         h = ops.embed(value(self, "embed"), tokens).astype(final_norm.dtype)

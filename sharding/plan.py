@@ -48,7 +48,7 @@ def _get_path(tree: dict, path: str):
 
 
 class ShardingPlan:
-    def __init__(self, mesh: Mesh | None, config: ModelConfig, param_axes: dict):
+    def __init__(self, mesh: Mesh | None, config: ModelConfig, param_axes: dict, mesh_config=None):
         self.mesh = mesh
         self.param_axes = param_axes
         sizes = mesh_sizes(mesh)
@@ -72,6 +72,10 @@ class ShardingPlan:
         # With fewer KV heads than tp, each KV head is copied so every device owns one.
         self.kv_repeat = max(1, self.tp // kv)
         self.config = dataclasses.replace(config, num_kv_heads=kv * self.kv_repeat)
+        if mesh_config is not None:
+            # mesh_config(config, tp): a family of several KV geometries (Gemma 4's) gives the mesh's config itself and
+            # places its KV heads in the step: its weights are split as loaded, never copied here.
+            self.config, self.kv_repeat = mesh_config(config, self.tp), 1
         # The vocab is padded to a multiple of tp (zero rows/columns, cut off in lm_head).
         self.padded_vocab = math.ceil(config.vocab_size / self.tp) * self.tp
 

@@ -6,10 +6,13 @@ embeddings, the last two layers reading earlier layers' K/V with 2x MLPs, the Mo
 layer scalars and router scales. DENSE switches all of those off but the two geometries. Logits within
 1e-4 and 32 greedy tokens identical; through the engine (batched, chunked prefill over the 8-token window,
 prefix cache, preemption) identical greedy tokens; Gemma4ForConditionalGeneration's text model read from
-its nested config and `model.language_model.*` names. And the configurations jlight refuses.
+its nested config and `model.language_model.*` names. On simulated CPU devices (mesh_config's layout): tp=2,
+ep=2, a sequence-parallel tp=2 prefill and tp=4 give transformers' greedy tokens. And the configurations jlight
+refuses, on one device and on a mesh.
 """
 import json
 import os
+import textwrap
 
 import numpy as np
 import pytest
@@ -141,14 +144,102 @@ def test_heads_not_fitting_the_pool_view_are_refused():
         gemma4.param_shapes(cfg)
 
 
-def test_mesh_is_refused(tiny_model):
-    """Tensor parallelism: refused when the step is traced, before anything is computed."""
+# A child process's helper: greedy token ids of `prompts` from an engine over `mesh`.
+MESH_TOKENS = textwrap.dedent("""
+    import json
+    import numpy as np
+    import jlight
+    from jlight import SamplingParams
+
+    def tokens(path, mesh, prompts, max_tokens, **options):
+        llm = jlight.LLM(path, dtype="float32", mesh=mesh, max_num_seqs=4, page_size=8, compilation_cache_dir=None,
+                         warmup=False, **options)
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return [r.outputs[0].token_ids for r in res]
+""")
+MESH_SCRIPT = MESH_TOKENS + textwrap.dedent("""
+    short = dict(max_num_batched_tokens=16, min_token_bucket=16, num_pages=64)
+    out = {{name: tokens(path, "tp=2", {prompts!r}, 16, **short) for name, path in {paths!r}.items()}}
+    out["full ep=2"] = tokens({paths!r}["full"], "ep=2", {prompts!r}, 16, **short)
+    out["full tp=2 long"] = tokens({paths!r}["full"], "tp=2", {long!r}, 8, max_num_batched_tokens=256,
+                                   min_token_bucket=128, num_pages=256, collective_matmul=True)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_mesh_matches_transformers(full, tiny_model):
+    """On 2 simulated devices: the full and dense tiny models under tp=2 (the full layers' one KV head split
+    inside the head and gathered, each device keeping a copy; the dense core's two heads one a device), the
+    full model's experts under ep=2, and its 300-token prompt under tp=2 with sequence parallelism (a 256-token
+    step: the residual stream, PLE and router inputs split on tokens): transformers' greedy tokens."""
+    from direct_forward import hf_greedy
+    from simulated_devices import run_script
+
+    dense = tiny_model(ARCH, **DENSE)
+    prompts = [PROMPTS[0], PROMPTS[1][:13]]
+    long = [np.random.default_rng(0).integers(3, 250, size=300).tolist(), PROMPTS[2]]
+    out = run_script(MESH_SCRIPT.format(paths={"full": full[0], "dense": dense}, prompts=prompts, long=long), 2)
+    expected = [hf_greedy(full[1], p, 16) for p in prompts]
+    assert out["full"] == expected and out["full ep=2"] == expected
+    assert out["dense"] == [hf_greedy(hf_model(dense, ARCH), p, 16) for p in prompts]
+    assert out["full tp=2 long"] == [hf_greedy(full[1], p, 8) for p in long]
+
+
+def test_tp4_keeps_the_head_each_device_reads(tiny_model):
+    """tp=4 over the dense core with 8 query heads: both kinds' 2 KV heads split inside each head and gathered,
+    devices 0-1 keeping head 0 and 2-3 head 1 (2 query heads a device): transformers' greedy tokens."""
+    from direct_forward import hf_greedy
+    from simulated_devices import run_script
+
+    path = tiny_model(ARCH, num_attention_heads=8, **DENSE)
+    prompts = [PROMPTS[0], PROMPTS[1][:13]]
+    out = run_script(MESH_TOKENS + textwrap.dedent(f"""
+        out = tokens({path!r}, "tp=4", {prompts!r}, 16, max_num_batched_tokens=16, min_token_bucket=16, num_pages=64)
+        print("RESULT" + json.dumps(out))
+    """), 4)
+    assert out == [hf_greedy(hf_model(path, ARCH), p, 16) for p in prompts]
+
+
+def test_mesh_config_replicates_kv_heads_up_to_tp():
+    """tp=2: the full layers' 1 KV head (head_dim 16) is kept twice, so the pool is 2 x 16 wide, one head a device,
+    and the sliding layers (2 x 8) view each device's 16 values as one head of 8 repeated twice."""
+    cfg = ModelConfig.from_hf_dict(_config(global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True))
+    mesh = gemma4.mesh_config(cfg, 2)
+    assert gemma4.plan(mesh).geometry == {"sliding_attention": (8, 2), "full_attention": (16, 2)}
+    assert gemma4.kv_cache_shapes(mesh, 3, 4)[0] == (6, 3, 4, 2, 16)
+    assert gemma4.mesh_config(cfg, 1) is cfg
+
+
+def _fake_mesh(tp: int):
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh((1, 1, tp), ("dp", "ep", "tp"))
+
+
+def test_mesh_refusals_name_the_fields():
+    """A kind whose KV heads and tp do not divide one another; and tp=4 over 4 query heads, where the full layers'
+    copies make the pool 4 x 16 wide, 16 values a device that the sliding layers view as 2 heads of 8 for one query head."""
+    from jlight.sharding.plan import ShardingPlan
+
+    three = ModelConfig.from_hf_dict(_config(global_head_dim=16, num_global_key_value_heads=3, attention_k_eq_v=True,
+                                             num_attention_heads=6))
+    with pytest.raises(ValueError, match=r"full_attention layers have 3 KV heads .*num_global_key_value_heads.*choose another tp"):
+        ShardingPlan(_fake_mesh(2), three, gemma4.param_axes(three), mesh_config=gemma4.mesh_config)
+    cfg = ModelConfig.from_hf_dict(_config(global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True))
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) a multiple of the view's heads; choose another tp"):
+        ShardingPlan(_fake_mesh(4), cfg, gemma4.param_axes(cfg), mesh_config=gemma4.mesh_config)
+    assert ShardingPlan(_fake_mesh(2), cfg, gemma4.param_axes(cfg), mesh_config=gemma4.mesh_config).config == \
+        gemma4.mesh_config(cfg, 2)
+
+
+def test_mesh_without_mesh_config_is_refused(tiny_model):
+    """A tp step traced over a config that is not mesh_config's (a plan built without it): refused, naming the fix."""
     import jax.numpy as jnp
 
     from sharding.tensor_parallel import TensorParallelOps
 
     loaded = load_model(tiny_model(ARCH, **DENSE), dtype="float32")
     k, v = (jnp.zeros(s) for s in gemma4.kv_cache_shapes(loaded.config, 2, 8))
-    with pytest.raises(UnsupportedModelError, match="does not run on a mesh"):
+    with pytest.raises(UnsupportedModelError, match=r"gemma4.mesh_config\(config, tp\)"):
         gemma4.forward(loaded.params, loaded.config, jnp.zeros(4, jnp.int32), k, v, None, None,
                        TensorParallelOps(axis_name="tp", tp=2, vocab_size=512))

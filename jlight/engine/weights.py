@@ -25,7 +25,9 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
     params = quantize_unless_stored(params, cfg.quantization)
     plan = None
     if mesh is not None:
-        plan = ShardingPlan(mesh, loaded.config, family.param_axes(loaded.config))
+        # A family whose mesh changes its model config (Gemma 4: KV heads per kind up to tp) passes mesh_config.
+        mesh_config = getattr(family, "mesh_config", None)
+        plan = ShardingPlan(mesh, loaded.config, family.param_axes(loaded.config), mesh_config=mesh_config)
         if plan.dp > 1:
             raise ValueError(f"mesh={cfg.mesh!r}: an LLMEngine runs one replica; use make_engine (jlight.LLM) for dp > 1")
         params = plan.prepare_params(params)
@@ -42,7 +44,8 @@ def prepare_params(cfg: EngineConfig, family, loaded, mesh, gpu: bool, owns_weig
         params = family.unstack_layers(params, donate=owns_weights, through_host=given and gpu)
         jax.block_until_ready(params)
         if plan is not None:
-            plan = ShardingPlan(mesh, plan.source_config, family.param_axes(plan.source_config, Layout(unrolled=True)))
+            plan = ShardingPlan(mesh, plan.source_config, family.param_axes(plan.source_config, Layout(unrolled=True)),
+                                mesh_config=mesh_config)
     if plan is None and cfg.fuse_projections and hasattr(family, "fuse_projections"):
         # Per-layer weights split here are this engine's own copies, so their parts are freed as they
         # are fused; a caller's weights are left intact.
