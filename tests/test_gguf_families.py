@@ -1,5 +1,5 @@
-"""GGUF files of the phi3, smollm3 and gpt-oss architectures, written from tiny HF models the way llama.cpp's
-convert_hf_to_gguf.py writes them (Phi3MiniModel, SmolLM3Model, GptOssModel; gguf-py's own tensor-name map),
+"""GGUF files of the phi3, smollm3, gpt-oss and gemma4 architectures, written from tiny HF models the way llama.cpp's
+convert_hf_to_gguf.py writes them (Phi3MiniModel, SmolLM3Model, GptOssModel, Gemma4Model; gguf-py's own tensor-name map),
 load into the model of the HF directory: float32 logits within 1e-4 of transformers' and 32 greedy tokens
 identical, with the same attention kinds and RoPE tables.
 
@@ -12,6 +12,15 @@ as ffn_gate_up_exps, [gate; up]) and transposed to [experts, out, in], MXFP4 exp
 (the converter's transform_nibble_layout: the scale byte, then elements j and j + 16 in byte j). The vocabulary
 is the tiny model's byte-level BPE written GPT-2 style (the Phi-3 converter's SentencePiece path needs a
 tokenizer.model the tiny models have none of).
+
+Gemma 4 (`write_gemma4_gguf`, Gemma4Model over Gemma3Model and TextModel): norms unshifted, per-layer bool
+sliding_window_pattern, key_length(_swa) the full / sliding head_dim, head_count_kv per layer, feed_forward_length
+per layer with double-wide MLPs, shared_kv_layers, embedding_length_per_layer_input, rope.dimension_count(_swa) the
+whole heads and rope_freqs ([1] * rotated pairs + [1e30] * the rest), router.scale -> ffn_gate_inp.scale,
+per_expert_scale -> ffn_down_exps.scale, layer_scalar -> layer_output_scale, experts as HF stores them. Two
+departures, both for the tiny model: its byte-level BPE is written GPT-2 style (the converter writes the "gemma4"
+tokenizer, which jlight's GGUF tokenizer does not read), and token_embd keeps all vocab_size rows (the converter
+cuts it to the tokenizer's size, a no-op for Gemma 4's own 262,144-token tokenizer but not for the tiny one's).
 """
 import json
 import os
@@ -167,6 +176,115 @@ def write_family_gguf(path, hf_dir, arch, fuse_gate_up_exps=False, linear_qtype=
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def write_gemma4_gguf(path, hf_dir):
+    """hf_dir's Gemma 4 text model as convert_hf_to_gguf.py's Gemma4Model writes it (F32 weights). Its hparams in
+    the hub's form: global_head_dim / num_global_key_value_heads from the per_layer_config transformers saves."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    full_override = next(iter((cfg.get("per_layer_config") or {}).values()), {})
+    global_head_dim = full_override.get("head_dim", cfg.get("global_head_dim"))
+    global_kv = full_override.get("num_key_value_heads") if cfg.get("attention_k_eq_v") else None
+    n_layers, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+    types, rope = cfg["layer_types"], cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n_layers)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GEMMA4]}
+
+    def add_tensor(name, arr):
+        assert re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.rsplit(".", 1)[0]) in known, name
+        w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+
+    # TextModel.set_gguf_parameters, then Gemma3Model's and Gemma4Model's (the last value of a key is the one kept)
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("num_experts") is not None:
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    n_shared = cfg["num_kv_shared_layers"]
+    w.add_shared_kv_layers(n_shared)
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    swa = [t == "sliding_attention" for t in types]
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(global_head_dim)
+    w.add_value_length(global_head_dim)
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    n_ff = cfg["intermediate_size"]
+    w.add_feed_forward_length([n_ff if i < n_layers - n_shared else 2 * n_ff for i in range(n_layers)]
+                              if cfg.get("use_double_wide_mlp") else n_ff)
+    w.add_head_count_kv([cfg["num_key_value_heads"] if s else global_kv for s in swa] if global_kv is not None
+                        else cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(global_head_dim)
+    w.add_rope_dimension_count_swa(int(hd * cfg.get("partial_rotary_factor", 1.0)))
+    add_tiny_vocab(w, hf_dir, cfg["vocab_size"])
+
+    rotated = int(global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)  # generate_extra_tensors
+    add_tensor("rope_freqs.weight", [1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated))
+    for name, arr in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if name.endswith("router.scale"):  # Gemma4Model.modify_tensors
+            add_tensor(f"blk.{name.split('.')[2]}.ffn_gate_inp.scale", arr)
+        elif name.endswith("per_expert_scale"):
+            add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.scale", arr)
+        else:  # filter_tensors' ".weight" on layer_scalar and the experts, then gguf-py's map
+            suffix = "" if name.endswith(".weight") else ".weight"
+            add_tensor(names.get_name(name + suffix, try_suffixes=(".weight",)), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+# Gemma 4 with every text feature (tiny_models.py), its layers ordered so that the KV-shared layers' producers are
+# llama.cpp's (first shared layer n: sliding layers read n - 2, full ones n - 1) as well as HF's.
+GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+
+
+# The dense core alone: no PLE, KV sharing, MoE or keys as values (one KV head count for both kinds, attn_v everywhere).
+GEMMA4_DENSE = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
+                    enable_moe_block=False, attention_k_eq_v=False)
+
+
+@pytest.mark.parametrize("variant", ["full", "dense"])
+def test_gguf_gemma4_matches_transformers(tiny_model, tmp_path, variant):
+    from jlight.models import gemma4
+
+    path = tiny_model("Gemma4ForCausalLM", layer_types=GEMMA4_LAYERS, **(GEMMA4_DENSE if variant == "dense" else {}))
+    got = load_model(write_gemma4_gguf(tmp_path / "gemma4.gguf", path), dtype="float32")
+    ref = load_model(path, dtype="float32")
+    assert gemma4.plan(got.config) == gemma4.plan(ref.config)
+    assert gemma4.plan(got.config).producer[4:] == ((2, 3) if variant == "full" else (4, 5))
+    moe = ("num_experts", "top_k_experts", "moe_intermediate_size") if variant == "full" else ()
+    for key in ("attention_k_eq_v", "num_kv_shared_layers", "use_double_wide_mlp", "hidden_size_per_layer_input",
+                "enable_moe_block") + moe:
+        assert got.config.extra.get(key) == ref.config.extra.get(key), key
+    for kind, table in gemma4.rope_tables(ref.config).items():
+        np.testing.assert_allclose(gemma4.rope_tables(got.config)[kind].inv_freq, table.inv_freq, rtol=1e-6)
+    check_direct(got.params, got.config, hf_model(path, "Gemma4ForCausalLM"), prompts=PROMPTS[:2])
+
+
+def test_gguf_gemma4_refuses_kv_sharing_llama_cpp_reads_otherwise(tiny_model, tmp_path):
+    """The tiny model's own order (.., full, sliding | shared sliding, shared full): llama.cpp's shared sliding layer
+    reads layer 2 (full), HF's layer 3."""
+    from jlight.core.errors import UnsupportedModelError
+
+    gguf_path = write_gemma4_gguf(tmp_path / "gemma4.gguf", tiny_model("Gemma4ForCausalLM"))
+    with pytest.raises(UnsupportedModelError, match=r"layer 4 \(sliding_attention\) reads the K/V of layer 2 in "
+                                                    r"llama.cpp and of layer 3 in HF's Gemma 4"):
+        load_model(gguf_path)
 
 
 def _same_model_shape(got, ref):

@@ -31,6 +31,19 @@ Tensors are yielded one at a time under their HF names, so `assemble_params` and
   HF elements 2j and 2j + 1), expanded later by mxfp4.expand_mxfp4 like an HF MXFP4 checkpoint's. Layers
   alternate sliding (even) and full (odd) windows, and the clamped SwiGLU's limit 7.0 and alpha 1.702 are
   llama.cpp's constants: no key carries them. YaRN's ramp is not truncated (HF gpt-oss's truncate=false).
+- Gemma 4 ("gemma4", convert_hf_to_gguf's Gemma4Model; llama.cpp's src/models/gemma4*.cpp): norms stored as they
+  are (Gemma 4's RMSNorm scales by w), Q/K not permuted (NEOX RoPE). `_gemma4_config` rebuilds the HF text config:
+  attention.sliding_window_pattern is a per-layer bool array (true: sliding); key_length / key_length_swa are the
+  full and sliding head_dim; head_count_kv is per layer when the kinds differ; a full layer without attn_v uses K as
+  V (attention_k_eq_v); attention.shared_kv_layers; feed_forward_length per layer, doubled on the shared layers
+  (use_double_wide_mlp); embedding_length_per_layer_input (PLE, 0 for none); rope.freq_base / freq_base_swa. The
+  full layers' proportional RoPE is the tensor rope_freqs: ggml frequency factors over the whole head, 1 on the
+  rotated pairs and 1e30 (a zero frequency) on the rest, so partial_rotary_factor = 2 * (pairs at 1) / head_dim.
+  The MoE block (ffn_gate_inp present) carries router.scale as ffn_gate_inp.scale, per_expert_scale as
+  ffn_down_exps.scale and HF's [gate; up] experts as ffn_gate_up_exps; layer_scalar is layer_output_scale. Both
+  scales are optional in llama.cpp (then 1) and come as ones here. llama.cpp's KV-shared layers read layer
+  n - 2 (sliding) or n - 1 (full), n the first shared layer; HF's read the last non-shared layer of their own kind,
+  so a file where those differ is refused.
 """
 from __future__ import annotations
 
@@ -51,7 +64,7 @@ from jlight.loading.mxfp4 import Mxfp4HostWeight, from_ggml_mxfp4
 # GGUF `general.architecture` -> HF architecture name jlight runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 # The types gguf-py's numpy dequantization reads (gguf.quants), K-quants included.
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -62,7 +75,7 @@ _GEMMA = ("gemma2", "gemma3")
 # The architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
 _PERMUTED = ("llama", "smollm3")
 # HF model_type of a GGUF architecture, where the names differ.
-_MODEL_TYPES = {"gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
 # SmolLM3: llama.cpp's n_no_rope_layer_step, a constant of the architecture (no metadata key).
 _SMOLLM3_NO_ROPE_INTERVAL = 4
 # gpt-oss: llama.cpp's clamped SwiGLU constants (no metadata key), HF's defaults.
@@ -113,8 +126,33 @@ _GPT_OSS_LAYER_NAMES = {
     **{f"ffn_{part}_exps.{kind}": f"mlp.experts.{part}_proj{'_bias' if kind == 'bias' else ''}"
        for part in ("gate", "up", "down", "gate_up") for kind in ("weight", "bias")},
 }
+# Gemma 4: HF's names (hf_names_gemma4.py reads them); the experts keep HF's layout ([X, 2I, E] gate rows first,
+# [X, E, I]), which the converter writes unchanged.
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA_LAYER_NAMES,
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+}
+_GEMMA4_GLOBAL_NAMES = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
 _ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
-                     "gpt-oss": _GPT_OSS_LAYER_NAMES}
+                     "gpt-oss": _GPT_OSS_LAYER_NAMES, "gemma4": _GEMMA4_LAYER_NAMES}
+# llama.cpp's frequency factor of Gemma 4's unrotated pairs (the converter writes 1e30): any this large is a zero
+# frequency in float32.
+_GEMMA4_UNROTATED_FACTOR = 1e29
 # The HF names of the linear weights kept as blocks (keep_blocks).
 _BLOCK_WEIGHTS = tuple(f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj",
                                                "up_proj", "gate_up_proj", "down_proj", "lm_head"))
@@ -148,6 +186,8 @@ def gguf_config(reader, path: str) -> ModelConfig:
             f"GGUF file {path} has architecture {arch!r}; jlight runs GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in reader.tensors}
+    if arch == "gemma4":
+        return _gemma4_config(reader, path, tensors)
     if "rope_freqs.weight" in tensors:
         # Llama 3.1+ GGUFs store per-frequency RoPE factors as a tensor, not as rope_scaling metadata.
         raise UnsupportedModelError(f"GGUF file {path} uses per-frequency RoPE factors (rope_freqs); load the HF safetensors checkpoint instead")
@@ -218,6 +258,125 @@ def gguf_config(reader, path: str) -> ModelConfig:
         hf.update(sliding_window=None, use_sliding_window=False)
         if arch == "smollm3":
             hf.update(no_rope_layers=[int((i + 1) % _SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(num_layers)])
+    return ModelConfig.from_hf_dict(hf)
+
+
+def _gemma4_config(reader, path: str, tensors: dict) -> ModelConfig:
+    """Gemma 4's HF text config from the metadata and the tensor table (module docstring); UnsupportedModelError
+    names what a file holds that HF's Gemma 4 (and so jlight) cannot express."""
+    def meta(key, default=None):
+        return field_value(reader, f"gemma4.{key}", default)
+
+    def refuse(what: str):
+        return UnsupportedModelError(f"GGUF file {path} (gemma4): {what}; load the HF checkpoint instead")
+
+    n = int(_required(meta, "block_count", path))
+    hidden = int(_required(meta, "embedding_length", path))
+
+    def per_layer(key, default=None) -> list[int]:
+        value = meta(key, default) if default is not None else _required(meta, key, path)
+        values = [int(v) for v in value] if isinstance(value, list) else [int(value)] * n
+        if len(values) != n:
+            raise ModelLoadError(f"GGUF file {path}: gemma4.{key} lists {len(values)} values for {n} layers; the "
+                                 "file is malformed: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+        return values
+
+    pattern = _required(meta, "attention.sliding_window_pattern", path)
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise refuse(f"attention.sliding_window_pattern is {pattern!r}, not one flag per layer as the converter writes")
+    types = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    heads = per_layer("attention.head_count")
+    kv = per_layer("attention.head_count_kv", heads)
+    ff = per_layer("feed_forward_length")
+    if len(set(heads)) != 1:
+        raise refuse(f"attention.head_count differs between layers ({sorted(set(heads))})")
+    head_dim = {"full_attention": int(_required(meta, "attention.key_length", path)),
+                "sliding_attention": int(_required(meta, "attention.key_length_swa", path))}
+    for key, kind in (("value_length", "full_attention"), ("value_length_swa", "sliding_attention")):
+        if int(meta(f"attention.{key}", head_dim[kind])) != head_dim[kind]:
+            raise refuse(f"attention.{key} differs from the key length {head_dim[kind]}")
+    kv_heads = {}
+    for i, t in enumerate(types):
+        if kv_heads.setdefault(t, kv[i]) != kv[i]:
+            raise refuse(f"{t} layers have more than one KV head count ({kv_heads[t]} and layer {i}'s {kv[i]})")
+    shared = int(meta("attention.shared_kv_layers", 0))
+    first_shared = n - shared
+    if shared:
+        for i in range(first_shared, n):  # llama.cpp's producer against HF's (the last of its own kind)
+            llama_cpp = first_shared - (2 if types[i] == "sliding_attention" else 1)
+            hf = max((j for j in range(first_shared) if types[j] == types[i]), default=None)
+            if llama_cpp != hf:
+                raise refuse(f"layer {i} ({types[i]}) reads the K/V of layer {llama_cpp} in llama.cpp and of layer "
+                             f"{hf} in HF's Gemma 4 (shared_kv_layers={shared} over this layer pattern)")
+    if ff == [ff[0]] * n:
+        double_wide = False
+    elif shared and ff == [ff[0] if i < first_shared else 2 * ff[0] for i in range(n)]:
+        double_wide = True
+    else:
+        raise refuse(f"feed_forward_length {ff} is neither one width nor twice the width on the KV-shared layers")
+    for kind, has_v in (("sliding_attention", True), ("full_attention", None)):
+        got = {f"blk.{i}.attn_v.weight" in tensors for i in range(first_shared) if types[i] == kind}
+        if len(got) > 1 or (has_v is not None and got and got != {has_v}):
+            raise refuse(f"attn_v is missing from some {kind} layers" + ("" if has_v else " but not others"))
+    k_eq_v = {f"blk.{i}.attn_v.weight" in tensors for i in range(first_shared) if types[i] == "full_attention"} == {False}
+
+    rope_dims = {"full_attention": int(meta("rope.dimension_count", head_dim["full_attention"])),
+                 "sliding_attention": int(meta("rope.dimension_count_swa", head_dim["sliding_attention"]))}
+    if rope_dims != head_dim:
+        raise refuse(f"rope.dimension_count(_swa) {rope_dims} differ from the head_dims {head_dim}; the converter "
+                     "rotates whole heads and marks the full layers' unrotated pairs in rope_freqs")
+    if meta("rope.scaling.type") not in (None, "none"):
+        raise refuse(f"rope.scaling.type is {meta('rope.scaling.type')!r}; the converter writes none for Gemma 4")
+    if "rope_freqs.weight" not in tensors:
+        raise ModelLoadError(f"GGUF file {path} (gemma4) has no rope_freqs tensor, which llama.cpp requires for the "
+                             "full layers' proportional RoPE; convert the model again with convert_hf_to_gguf.py")
+    from gguf.quants import dequantize
+
+    t = tensors["rope_freqs.weight"]
+    factors = dequantize(t.data, t.tensor_type).reshape(-1)
+    rotated = int(np.argmax(factors != 1.0)) if (factors != 1.0).any() else len(factors)
+    if len(factors) != head_dim["full_attention"] // 2 or not (factors[rotated:] >= _GEMMA4_UNROTATED_FACTOR).all():
+        raise refuse(f"rope_freqs ({len(factors)} factors) is not 1 on the first pairs and 1e30 on the rest of the "
+                     f"full layers' {head_dim['full_attention'] // 2} pairs (HF's proportional RoPE)")
+    freq_base = float(meta("rope.freq_base", 10000.0))
+
+    moe = {f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(n)}
+    if len(moe) > 1:
+        raise refuse("some layers have the MoE block (ffn_gate_inp) and others not")
+    separate = sorted(name for name in tensors if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")))
+    if separate:
+        raise refuse(f"the experts' gate and up are separate tensors ({separate[0]}, ...); jlight reads Gemma 4's "
+                     "fused ffn_gate_up_exps, as the converter writes them")
+    ple = int(_required(meta, "embedding_length_per_layer_input", path))
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    eot = field_value(reader, "tokenizer.ggml.eot_token_id")
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    hf = dict(
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_activation="gelu_pytorch_tanh",
+        vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden, intermediate_size=ff[0],
+        num_hidden_layers=n, num_attention_heads=heads[0], layer_types=types,
+        num_key_value_heads=kv_heads.get("sliding_attention", kv[0]), head_dim=head_dim["sliding_attention"],
+        per_layer_config={str(i): {"head_dim": head_dim["full_attention"], "num_key_value_heads": kv[i]} for i in full},
+        attention_k_eq_v=k_eq_v, num_kv_shared_layers=shared, use_double_wide_mlp=double_wide,
+        sliding_window=int(_required(meta, "attention.sliding_window", path)),
+        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                               "rope_theta": float(meta("rope.freq_base_swa", freq_base))},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": freq_base,
+                                            "partial_rotary_factor": 2 * rotated / head_dim["full_attention"]}},
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[1]) if ple else None,
+        enable_moe_block=moe == {True},
+        final_logit_softcapping=meta("final_logit_softcapping"),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        rms_norm_eps=float(_required(meta, "attention.layer_norm_rms_epsilon", path)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=list(dict.fromkeys(int(t) for t in (eos, eot) if t is not None)),
+    )
+    if moe == {True}:
+        hf.update(num_experts=int(_required(meta, "expert_count", path)),
+                  top_k_experts=int(_required(meta, "expert_used_count", path)),
+                  moe_intermediate_size=int(_required(meta, "expert_feed_forward_length", path)))
     return ModelConfig.from_hf_dict(hf)
 
 
@@ -294,6 +453,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     map to HF's fused qkv_proj / gate_up_proj; gpt-oss's experts to the names `_gpt_oss_experts` takes."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if arch == "gemma4" and gguf_name in _GEMMA4_GLOBAL_NAMES:
+        return _GEMMA4_GLOBAL_NAMES[gguf_name]
     layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".", 2)  # ["blk", N, suffix]
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
@@ -324,6 +485,10 @@ def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = Fal
     many tensors ahead of the one yielded, so the host holds a few dequantized tensors at a time."""
     # gguf loads only for GGUF checkpoints.
     from gguf.quants import dequantize
+
+    if arch == "gemma4" and keep_blocks:
+        raise UnsupportedModelError(f"GGUF file {reader.path} (gemma4): jlight's Gemma 4 layers take float weights only; "
+                                    "load it without keep_gguf_blocks (its weights are then dequantized)")
 
     def convert(t, name) -> list[tuple[str, object]]:
         arr = None
@@ -361,7 +526,23 @@ def gguf_tensors(reader, config: ModelConfig, arch: str, keep_blocks: bool = Fal
             while ahead:
                 yield from ahead.popleft().result()
 
-    return _gpt_oss_experts(converted(), reader.path) if arch == "gpt-oss" else converted()
+    if arch == "gpt-oss":
+        return _gpt_oss_experts(converted(), reader.path)
+    if arch == "gemma4":
+        return _gemma4_unit_scales(converted(), reader, config)
+    return converted()
+
+
+def _gemma4_unit_scales(tensors, reader, config: ModelConfig):
+    """The tensors, then ones for the scales llama.cpp reads as optional (1 when absent): layer_scalar
+    (layer_output_scale) of each layer and, on MoE layers, router.per_expert_scale (ffn_down_exps.scale)."""
+    yield from tensors
+    names = {t.name for t in reader.tensors}
+    for i in range(config.num_layers):
+        if f"blk.{i}.layer_output_scale.weight" not in names:
+            yield f"model.layers.{i}.layer_scalar", np.ones(1, np.float32)
+        if f"blk.{i}.ffn_gate_inp.weight" in names and f"blk.{i}.ffn_down_exps.scale" not in names:
+            yield f"model.layers.{i}.router.per_expert_scale", np.ones(config.extra["num_experts"], np.float32)
 
 
 def _rows(arr, start: int, stop: int):
