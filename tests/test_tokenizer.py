@@ -238,3 +238,97 @@ def test_gguf_unknown_pre_tokenizer_is_named_in_a_warning(caplog):
     with caplog.at_level("WARNING", logger="jlight.loading.gguf_tokenizer"):
         _pre_tokenizer("some-new-model")
     assert "'some-new-model'" in caplog.text and "GPT-2's regex" in caplog.text
+
+
+# --- Gemma 4 ("gemma4") vocabularies from GGUF, checked against transformers' GemmaTokenizer ----
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<|channel>"]
+GEMMA4_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello  world,\n\ttabs and  double  spaces ",
+    " leading space, trailing space ",
+    "one\n\ntwo\n\n\nthree\n\n\n\nfour\n",
+    "café naïve 😀 日本 — bytes the vocab lacks",
+    "def add(a, b):\n    return a + b  # 12345 0.5",
+    "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n<|channel>thought<eos>",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma4_pair(tmp_path_factory):
+    """(transformers GemmaTokenizer on a BPE trained here, jlight Tokenizer built from the GGUF that
+    llama.cpp's Gemma4Model.set_vocab writes for it)."""
+    import json
+    import random
+
+    import gguf
+    from tokenizers import AddedToken, Regex, Tokenizer as Backend, models, normalizers, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, GemmaTokenizer
+
+    from jlight.loading.gguf_loader import open_gguf
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
+
+    rng = random.Random(0)
+    words = ("the quick brown fox jumps over lazy dog Paris is capital of France Berlin Germany def add(a, b): "
+             "return a + b once upon time there was small model that answered questions 12345 0.5 one two three").split()
+    corpus = ["".join(rng.choice(words) + rng.choice([" ", " ", "  ", "\n", "\n\n"]) for _ in range(12)) for _ in range(200)]
+    trainer_tok = Backend(models.BPE(byte_fallback=True))
+    trainer_tok.normalizer = normalizers.Replace(" ", "\u2581")
+    # Gemma's merges never join a newline to other text, which llama.cpp's newline-run split relies on.
+    trainer_tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    trainer_tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    trained = json.loads(trainer_tok.to_str())["model"]
+    # Gemma's layout: special tokens, then <0x00>..<0xFF>, then the pieces; "\n\n\n" is a piece no merge
+    # builds, an added (not special) token in the HF tokenizer, as Gemma's newline runs are.
+    pieces = GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + ["\n\n\n"]
+    pieces += [p for p, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]) if p not in pieces]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    hf_dir = tmp_path_factory.mktemp("gemma4_tok")
+    hf = GemmaTokenizer(vocab=vocab, merges=[tuple(m) for m in trained["merges"]],
+                        extra_special_tokens=["<start_of_turn>", "<end_of_turn>", "<|channel>"], add_bos_token=True)
+    hf._tokenizer.add_tokens([AddedToken("\n\n\n", special=False, normalized=False)])
+    hf.save_pretrained(hf_dir)
+    hf = AutoTokenizer.from_pretrained(hf_dir)
+
+    # convert_hf_to_gguf.py Gemma4Model.set_vocab
+    hf_vocab = gguf.LlamaHfVocab(hf_dir)
+    visible = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}
+    tokens, scores, types = [], [], []
+    for text, score, toktype in hf_vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(gguf.TokenType.USER_DEFINED if text.decode() in visible else toktype)
+    assert len(tokens) == hf_vocab.vocab_size == len(pieces)
+    path = tmp_path_factory.mktemp("gemma4_gguf") / "gemma4_vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf, gguf_tokenizer(open_gguf(str(path)), str(path))
+
+
+@pytest.mark.parametrize("text", GEMMA4_TEXTS)
+def test_gemma4_gguf_tokenizer_matches_transformers(gemma4_pair, text):
+    hf, tok = gemma4_pair
+    assert tok.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    assert tok.encode(text) == hf.encode(text) == [hf.bos_token_id] + hf.encode(text, add_special_tokens=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False) == text
+    assert "".join(stream(tok, ids, skip_special_tokens=False)) == text
+
+
+def test_gemma4_gguf_tokenizer_special_tokens(gemma4_pair):
+    hf, tok = gemma4_pair
+    assert tok.bos_token == "<bos>" and tok.bos_token_id == hf.bos_token_id
+    assert tok.eos_token_ids == [hf.eos_token_id]
+    assert {"<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>"} <= {tok.backend.id_to_token(i) for i in tok.all_special_ids}
+    assert tok.encode("😀", add_special_tokens=False) == [tok.backend.token_to_id(f"<0x{b:02X}>") for b in "😀".encode()]
+    assert tok.encode("a\n\n\nb", add_special_tokens=False)[1] == tok.backend.token_to_id("\n\n\n")

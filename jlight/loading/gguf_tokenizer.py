@@ -7,6 +7,12 @@ Supported:
 - `"llama"`: SentencePiece BPE (Llama 2, Mistral). GGUF stores pieces and scores, not
   merges; SentencePiece merges the adjacent pair whose joined piece scores highest, which
   is a BPE whose merge ranks are the joined pieces' scores, so merges are rebuilt from them.
+- `"gemma4"` (Gemma 4): a BPE over raw UTF-8 characters from tokens + merges, SentencePiece-style.
+  llama.cpp reads it as a BPE vocabulary with pre-tokenizer "gemma4" whatever `tokenizer.ggml.pre`
+  says: spaces become "\u2581" (no space prepended), text splits into runs of newlines and runs of
+  everything else, merges apply lowest rank first within each run, a character with no token falls
+  back to its bytes' <0xXX> tokens, a newline run that is itself a token is that token whole, and
+  BOS is always added.
 """
 from __future__ import annotations
 
@@ -68,10 +74,11 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     kind = field_value(reader, "tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
+    if kind not in ("gpt2", "llama", "gemma4"):
         raise UnsupportedModelError(
-            f"GGUF file {path} has tokenizer type {kind!r}; jlight builds 'gpt2' (byte-level BPE) and 'llama' "
-            "(SentencePiece BPE) tokenizers from GGUF. Use the model's HF directory (with tokenizer.json) instead"
+            f"GGUF file {path} has tokenizer type {kind!r}; jlight builds 'gpt2' (byte-level BPE), 'llama' "
+            "(SentencePiece BPE) and 'gemma4' (Gemma 4's BPE) tokenizers from GGUF. Use the model's HF directory "
+            "(with tokenizer.json) instead"
         )
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     types = field_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
@@ -82,6 +89,9 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
         add_bos_default = False
+    elif kind == "gemma4":
+        backend = _gemma4_backend(reader, path, tokens, vocab)
+        add_bos_default = True
     else:
         backend = _sentencepiece_backend(reader, tokens, types, vocab)
         add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
@@ -90,6 +100,16 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         for tok, t in zip(tokens, types)
         if t in (_CONTROL, _UNKNOWN, _USER_DEFINED)
     ]
+    if kind == "gemma4":
+        # llama.cpp emits a newline run that is itself a token whole, merges or not. Such runs
+        # are matched as added tokens, which the newline-run split keeps apart from other text.
+        # A run that is no token (longer than any) splits into the longest newline tokens here,
+        # as in the HF tokenizer, where llama.cpp merges it.
+        added += [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, t in zip(tokens, types)
+            if t == _NORMAL and tok and tok.strip("\n") == ""
+        ]
     backend.add_tokens([a for a in added if not a.special])
     backend.add_special_tokens([a for a in added if a.special])
 
@@ -98,7 +118,9 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
     bos, eos = token("bos"), token("eos")
-    if field_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None:
+    # llama.cpp adds BOS for "gemma4" even where the file says not to.
+    add_bos = kind == "gemma4" or field_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)
+    if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, vocab[bos])]
         )
@@ -109,6 +131,33 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         eos_token=eos,
         special_tokens_map={"pad_token": token("padding"), "unk_token": token("unknown")},
     )
+
+
+def _gemma4_backend(reader, path, tokens, vocab):
+    """Gemma 4's BPE as llama.cpp runs it: " " -> "\u2581" (nothing prepended), the text split into
+    runs of newlines and runs of everything else, merges (ranked by their order in the file) over
+    raw UTF-8 characters, <0xXX> byte tokens for characters with no token. Decoding turns
+    "\u2581" back into spaces and joins byte tokens into UTF-8."""
+    # tokenizers loads only when a tokenizer is built.
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    merges = field_value(reader, "tokenizer.ggml.merges")
+    if not merges:
+        raise UnsupportedModelError(f"GGUF file {path} has a 'gemma4' tokenizer without tokenizer.ggml.merges")
+    pairs = []
+    for m in merges:
+        cut = m.find(" ", 1)  # llama.cpp splits at the first space after the first character
+        if cut > 0:
+            pairs.append((m[:cut], m[cut + 1:]))
+    unk_id = field_value(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 def _sentencepiece_backend(reader, tokens, types, vocab):
