@@ -16,6 +16,8 @@
 #       MODEL=gpt-oss-20b VARIANTS=bf16-b8 bash benchmarks/gpu.sh decode              (batch-1 against its bandwidth line)
 #       MODEL=gpt-oss-20b FIXED= SUITE_TIMEOUT=400 bash benchmarks/gpu.sh throughput --quantization mxfp4
 #                   (the experts as random MXFP4, kept as stored: quantization="mxfp4")
+#       MODEL=gemma4-smoke FIXED= bash benchmarks/gpu.sh throughput   (Gemma 4 on the GPU at all: head_dim 256 / 512
+#                   through the Triton attention kernel, per-layer embeddings, KV sharing; a small shape, no peer)
 #       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000
 #                   (TTFT up to 32k: 32k context, 64 sequences, prefix caching off, as vllm_growth.py)
 # and their vLLM peer, benchmarks/vllm_families.py (the same shapes, load_format="dummy", vllm_bench.py's requests):

@@ -87,6 +87,18 @@ FAMILY_CONFIGS = {
     "tiny-qwen3-next": _tiny("qwen3-next-16l", 4, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=16, linear_value_head_dim=16, num_experts=16, num_experts_per_tok=4,
                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    # Gemma 4 text, small but with its real head dims (sliding 256, full 512 through the Triton attention kernel on a
+    # GPU), per-layer embeddings, KV sharing with 2x MLPs and the final soft-cap: a smoke shape, not a release's.
+    "gemma4-smoke": dict(
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", vocab_size=4096, hidden_size=512,
+        intermediate_size=1024, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+        global_head_dim=512, layer_types=["sliding_attention" if (i + 1) % 5 else "full_attention" for i in range(10)],
+        sliding_window=512, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}},
+        hidden_size_per_layer_input=64, vocab_size_per_layer_input=4096, num_kv_shared_layers=4,
+        use_double_wide_mlp=True, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True, attention_k_eq_v=False),
 }
 
 # Named HF config.json dicts (make_config reads them through ModelConfig.from_hf_dict).
