@@ -160,28 +160,43 @@ MESH_TOKENS = textwrap.dedent("""
 MESH_SCRIPT = MESH_TOKENS + textwrap.dedent("""
     short = dict(max_num_batched_tokens=16, min_token_bucket=16, num_pages=64)
     out = {{name: tokens(path, "tp=2", {prompts!r}, 16, **short) for name, path in {paths!r}.items()}}
-    out["full ep=2"] = tokens({paths!r}["full"], "ep=2", {prompts!r}, 16, **short)
-    out["full tp=2 long"] = tokens({paths!r}["full"], "tp=2", {long!r}, 8, max_num_batched_tokens=256,
-                                   min_token_bucket=128, num_pages=256, collective_matmul=True)
+    print("RESULT" + json.dumps(out))
+""")
+MESH_MORE_SCRIPT = MESH_TOKENS + textwrap.dedent("""
+    out = {{"full ep=2": tokens({path!r}, "ep=2", {prompts!r}, 16, max_num_batched_tokens=16, min_token_bucket=16,
+                                num_pages=64),
+           "full tp=2 long": tokens({path!r}, "tp=2", {long!r}, 8, max_num_batched_tokens=256, min_token_bucket=128,
+                                    num_pages=256, collective_matmul=True)}}
     print("RESULT" + json.dumps(out))
 """)
 
 
 def test_mesh_matches_transformers(full, tiny_model):
     """On 2 simulated devices: the full and dense tiny models under tp=2 (the full layers' one KV head split
-    inside the head and gathered, each device keeping a copy; the dense core's two heads one a device), the
-    full model's experts under ep=2, and its 300-token prompt under tp=2 with sequence parallelism (a 256-token
-    step: the residual stream, PLE and router inputs split on tokens): transformers' greedy tokens."""
+    inside the head and gathered, each device keeping a copy; the dense core's two heads one a device):
+    transformers' greedy tokens."""
     from direct_forward import hf_greedy
     from simulated_devices import run_script
 
     dense = tiny_model(ARCH, **DENSE)
     prompts = [PROMPTS[0], PROMPTS[1][:13]]
-    long = [np.random.default_rng(0).integers(3, 250, size=300).tolist(), PROMPTS[2]]
-    out = run_script(MESH_SCRIPT.format(paths={"full": full[0], "dense": dense}, prompts=prompts, long=long), 2)
-    expected = [hf_greedy(full[1], p, 16) for p in prompts]
-    assert out["full"] == expected and out["full ep=2"] == expected
+    out = run_script(MESH_SCRIPT.format(paths={"full": full[0], "dense": dense}, prompts=prompts), 2)
+    assert out["full"] == [hf_greedy(full[1], p, 16) for p in prompts]
     assert out["dense"] == [hf_greedy(hf_model(dense, ARCH), p, 16) for p in prompts]
+
+
+@pytest.mark.extended
+def test_experts_and_sequence_parallel_mesh_match_transformers(full):
+    """On 2 simulated devices: the full model's experts under ep=2, and its 300-token prompt under tp=2 with
+    sequence parallelism (a 256-token step: the residual stream, PLE and router inputs split on tokens):
+    transformers' greedy tokens."""
+    from direct_forward import hf_greedy
+    from simulated_devices import run_script
+
+    prompts = [PROMPTS[0], PROMPTS[1][:13]]
+    long = [np.random.default_rng(0).integers(3, 250, size=300).tolist(), PROMPTS[2]]
+    out = run_script(MESH_MORE_SCRIPT.format(path=full[0], prompts=prompts, long=long), 2)
+    assert out["full ep=2"] == [hf_greedy(full[1], p, 16) for p in prompts]
     assert out["full tp=2 long"] == [hf_greedy(full[1], p, 8) for p in long]
 
 
