@@ -161,7 +161,8 @@ class ShardingPlan:
         def prepare(path, axes, leaf):
             name = jax.tree_util.keystr(path)
             if isinstance(leaf, Mxfp4Weight):  # each field on the weight's axes: [.., in/2 | in/32 | r, out]
-                return Mxfp4Weight(*(self._put(field, self._mxfp4_spec(axes, leaf, name), name) for field in leaf))
+                spec = self._mxfp4_spec(axes, leaf, name)
+                return Mxfp4Weight(*(self._put(field, spec, name) for field in leaf))
             if hasattr(leaf, "values") and hasattr(leaf, "scales"):  # QuantizedWeight
                 values = self._transform(axes, leaf.values)
                 scales = self._transform(axes[:-2] + axes[-1:], leaf.scales)

@@ -155,16 +155,33 @@ SPM_TEXTS = [
 ]
 
 
+def vocab_gguf_tokenizer(path, arch: str, model: str, tokens, scores, types, extra):
+    """A GGUF at path holding only a vocabulary (tokenizer.ggml.model `model`, its tokens, scores and types, then
+    what extra(writer) adds), read back by jlight's gguf_tokenizer."""
+    import gguf
+
+    from jlight.loading.gguf_loader import open_gguf
+    from jlight.loading.gguf_tokenizer import gguf_tokenizer
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    extra(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_tokenizer(open_gguf(str(path)), str(path))
+
+
 @pytest.fixture(scope="module")
 def spm_pair(tmp_path_factory):
     """(sentencepiece processor trained here, jlight Tokenizer built from a GGUF of its vocab)."""
     import io
 
     spm = pytest.importorskip("sentencepiece")
-    import gguf
-
-    from jlight.loading.gguf_loader import open_gguf
-    from jlight.loading.gguf_tokenizer import gguf_tokenizer
 
     corpus = [
         "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, Berlin of Germany.",
@@ -179,20 +196,14 @@ def spm_pair(tmp_path_factory):
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     n = sp.get_piece_size()
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    def ids(w):
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
     path = tmp_path_factory.mktemp("spm") / "spm_vocab.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("llama")
-    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    w.add_token_scores([sp.get_score(i) for i in range(n)])
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return sp, gguf_tokenizer(open_gguf(str(path)), str(path))
+    return sp, vocab_gguf_tokenizer(path, "llama", "llama", [sp.id_to_piece(i) for i in range(n)],
+                                    [sp.get_score(i) for i in range(n)], types, ids)
 
 
 @pytest.mark.parametrize("text", SPM_TEXTS)
@@ -265,9 +276,6 @@ def gemma4_pair(tmp_path_factory):
     from tokenizers import AddedToken, Regex, Tokenizer as Backend, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoTokenizer, GemmaTokenizer
 
-    from jlight.loading.gguf_loader import open_gguf
-    from jlight.loading.gguf_tokenizer import gguf_tokenizer
-
     rng = random.Random(0)
     words = ("the quick brown fox jumps over lazy dog Paris is capital of France Berlin Germany def add(a, b): "
              "return a + b once upon time there was small model that answered questions 12345 0.5 one two three").split()
@@ -300,19 +308,12 @@ def gemma4_pair(tmp_path_factory):
         types.append(gguf.TokenType.USER_DEFINED if text.decode() in visible else toktype)
     assert len(tokens) == hf_vocab.vocab_size == len(pieces)
     path = tmp_path_factory.mktemp("gemma4_gguf") / "gemma4_vocab.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma4")
-    w.add_tokenizer_model("gemma4")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
-    w.add_add_space_prefix(False)
-    w.add_add_bos_token(True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return hf, gguf_tokenizer(open_gguf(str(path)), str(path))
+    def special(w):
+        gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
+        w.add_add_space_prefix(False)
+        w.add_add_bos_token(True)
+
+    return hf, vocab_gguf_tokenizer(path, "gemma4", "gemma4", tokens, scores, types, special)
 
 
 @pytest.mark.parametrize("text", GEMMA4_TEXTS)
