@@ -125,10 +125,10 @@ def acceptance(before: dict, after: dict) -> dict:
 
 
 def generate(prompt, max_tokens):
-    t = time.time()
+    t = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}],
                  SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False), use_tqdm=False)
-    return time.time() - t
+    return time.perf_counter() - t
 
 
 seed(3)
