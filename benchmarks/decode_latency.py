@@ -206,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--kernel-breakdown", action="store_true", help="GPU: device time per kernel of one decode step (CUPTI)")
     ap.add_argument("--step-tokens", default="", help="comma-separated N: also time a step that prefills N tokens "
                     "(back to back), e.g. 32,128,512, to see at which rows int8 weights stop paying")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="KV pool pages (default: the fewest the run needs); a step's time should not grow with it")
     ap.add_argument("--out", default=None, help="directory for decode_latency.json")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
@@ -216,14 +218,15 @@ def main(argv=None):
     loaded = random_loaded_model(a.model_config, jnp.bfloat16, max_position_embeddings=4096)
     gpu = jax.default_backend() == "gpu"
     bw = copy_bytes_per_s() if gpu else None
-    result = dict(result_header(), model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, variants={})
+    result = dict(result_header(), model=a.model_config, copy_bw_tb_s=bw and bw / 1e12, num_pages_given=a.num_pages,
+                  variants={})
     step_tokens = [int(n) for n in a.step_tokens.split(",") if n]
     max_len = max([a.prompt_len + a.tokens + 16] + [n + 16 for n in step_tokens])
     max_batched = max([16] + step_tokens)  # a prefill of N tokens runs as one step
     # a page id holds one KV group's layers (engine/kv_groups.py: a windowed family's local and global layers
     # are groups of their own), so a sequence takes pages in every group
     kv_layout = kv_groups.layout_for(get_model_family(loaded.config), loaded.config)
-    pages = kv_layout.num_groups * (-(-max_len // 16) + 2)
+    pages = a.num_pages or kv_layout.num_groups * (-(-max_len // 16) + 2)
     for name in names:
         try:
             engine = LLMEngine(EngineConfig(

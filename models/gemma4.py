@@ -32,10 +32,14 @@ with its kind static. Top level: embed, final_norm, lm_head, and with PLE ple_em
 ple_proj [E, layers * P], ple_norm [P].
 
 The KV pool holds the non-shared layers, pool layer = layer index, at one per-token width W = the widest
-kind's kv_heads * head_dim: [layers, pages, page_size, W / hd_b, hd_b] with hd_b the widest kind's head_dim.
-A layer of another geometry views the pool as [..., W / hd, hd] (a reshape of contiguous trailing dims) and
-writes each KV head repeated W / (kv_heads * hd) times, so viewed head j holds head j // repeat and query
-head h still reads KV head h // (H / kv_heads).
+kind's kv_heads * head_dim: [layers, pages, page_size, W / hd_b, hd_b] with hd_b the largest head_dim of the
+kinds. The pool is never reshaped (a reshaped view of the whole pool made XLA copy it every step). A layer of
+head_dim hd = hd_b / r writes its K/V heads repeated W / (kv_heads * hd) times, as [T, W / hd_b, hd_b] (a
+reshape of the new tokens only), so pool head b holds the layer's view heads r*b .. r*b + r - 1 side by side.
+Its attention runs over the pool as it is: query head h, which reads view head j = h // (H / (W / hd)), is
+zero-padded to hd_b with its values in segment j % r; q_pad . k_b = q . k_j exactly, and GQA's map
+h // (H / (W / hd_b)) is base head j // r. The output's segment j % r is the layer's; the rest is dropped.
+The narrower kind's attention does r times the arithmetic of its own head_dim over the same bytes.
 
 On a mesh of tp devices the step runs `mesh_config`'s config (ShardingPlan's mesh_config argument; a tp step
 over another config is refused): every kind's KV heads replicated up
@@ -154,13 +158,15 @@ def check_supported(config: ModelConfig) -> None:
     """Raise UnsupportedModelError for what this module does not compute."""
     c = config
     p = plan(c)
+    base = base_geometry(c)
     for t in set(p.types):
         g = p.geometry[t]
         views = pool_width(c) // g.head_dim
-        if pool_width(c) % g.head_dim or c.num_heads % views:
+        if pool_width(c) % base.head_dim or base.head_dim % g.head_dim or c.num_heads % views:
             raise UnsupportedModelError(
                 f"{c.architecture}: {t} layers (head_dim {g.head_dim}, {g.kv_heads} KV heads) do not fit the KV pool's "
-                f"{pool_width(c)}-wide view: num_attention_heads {c.num_heads} must be a multiple of {views}")
+                f"{pool_width(c)}-wide view of {base.head_dim}-wide heads: num_attention_heads {c.num_heads} must be a "
+                f"multiple of {views}, and {g.head_dim} divide {base.head_dim}, which must divide {pool_width(c)}")
     if c.extra.get("enable_moe_block") and not (c.extra.get("num_experts") and c.extra.get("top_k_experts")
                                                 and c.extra.get("moe_intermediate_size")):
         raise UnsupportedModelError(f"{c.architecture}: enable_moe_block needs num_experts, top_k_experts and "
@@ -174,10 +180,10 @@ def pool_width(config: ModelConfig) -> int:
 
 
 def base_geometry(config: ModelConfig) -> Geometry:
-    """The pool's own [.., W / hd_b, hd_b] geometry: the widest kind's (full attention's on a tie)."""
+    """The pool's own [.., W / hd_b, hd_b] geometry: hd_b the largest head_dim of the kinds."""
     p = plan(config)
-    kinds = sorted(set(p.types[:p.num_pool_layers]), key=lambda t: (-p.geometry[t].width, t != FULL))
-    return p.geometry[kinds[0]]
+    head_dim = max(p.geometry[t].head_dim for t in set(p.types))
+    return Geometry(head_dim, pool_width(config) // head_dim)
 
 
 def mesh_config(config: ModelConfig, tp: int) -> ModelConfig:
@@ -259,6 +265,15 @@ def _own_heads(y, head_dim: int, ops):
     return jax.lax.dynamic_slice_in_dim(whole, head * head_dim, head_dim, axis=1)[:, None]
 
 
+def _segments(query_heads: int, view_heads: int, r: int) -> np.ndarray | None:
+    """[query_heads, r] bool: the segment of hd_b that query head h's view head j = h // (query_heads / view_heads)
+    occupies in its pool head (j % r); None where r == 1 (the layer's head_dim is the pool's)."""
+    if r == 1:
+        return None
+    j = np.arange(query_heads) // (query_heads // view_heads)
+    return np.arange(r)[None, :] == (j % r)[:, None]
+
+
 def _rms(x, eps: float):
     """RMSNorm without a weight (V, the router's input), in float32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -319,25 +334,28 @@ class Gemma4Layer(nnx.Module):
         num_tokens = step.md.positions.shape[0]
         q = ops.column_linear(x, value(self, "wq"), mm).reshape(num_tokens, -1, g.head_dim)  # [T, heads, head_dim]
         q = attention_kinds.apply_table(self.norm(q, "q_norm"), step.md, table)
-        pool_shape = k_cache.shape
-        width = pool_shape[-2] * pool_shape[-1]  # W
-        view = pool_shape[:-2] + (width // g.head_dim, g.head_dim)
-        if view != pool_shape and not isinstance(k_cache, jax.Array):
-            raise UnsupportedModelError(f"{c.architecture}: a {type(k_cache).__name__} KV pool (kv_cache_dtype int8) does "
-                                        "not take the layers' other head_dim; use kv_cache_dtype auto or fp8")
-        k_cache, v_cache = k_cache.reshape(view), v_cache.reshape(view)
+        heads = k_cache.shape[-2] * k_cache.shape[-1] // g.head_dim  # this device's view heads (W / tp / head_dim)
+        segment = _segments(q.shape[1], heads, k_cache.shape[-1] // g.head_dim)  # [query heads, r] one-hot
+        if segment is not None and not isinstance(k_cache, jax.Array):
+            raise UnsupportedModelError(f"{c.architecture}: a {type(k_cache).__name__} KV pool (kv_cache_dtype int8) "
+                                        "scales each pool head as one, which here holds several heads of the layers' "
+                                        "narrower head_dim; use kv_cache_dtype auto or fp8")
         slot, md = kv_layout.layer_view(step.md, step.kv_groups, jnp.int32(pool_layer), pool_layer)
         if not self.shared:
             k = _own_heads(ops.column_linear(x, value(self, "wk"), mm), g.head_dim, ops)  # [T, kv heads here, head_dim]
             v = k if self.k_is_v else _own_heads(ops.column_linear(x, value(self, "wv"), mm), g.head_dim, ops)
             k = attention_kinds.apply_table(self.norm(k, "k_norm"), step.md, table)
-            repeat = width // (k.shape[1] * g.head_dim)  # this device's width over its KV heads' width
-            k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(_rms(v, eps), repeat, axis=1)  # [T, W / head_dim, head_dim]
+            repeat = heads // k.shape[1]
+            k, v = (jnp.repeat(y, repeat, axis=1).reshape((num_tokens,) + k_cache.shape[-2:]) for y in (k, _rms(v, eps)))
             k_cache, v_cache = kernels.write_kv(k_cache, v_cache, slot, k, v, md.slot_mapping)
         window = c.sliding_window if self.layer_type == SLIDING else None
+        if segment is not None:  # [T, H, hd] -> [T, H, hd_b], zero outside the head's segment
+            q = jnp.where(segment[:, :, None], q[:, :, None], 0).reshape(num_tokens, q.shape[1], -1)
         attn = kernels.paged_attention(q, k_cache, v_cache, slot, md, scale=1.0, sliding_window=window)
+        if segment is not None:  # each head's own segment
+            attn = attn.reshape(num_tokens, q.shape[1], -1, g.head_dim)[:, np.arange(q.shape[1]), segment.argmax(1)]
         out = ops.row_linear(attn.reshape(num_tokens, -1), value(self, "wo"), mm)
-        return out, k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)
+        return out, k_cache, v_cache
 
     def mlp(self, x, step: Step):
         ops, mm = step.ops, step.kernels.matmul

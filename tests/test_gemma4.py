@@ -58,6 +58,47 @@ def test_engine_matches_transformers(full):
     assert len(outs) == 5
 
 
+def test_sliding_kind_wider_than_full_matches_transformers(tiny_model):
+    """Sliding layers of 4 KV heads x 16 (64 values a token) beside full layers of 1 x 32, as the 31B model's
+    16 x 256 beside 4 x 512: the pool is 2 heads of 32, each holding two different sliding heads side by side,
+    and a sliding query head reads its own half of one (the module docstring's segments)."""
+    path = tiny_model(ARCH, num_key_value_heads=4)
+    loaded = load_model(path, dtype="float32")
+    assert gemma4.plan(loaded.config).geometry == {"sliding_attention": (16, 4), "full_attention": (32, 1)}
+    assert gemma4.kv_cache_shapes(loaded.config, 5, 8)[0] == (4, 5, 8, 2, 32)
+    hf = hf_model(path, ARCH)
+    check_direct(loaded.params, loaded.config, hf, prompts=PROMPTS[:2])
+    check_engine(path, hf, num_pages=32)
+
+
+def test_the_step_never_copies_the_kv_pool(full):
+    """The kinds' different head_dims are read from the pool as it is: no compiled step (prefill and decode
+    buckets, both page-table widths) holds a copy of a pool-sized array, which would cost a copy of the whole
+    pool every step."""
+    import re
+
+    import jlight
+
+    llm = jlight.LLM(full[0], dtype="float32", max_num_seqs=4, page_size=8, num_pages=37, max_num_batched_tokens=16,
+                     min_token_bucket=1, compilation_cache_dir=None, enable_prefix_caching=False)
+    executables = list(llm.engine.runner._executables.values())
+    assert len(executables) >= 2
+    for executable in executables:
+        pool_sized = [c for c in re.findall(r"= (\S+) copy\(", executable.as_text()) if ",37," in c]
+        assert not pool_sized, f"the step copies the pool: {pool_sized}"
+
+
+def test_int8_pool_of_two_geometries_is_refused(full):
+    """An int8 pool scales each pool head as one vector, and a sliding layer's pool head holds two of its heads:
+    refused at the first step, naming the option and its working values."""
+    import jlight
+
+    llm = jlight.LLM(full[0], dtype="float32", max_num_seqs=2, page_size=8, num_pages=64, kv_cache_dtype="int8",
+                     max_num_batched_tokens=16, min_token_bucket=16, compilation_cache_dir=None, warmup=False)
+    with pytest.raises(UnsupportedModelError, match="kv_cache_dtype int8.*use kv_cache_dtype auto or fp8"):
+        llm.generate([PROMPTS[0]], use_tqdm=False)
+
+
 def test_conditional_generation_text_model(full, tmp_path):
     """Gemma4ForConditionalGeneration: text_config nested, eos at the top level, text weights under
     model.language_model.*, a vision tower's tensor beside them (skipped): the text model's logits."""
