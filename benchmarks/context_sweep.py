@@ -42,7 +42,7 @@ def measure(a) -> dict:
     start_s = time.perf_counter() - t0
     generate = lambda requests: harness.engine_generate(engine, requests)
     weight_bytes = harness.weight_bytes(engine.runner.params)
-    kv_bytes_per_token = engine.kv_bytes_per_page(engine.runner.params["final_norm"].dtype) / a.page_size
+    kv_bytes_per_token = engine.kv_bytes_per_page(engine.runner.kv_dtype) / a.page_size
     copy_rate = harness.copy_bytes_per_s()
     # Every step shape the sweep meets, compiled before anything is timed (with --no-warmup only these
     # are compiled): a long prompt's full and remainder chunks, batch-16 prefill and decode, batch-1 decode.

@@ -59,17 +59,31 @@ def test_sharded_checkpoint_loads_like_single_file(llama_dir, llama_f32, tmp_pat
     assert loaded.tokenizer is None  # save_pretrained of a model writes no tokenizer
 
 
-def test_bfloat16_checkpoint_stays_bfloat16(tiny_model):
-    path = tiny_model("Qwen2ForCausalLM", dtype="bfloat16")
-    loaded = load_model(path)  # "auto" = the checkpoint's dtype
-    assert loaded.dtype == jnp.bfloat16
-    assert all(x.dtype == jnp.bfloat16 for x in (loaded.params["embed"], loaded.params["layers"]["bq"], loaded.params["layers"]["wk"]))
+def test_bfloat16_checkpoint_stays_bfloat16_when_asked_and_auto_is_float32_on_the_cpu(tiny_model):
+    """dtype="bfloat16" keeps a bf16 checkpoint's values; "auto" on the CPU gives the same values in float32
+    (cpu_auto_dtype: XLA:CPU widens 16-bit operands whole)."""
     import torch
 
+    path = tiny_model("Qwen2ForCausalLM", dtype="bfloat16")
     sd = hf_state_dict(path, dtype=torch.bfloat16)  # bf16 -> float32 is exact
     want_bq = np.stack([sd[f"model.layers.{i}.self_attn.q_proj.bias"] for i in range(2)])  # [layers, q]
-    np.testing.assert_array_equal(np.asarray(loaded.params["layers"]["bq"], np.float32), want_bq)
-    np.testing.assert_array_equal(np.asarray(loaded.params["embed"], np.float32), sd["model.embed_tokens.weight"])
+    for dtype, want in (("bfloat16", jnp.bfloat16), ("auto", jnp.float32)):
+        loaded = load_model(path, dtype=dtype)
+        assert loaded.dtype == want
+        assert all(x.dtype == want for x in (loaded.params["embed"], loaded.params["layers"]["bq"], loaded.params["layers"]["wk"]))
+        np.testing.assert_array_equal(np.asarray(loaded.params["layers"]["bq"], np.float32), want_bq)
+        np.testing.assert_array_equal(np.asarray(loaded.params["embed"], np.float32), sd["model.embed_tokens.weight"])
+
+
+def test_cpu_auto_dtype_keeps_16_bits_where_float32_would_not_fit():
+    from jlight.loading import cpu_auto_dtype
+
+    gib = 2**30
+    assert cpu_auto_dtype("bfloat16", 4 * gib, host_bytes=16 * gib) == "float32"  # 8 GiB in float32: half the host
+    assert cpu_auto_dtype("bfloat16", 4 * gib + 1, host_bytes=16 * gib) == "bfloat16"
+    assert cpu_auto_dtype("float16", 1, host_bytes=16 * gib) == "float32"
+    assert cpu_auto_dtype("float32", 100 * gib, host_bytes=16 * gib) == "float32"
+    assert cpu_auto_dtype("float32", 1) == "float32"
 
 
 def test_dtype_override_and_invalid_dtype(llama_dir):

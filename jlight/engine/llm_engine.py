@@ -33,7 +33,7 @@ from jlight.engine import kv_groups, output_processor, proposers, speculative, s
 from jlight.engine.block_manager import BlockManager, prefix_key
 from jlight.engine.engine_config import EngineConfig
 from jlight.engine.host_tier import HostTier
-from jlight.engine.model_runner import ModelRunner
+from jlight.engine.model_runner import ModelRunner, kv_pool_dtype
 from jlight.engine.outputs import RequestOutput
 from jlight.engine.sampler import NUM_BANNED
 from jlight.engine.sampling_params import SamplingParams
@@ -183,12 +183,13 @@ class LLMEngine:
             logger.warning("max_model_len=%d is beyond the model's %d positions; using %d", cfg.max_model_len,
                            mc.max_position_embeddings, self.max_model_len)
         max_batched = cfg.max_num_batched_tokens or max(cfg.max_num_seqs, 2048 if dispatch.on_gpu() else 512)
-        kv_dtype = params["final_norm"].dtype  # the model's compute dtype
+        compute_dtype = params["final_norm"].dtype
+        kv_dtype = kv_pool_dtype(compute_dtype, dispatch.on_gpu())
         if cfg.kv_cache_dtype != "auto" and mc.family == "deepseek":
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported for {mc.architecture} (its MLA latent "
                              "cache stays in the model dtype); use kv_cache_dtype='auto'")
         spec = cfg.speculative
-        self.proposer = proposers.make_proposer(spec, cfg, self.family, mc, params, self.tokenizer, kv_dtype,
+        self.proposer = proposers.make_proposer(spec, cfg, self.family, mc, params, self.tokenizer, compute_dtype,
                                                 self.kv_layout.num_groups, dispatch.on_gpu())
         stats = startup.device_memory_stats()  # None on the CPU
         self.memory_in_use_at_sizing = stats.get("bytes_in_use") if stats else None  # what the pool was sized beside
@@ -320,7 +321,7 @@ class LLMEngine:
         pages), split over the mesh."""
         bytes_per_page = self.kv_bytes_per_page(kv_dtype)
         if self.proposer is not None:
-            bytes_per_page += self.proposer.kv_bytes_per_page(self.config.page_size)
+            bytes_per_page += self.proposer.kv_bytes_per_page(self.config.page_size, kv_dtype)
         if plan is not None:
             bytes_per_page //= max(1, plan.mesh.size)
         return bytes_per_page

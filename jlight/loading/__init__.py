@@ -61,6 +61,18 @@ def resolve_dtype(dtype, checkpoint_dtype: str) -> Any:
     return DTYPES[name]
 
 
+def cpu_auto_dtype(checkpoint_dtype: str, checkpoint_bytes: int, host_bytes: int | None = None) -> str:
+    """The dtype "auto" gives a checkpoint on the CPU: float32 where its weights in float32 take at most half of
+    the host's memory (host_bytes, default the machine's), else the checkpoint's own. XLA:CPU computes 16-bit
+    floats in float32 and widens a whole operand to do so (the embedding table a step gathers from, a tied LM
+    head): SmolLM2-135M's shape decodes at 114.6 ms a token in bfloat16 against 16.5 ms in float32 (2 cores)."""
+    if checkpoint_dtype not in ("bfloat16", "float16"):
+        return checkpoint_dtype
+    if host_bytes is None:
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "float32" if 2 * (2 * checkpoint_bytes) <= host_bytes else checkpoint_dtype
+
+
 def load_model(model: str | None = None, dtype="auto", place: Callable | None = None, mesh=None,
                unstacked: bool = False, keep_gguf_blocks: bool = False, keep_mxfp4: bool = False) -> LoadedModel:
     """Load config, params (on device) and tokenizer. `place(path, host_array)` puts each tensor
@@ -98,8 +110,12 @@ def load_hf_dir(model_dir: str, dtype="auto", place=None, name: str | None = Non
     config = ModelConfig.from_json_file(config_path)  # raises ModelLoadError/UnsupportedModelError
     with open(config_path) as f:
         hf_config = json.load(f)
-    jdtype = resolve_dtype(dtype, st.checkpoint_dtype(hf_config))
     files = st.safetensors_files(model_dir)
+    stored = st.checkpoint_dtype(hf_config)
+    auto = cpu_auto_dtype(stored, sum(os.path.getsize(f) for f in files)) if jax.default_backend() == "cpu" else stored
+    if dtype == "auto" and auto != stored:
+        logger.info("dtype auto on the CPU: the %s checkpoint runs in %s (pass dtype=%s to keep it)", stored, auto, stored)
+    jdtype = resolve_dtype(dtype, auto)
     tensors = _progress(st.stream_safetensors(files), st.count_tensors(files), os.path.basename(model_dir.rstrip("/")))
     scheme = fp8_scheme(hf_config)  # an FP8 checkpoint's linear weights come as Fp8Weights (fp8_checkpoint.py)
     if scheme is not None:

@@ -35,8 +35,9 @@ class Proposer(abc.ABC):
         verifies, every one kept) and that token. Only for a proposer with drafts_ahead."""
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead of the device")
 
-    def kv_bytes_per_page(self, page_size: int) -> int:
-        """Bytes the proposer's own K/V take per page of the target's pool (sized from the same budget)."""
+    def kv_bytes_per_page(self, page_size: int, kv_dtype) -> int:
+        """Bytes the proposer's own K/V take per page of the target's pool (sized from the same budget), in the
+        target pool's dtype kv_dtype."""
         return 0
 
     def attach(self, runner) -> None:

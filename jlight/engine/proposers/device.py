@@ -105,7 +105,7 @@ class DeviceProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, params, dtype):
         self.config = config
         self.params = params
-        self.dtype = dtype  # the proposer's compute and K/V dtype
+        self.dtype = dtype  # the proposer's compute dtype; its K/V pools take the target's (runner.kv_dtype)
         self.lookahead = config.num_speculative_tokens
         self.ops = ParallelOps()
         self.runner = self.kernels = None
@@ -131,14 +131,14 @@ class DeviceProposer(Proposer):
             return []  # none made after its latest token
         return seq.draft_tokens[:max_drafts]
 
-    def kv_bytes_per_page(self, page_size: int) -> int:
-        return sum(int(np.prod(s)) for s in self.pool_shapes(1, page_size)) * jnp.dtype(self.dtype).itemsize
+    def kv_bytes_per_page(self, page_size: int, kv_dtype) -> int:
+        return sum(int(np.prod(s)) for s in self.pool_shapes(1, page_size)) * jnp.dtype(kv_dtype).itemsize
 
     def attach(self, runner) -> None:
         self.runner, self.kernels = runner, runner.kernels
         k_shape, v_shape = self.pool_shapes(runner.num_pages, runner.page_size)
-        self.k_cache = jnp.zeros(k_shape, self.dtype)  # [layers, pages, page_size, kv_heads, head_dim] as the family's
-        self.v_cache = jnp.zeros(v_shape, self.dtype)
+        self.k_cache = jnp.zeros(k_shape, runner.kv_dtype)  # [layers, pages, page_size, kv_heads, head_dim] as the family's
+        self.v_cache = jnp.zeros(v_shape, runner.kv_dtype)
         self._precision = matmul_precision(self.dtype)
         self._first = jax.jit(self._first_fn, donate_argnums=(1, 2), static_argnums=(9,), compiler_options=STEP_COMPILER_OPTIONS)
         self._chain = jax.jit(self._chain_fn, donate_argnums=(1, 2), compiler_options=STEP_COMPILER_OPTIONS)
