@@ -65,12 +65,13 @@ def cpu_busy(window: float = 2.0) -> float:
 
 # ------------------------------------------------------------------ decode rates (one engine per child)
 
-def decode_rate(generate, n_new: int, repeats: int) -> dict:
-    """generate(prompt_ids, n) runs one greedy request of n new tokens. Median over repeats."""
+def decode_rate(generate, n_new: int, repeats: int, vocab_size: int = 40000) -> dict:
+    """generate(prompt_ids, n) runs one greedy request of n new tokens. Median over repeats. The prompts' ids
+    are drawn from [100, min(40000, vocab_size))."""
     rng = np.random.default_rng(0)
 
     def timed(n):
-        prompt = rng.integers(100, 40000, 64).tolist()
+        prompt = rng.integers(100, min(40000, vocab_size), 64).tolist()
         t = time.perf_counter()
         generate(prompt, n)
         return time.perf_counter() - t
@@ -102,7 +103,7 @@ def jlight_child(gguf: str, n_new: int, repeats: int, **options) -> dict:
     kinds = sorted({type(w).__name__ if hasattr(w, "_fields") else str(w.dtype)
                     for w in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "_fields"))})
     weight_bytes = sum(a.nbytes for k, v in params.items() if k != "embed" for a in jax.tree.leaves(v))
-    rate = decode_rate(generate, n_new, repeats)
+    rate = decode_rate(generate, n_new, repeats, engine.model_config.vocab_size)
     name = f"jlight (jax {jax.__version__}{', ' + ', '.join(f'{k}={v}' for k, v in options.items()) if options else ''})"
     return {"engine": name, "start_s": start_s, "buckets": engine.runner.buckets, "weights": kinds,
             "weight_bytes": weight_bytes, "read_gb_s": weight_bytes * rate["decode_tok_s"] / 1e9, **rate}
