@@ -33,8 +33,12 @@ from jlight.pallas_kernels.tiling import NUM_SMS, next_pow2
 _MASKED = -1e30
 # Query rows (tokens x heads of one KV head) per prefill program.
 _PREFILL_ROWS = 64
-# K/V positions processed per inner step (pages_per_step * page_size).
+# K/V positions processed per inner step (pages_per_step * page_size) at head_dim <= 256; wider heads take
+# proportionally fewer, so a step's K and V tiles stay the bytes that head_dim 256 runs with on the GPU
+# (64 x 256 x 2 bytes each; at 512 the 64-position tiles, double-buffered, would pass Hopper's 227 KB of
+# shared memory).
 _KV_PER_STEP = 64
+_KV_STEP_HEAD_DIM = 256
 
 # XLA's scatter already writes the donated cache in place and moves only the T new K/V
 # vectors; a kernel could not move fewer bytes, so the reference is used as is.
@@ -149,7 +153,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     block_q = 1 if num_tokens <= num_rows else max(1, _PREFILL_ROWS // group)
     block_rows = max(16, next_pow2(block_q * group))  # tensor-core dots need >= 16 rows
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
-    pages_per_step = pages_per_step or max(1, min(_KV_PER_STEP // page_size, next_pow2(max_pages)))
+    kv_per_step = _KV_PER_STEP * _KV_STEP_HEAD_DIM // max(head_dim, _KV_STEP_HEAD_DIM)
+    pages_per_step = pages_per_step or max(1, min(kv_per_step // page_size, next_pow2(max_pages)))
     num_steps = -(-max_pages // pages_per_step)
     num_splits = num_splits or (_choose_splits(num_blocks * num_kv_heads, num_steps) if block_q == 1 else 1)
     steps_per_split = -(-num_steps // num_splits)

@@ -23,6 +23,8 @@ CASES = [
     ("mixed_gqa8", jnp.float32, 8, 64, [37, 1, 0, 16, 5], [37, 200, 0, 48, 70], 64, None, None),
     ("prefill_chunk", jnp.bfloat16, 4, 128, [40], [1000], 48, None, None),
     ("sliding_window", jnp.float32, 4, 64, [1, 20], [500, 300], 24, 64, None),
+    # Gemma 4's full layers: head_dim 512 (half the positions a step), a prefill chunk beside decode rows
+    ("head_dim_512", jnp.float32, 2, 512, [1, 9, 1], [40, 9, 100], 16, None, None),
 ]
 
 
