@@ -243,6 +243,26 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path, 
     assert len(Prefetch(directory, "another engine", threads=1)) == buckets  # rewritten whole by that start
 
 
+def test_engines_given_different_models_keep_manifests_of_their_own(tmp_path):
+    """An engine given a LoadedModel (EngineConfig.model None) keys its manifest by the model's config too: two
+    random-weight models under one EngineConfig read each their own, not the other's (whose steps never match,
+    and whose reads and warning were spurious); one loaded from a path keeps its key."""
+    import dataclasses
+
+    from jlight.core.config import ModelConfig
+    from jlight.engine import startup
+    from jlight.engine.engine_config import EngineConfig
+
+    base = ModelConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=16,
+                                         intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1))
+    cfg = EngineConfig(model=None, compilation_cache_dir=str(tmp_path))
+    path = lambda c, mc: startup.prefetch_executables(c, mc).path  # noqa: E731
+    assert path(cfg, base) != path(cfg, dataclasses.replace(base, num_layers=2)) != path(cfg, None)
+    assert path(cfg, base) == path(cfg, base)
+    assert path(dataclasses.replace(cfg, model="/m"), None) != path(cfg, None)
+
+
 def test_a_prefetched_step_reaches_its_devices_only_when_taken(tmp_path, monkeypatch):
     """Prefetch reads the manifest's entries into host memory on its threads; an entry is loaded onto its devices
     (where it holds device memory, which the KV pool is sized beside) only when its key is taken, and runs then.

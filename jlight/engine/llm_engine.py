@@ -143,7 +143,8 @@ class LLMEngine:
         self.config = cfg = config
         self._start_time = time.perf_counter()
         startup.enable_compilation_cache(cfg.compilation_cache_dir)
-        self._prefetch = startup.prefetch_executables(cfg)  # stored steps load on threads of their own from here on
+        # stored steps load on threads of their own from here on
+        self._prefetch = startup.prefetch_executables(cfg, None if loaded is None else loaded.config)
         # Weights this engine loads itself, or is given, are its own to free while unstacking them (below);
         # weights only lent (data-parallel replicas share one load) stay intact for the others.
         owns_weights = loaded is None or give_weights

@@ -146,13 +146,16 @@ def executable_store(cfg, model_config, prefetch: Prefetch | None = None) -> Exe
                            prefetch=prefetch)
 
 
-def prefetch_executables(cfg) -> Prefetch | None:
+def prefetch_executables(cfg, model_config=None) -> Prefetch | None:
     """For an engine that warms up every bucket with the store on: the steps its last start used, loading
-    from now on while the weights load (executable_store.Prefetch), on compile_threads' threads."""
+    from now on while the weights load (executable_store.Prefetch), on compile_threads' threads. model_config:
+    a LoadedModel's, where the engine is given one (cfg.model then names none, and engines of different models
+    must not share a manifest)."""
     if not (cfg.store_executables and cfg.compilation_cache_dir and cfg.warmup):
         return None
-    prefetch = Prefetch(os.path.join(cfg.compilation_cache_dir, "executables"),
-                        repr(dataclasses.replace(cfg, **START_ONLY_FIELDS)), compile_threads(cfg.compile_threads, os.cpu_count() or 1))
+    engine = repr(dataclasses.replace(cfg, **START_ONLY_FIELDS)) + ("" if model_config is None else f"\n{model_config!r}")
+    prefetch = Prefetch(os.path.join(cfg.compilation_cache_dir, "executables"), engine,
+                        compile_threads(cfg.compile_threads, os.cpu_count() or 1))
     if len(prefetch):
         logger.info("loading %d compiled steps from the store while the weights load", len(prefetch))
     return prefetch
