@@ -4,6 +4,7 @@ or a damaged entry compiles instead (the separate damaged-entry test runs with -
 JAX's persistent cache could serve is still stored with its code, so a new process runs it."""
 import functools
 import glob
+import json
 import logging
 import os
 import subprocess
@@ -241,6 +242,51 @@ def test_a_start_prefetches_the_steps_the_last_start_used(tiny_model, tmp_path, 
     damaged, prefetched = start("another engine")
     assert len(prefetched) == 0 and damaged.engine.runner.executable_store.loaded == buckets
     assert len(Prefetch(directory, "another engine", threads=1)) == buckets  # rewritten whole by that start
+
+
+# A start in a new process: JAX's persistent cache at argv[2]; prints the programs compiled below the cache's
+# 1 s floor (not written) and those read from it, the engine's start and an on-device load's casts.
+_START_SCRIPT = textwrap.dedent("""
+    import io, json, logging, os, re, sys
+    import jax, jax.numpy as jnp
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("jax._src.compiler").addHandler(handler)
+    logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
+    import jlight
+    from jlight.core.config import ModelConfig
+    from jlight.loading import assemble, safetensors_loader as st
+    path, cache = sys.argv[1], sys.argv[2]
+    jlight.LLM(path, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, page_size=8, num_pages=16,
+               compilation_cache_dir=cache)
+    config = ModelConfig.from_json_file(os.path.join(path, "config.json"))
+    tensors = st.stream_safetensors(st.safetensors_files(path))
+    jax.block_until_ready(assemble.assemble_params(config, tensors, jnp.bfloat16, transform_on_device=True, unstacked=True))
+    text = log.getvalue()
+    print("RESULT" + json.dumps(dict(below_floor=re.findall(r"entry for '([^']+)' because it took <", text),
+                                     hits=re.findall(r"cache hit for '([^']+)'", text))))
+""")
+
+
+def test_a_second_start_reads_its_small_programs_from_the_cache(tiny_model, tmp_path):
+    """The programs a start compiles beside its steps (zeroed pools and buffers, casts, an on-device load's
+    transposes) each compile under JAX's persistent cache's 1 s floor, so none was stored and every start compiled
+    them again; now the first start stores them and the second compiles none but its steps (which the executable
+    store keeps) and reads the rest."""
+    script = tmp_path / "start.py"
+    script.write_text(_START_SCRIPT)
+    model_dir, cache = tiny_model("LlamaForCausalLM"), str(tmp_path / "cache")
+
+    def start():
+        out = subprocess.run([sys.executable, str(script), model_dir, cache], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.split("RESULT", 1)[1])
+
+    first = start()
+    assert not [p for p in first["below_floor"] if p != "jit__packed_step"], first
+    second = start()
+    assert not [p for p in second["below_floor"] if p != "jit__packed_step"], second
+    assert "jit__cast_transposed" in second["hits"] and "jit_broadcast_in_dim" in second["hits"], second
 
 
 def test_engines_given_different_models_keep_manifests_of_their_own(tmp_path):

@@ -130,14 +130,16 @@ class LLMEngine:
                 given, loaded = loaded, dataclasses.replace(loaded, params=jax.device_put(loaded.params, devices[0]))
                 if give_weights:
                     given.params = None
-            with jax.default_device(devices[0]):  # caches and buffers made at set-up live there too
+            with jax.default_device(devices[0]), startup.small_programs_cached():  # set-up's buffers live there too
                 self._init(config, loaded, None, warmup=False, give_weights=give_weights)
-            # Warm up outside that context, as step() runs: the default device is part of jit's cache key,
-            # so buckets compiled under it compiled again on first use. The weights are committed to
+            # Warm up outside that device context, as step() runs: the default device is part of jit's cache
+            # key, so buckets compiled under it compiled again on first use. The weights are committed to
             # devices[0], so the steps run there anyway.
-            self.warmup_seconds = self._warmup() if config.warmup else 0.0
+            with startup.small_programs_cached():
+                self.warmup_seconds = self._warmup() if config.warmup else 0.0
         else:
-            self._init(config, loaded, devices, give_weights=give_weights)
+            with startup.small_programs_cached():
+                self._init(config, loaded, devices, give_weights=give_weights)
 
     def _init(self, config: EngineConfig, loaded, devices, warmup: bool = True, give_weights: bool = False) -> None:
         self.config = cfg = config

@@ -35,6 +35,7 @@ import logging
 import os
 
 import jax
+from jax._src import config as jax_config  # persistent_cache_min_compile_time_secs as a thread-local context; private in jax 0.10/0.11
 
 from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.engine import kv_groups
@@ -55,6 +56,15 @@ def enable_compilation_cache(path: str | None) -> None:
             logger.info("compilation cache: this process already uses %s (not %s)", jax.config.jax_compilation_cache_dir, path)
     except Exception as e:  # an old or new JAX without these flags: run without the cache
         logger.warning("persistent compilation cache disabled: %s", e)
+
+
+def small_programs_cached():
+    """A context (this thread's) in which JAX's persistent cache keeps every program compiled, whatever its
+    compile time. A start compiles a dozen or more small programs (zeroed pools and buffers, casts, fused
+    projections' concatenations), each far under the cache's 1 s floor, so none was stored and every start
+    compiled them all again; in this context a start after the first reads them. The executable store's steps
+    keep their own context (not written to this cache)."""
+    return jax_config.persistent_cache_min_compile_time_secs(0.0)
 
 
 def compile_threads(requested: int | None, num_steps: int) -> int:

@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config  # persistent_cache_min_compile_time_secs as a thread-local context; private in jax 0.10/0.11
 
 from jlight.core.config import HYBRID_FAMILIES, ModelConfig
 from jlight.core.errors import ModelLoadError
@@ -170,7 +171,7 @@ def _host_tensor(tensor, transpose, key: str, np_dtype, place, on_device: bool):
     if fp8:
         return (arr.T if transpose else arr), shape, (lambda path, a: Fp8Weight(place(path, a), jax.device_put(tensor.scales)))
     if on_device and (transpose or arr.dtype != np_dtype):
-        return arr, shape, (lambda path, a: _cast_transposed(jax.device_put(a), bool(transpose), np_dtype))
+        return arr, shape, (lambda path, a: cast_transposed(jax.device_put(a), bool(transpose), np_dtype))
     if on_device:  # as stored: the file's bytes straight to the device
         return arr, shape, (lambda path, a: jax.device_put(a))
     return arr, shape, (lambda path, a: place(path, host_array(a.T if transpose else a, np_dtype)))
@@ -178,8 +179,17 @@ def _host_tensor(tensor, transpose, key: str, np_dtype, place, on_device: bool):
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _cast_transposed(a: jax.Array, transpose: bool, dtype) -> jax.Array:
-    """A weight as the file stores it, on the device, made the model's: transposed ([out, in] -> [in, out]) and cast."""
     return (a.T if transpose else a).astype(dtype)
+
+
+def cast_transposed(a: jax.Array, transpose: bool, dtype) -> jax.Array:
+    """A weight as the file stores it, on the device, made the model's: transposed ([out, in] -> [in, out]) and cast.
+
+    One program a weight shape, each compiled in well under JAX's persistent cache's 1 s floor, so none was ever
+    stored and every start compiled them all again; they are stored whatever their compile time (the cache's
+    floor lowered on this thread for them alone), and a start after the first reads them."""
+    with jax_config.persistent_cache_min_compile_time_secs(0.0):
+        return _cast_transposed(a, transpose, dtype)
 
 
 # XLA's CPU client takes a host array as a device buffer without copying it when the array's data is aligned
