@@ -88,9 +88,12 @@ def test_fp8_lowers_for_cuda():
 
 # ---- the engine end to end ------------------------------------------------------------------------
 
-def test_engine_fp8_cache_pallas_equals_reference_and_counts_pages(tiny_model):
+def test_engine_fp8_cache_pallas_equals_reference_and_counts_pages(tiny_model, caplog):
     """A tiny random Llama (float32) with an fp8 cache: the Pallas attention (the Triton kernel, interpret mode)
-    inside the engine gives the reference's greedy tokens; the pool is fp8 and holds twice bf16's pages."""
+    inside the engine gives the reference's greedy tokens; the pool is fp8 and holds twice bf16's pages. On the
+    CPU each start says that such a pool costs a step time growing with it, and names int8."""
+    import logging
+
     import jlight
     from jlight import SamplingParams
 
@@ -100,8 +103,12 @@ def test_engine_fp8_cache_pallas_equals_reference_and_counts_pages(tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     out = {}
     for impl in ("reference", "pallas"):
-        llm = jlight.LLM(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8, num_pages=64,
-                         kv_cache_dtype="fp8", attention_impl=impl, min_token_bucket=32)
+        with caplog.at_level(logging.WARNING, logger="jlight.engine.llm_engine"):
+            llm = jlight.LLM(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+                             num_pages=64, kv_cache_dtype="fp8", attention_impl=impl, min_token_bucket=32)
+        assert sum("kv_cache_dtype='fp8' on the CPU" in r.getMessage() and "'int8'" in r.getMessage()
+                   for r in caplog.records) == 1
+        caplog.clear()
         assert llm.engine.runner.k_cache.dtype == FP8_KV_DTYPE
         out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.block_manager.num_used_pages == 0
