@@ -475,7 +475,7 @@ def kv_layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
 
 
 def kv_cache_shapes(config: ModelConfig, num_pages: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """[pool layers, pages, page_size, W / hd_b, hd_b] each (the module docstring's uniform-width view)."""
+    """[pool layers, pages, page_size, W / hd_b, hd_b] each (the module docstring's pool, never reshaped)."""
     g = base_geometry(config)
     shape = (plan(config).num_pool_layers, num_pages, page_size, pool_width(config) // g.head_dim, g.head_dim)
     return shape, shape
