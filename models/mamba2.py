@@ -83,21 +83,21 @@ class MambaMixer:
         gate, xbc, dt = jnp.split(proj, [d["inner"], d["inner"] + d["conv_dim"]], axis=-1)
         k_pages, v_pages, state = caches
         bias = value(self, "conv_bias") if hasattr(self, "conv_bias") else None
-        xbc, conv = kernels.causal_conv1d(xbc, value(self, "conv_weight"), bias, state["conv"][index], md.state_slots, md)
+        xbc, conv = kernels.causal_conv1d(xbc, value(self, "conv_weight"), bias, state["conv"], index, md.state_slots, md)
         xbc = activation(d["act"])(xbc)
         xs, B, C = jnp.split(xbc, [d["inner"], d["inner"] + d["groups"] * d["state"]], axis=-1)
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + value(self, "dt_bias").astype(jnp.float32)), *d["dt_limit"])
         A = -jnp.exp(value(self, "A_log").astype(jnp.float32))
         xs = xs.reshape(T, d["heads"], d["head_dim"])
         y, ssm = kernels.ssd_scan(xs, dt, A, B.reshape(T, d["groups"], d["state"]), C.reshape(T, d["groups"], d["state"]),
-                                  state["ssm"][index], md.state_slots, md)
+                                  state["ssm"], index, md.state_slots, md)
         y = y + xs.astype(jnp.float32) * value(self, "D").astype(jnp.float32)[:, None]
         y = gated_rms_norm(y.reshape(T, d["inner"]).astype(x.dtype), gate, value(self, "gate_norm"),
                            d["inner"] // d["groups"], c.rms_norm_eps)
         out = mm(y, value(self, "out_proj"))
         if hasattr(self, "out_proj_bias"):
             out = out + value(self, "out_proj_bias").astype(out.dtype)
-        state = dict(state, conv=state["conv"].at[index].set(conv), ssm=state["ssm"].at[index].set(ssm))
+        state = dict(state, conv=conv, ssm=ssm)
         return out, (k_pages, v_pages, state)
 
 

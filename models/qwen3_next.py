@@ -153,7 +153,7 @@ class DeltaLayer(Block):
             b, a = jnp.split(mm(x, value(self, "in_proj_ba")).reshape(T, nk, 2 * r), 2, axis=-1)
             mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)  # [T, conv_dim]
         k_pages, v_pages, state = caches
-        mixed, conv = kernels.causal_conv1d(mixed, value(self, "conv_weight"), None, state["conv"][index], md.state_slots, md)
+        mixed, conv = kernels.causal_conv1d(mixed, value(self, "conv_weight"), None, state["conv"], index, md.state_slots, md)
         mixed = activation(c.hidden_act)(mixed)
         q, k, v = jnp.split(mixed, [nk * hk, 2 * nk * hk], axis=-1)
         l2 = lambda t: t * jax.lax.rsqrt(jnp.sum(t * t, axis=-1, keepdims=True) + 1e-6)
@@ -161,10 +161,10 @@ class DeltaLayer(Block):
         beta = jax.nn.sigmoid(b.reshape(T, nv).astype(jnp.float32))
         g = -jnp.exp(value(self, "A_log").astype(jnp.float32)) * jax.nn.softplus(
             a.reshape(T, nv).astype(jnp.float32) + value(self, "dt_bias").astype(jnp.float32))
-        o, delta = kernels.delta_rule(q, k, v.reshape(T, nv, hv), g, beta, state["delta"][index], md.state_slots, md)
+        o, delta = kernels.delta_rule(q, k, v.reshape(T, nv, hv), g, beta, state["delta"], index, md.state_slots, md)
         o = rms_norm(o, value(self, "gate_norm"), c.rms_norm_eps) * jax.nn.silu(z.reshape(T, nv, hv).astype(jnp.float32))
         out = mm(o.reshape(T, nv * hv).astype(x.dtype), value(self, "out_proj"))
-        state = dict(state, conv=state["conv"].at[index].set(conv), delta=state["delta"].at[index].set(delta))
+        state = dict(state, conv=conv, delta=delta)
         return out, (k_pages, v_pages, state)
 
 

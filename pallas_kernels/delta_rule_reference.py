@@ -4,15 +4,16 @@ Per value head, with the state S [k_dim, v_dim], q and k L2-normalised by the ca
 k_dim ** -0.5 here, g_t <= 0 the log decay and beta_t in (0, 1):
   S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
-  chunked_delta_rule(q, k, v, g, beta, state_pool, state_slots, md, *, chunk_size) -> (o, state_pool)
+  chunked_delta_rule(q, k, v, g, beta, state_pool, layer, state_slots, md, *, chunk_size) -> (o, state_pool)
     any ragged batch: each row's tokens in chunks of chunk_size (ragged_scan.block_scan), each
     chunk in the WY form of FLA's chunked kernel (one triangular solve per chunk), starting from the
     row's slot.
-  delta_rule_update(q, k, v, g, beta, state_pool, state_slots) -> (o, state_pool)
+  delta_rule_update(q, k, v, g, beta, state_pool, layer, state_slots) -> (o, state_pool)
     one token a row (decode): the recurrence above, once.
 
 Shapes: q, k [T, v_heads, k_dim] (key heads already repeated to the value heads); v [T, v_heads,
-v_dim]; g, beta [T, v_heads]; state_pool [slots, v_heads, k_dim, v_dim]. o [T, v_heads, v_dim] float32.
+v_dim]; g, beta [T, v_heads]; state_pool [layers, slots, v_heads, k_dim, v_dim], of which `layer`'s rows are
+read and written (ragged_scan). o [T, v_heads, v_dim] float32.
 """
 from __future__ import annotations
 
@@ -46,16 +47,16 @@ def _delta_block(S0, inp, valid):
     return jnp.moveaxis(o, 0, 1), S
 
 
-def chunked_delta_rule(q, k, v, g, beta, state_pool, state_slots, md: BatchMetadata, *, chunk_size: int = 64):
+def chunked_delta_rule(q, k, v, g, beta, state_pool, layer, state_slots, md: BatchMetadata, *, chunk_size: int = 64):
     f32 = lambda a: a.astype(jnp.float32)
-    return block_scan(_delta_block, tuple(map(f32, (q, k, v, g, beta))), state_pool, state_slots, md, chunk_size)
+    return block_scan(_delta_block, tuple(map(f32, (q, k, v, g, beta))), state_pool, layer, state_slots, md, chunk_size)
 
 
-def delta_rule_update(q, k, v, g, beta, state_pool, state_slots):
+def delta_rule_update(q, k, v, g, beta, state_pool, layer, state_slots):
     """q, k: [R, v_heads, k_dim], one token of each row R (its state in slot state_slots[r])."""
     q, k, v, g, beta = (a.astype(jnp.float32) for a in (q, k, v, g, beta))
     q = q * q.shape[-1] ** -0.5
-    S = state_pool[state_slots].astype(jnp.float32) * jnp.exp(g)[..., None, None]  # [R, H, K, V]
+    S = state_pool[layer, state_slots].astype(jnp.float32) * jnp.exp(g)[..., None, None]  # [R, H, K, V]
     delta = (v - jnp.einsum("rhkv,rhk->rhv", S, k)) * beta[..., None]
     S = S + jnp.einsum("rhk,rhv->rhkv", k, delta)
-    return jnp.einsum("rhkv,rhk->rhv", S, q), state_pool.at[state_slots].set(S.astype(state_pool.dtype))
+    return jnp.einsum("rhkv,rhk->rhv", S, q), state_pool.at[layer, state_slots].set(S.astype(state_pool.dtype))

@@ -9,11 +9,11 @@
     GGUF block-quantized weights: the CPU kernel gguf_matmul_cpu up to `gguf_kernel_max_rows` rows, else the reference)
   write_latent(cache, layer, latent, slot_mapping) -> cache  (MLA; mla_reference.py)
   latent_attention(q_latent, q_rope, cache, layer, md, *, scale) -> out_latent  (MLA)
-  causal_conv1d(x, weight, bias, conv_pool, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
-  ssd_scan(x, dt, A, B, C, ssm_pool, state_slots, md, *, chunk_size) -> (y, ssm_pool)  (Mamba-2; mamba_reference.py)
-  ssm_update(x, dt, A, B, C, ssm_pool, state_slots) -> (y, ssm_pool)  (Mamba-2, one token a row)
-  delta_rule(q, k, v, g, beta, state_pool, state_slots, md, *, chunk_size) -> (o, state_pool)  (gated DeltaNet; delta_rule_reference.py)
-  delta_rule_update(q, k, v, g, beta, state_pool, state_slots) -> (o, state_pool)  (gated DeltaNet, one token a row)
+  causal_conv1d(x, weight, bias, conv_pool, layer, state_slots, md) -> (y, conv_pool)  (recurrent layers; ragged_scan.py)
+  ssd_scan(x, dt, A, B, C, ssm_pool, layer, state_slots, md, *, chunk_size) -> (y, ssm_pool)  (Mamba-2; mamba_reference.py)
+  ssm_update(x, dt, A, B, C, ssm_pool, layer, state_slots) -> (y, ssm_pool)  (Mamba-2, one token a row)
+  delta_rule(q, k, v, g, beta, state_pool, layer, state_slots, md, *, chunk_size) -> (o, state_pool)  (gated DeltaNet; delta_rule_reference.py)
+  delta_rule_update(q, k, v, g, beta, state_pool, layer, state_slots) -> (o, state_pool)  (gated DeltaNet, one token a row)
 The recurrent layers' kernels have only their XLA references so far. On the CPU, steps of up to
 `cpu_kernel_max_rows` tokens run attention in the C++ kernel paged_attention_cpu where it takes the inputs.
 

@@ -29,3 +29,25 @@ def test_logits_and_greedy_match_transformers(model):
 
 def test_engine_chunked_batched_preempted_prefix_cached_matches_transformers(model):
     check_engine(*model)
+
+
+def test_the_step_never_slices_a_layers_state_out_of_its_pool(model):
+    """The recurrent kernels read and write a layer's rows in the pool of all the layers of a kind: no compiled step
+    holds a layer's whole slice of a state pool ([slots, ...], or [1, slots, ...]), which taking the slice out and
+    setting it back made, rewriting every slot of every layer each step whatever the batch."""
+    import re
+
+    import jlight
+
+    llm = jlight.LLM(model[0], dtype="float32", max_num_seqs=37, max_num_batched_tokens=64, min_token_bucket=1,
+                     page_size=8, num_pages=64, compilation_cache_dir=None, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    pools = runner.k_cache.state
+    assert all(a.shape[0] > 1 for a in pools.values())  # several layers of each kind
+    slices = {str(list(shape)).replace(" ", "") for a in pools.values()
+              for shape in (a.shape[1:], (1,) + a.shape[1:])}
+    for executable in runner._executables.values():
+        text = executable.as_text()
+        entry = text[text.index("\nENTRY"):]
+        held = [s for s in re.findall(r"= f32(\[[\d,]+\])", entry) if s in slices]
+        assert not held, f"the step holds a layer's slice of a state pool: {sorted(set(held))}"

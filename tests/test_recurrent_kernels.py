@@ -1,7 +1,8 @@
 """The recurrent layers' XLA references (pallas_kernels/mamba_reference.py, delta_rule_reference.py,
 ragged_scan.causal_conv1d) against a naive per-token recurrence written here in numpy, on ragged
 batches whose rows start from saved states (and one from position 0), chunks shorter and longer
-than the chunk size."""
+than the chunk size. Each reads and writes one layer of a pool of three (the layer given as a traced int32, as an
+unrolled step traced once passes it): the other layers come back untouched."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,22 @@ from jlight.pallas_kernels import delta_rule_reference, mamba_reference, ragged_
 ROWS = [(5, 1), (0, 11), (9, 3), (30, 1), (2, 7)]
 SLOTS = [3, 1, 6, 2, 5]
 NUM_SLOTS, NUM_TOKENS, NUM_ROWS = 8, 32, 6  # padded: an unused row, padding tokens
+LAYER = 1  # of NUM_LAYERS in every pool
+NUM_LAYERS = 3
+
+
+def layered(pool):
+    """[NUM_LAYERS, *pool.shape]: `pool` as layer LAYER, random others."""
+    others = np.random.default_rng(99).normal(size=(NUM_LAYERS,) + pool.shape).astype(pool.dtype)
+    others[LAYER] = pool
+    return others
+
+
+def own_layer(new_pools, pools):
+    """new_pools[LAYER] after checking that every other layer is untouched."""
+    for layer in set(range(NUM_LAYERS)) - {LAYER}:
+        np.testing.assert_array_equal(new_pools[layer], pools[layer])
+    return np.asarray(new_pools[LAYER])
 
 
 def metadata():
@@ -48,7 +65,9 @@ def test_causal_conv1d_continues_each_rows_state():
     bias = rng.normal(size=(C,)).astype(np.float32)
     pool = rng.normal(size=(NUM_SLOTS, K - 1, C)).astype(np.float32)
     md, slots = metadata()
-    y, new_pool = jax.jit(ragged_scan.causal_conv1d)(x, w, bias, pool, slots, md)
+    pools = layered(pool)
+    y, new_pools = jax.jit(ragged_scan.causal_conv1d)(x, w, bias, pools, jnp.int32(LAYER), slots, md)
+    new_pool = own_layer(new_pools, pools)
     for b, start, toks in row_tokens():
         hist = list(np.zeros((K - 1, C), np.float32) if start == 0 else pool[SLOTS[b]])
         for t in toks:
@@ -82,7 +101,10 @@ def naive_ssd(x, dt, A, B, C, h):
 def test_ssd_scan_matches_the_recurrence(chunk_size):
     x, dt, A, B, C, pool = ssd_inputs(np.random.default_rng(1))
     md, slots = metadata()
-    y, new_pool = jax.jit(mamba_reference.ssd_scan, static_argnames="chunk_size")(x, dt, A, B, C, pool, slots, md, chunk_size=chunk_size)
+    pools = layered(pool)
+    y, new_pools = jax.jit(mamba_reference.ssd_scan, static_argnames="chunk_size")(x, dt, A, B, C, pools, jnp.int32(LAYER),
+                                                                                   slots, md, chunk_size=chunk_size)
+    new_pool = own_layer(new_pools, pools)
     for b, start, toks in row_tokens():
         h = np.zeros_like(pool[0]) if start == 0 else pool[SLOTS[b]]
         for t in toks:
@@ -98,7 +120,9 @@ def test_ssm_update_is_one_step_of_the_recurrence():
     x, dt, A, B, C, pool = ssd_inputs(np.random.default_rng(2))
     R = 3
     slots = np.array([4, 1, 7], np.int32)
-    y, new_pool = jax.jit(mamba_reference.ssm_update)(x[:R], dt[:R], A, B[:R], C[:R], pool, slots)
+    pools = layered(pool)
+    y, new_pools = jax.jit(mamba_reference.ssm_update)(x[:R], dt[:R], A, B[:R], C[:R], pools, jnp.int32(LAYER), slots)
+    new_pool = own_layer(new_pools, pools)
     for r in range(R):
         want, h = naive_ssd(x[r], dt[r], A, B[r], C[r], pool[slots[r]])
         np.testing.assert_allclose(y[r], want, rtol=1e-5, atol=1e-5)
@@ -130,7 +154,9 @@ def test_chunked_delta_rule_matches_the_recurrence(chunk_size):
     q, k, v, g, beta, pool = delta_inputs(np.random.default_rng(3))
     md, slots = metadata()
     fn = jax.jit(delta_rule_reference.chunked_delta_rule, static_argnames="chunk_size")
-    o, new_pool = fn(q, k, v, g, beta, pool, slots, md, chunk_size=chunk_size)
+    pools = layered(pool)
+    o, new_pools = fn(q, k, v, g, beta, pools, jnp.int32(LAYER), slots, md, chunk_size=chunk_size)
+    new_pool = own_layer(new_pools, pools)
     for b, start, toks in row_tokens():
         S = np.zeros_like(pool[0]) if start == 0 else pool[SLOTS[b]]
         for t in toks:
@@ -144,7 +170,10 @@ def test_chunked_delta_rule_matches_the_recurrence(chunk_size):
 def test_delta_rule_update_is_one_step_of_the_recurrence():
     q, k, v, g, beta, pool = delta_inputs(np.random.default_rng(4))
     slots = np.array([2, 5], np.int32)
-    o, new_pool = jax.jit(delta_rule_reference.delta_rule_update)(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, slots)
+    pools = layered(pool)
+    o, new_pools = jax.jit(delta_rule_reference.delta_rule_update)(q[:2], k[:2], v[:2], g[:2], beta[:2], pools,
+                                                                   jnp.int32(LAYER), slots)
+    new_pool = own_layer(new_pools, pools)
     for r in range(2):
         want, S = naive_delta(q[r], k[r], v[r], g[r], beta[r], pool[slots[r]])
         np.testing.assert_allclose(o[r], want, rtol=1e-5, atol=1e-5)
