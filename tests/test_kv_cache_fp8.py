@@ -107,7 +107,7 @@ def test_engine_fp8_cache_pallas_equals_reference_and_counts_pages(tiny_model, c
             llm = jlight.LLM(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
                              num_pages=64, kv_cache_dtype="fp8", attention_impl=impl, min_token_bucket=32)
         assert sum("kv_cache_dtype='fp8' on the CPU" in r.getMessage() and "'int8'" in r.getMessage()
-                   for r in caplog.records) == 1
+                   for r in caplog.records) == (jax.default_backend() == "cpu")
         caplog.clear()
         assert llm.engine.runner.k_cache.dtype == FP8_KV_DTYPE
         out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
