@@ -32,7 +32,7 @@ import pytest
 from families_common import PROMPTS, check_direct, hf_model
 from jlight.loading import load_model
 from jlight.models import attention_kinds
-from test_loading import add_tiny_vocab, hf_state_dict
+from test_loading import add_text_model_header, add_tiny_vocab, hf_state_dict
 
 # Phi-3: a 50-token prompt whose continuation crosses original_max_position_embeddings = 64 (short -> long
 # LongRoPE factors) and a 70-token one (long factors from the start).
@@ -93,13 +93,7 @@ def write_family_gguf(path, hf_dir, arch, fuse_gate_up_exps=False, linear_qtype=
         else:
             add_tensor(name, np.asarray(arr, np.float32))
 
-    w.add_block_count(n_layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_text_model_header(w, cfg)
     w.add_rope_freq_base(rope.get("rope_theta") or cfg["rope_theta"])
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters and generate_extra_tensors
         rope_dims = int(rope.get("partial_rotary_factor", 1.0) * hidden) // n_head

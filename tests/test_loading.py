@@ -121,16 +121,10 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama", k_quants=No
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     sd = hf_state_dict(hf_dir)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_text_model_header(w, cfg)
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
@@ -173,6 +167,17 @@ def write_tiny_gguf(path, hf_dir, linear_qtype="Q8_0", arch="llama", k_quants=No
     w.write_tensors_to_file()
     w.close()
     return sd
+
+
+def add_text_model_header(w, cfg):
+    """The keys llama.cpp's TextModel.set_gguf_parameters writes for every text architecture, from config.json."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
 
 
 def add_tiny_vocab(w, hf_dir, vocab_size):
