@@ -31,8 +31,11 @@ from jlight.core.quantization import QuantizedKV
 from jlight.pallas_kernels.tiling import NUM_SMS, next_pow2
 
 _MASKED = -1e30
-# Query rows (tokens x heads of one KV head) per prefill program.
+# Query rows (tokens x heads of one KV head) per prefill program, for rows of up to _Q_ROW_BYTES; wider rows
+# (float32 at head_dim 512) take proportionally fewer, so the query tile stays the bytes float32 head_dim 256 runs
+# with: 64 float32 rows of 512 with their 32-position K/V tiles asked for 320 KB of an H100's 227 KB.
 _PREFILL_ROWS = 64
+_Q_ROW_BYTES = 1024
 # K/V positions processed per inner step (pages_per_step * page_size) at head_dim <= 256; wider heads take
 # proportionally fewer, so a step's K and V tiles stay the bytes that head_dim 256 runs with on the GPU
 # (64 x 256 x 2 bytes each; at 512 the 64-position tiles, double-buffered, would pass Hopper's 227 KB of
@@ -150,7 +153,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     if page_size & (page_size - 1) or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"page_size={page_size} and head_dim={head_dim} must be powers of two (head_dim >= 16) for the Pallas kernel; use attention_impl='reference'")
     group = num_heads // num_kv_heads
-    block_q = 1 if num_tokens <= num_rows else max(1, _PREFILL_ROWS // group)
+    prefill_rows = _PREFILL_ROWS * _Q_ROW_BYTES // max(head_dim * q.dtype.itemsize, _Q_ROW_BYTES)
+    block_q = 1 if num_tokens <= num_rows else max(1, prefill_rows // group)
     block_rows = max(16, next_pow2(block_q * group))  # tensor-core dots need >= 16 rows
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
     kv_per_step = _KV_PER_STEP * _KV_STEP_HEAD_DIM // max(head_dim, _KV_STEP_HEAD_DIM)

@@ -441,8 +441,8 @@ def test_a_bfloat16_model_on_the_cpu_keeps_float32_pages_and_never_widens_the_po
     """XLA:CPU computes bfloat16 in float32 and widens a whole operand to do so: a bfloat16 pool's in-place write
     converted the whole pool every layer (model_runner.kv_pool_dtype). A bfloat16 model's pool on the CPU is float32
     (on a GPU the model's dtype), no compiled step (prefill and decode buckets) converts or copies a pool-sized
-    array, and its greedy tokens are the float32 model's, but for bfloat16's rounding: the first token of every
-    prompt equal."""
+    array, and on the CPU its greedy tokens are the float32 model's, but for bfloat16's rounding: the first token of
+    every prompt equal."""
     import re
 
     prompts = [[5, 6, 7, 8] * 5, list(range(30, 70))]
@@ -458,7 +458,8 @@ def test_a_bfloat16_model_on_the_cpu_keeps_float32_pages_and_never_widens_the_po
             pool_sized = [op for op in re.findall(r"= (\S+) (convert|copy)\(", executable.as_text()) if ",41," in op[0]]
             assert not pool_sized, f"{dtype}: the step widens or copies the pool: {pool_sized}"
         out[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert [t[0] for t in out["bfloat16"]] == [t[0] for t in out["float32"]]
+    if jax.default_backend() == "cpu":  # a GPU keeps bfloat16 K/V, whose rounding may flip a random model's near-ties
+        assert [t[0] for t in out["bfloat16"]] == [t[0] for t in out["float32"]]
 
 
 def test_a_request_larger_than_the_whole_kv_cache_is_refused(model_dir):
