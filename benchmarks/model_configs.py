@@ -164,11 +164,12 @@ def random_mxfp4_experts(layers: dict, seed: int) -> dict:
     for name in names:
         w = layers[name]
         *lead, d_in, d_out = w.shape
-        packed = d_in // 32 * 32
+        if d_in % 32:
+            raise ValueError(f"mxfp4: {name} has {d_in} input rows, not whole 32-row blocks")
         key, kb, ks = jax.random.split(key, 3)
-        blocks = jax.random.bits(kb, (*lead, packed // 2, d_out), jnp.uint8)
-        scales = jax.random.randint(ks, (*lead, packed // 32, d_out), 118, 123, jnp.int32).astype(jnp.uint8)
-        out[name] = Mxfp4Weight(blocks, scales, w[..., packed:, :])
+        blocks = jax.random.bits(kb, (*lead, d_in // 2, d_out), jnp.uint8)
+        scales = jax.random.randint(ks, (*lead, d_in // 32, d_out), 118, 123, jnp.int32).astype(jnp.uint8)
+        out[name] = Mxfp4Weight(blocks, scales)
         jax.block_until_ready(out[name])
         w.delete()
     return out

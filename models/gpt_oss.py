@@ -6,11 +6,11 @@
     (`layer_types`, models/attention_kinds.py); YaRN RoPE.
   * MoE: router logits x . router + router_bias, top-k of the logits, softmax over the k chosen;
     each expert computes (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)
-    (swiglu_limit l = 7, swiglu_alpha 1.702), then down, all with biases. The gate and up biases
-    ride in their weights as one extra input row ([experts, embed + 1, mlp], the token vector
-    extended by a 1), so the experts run on models/moe.expert_ffn's paths unchanged; the down
-    bias is added after, weighted like its expert's output.
-MXFP4 checkpoints' experts are expanded at load (jlight/loading/mxfp4.py) to the load dtype.
+    (swiglu_limit l = 7, swiglu_alpha 1.702), then down, all with biases. The gate and up weights go to
+    models/moe.expert_ffn with their biases as BiasedExperts, so they keep the [experts, embed, mlp] shapes
+    the Pallas grouped matmul's tiles take, and tensor and expert parallelism split the biases with them. The
+    down bias is added after the experts' output is summed over devices, weighted like its expert's output.
+MXFP4 checkpoints' experts are expanded at load (jlight/loading/mxfp4.py) to the load dtype, or kept as stored.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from jlight.core.config import ModelConfig
 from jlight.models import llama
 # fuse_projections and unstack_layers: as in llama.py (q/k/v).
 from jlight.models.layers import fuse_projections, unstack_layers  # noqa: F401
-from jlight.models.moe import GatedUnit, expert_ffn
+from jlight.models.moe import BiasedExperts, GatedUnit, expert_ffn
 from jlight.models.module import Layout, ParamMaker, Step, family_functions, value
 
 kv_cache_shapes = llama.kv_cache_shapes
@@ -56,10 +56,12 @@ class GptOssLayer(llama.LlamaAttention):
         self.sinks = p((config.num_heads,), ("heads",))  # one logit per query head, split with the heads
         self.router = p((E, X), ("embed", "router"))
         self.router_bias = p((X,), ("router",))
-        self.experts_gate = p((X, E + 1, F), ("experts", "embed", "mlp"))  # input row E: the bias
-        self.experts_up = p((X, E + 1, F), ("experts", "embed", "mlp"))
+        self.experts_gate = p((X, E, F), ("experts", "embed", "mlp"))
+        self.experts_gate_bias = p((X, F), ("experts", "mlp"))
+        self.experts_up = p((X, E, F), ("experts", "embed", "mlp"))
+        self.experts_up_bias = p((X, F), ("experts", "mlp"))
         self.experts_down = p((X, F, E), ("experts", "mlp", "embed"))
-        self.experts_down_bias = p((X, E), ("router", "embed"))  # kept whole: gathered by global expert id
+        self.experts_down_bias = p((X, E), ("router", "embed"))  # kept whole: added once, after the experts' sum
 
     def attention_extras(self) -> dict:
         return {"sinks": value(self, "sinks")}
@@ -77,9 +79,8 @@ class GptOssLayer(llama.LlamaAttention):
         weights = jax.nn.softmax(top, axis=-1)
         act = GatedUnit(functools.partial(clamped_swiglu, limit=s["limit"], alpha=s["alpha"]))
         local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)
-        x1 = jnp.concatenate([x, jnp.ones((x.shape[0], 1), x.dtype)], axis=-1)  # [T, embed + 1]: the biases' input
-        out = step.ops.expert_ffn(local_ffn, x1, ids.astype(jnp.int32), weights,
-                                  *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")))
+        gate, up = (BiasedExperts(value(self, f"experts_{n}"), value(self, f"experts_{n}_bias")) for n in ("gate", "up"))
+        out = step.ops.expert_ffn(local_ffn, x, ids.astype(jnp.int32), weights, gate, up, value(self, "experts_down"))
         down_bias = jnp.einsum("tk,tke->te", weights, value(self, "experts_down_bias")[ids].astype(jnp.float32))
         return (out.astype(jnp.float32) + down_bias).astype(x.dtype)
 

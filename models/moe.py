@@ -1,4 +1,4 @@
-"""Mixture-of-experts building blocks shared by the MoE families (mixtral.py, deepseek.py).
+"""Mixture-of-experts building blocks shared by the MoE families (mixtral.py, deepseek.py, gpt_oss.py, ...).
 
 Two jobs, both pure functions:
   * routing: router logits -> (topk_ids [T, k], topk_weights [T, k]) under each model's rule
@@ -13,7 +13,8 @@ Two jobs, both pure functions:
       "dense"      every expert on every token (the baseline, and a cross-check);
       "auto"       "pallas" where the kernels carry the Pallas grouped matmul (dispatch gives it on GPU)
                    and it takes the shapes; elsewhere "gathered" when 3*T*k <= experts, else "ragged_dot".
-    No token is ever dropped by any of them.
+    No token is ever dropped by any of them. Each of w_gate, w_up, w_down may be a BiasedExperts (gpt-oss's
+    gate and up): the paths add its per-expert bias to the rows of that expert's matmul.
 
 Model code reaches the expert FFN through `ops.expert_ffn(local_ffn, ...)` (the ParallelOps it is
 given, jlight/core/parallel_ops.py), local_ffn being `expert_ffn` with the model's activation and the
@@ -100,6 +101,16 @@ def deepseek_v3_topk(logits, bias, top_k: int, *, num_groups: int, topk_group: i
 EXPERT_IMPLS = MOE_IMPLS  # the engine's moe_impl values (EngineConfig, --moe-impl)
 
 
+class BiasedExperts(NamedTuple):
+    """Expert weights with a bias each expert adds to its rows' output (gpt-oss's gate and up projections):
+    every expert_ffn path takes them where it takes weights, and adds bias[expert] after the matmul, so the
+    weights keep the shapes the grouped matmul's tiles take. A sharded mlp splits gate's and up's biases with
+    their columns; w_down's output is a partial sum under tensor parallelism, so a down bias belongs after
+    the sum over devices (gpt-oss adds it there)."""
+    weight: object  # [X, in, out]: a float array, QuantizedWeight or Mxfp4Weight
+    bias: jax.Array  # [X, out] float
+
+
 class GatedUnit(NamedTuple):
     """An expert activation that reads both projections: fn(gate, up) -> hidden (gpt-oss's clamped
     swiglu), where a plain activation `act` computes act(gate) * up."""
@@ -124,6 +135,9 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, matmul):
     weights reach it in the rows' dtype, int8 values as they are (the Pallas kernel converts them in
     registers); the int8 scales are applied here.
     """
+    if isinstance(w, BiasedExperts):  # rows of the "no local expert" id take any expert's bias: their weight is 0
+        bias = w.bias.astype(jnp.float32)[jnp.minimum(row_expert, w.bias.shape[0] - 1)]
+        return _grouped_matmul(rows, w.weight, group_sizes, row_expert, matmul) + bias
     quantized = isinstance(w, QuantizedWeight)
     values = _values(w) if not isinstance(w, Mxfp4Weight) else dequantize_mxfp4(w, rows.dtype)
     values = values if quantized else values.astype(rows.dtype)
@@ -143,6 +157,8 @@ MAX_GATHER_ELEMENTS = 2 ** 31 - 1
 def _gathered_matmul(rows, w, ids, max_elements: int):
     """rows [R, in]; row r times w[ids[r]] ([X, in, out]) -> [R, out] float32, reading only those experts,
     in chunks of rows whose gathered weights hold at most max_elements."""
+    if isinstance(w, BiasedExperts):
+        return _gathered_matmul(rows, w.weight, ids, max_elements) + w.bias.astype(jnp.float32)[ids]
     shape = _shape(w)
     per_row = shape[1] * shape[2]
     chunk = max(1, max_elements // per_row)
@@ -198,8 +214,14 @@ def _values(w):
     return w.values if isinstance(w, QuantizedWeight) else w
 
 
+def _unbiased(w):
+    """An expert weight without its bias, if it has one."""
+    return w.weight if isinstance(w, BiasedExperts) else w
+
+
 def _shape(w) -> tuple:
     """[X, in, out] of an expert weight of any form."""
+    w = _unbiased(w)
     return w.shape if isinstance(w, Mxfp4Weight) else _values(w).shape
 
 
@@ -235,7 +257,7 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
                          "pallas_kernels.dispatch.get_kernels(moe_impl='pallas') (Kernels.grouped_matmul)")
     if impl != "auto":
         return impl
-    if isinstance(w_gate, Mxfp4Weight) and 3 * num_pairs <= _num_experts(w_gate):
+    if isinstance(_unbiased(w_gate), Mxfp4Weight) and 3 * num_pairs <= _num_experts(w_gate):
         return "gathered"  # it expands the chosen experts only; the others take every expert expanded
     if grouped is not None and _grouped_fits(grouped, w_gate):
         return "pallas"
@@ -261,6 +283,8 @@ def expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, impl: str =
 
 
 def _dense(w, dtype):
+    """All experts' weights [X, in, out] in `dtype` (without a BiasedExperts' bias)."""
+    w = _unbiased(w)
     if isinstance(w, Mxfp4Weight):
         return dequantize_mxfp4(w, dtype)
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
@@ -271,9 +295,10 @@ def dense_expert_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down, act):
     num_tokens = x.shape[0]
     wg, wu, wd = _dense(w_gate, x.dtype), _dense(w_up, x.dtype), _dense(w_down, x.dtype)
     num_experts = wg.shape[0]
-    gate = jnp.einsum("te,xef->xtf", x, wg, preferred_element_type=jnp.float32)  # [X, T, F]
-    up = jnp.einsum("te,xef->xtf", x, wu, preferred_element_type=jnp.float32)
-    out = jnp.einsum("xtf,xfe->xte", gated(act, gate, up).astype(x.dtype), wd, preferred_element_type=jnp.float32)
+    bias = lambda w: w.bias.astype(jnp.float32)[:, None, :] if isinstance(w, BiasedExperts) else 0.0  # [X, 1, F]
+    gate = jnp.einsum("te,xef->xtf", x, wg, preferred_element_type=jnp.float32) + bias(w_gate)  # [X, T, F]
+    up = jnp.einsum("te,xef->xtf", x, wu, preferred_element_type=jnp.float32) + bias(w_up)
+    out = jnp.einsum("xtf,xfe->xte", gated(act, gate, up).astype(x.dtype), wd, preferred_element_type=jnp.float32) + bias(w_down)
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[jnp.arange(num_tokens)[:, None], topk_ids].add(
         topk_weights.astype(jnp.float32))  # [T, X]
     return jnp.einsum("xte,tx->te", out, combine).astype(x.dtype)

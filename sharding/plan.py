@@ -114,7 +114,7 @@ class ShardingPlan:
         spec = logical_to_spec(axes)
         split = spec[-2] if len(spec) >= 2 else None
         parts = math.prod(self.mesh.shape[a] for a in ((split,) if isinstance(split, str) else split or ()))
-        if w.tail.shape[-2] and parts > 1 or w.scales.shape[-2] % parts:
+        if w.scales.shape[-2] % parts:
             raise ValueError(f"{name}: MXFP4 weights split their {w.shape[-2]} input rows over mesh axis {split!r} of "
                              f"size {parts} only at whole 32-row blocks ({w.scales.shape[-2]} here); choose a smaller "
                              f"{split}, or load the experts expanded (quantization=None)")

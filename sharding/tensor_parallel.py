@@ -92,8 +92,7 @@ class TensorParallelOps(ParallelOps):
             x = jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)  # [T, embed]
             topk_ids = jax.lax.all_gather(topk_ids, self.axis_name, axis=0, tiled=True)  # [T, k]
             topk_weights = jax.lax.all_gather(topk_weights, self.axis_name, axis=0, tiled=True)
-        values = w_gate.values if hasattr(w_gate, "values") else w_gate
-        local_experts = values.shape[0]
+        local_experts = jax.tree_util.tree_leaves(w_gate)[0].shape[0]  # every form of expert weight leads with them
         local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
         mine = (local_ids >= 0) & (local_ids < local_experts)
         y = local_ffn(

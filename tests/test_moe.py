@@ -184,27 +184,30 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
 
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_mxfp4_experts_compute_what_their_expanded_weights_do(tokens):
-    """Experts kept as MXFP4 (Mxfp4Weight, with gpt-oss's tail row on gate and up) give every expert path
-    (dense, gathered, in chunks too, ragged_dot) the answer of the same weights expanded to float32 first."""
-    from jlight.core.quantization import dequantize_mxfp4
+    """Experts kept as MXFP4 (Mxfp4Weight) with gpt-oss's per-expert biases (BiasedExperts) give every expert path
+    (dense, gathered, in chunks too, ragged_dot) the answer numpy computes from the file's values, expert by expert."""
     from jlight.loading.mxfp4 import Mxfp4HostWeight
     from jlight.models import moe
 
     rng = np.random.default_rng(tokens)
-    experts, embed, mlp = 6, 64, 32
+    experts, embed, mlp, k = 6, 64, 32, 2
 
-    def kept(d_in, d_out, tail_rows):
+    def kept(d_in, d_out):
         host = Mxfp4HostWeight(rng.integers(0, 256, (experts, d_out, d_in // 32, 16)).astype(np.uint8),
                                rng.integers(118, 124, (experts, d_out, d_in // 32)).astype(np.uint8))
-        if tail_rows:
-            host = host.with_tail(rng.normal(size=(experts, tail_rows, d_out)).astype(np.float32))
-        return host.to_device(jnp.float32)
+        bias = rng.normal(size=(experts, d_out)).astype(np.float32)
+        return moe.BiasedExperts(host.to_device(), jnp.asarray(bias)), host.dequantize(), bias
 
-    w = [kept(embed, mlp, 1), kept(embed, mlp, 1), kept(mlp, embed + 1, 0)]
-    expanded = [dequantize_mxfp4(v, jnp.float32) for v in w]
-    x = jnp.asarray(rng.normal(size=(tokens, embed + 1)), jnp.float32)
-    weights, ids = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.normal(size=(tokens, experts)))), 2)
-    want = np.asarray(dense_expert_ffn(x, ids, weights, *expanded, jax.nn.silu))
+    (w, values, biases) = zip(kept(embed, mlp), kept(embed, mlp), kept(mlp, embed))
+    x = jnp.asarray(rng.normal(size=(tokens, embed)), jnp.float32)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.normal(size=(tokens, experts)))), k)
+    (vg, vu, vd), (bg, bu, bd), xs = values, biases, np.asarray(x, np.float64)
+    silu = lambda a: a / (1 + np.exp(-a))
+    want = np.zeros((tokens, embed))
+    for t in range(tokens):
+        for e, p in zip(np.asarray(ids[t]), np.asarray(weights[t])):
+            hidden = silu(xs[t] @ vg[e] + bg[e]) * (xs[t] @ vu[e] + bu[e])
+            want[t] += p * (hidden @ vd[e] + bd[e])
     runs = {"dense": lambda *a: dense_expert_ffn(*a, jax.nn.silu),
             "gathered": lambda *a: moe.gathered_expert_ffn(*a, jax.nn.silu),
             "gathered in chunks": lambda *a: moe.gathered_expert_ffn(*a, jax.nn.silu, max_gather_elements=2 * embed * mlp),

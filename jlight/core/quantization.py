@@ -67,18 +67,16 @@ _KMAJOR = {QuantizedWeight: QuantizedWeightT, W8A8Weight: W8A8WeightT, Fp8Weight
 class Mxfp4Weight(NamedTuple):
     """An MXFP4 weight kept as a checkpoint stores it (gpt-oss's experts, quantization="mxfp4"), in the
     [..., in, out] layout: 4-bit e2m1 values, two a byte along `in`, one e8m0 exponent a block of 32 rows of
-    `in`, then `tail` rows in a float dtype (gpt-oss's bias row; none: a [..., 0, out] array). Its [..., in + r,
-    out] values are dequantize_mxfp4's; expert matmuls expand them where they read them (models/moe.py). Not a
-    QuantizedWeight: it has no `values`."""
+    `in`. Its [..., in, out] values are dequantize_mxfp4's; expert matmuls expand them where they read them
+    (models/moe.py). Not a QuantizedWeight: it has no `values`."""
     blocks: jax.Array  # [..., in / 2, out] uint8: byte b holds row 2b (low nibble) and row 2b + 1 (high nibble)
     scales: jax.Array  # [..., in / 32, out] uint8: rows 32g .. 32g + 31 times 2^(scales[g] - 127)
-    tail: jax.Array  # [..., r, out] float: rows in .. in + r - 1 as they are
 
     @property
     def shape(self) -> tuple:
-        """The [..., in + r, out] shape of the weight it stands for."""
+        """The [..., in, out] shape of the weight it stands for."""
         *lead, half, out = self.blocks.shape
-        return (*lead, 2 * half + self.tail.shape[-2], out)
+        return (*lead, 2 * half, out)
 
 
 # e2m1: sign, two exponent bits, one mantissa bit; index = the 4-bit code (_e2m1 computes them)
@@ -95,14 +93,14 @@ def _e2m1(code: jax.Array) -> jax.Array:
 
 
 def dequantize_mxfp4(w: Mxfp4Weight, dtype) -> jax.Array:
-    """w's values [..., in + r, out] in `dtype` (bfloat16 holds every MXFP4 value whose exponent is in its range)."""
+    """w's values [..., in, out] in `dtype` (bfloat16 holds every MXFP4 value whose exponent is in its range)."""
     *lead, half, out = w.blocks.shape
     pairs = jnp.stack([_e2m1(w.blocks & 0x0F), _e2m1(w.blocks >> 4)], axis=-2)  # [..., in / 2, 2, out]
     # 2^(s - 127) exactly: float32's exponent field is e8m0's (s = 0, 2^-127, is float32's subnormal 1 << 22)
     bits = jnp.where(w.scales == 0, jnp.uint32(1 << 22), w.scales.astype(jnp.uint32) << 23)
     scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
     values = pairs.reshape(*lead, half * 2 // 32, 32, out) * scale[..., None, :]
-    return jnp.concatenate([values.reshape(*lead, half * 2, out).astype(dtype), w.tail.astype(dtype)], axis=-2)
+    return values.reshape(*lead, half * 2, out).astype(dtype)
 
 
 @jax.jit

@@ -108,7 +108,7 @@ def assemble_params(
             for key, layer, transpose in mapped if isinstance(mapped, list) else [mapped]:
                 if isinstance(tensor, Mxfp4HostWeight):  # kept as the file's blocks, laid out on the device
                     arr, shape = tensor, tensor.shape
-                    put = lambda path, w: w.to_device(np_dtype)  # noqa: E731
+                    put = lambda path, w: w.to_device()  # noqa: E731
                 elif isinstance(tensor, GGUFHostWeight):  # kept as the file's blocks, [out, ...] rows: never transposed
                     arr, shape = tensor, tensor.shape
                     put = lambda path, w: w.to_device(lambda p, a: place(p, host_array(a, a.dtype)), path)  # noqa: E731

@@ -39,8 +39,10 @@ _GPT_OSS_TENSORS = {
     "self_attn.o_proj.bias": ("bo", False),
     "mlp.router.weight": ("router", True),
     "mlp.router.bias": ("router_bias", False),
-    "mlp.experts.gate_proj_with_bias": ("experts_gate", False),
-    "mlp.experts.up_proj_with_bias": ("experts_up", False),
+    "mlp.experts.gate_proj": ("experts_gate", False),
+    "mlp.experts.gate_proj_bias": ("experts_gate_bias", False),
+    "mlp.experts.up_proj": ("experts_up", False),
+    "mlp.experts.up_proj_bias": ("experts_up_bias", False),
     "mlp.experts.down_proj": ("experts_down", False),
     "mlp.experts.down_proj_bias": ("experts_down_bias", False),
 }
@@ -70,21 +72,19 @@ def family_name_mapper(config: ModelConfig) -> Callable | None:
 
 
 def _gpt_oss_experts(prefix: str, gate_up: np.ndarray | Mxfp4HostWeight, bias: np.ndarray):
-    """gate_up [X, E, 2F] interleaved + bias [X, 2F] -> gate, up [X, E + 1, F] (last row the bias); kept
-    MXFP4 weights stay so, the bias their tail row."""
-    if isinstance(gate_up, Mxfp4HostWeight):
-        bias = np.asarray(bias)[:, None, :]
-        yield prefix + "mlp.experts.gate_proj_with_bias", gate_up.columns(slice(0, None, 2)).with_tail(bias[..., 0::2])
-        yield prefix + "mlp.experts.up_proj_with_bias", gate_up.columns(slice(1, None, 2)).with_tail(bias[..., 1::2])
-        return
-    with_bias = np.concatenate([np.asarray(gate_up), np.asarray(bias)[:, None, :]], axis=1)  # [X, E + 1, 2F]
-    yield prefix + "mlp.experts.gate_proj_with_bias", with_bias[..., 0::2]
-    yield prefix + "mlp.experts.up_proj_with_bias", with_bias[..., 1::2]
+    """gate_up [X, E, 2F] interleaved (gate columns 0, 2, ...) + bias [X, 2F] -> gate and up [X, E, F] and their
+    biases [X, F]; kept MXFP4 weights stay so."""
+    gate_up = gate_up if isinstance(gate_up, Mxfp4HostWeight) else np.asarray(gate_up)
+    bias = np.asarray(bias)
+    for name, cols in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+        weight = gate_up.columns(cols) if isinstance(gate_up, Mxfp4HostWeight) else gate_up[..., cols]
+        yield f"{prefix}mlp.experts.{name}", weight
+        yield f"{prefix}mlp.experts.{name}_bias", bias[..., cols]
 
 
 def split_fused_tensors(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], keep_mxfp4: bool = False):
     """(name, array) pairs with Phi-3's fused qkv_proj / gate_up_proj cut into Llama's names, and
-    gpt-oss's gate_up_proj + gate_up_proj_bias into gate and up weights with their bias row
+    gpt-oss's gate_up_proj + gate_up_proj_bias into gate and up weights and their biases
     (MXFP4 experts expanded first, or with keep_mxfp4 kept as stored: loading/mxfp4.py)."""
     if config.family == "gpt_oss":
         tensors = expand_mxfp4(tensors, keep=keep_mxfp4)

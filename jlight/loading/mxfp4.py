@@ -16,7 +16,6 @@ high nibbles elements 16..31 (ggml's e2m1 table is HF's doubled, its exponent 2^
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Iterable
 
 import jax
@@ -43,12 +42,11 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass
 class Mxfp4HostWeight:
-    """An MXFP4 tensor as the file stores it, on the host: blocks [X, out, G, 16], scales [X, out, G] (uint8),
-    and `tail` rows [X, r, out] to append after its in = 32 G rows (gpt-oss's bias row), or None. `shape` is the
-    [X, in + r, out] weight it stands for; to_device() makes it a jlight.core.quantization.Mxfp4Weight."""
+    """An MXFP4 tensor as the file stores it, on the host: blocks [X, out, G, 16], scales [X, out, G] (uint8).
+    `shape` is the [X, in = 32 G, out] weight it stands for; to_device() makes it a
+    jlight.core.quantization.Mxfp4Weight."""
     blocks: np.ndarray
     scales: np.ndarray
-    tail: np.ndarray | None = None
 
     def __post_init__(self):
         if self.blocks.shape[:-1] != self.scales.shape or self.blocks.shape[-1] != 16:
@@ -58,36 +56,27 @@ class Mxfp4HostWeight:
     @property
     def shape(self) -> tuple:
         *lead, out, groups, _ = self.blocks.shape
-        return (*lead, 32 * groups + (0 if self.tail is None else self.tail.shape[-2]), out)
+        return (*lead, 32 * groups, out)
 
     def columns(self, cols: slice) -> "Mxfp4HostWeight":
         """The output columns `cols` (a view)."""
-        tail = None if self.tail is None else self.tail[..., cols]
-        return Mxfp4HostWeight(self.blocks[..., cols, :, :], self.scales[..., cols, :], tail)
-
-    def with_tail(self, rows: np.ndarray) -> "Mxfp4HostWeight":
-        """These [X, r, out] rows appended after the stored ones."""
-        return Mxfp4HostWeight(self.blocks, self.scales, np.asarray(rows))
+        return Mxfp4HostWeight(self.blocks[..., cols, :, :], self.scales[..., cols, :])
 
     def dequantize(self) -> np.ndarray:
-        values = dequantize(self.blocks, self.scales)
-        return values if self.tail is None else np.concatenate([values, self.tail.astype(np.float32)], axis=-2)
+        return dequantize(self.blocks, self.scales)
 
-    def to_device(self, dtype) -> Mxfp4Weight:
-        """The file's bytes to the device, laid out there as an Mxfp4Weight (its tail in `dtype`)."""
-        *lead, out, _, _ = self.blocks.shape
-        tail = np.zeros((*lead, 0, out), np.float32) if self.tail is None else self.tail
-        return _device_layout(jax.device_put(np.asarray(self.blocks)), jax.device_put(np.asarray(self.scales)),
-                              jax.device_put(np.asarray(tail)), jnp.dtype(dtype))
+    def to_device(self) -> Mxfp4Weight:
+        """The file's bytes to the device, laid out there as an Mxfp4Weight."""
+        return _device_layout(jax.device_put(np.asarray(self.blocks)), jax.device_put(np.asarray(self.scales)))
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _device_layout(blocks, scales, tail, dtype) -> Mxfp4Weight:
+@jax.jit
+def _device_layout(blocks, scales) -> Mxfp4Weight:
     """[X, out, G, 16] blocks and [X, out, G] scales -> Mxfp4Weight's [X, in / 2, out] and [X, G, out]: byte
     16 g + j of a row's blocks holds elements 32 g + 2 j (low nibble) and 32 g + 2 j + 1 (high)."""
     *lead, out, groups, _ = blocks.shape
     packed = jnp.swapaxes(blocks.reshape(*lead, out, groups * 16), -1, -2)
-    return Mxfp4Weight(packed, jnp.swapaxes(scales, -1, -2), tail.astype(dtype))
+    return Mxfp4Weight(packed, jnp.swapaxes(scales, -1, -2))
 
 
 def from_ggml_mxfp4(data: np.ndarray) -> Mxfp4HostWeight:
