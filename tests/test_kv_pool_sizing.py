@@ -2,6 +2,7 @@
 kv_cache_memory_fraction of what the weights left, or from vLLM's gpu_memory_utilization, and then
 fewer where the largest step's own memory (XLA's memory analysis) would not fit beside them."""
 import argparse
+import os
 import textwrap
 
 import jax
@@ -30,6 +31,42 @@ def test_gpu_memory_utilization_is_the_engines_whole_share():
     assert pages_for_memory(STATS, PAGE, 0.8, 0.9) == 70 * GIB // PAGE
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.15 allows 15.00 GiB, but the weights already use 20.00 GiB"):
         pages_for_memory(STATS, PAGE, 0.8, 0.15)
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_card_within_what_jax_manages(caplog):
+    # JAX's allocator started with 90% of a 100 GiB card: 0.5 of the card is 50 GiB, 30 of them pages
+    card = dict(STATS, bytes_limit=90 * GIB, card_bytes=100 * GIB)
+    assert pages_for_memory(card, PAGE, 0.8, 0.5) == 30 * GIB // PAGE
+    assert pages_beside_step(10 ** 9, card, PAGE, 4 * GIB, 0.5) == (26 * GIB - step_margin(4 * GIB)) // PAGE
+    assert not caplog.records
+    # ... with JAX's default 75%: 0.9 of the card (90 GiB) is more than the allocator's 75 GiB, which it gets, said so
+    card = dict(STATS, bytes_limit=75 * GIB, card_bytes=100 * GIB)
+    with caplog.at_level("WARNING", logger="jlight.engine.startup"):
+        assert pages_for_memory(card, PAGE, 0.8, 0.9) == 55 * GIB // PAGE
+    assert "JAX's allocator manages 75.00 GiB" in caplog.text and "XLA_PYTHON_CLIENT_MEM_FRACTION" in caplog.text
+
+
+def test_an_engine_created_before_jax_starts_gives_its_allocator_the_cards_share(monkeypatch):
+    """JAX reads XLA_PYTHON_CLIENT_MEM_FRACTION once, as its backend starts: an engine given gpu_memory_utilization
+    sets it to that share where it is unset and JAX has not started; otherwise it leaves it, and reads what JAX
+    manages from it (device_memory_stats' card_bytes)."""
+    started = []
+    monkeypatch.setattr(startup.xla_bridge, "backends_are_initialized", lambda: bool(started))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert not startup.claim_device_memory(EngineConfig())  # no gpu_memory_utilization: JAX's default stays
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ and startup.jax_mem_fraction() == 0.75
+    assert startup.claim_device_memory(EngineConfig(gpu_memory_utilization=0.9))
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9" and startup.jax_mem_fraction() == 0.9
+    assert not startup.claim_device_memory(EngineConfig(gpu_memory_utilization=0.5))  # the user's (or first) setting
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    started.append(True)
+    assert not startup.claim_device_memory(EngineConfig(gpu_memory_utilization=0.9))  # too late: JAX has started
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    device = type("Device", (), {"memory_stats": lambda self: {"bytes_limit": 60 * GIB, "bytes_in_use": 0}})()
+    monkeypatch.setattr(startup.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(startup.jax, "local_devices", lambda: [device])
+    assert startup.device_memory_stats()["card_bytes"] == 80 * GIB  # 60 GiB is JAX's default 75%
 
 
 def test_a_start_keeps_the_last_starts_pool_when_near_it():

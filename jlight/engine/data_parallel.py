@@ -14,6 +14,7 @@ import dataclasses
 import jax
 
 from jlight import loading  # loading.load_model is looked up at each call (tests wrap it)
+from jlight.engine import startup
 from jlight.engine.disaggregated import DisaggregatedEngine
 from jlight.engine.disaggregated_roles import make_role_engine
 from jlight.engine.engine_config import EngineConfig
@@ -32,6 +33,7 @@ def replica_mesh_spec(spec: str) -> tuple[int, str | None]:
 def make_engine(config: EngineConfig):
     """An LLMEngine, a DataParallelEngine when the mesh has dp > 1, a DisaggregatedEngine, or this process's role
     engine of a disaggregated pair (disaggregated_roles.py)."""
+    startup.claim_device_memory(config)  # before anything starts JAX's backend
     if config.disaggregated_role:
         return make_role_engine(config.validate())
     if config.disaggregated:

@@ -61,9 +61,11 @@ class EngineConfig:
     # start of the same engine chose when its own is near it (startup.settled_pages), so that it runs the same programs
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.8  # of the device memory left after the weights
-    # vLLM's knob, for its users: the engine's whole share of the memory JAX's allocator manages
-    # (bytes_limit: 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise). When given,
-    # the KV pool takes that share less what the weights use, and kv_cache_memory_fraction is unused.
+    # vLLM's knob, in vLLM's meaning: the engine's whole share of the card's memory. JAX's allocator manages
+    # XLA_PYTHON_CLIENT_MEM_FRACTION of the card (75% unless set) from its start, so an engine created before
+    # JAX starts sets that variable to this share (startup.claim_device_memory); one created later gets at
+    # most the allocator's limit (logged). When given, the KV pool takes that share less what the weights
+    # and the largest step use, and kv_cache_memory_fraction is unused.
     gpu_memory_utilization: float | None = None
     # "auto": K/V pages in the model's dtype; "fp8": float8_e4m3fn values with scale 1 (half a bf16
     # cache's bytes; Llama/MoE families, not MLA); "int8": int8 values + a float32 scale per token and

@@ -123,6 +123,7 @@ class LLMEngine:
         peak near one copy of the weights (a model over half the device's memory fits only so), and
         `loaded.params` is None afterwards."""
         config = (config or EngineConfig()).validate()
+        startup.claim_device_memory(config)  # before anything starts JAX's backend (unless `loaded` did)
         if devices is not None and not config.mesh:
             if len(devices) != 1:
                 raise ValueError(f"{len(devices)} devices given without a mesh; pass mesh= to use several")

@@ -10,6 +10,11 @@ Invariants:
 - The KV pool holds, on a device whose allocator reports its memory, the share of it the config gives
   (`pages_for_memory`: P0 pages); on the CPU, what max_num_seqs full-length sequences need, within 2 GiB. A
   hybrid model's recurrent-state pools come out of the same budget first.
+- gpu_memory_utilization is a share of the whole card (vLLM's meaning), whereas JAX's allocator manages
+  XLA_PYTHON_CLIENT_MEM_FRACTION of it (75% unless set) from the moment its backend starts. So an engine
+  created before JAX's backend, given gpu_memory_utilization with that variable unset, sets the variable to
+  it (`claim_device_memory`); the budget is that share of the card (`device_memory_stats`' card_bytes: the
+  allocator's limit over the share it was started with), never more than the allocator's limit (logged).
 - On such a device the pool also leaves room for the largest step (`pages_beside_step`): the engine compiles
   its step buckets (all of them when it warms up with kv_cache_memory_fraction, else the largest: a pool of
   gpu_memory_utilization is the whole budget and always shrinks) against a pool of P0 pages before
@@ -36,6 +41,7 @@ import os
 
 import jax
 from jax._src import config as jax_config  # persistent_cache_min_compile_time_secs as a thread-local context; private in jax 0.10/0.11
+from jax._src import xla_bridge  # backends_are_initialized: private in jax 0.10/0.11
 
 from jlight.core.gguf_weights import GGUF_WEIGHTS
 from jlight.engine import kv_groups
@@ -180,10 +186,44 @@ def host_tier(cfg, page_bytes: int, max_batched: int) -> HostTier:
     return HostTier(capacity, max_batch=-(-max_batched // cfg.page_size), copies=cfg.kv_offloading_copies)
 
 
+# JAX's allocator takes this share of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+JAX_MEM_FRACTION_DEFAULT = 0.75
+
+
+def jax_mem_fraction() -> float:
+    """The share of the card JAX's allocator manages (its bytes_limit): XLA_PYTHON_CLIENT_MEM_FRACTION, read as JAX
+    reads it when its backend starts."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION_DEFAULT))
+    except ValueError:
+        return JAX_MEM_FRACTION_DEFAULT
+
+
+def claim_device_memory(cfg) -> bool:
+    """Before JAX's backend starts, give its allocator the card's gpu_memory_utilization share where the user gave
+    one and did not set XLA_PYTHON_CLIENT_MEM_FRACTION (which JAX reads once, at start). True when it set it."""
+    if cfg.gpu_memory_utilization is None or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return False
+    if xla_bridge.backends_are_initialized():
+        return False  # too late: pages_for_memory says what the allocator's limit leaves
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(cfg.gpu_memory_utilization)
+    return True
+
+
 def device_memory_stats() -> dict | None:
-    """The first local device's allocator statistics when they include bytes_limit (a GPU's), else None (the CPU)."""
+    """The first local device's allocator statistics when they include bytes_limit (a GPU's), else None (the CPU),
+    with card_bytes: the card's memory, bytes_limit over the share JAX's allocator was started with."""
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    return stats if stats and "bytes_limit" in stats else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return dict(stats, card_bytes=int(stats["bytes_limit"] / jax_mem_fraction()))
+
+
+def memory_budget(stats: dict, gpu_memory_utilization: float) -> int:
+    """The engine's bytes under gpu_memory_utilization: that share of the card (stats' card_bytes; the allocator's
+    limit where not given), never more than the allocator's limit."""
+    limit = stats["bytes_limit"]
+    return min(limit, int(stats.get("card_bytes", limit) * gpu_memory_utilization))
 
 
 def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_bytes: int, stats: dict | None,
@@ -204,16 +244,22 @@ def kv_pool_pages(cfg, bytes_per_page: int, windows, max_model_len: int, state_b
 def pages_for_memory(stats: dict, bytes_per_page: int, kv_cache_memory_fraction: float,
                      gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """KV pages that fit a device whose allocator reports `stats` (bytes_limit, bytes_in_use), the weights
-    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of bytes_limit, so
+    already loaded. gpu_memory_utilization (vLLM's meaning): the engine's whole share of the card (memory_budget), so
     the pool gets that share less what is in use; else kv_cache_memory_fraction of what is left.
     state_bytes: a hybrid model's recurrent-state pools (state_pool.bytes_for), allocated with the pages
     and counted as in use before them."""
     limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0) + state_bytes
     if gpu_memory_utilization is None:
         return max(2, int((limit - in_use) * kv_cache_memory_fraction) // bytes_per_page)
-    budget = int(limit * gpu_memory_utilization) - in_use
+    share = memory_budget(stats, gpu_memory_utilization)
+    if share < int(stats.get("card_bytes", limit) * gpu_memory_utilization):
+        logger.warning("gpu_memory_utilization=%s of the card is %s, but JAX's allocator manages %s "
+                       "(XLA_PYTHON_CLIENT_MEM_FRACTION=%s when its backend started): the engine takes that. Set the "
+                       "variable before JAX starts, or create the engine first", gpu_memory_utilization,
+                       fmt_bytes(int(stats["card_bytes"] * gpu_memory_utilization)), fmt_bytes(limit), jax_mem_fraction())
+    budget = share - in_use
     if budget < 2 * bytes_per_page:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {limit * gpu_memory_utilization / 2**30:.2f} "
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} allows {share / 2**30:.2f} "
                          f"GiB, but the weights already use {in_use / 2**30:.2f} GiB: no room for the KV cache; raise it")
     return budget // bytes_per_page
 
@@ -265,9 +311,9 @@ def step_memory_bytes(compiled_steps) -> int | None:
 def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int,
                       gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """At most p0 pages, so that what is in use (stats' bytes_in_use: the weights) + state_bytes + the pool +
-    step_bytes + step_margin fit the budget: bytes_limit, or its gpu_memory_utilization share. Can be 0."""
-    limit = stats["bytes_limit"]
-    budget = limit if gpu_memory_utilization is None else int(limit * gpu_memory_utilization)
+    step_bytes + step_margin fit the budget: bytes_limit, or the card's gpu_memory_utilization share (memory_budget).
+    Can be 0."""
+    budget = stats["bytes_limit"] if gpu_memory_utilization is None else memory_budget(stats, gpu_memory_utilization)
     room = budget - stats.get("bytes_in_use", 0) - state_bytes - step_bytes - step_margin(step_bytes)
     return min(p0, max(0, room) // bytes_per_page)
 
