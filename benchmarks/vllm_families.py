@@ -6,6 +6,9 @@ On the GPU machine, through the peer's runner (../shared/peer/README.md; the pat
     bash .peer6/device.sh ../benchmarks/vllm_families.py --shape gemma3-12b [--fixed IN OUT N]
     bash .peer6/device.sh ../benchmarks/vllm_families.py --shape qwen3-next-16l --ttft 2048 8192 32000 [--decode]
 
+Qwen3-Next's gated DeltaNet prefill runs vLLM's Triton kernels (additional_config gdn_prefill_backend="triton"):
+on Hopper its default is FlashInfer's kernel, and the peer carries no FlashInfer (it failed so on an H100).
+
 --shape NAME writes family_shapes.SHAPES[NAME] as config.json (no quantization_config: gpt-oss's experts are bf16,
 not the release's MXFP4; with --quantization mxfp4, the release's quantization_config) and loads it with
 load_format="dummy".
@@ -58,6 +61,8 @@ json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
 growth = a.ttft is not None
 max_model_len = max(32768, max(a.ttft) + 128) if growth else 4096
 opts = dict(enable_prefix_caching=False) if growth else {}
+if "linear_num_value_heads" in cfg:  # gated DeltaNet layers: on Hopper vLLM's "auto" prefill picks FlashInfer's
+    opts["additional_config"] = {"gdn_prefill_backend": "triton"}  # kernel, which the peer does not carry
 t = time.time()
 llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
           max_num_seqs=a.max_num_seqs or (64 if growth else 256), gpu_memory_utilization=0.9, quantization=a.quantization,
