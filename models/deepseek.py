@@ -155,7 +155,8 @@ class DeepSeekLayer(nnx.Module):
                                             topk_group=s["topk_group"], normalize=s["normalize"], scaling=s["scaling"])
         local_ffn = functools.partial(expert_ffn, act=activation(c.hidden_act), impl=kernels.moe_impl,
                                       grouped=kernels.grouped_matmul)
-        out = ops.expert_ffn(local_ffn, x, ids, weights, *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")))
+        out = ops.expert_ffn(local_ffn, x, ids, weights, *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")),
+                             num_tokens=step.md.query_start[-1])
         if s["num_shared"]:
             out = out + self._dense_mlp(x, step, "shared_")
         return out

@@ -372,7 +372,7 @@ class Gemma4Layer(nnx.Module):
         act = activation(c.hidden_act)
         local_ffn = lambda *a: expert_ffn(*a, act=act, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)  # noqa: E731
         gate, up, down = (value(self, n) for n in ("experts_gate", "experts_up", "experts_down"))
-        return step.ops.expert_ffn(local_ffn, self.norm(r, "moe_norm"), ids, weights, gate, up, down)
+        return step.ops.expert_ffn(local_ffn, self.norm(r, "moe_norm"), ids, weights, gate, up, down, num_tokens=step.md.query_start[-1])
 
     def __call__(self, h, k_cache, v_cache, ple, pool_layer: int, step: Step):
         """h [T, embed] through the layer -> (h, k_cache, v_cache); ple: its per-layer input [T, P] or None."""

@@ -80,7 +80,8 @@ class GptOssLayer(llama.LlamaAttention):
         act = GatedUnit(functools.partial(clamped_swiglu, limit=s["limit"], alpha=s["alpha"]))
         local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)
         gate, up = (BiasedExperts(value(self, f"experts_{n}"), value(self, f"experts_{n}_bias")) for n in ("gate", "up"))
-        out = step.ops.expert_ffn(local_ffn, x, ids.astype(jnp.int32), weights, gate, up, value(self, "experts_down"))
+        out = step.ops.expert_ffn(local_ffn, x, ids.astype(jnp.int32), weights, gate, up, value(self, "experts_down"),
+                                  num_tokens=step.md.query_start[-1])
         down_bias = jnp.einsum("tk,tke->te", weights, value(self, "experts_down_bias")[ids].astype(jnp.float32))
         return (out.astype(jnp.float32) + down_bias).astype(x.dtype)
 

@@ -70,7 +70,7 @@ class Block(nnx.Module):
             ids, weights = softmax_topk(logits, c.extra.get("num_experts_per_tok") or 2, True)  # = softmax over the top-k logits
             local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)
             experts = (value(self, n) for n in ("experts_gate", "experts_up", "experts_down"))
-            out = out + ops.expert_ffn(local_ffn, x, ids, weights, *experts)
+            out = out + ops.expert_ffn(local_ffn, x, ids, weights, *experts, num_tokens=step.md.query_start[-1])
         return out
 
     def __call__(self, h, caches, index: int, step: Step):

@@ -79,7 +79,8 @@ class MixtralLayer(llama.LlamaAttention):
         logits = jnp.dot(x.astype(jnp.float32), value(self, "router").astype(jnp.float32))  # [T, num_experts]
         ids, weights = softmax_topk(logits, s["top_k"], s["normalize"])
         local_ffn = functools.partial(expert_ffn, act=act, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)
-        out = ops.expert_ffn(local_ffn, x, ids, weights, *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")))
+        out = ops.expert_ffn(local_ffn, x, ids, weights, *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")),
+                             num_tokens=step.md.query_start[-1])
         if s["shared_size"]:
             mm = kernels.matmul
             gate, up = column_projections(ops, x, self, ("shared_gate", "shared_up"), mm)

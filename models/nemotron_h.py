@@ -120,7 +120,8 @@ class MoeLayer(Block):
         h = mm(x, value(self, "latent_in")) if hasattr(self, "latent_in") else x
         local_ffn = functools.partial(expert_ffn, act=jax.nn.relu, impl=kernels.moe_impl, grouped=kernels.grouped_matmul)
         up = value(self, "experts_up")
-        routed = ops.expert_ffn(local_ffn, h, ids, weights, up, up, value(self, "experts_down"))  # relu(h W) * (h W)
+        routed = ops.expert_ffn(local_ffn, h, ids, weights, up, up, value(self, "experts_down"),  # relu(h W) * (h W)
+                                num_tokens=step.md.query_start[-1])
         if hasattr(self, "latent_out"):
             routed = mm(routed, value(self, "latent_out"))
         shared = ops.row_linear(activation("relu2")(ops.column_linear(x, value(self, "shared_up"), mm)),

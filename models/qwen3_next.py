@@ -110,7 +110,8 @@ class Block(nnx.Module):
         ids, weights = softmax_topk(logits, c.extra.get("num_experts_per_tok") or 10, bool(c.extra.get("norm_topk_prob", True)))
         local_ffn = functools.partial(expert_ffn, act=activation(c.hidden_act), impl=kernels.moe_impl,
                                       grouped=kernels.grouped_matmul)
-        out = ops.expert_ffn(local_ffn, x, ids, weights, *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")))
+        out = ops.expert_ffn(local_ffn, x, ids, weights, *(value(self, n) for n in ("experts_gate", "experts_up", "experts_down")),
+                             num_tokens=step.md.query_start[-1])
         shared = self._gated_mlp(x, step, ("shared_gate", "shared_up", "shared_down"))
         scale = jax.nn.sigmoid(jnp.dot(x32, value(self, "shared_expert_gate").astype(jnp.float32)))  # [T, 1]
         return out + (shared.astype(jnp.float32) * scale).astype(out.dtype)

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jlight.core.parallel_ops import ParallelOps
+from jlight.core.parallel_ops import ParallelOps, real_rows
 from jlight.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jlight.sharding.int8_all_reduce import int8_all_reduce
 
@@ -75,7 +75,7 @@ class TensorParallelOps(ParallelOps):
         logits = jax.lax.all_gather(local, self.axis_name, axis=1, tiled=True)  # [N, vocab_padded]
         return logits[:, : self.vocab_size]
 
-    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down):
+    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down, num_tokens=None):
         """Expert parallelism. w_*: [num_experts/ep, ...] this device's experts, their mlp dim
         split on tp; x: [T, embed] ([T/tp, embed] under sequence parallelism); topk: [T, k].
 
@@ -86,7 +86,7 @@ class TensorParallelOps(ParallelOps):
         (ragged_dot pads them like every row). The partial sums are then added over ep and tp.
         Every device still gathers and sorts all T*k rows: an all-to-all dispatch that sends
         only routed rows is not implemented. `local_ffn` computes one device's experts (models/moe.expert_ffn
-        with the model's activation and kernels).
+        with the model's activation and kernels). num_tokens: as ParallelOps.expert_ffn's.
         """
         if self.sequence_parallel:  # experts' mlp slices need every token
             x = jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)  # [T, embed]
@@ -95,6 +95,8 @@ class TensorParallelOps(ParallelOps):
         local_experts = jax.tree_util.tree_leaves(w_gate)[0].shape[0]  # every form of expert weight leads with them
         local_ids = topk_ids - jax.lax.axis_index(self.ep_axis_name) * local_experts
         mine = (local_ids >= 0) & (local_ids < local_experts)
+        real = real_rows(topk_ids.shape[0], num_tokens)  # a bucket's padding rows take no expert (ParallelOps)
+        mine = mine if real is None else mine & real
         y = local_ffn(
             x, jnp.where(mine, local_ids, local_experts), jnp.where(mine, topk_weights, 0.0), w_gate, w_up, w_down
         )  # [T, embed], a partial sum over this device's experts and mlp slice

@@ -6,6 +6,7 @@ then through the engine with batching, chunked prefill and prefix caching.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -218,3 +219,30 @@ def test_mxfp4_experts_compute_what_their_expanded_weights_do(tokens):
     assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2]) == ("gathered" if tokens == 1 else "ragged_dot")
     kernel = types.SimpleNamespace(fits=lambda k, n: True, matmul=None)  # a GPU's Pallas grouped matmul: gathered first
     assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2], kernel) == ("gathered" if tokens == 1 else "pallas")
+
+
+def test_a_step_buckets_padding_rows_take_no_expert():
+    """The rows past a step's real tokens (its bucket's padding) route to no expert through ParallelOps.expert_ffn:
+    the grouped matmul's groups hold the real tokens' pairs alone, so a padded decode step reads only their experts'
+    weights, and the real rows' outputs are those of the unpadded call."""
+    from jlight.core.parallel_ops import ParallelOps
+    from jlight.models import moe
+    from jlight.pallas_kernels.dispatch import GroupedMatmul
+
+    rng = np.random.default_rng(11)
+    experts, embed, mlp, k, rows, real = 8, 32, 16, 2, 8, 3
+    w = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((experts, embed, mlp), (experts, embed, mlp), (experts, mlp, embed))]
+    x = jnp.asarray(rng.normal(size=(rows, embed)), jnp.float32)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.normal(size=(rows, experts)))), k)
+    seen = []
+
+    def spy(rows_, values, group_sizes, preferred_element_type=None):
+        seen.append(np.asarray(group_sizes))
+        return jax.lax.ragged_dot(rows_, values, group_sizes, preferred_element_type=preferred_element_type)
+
+    local_ffn = functools.partial(moe.expert_ffn, act=jax.nn.silu, impl="pallas", grouped=GroupedMatmul(spy, lambda *_: True))
+    got = ParallelOps().expert_ffn(local_ffn, x, ids, weights, *w, num_tokens=jnp.int32(real))
+    assert len(seen) == 3 and all(s.sum() == real * k for s in seen)
+    assert set(np.flatnonzero(seen[0])) == set(np.asarray(ids[:real]).ravel())  # the real tokens' experts alone
+    want = ParallelOps().expert_ffn(local_ffn, x[:real], ids[:real], weights[:real], *w)
+    np.testing.assert_allclose(np.asarray(got[:real]), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ tensor-parallel version (sharding/tensor_parallel.py, explicit collectives insid
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -34,12 +35,24 @@ class ParallelOps:
         """x: [N, embed]; w: [embed, vocab] -> full [N, vocab] float32 logits."""
         return matmul(x, w, out_dtype=jnp.float32)
 
-    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down):
+    def expert_ffn(self, local_ffn, x, topk_ids, topk_weights, w_gate, w_up, w_down, num_tokens=None):
         """Routed experts. x: [T, embed]; topk_ids/topk_weights: [T, k]; w_gate, w_up:
         [num_experts, embed, mlp]; w_down: [num_experts, mlp, embed] -> [T, embed].
 
         `local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down)` computes the experts of one
         device (models/moe.expert_ffn with the model's activation and kernels, passed in by the
         model: the computation lives with the models). Single device: local_ffn itself.
+        num_tokens: the step's real tokens (a traced scalar: BatchMetadata.query_start[-1]); the rows
+        past it, a step bucket's padding, take no expert (the id num_experts, weight 0), so a padded
+        decode step reads only its real tokens' experts. None: every row is real.
         """
+        real = real_rows(topk_ids.shape[0], num_tokens)
+        if real is not None:
+            num_experts = jax.tree_util.tree_leaves(w_gate)[0].shape[0]
+            topk_ids, topk_weights = jnp.where(real, topk_ids, num_experts), jnp.where(real, topk_weights, 0)
         return local_ffn(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+
+def real_rows(rows: int, num_tokens):
+    """[rows, 1] bool: which of a step's rows are real tokens (below num_tokens); None when num_tokens is None."""
+    return None if num_tokens is None else (jnp.arange(rows) < num_tokens)[:, None]
