@@ -18,9 +18,9 @@ Two jobs, both pure functions:
 
 Model code reaches the expert FFN through `ops.expert_ffn(local_ffn, ..., num_tokens=md.query_start[-1])` (the
 ParallelOps it is given, jlight/core/parallel_ops.py, which routes a step bucket's padding rows to no expert),
-local_ffn being `expert_ffn` with the model's activation and the
-impl and grouped matmul from `Kernels` (pallas_kernels/dispatch.py); the single-device ops call it, the
-expert-parallel ones (sharding/tensor_parallel.py) call it on each device's experts.
+local_ffn being `expert_ffn` with the model's activation and the impl and grouped matmul from `Kernels`
+(pallas_kernels/dispatch.py); the single-device ops call it, the expert-parallel ones
+(sharding/tensor_parallel.py) call it on each device's experts.
 """
 from __future__ import annotations
 
