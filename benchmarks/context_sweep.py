@@ -29,6 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
+from jlight.engine import startup  # noqa: E402
+
 LENGTHS = harness.GROWTH_LENGTHS + (65536, 131000)
 
 
@@ -38,7 +40,7 @@ def measure(a) -> dict:
     engine = harness.random_engine(a.model_config, a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_dtype=a.kv_cache_dtype,
                                    attention_impl=a.attention_impl, enable_prefix_caching=False, warmup=a.warmup,
-                                   page_size=a.page_size)
+                                   page_size=a.page_size, gpu_memory_utilization=a.gpu_memory_utilization)
     start_s = time.perf_counter() - t0
     generate = lambda requests: harness.engine_generate(engine, requests)
     weight_bytes = harness.weight_bytes(engine.runner.params)
@@ -117,6 +119,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vLLM's meaning: the engine's share of the card (the peer runs 0.9); set before JAX starts")
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="compile buckets when first used")
     ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=None,
@@ -131,6 +135,7 @@ def main(argv=None):
     if a.plot is not None:
         plot(a.plot, a.vllm, a.vllm_fp8, a.output, a.copy_rate)
         return
+    startup.claim_device_memory(a)  # before the random weights start JAX's backend
     result = measure(a)
     print("JLIGHT_GROWTH", json.dumps(result))
     kv = a.kv_cache_dtype if a.kv_cache_dtype != "auto" else "bf16"

@@ -231,7 +231,8 @@ def main(argv=None):
         try:
             engine = LLMEngine(EngineConfig(
                 model=None, max_num_seqs=4, max_num_batched_tokens=max_batched, max_model_len=max_len, num_pages=pages,
-                layer_loop=a.layer_loop, warmup=False, **VARIANTS[name]), loaded=loaded)
+                layer_loop=a.layer_loop, warmup=False, **VARIANTS[name]), loaded=loaded,
+                give_weights=len(names) == 1)  # one variant: one copy of the weights at the peak (gpt-oss-20b's 42 GB)
             step_args = _spy_on_steps(engine.runner)
             seconds = decode_latency(engine, a.prompt_len, a.tokens)
             dispatch_ms = 1e3 * statistics.median(t for _, t in step_args[len(step_args) // 2:])

@@ -9,16 +9,18 @@
 #
 # Other model families (issues 31, 32): random bf16 weights of benchmarks/family_shapes.py's shapes, MODEL=gemma3-12b,
 # gpt-oss-20b or qwen3-next-16l (Qwen3-Next cut to 16 layers); one suite a call (the engine compiles every bucket;
-# gpt-oss-20b was ready in 144 s on an H100, give its throughput run 400 s). qwen3-next-16l's 54 GB of weights leave
-# no KV pool in JAX's default 75% of an 80 GB card: run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, vLLM's share:
-#       MODEL=gemma3-12b FIXED= SUITE_TIMEOUT=570 bash benchmarks/gpu.sh throughput   (nano-vllm workload and batch-1
-#                   decode, for MoE shapes also against the active weights' roofline; FIXED= drops the 1000 x 1000 run)
+# gpt-oss-20b was ready in 144 s on an H100, give its throughput run 400 s). Beside vLLM (gpu_memory_utilization 0.9)
+# pass --gpu-memory-utilization 0.9: the same share of the card, the pool sized as vLLM sizes its own (JAX's default
+# is 75% of the card, of which the pool takes 80% of what the weights leave; qwen3-next-16l's 54 GB leave none there):
+#       MODEL=gemma3-12b FIXED= SUITE_TIMEOUT=570 bash benchmarks/gpu.sh throughput --gpu-memory-utilization 0.9
+#                   (nano-vllm workload and batch-1 decode, for MoE shapes also against the active weights' roofline;
+#                   FIXED= drops the 1000 x 1000 run)
 #       MODEL=gpt-oss-20b VARIANTS=bf16-b8 bash benchmarks/gpu.sh decode              (batch-1 against its bandwidth line)
 #       MODEL=gpt-oss-20b FIXED= SUITE_TIMEOUT=400 bash benchmarks/gpu.sh throughput --quantization mxfp4
 #                   (the experts as random MXFP4, kept as stored: quantization="mxfp4")
 #       MODEL=gemma4-smoke FIXED= bash benchmarks/gpu.sh throughput   (Gemma 4 on the GPU at all: head_dim 256 / 512
 #                   through the Triton attention kernel, per-layer embeddings, KV sharing; a small shape, no peer)
-#       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000
+#       MODEL=qwen3-next-16l SUITE_TIMEOUT=570 bash benchmarks/gpu.sh context --lengths 2048,8192,32000 --gpu-memory-utilization 0.9
 #                   (TTFT up to 32k: 32k context, 64 sequences, prefix caching off, as vllm_growth.py)
 # and their vLLM peer, benchmarks/vllm_families.py (the same shapes, load_format="dummy", vllm_bench.py's requests):
 #       bash benchmarks/gpu.sh peer ../benchmarks/vllm_families.py --shape gemma3-12b

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from step_trace import StepTrace, format_summary  # noqa: E402
 
+from jlight.engine import startup  # noqa: E402
 from jlight.engine.engine_config import EngineConfig  # noqa: E402
 from jlight.engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -42,7 +43,8 @@ def build_engine(a) -> LLMEngine:
                 quantization=a.quantization, attention_impl=a.attention_impl, matmul_impl=a.matmul_impl,
                 max_model_len=a.max_model_len, num_pages=a.num_pages, layer_loop=a.layer_loop,
                 kv_cache_dtype=a.kv_cache_dtype, page_size=a.page_size, mesh=a.mesh, min_token_bucket=a.min_token_bucket,
-                kv_offloading_size=a.kv_offloading_size, warmup=not a.no_warmup)
+                kv_offloading_size=a.kv_offloading_size, warmup=not a.no_warmup,
+                gpu_memory_utilization=a.gpu_memory_utilization)
     if a.fp8_w8a8_min_rows is not None:
         opts["fp8_w8a8_min_rows"] = a.fp8_w8a8_min_rows
     if a.model_config:
@@ -108,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=4096, help="the peer's 4096")
     ap.add_argument("--num-pages", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vLLM's meaning: the engine's share of the card (the peer runs 0.9); set before JAX starts")
     ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto (the model's dtype), int8, fp8 ...")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--kv-offloading-size", type=float, default=None,
@@ -124,6 +128,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     ap.add_argument("--name", default="offline_throughput", help="file stem of the JSON result")
     a = ap.parse_args(argv)
+    startup.claim_device_memory(a)  # before the first JAX call below starts its backend
 
     gpu = jax.default_backend() != "cpu"
     copy_bw = harness.copy_bytes_per_s() if gpu else None  # before the engine: its pool leaves no 2 GiB free on large shapes
