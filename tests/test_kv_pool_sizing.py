@@ -52,7 +52,8 @@ def test_an_engine_created_before_jax_starts_gives_its_allocator_the_cards_share
     manages from it (device_memory_stats' card_bytes)."""
     started = []
     monkeypatch.setattr(startup.xla_bridge, "backends_are_initialized", lambda: bool(started))
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # recorded, so teardown restores what was there
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     assert not startup.claim_device_memory(EngineConfig())  # no gpu_memory_utilization: JAX's default stays
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ and startup.jax_mem_fraction() == 0.75
     assert startup.claim_device_memory(EngineConfig(gpu_memory_utilization=0.9))
