@@ -124,8 +124,10 @@ def gated(act, gate, up):
 
 
 def ragged_dot(rows, values, group_sizes, *, preferred_element_type=None):
-    """XLA's grouped matmul (jax.lax.ragged_dot), int8 weights converted to the rows' dtype first."""
-    return jax.lax.ragged_dot(rows, values.astype(rows.dtype), group_sizes, preferred_element_type=preferred_element_type)
+    """XLA's grouped matmul (jax.lax.ragged_dot), int8 weights converted to the rows' dtype first, MXFP4 ones
+    (every expert's) expanded to it."""
+    values = dequantize_mxfp4(values, rows.dtype) if isinstance(values, Mxfp4Weight) else values.astype(rows.dtype)
+    return jax.lax.ragged_dot(rows, values, group_sizes, preferred_element_type=preferred_element_type)
 
 
 def _grouped_matmul(rows, w, group_sizes, row_expert, matmul):
@@ -133,15 +135,16 @@ def _grouped_matmul(rows, w, group_sizes, row_expert, matmul):
 
     matmul: a callable with ragged_dot's contract (rows, values, group_sizes, preferred_element_type=...):
     `ragged_dot`, the Pallas kernel (Kernels.grouped_matmul.matmul), or one a benchmark compares. Float
-    weights reach it in the rows' dtype, int8 values as they are (the Pallas kernel converts them in
-    registers); the int8 scales are applied here.
+    weights reach it in the rows' dtype, int8 values and MXFP4 weights as they are (the Pallas kernel
+    expands both in registers; `ragged_dot` expands MXFP4 before XLA's dot); the int8 scales are applied here.
     """
     if isinstance(w, BiasedExperts):  # rows of the "no local expert" id take any expert's bias: their weight is 0
         bias = w.bias.astype(jnp.float32)[jnp.minimum(row_expert, w.bias.shape[0] - 1)]
         return _grouped_matmul(rows, w.weight, group_sizes, row_expert, matmul) + bias
+    if isinstance(w, Mxfp4Weight):
+        return matmul(rows, w, group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     quantized = isinstance(w, QuantizedWeight)
-    values = _values(w) if not isinstance(w, Mxfp4Weight) else dequantize_mxfp4(w, rows.dtype)
-    values = values if quantized else values.astype(rows.dtype)
+    values = _values(w) if quantized else w.astype(rows.dtype)
     y = matmul(rows, values, group_sizes, preferred_element_type=jnp.float32).astype(jnp.float32)
     if not quantized:
         return y
@@ -248,8 +251,9 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
     contraction: 123.6 and 1303.5). It loses one case: Mixtral batch-64 decode, 8.74 vs 7.57 dense.
     Elsewhere (CPU): the gathered path when the pairs are few next to the experts (it reads only
     the chosen experts' weights; a gather copies what it reads, hence the factor 3), else ragged_dot.
-    MXFP4 experts take the gathered path by that rule everywhere, the Pallas kernel included: the other
-    paths expand every expert's weights each step.
+    MXFP4 experts as well: the Pallas kernel expands them in registers, reading only the experts that have
+    rows; where it is not given, the gathered path expands the chosen experts only, ragged_dot every expert's
+    weights each step.
     """
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"moe_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}")
@@ -258,8 +262,6 @@ def resolve_expert_impl(impl: str, num_pairs: int, w_gate, w_down, grouped=None)
                          "pallas_kernels.dispatch.get_kernels(moe_impl='pallas') (Kernels.grouped_matmul)")
     if impl != "auto":
         return impl
-    if isinstance(_unbiased(w_gate), Mxfp4Weight) and 3 * num_pairs <= _num_experts(w_gate):
-        return "gathered"  # it expands the chosen experts only; the others take every expert expanded
     if grouped is not None and _grouped_fits(grouped, w_gate):
         return "pallas"
     if 3 * num_pairs <= _num_experts(w_gate):

@@ -42,7 +42,7 @@ ATTENTION_IMPLS = IMPLS + ("mosaic", "triton")
 
 class GroupedMatmul(NamedTuple):
     """The Pallas grouped matmul of the MoE experts and the shapes it takes."""
-    matmul: Callable  # (rows [R, K], w [G, K, N] (int8 converted in registers), group_sizes [G], *, preferred_element_type) -> [R, N]
+    matmul: Callable  # (rows [R, K], w [G, K, N] (int8 converted, MXFP4 expanded in registers), group_sizes [G], *, preferred_element_type) -> [R, N]
     fits: Callable  # (k, n) -> bool
 
 

@@ -25,6 +25,12 @@ group's weight columns (L2). Each program loops over K in block_k steps: x[block
 @ w[group, k-slice, n-block] accumulated in float32 on the tensor cores. int8 weights are
 converted to x's dtype in registers (one byte per weight from HBM); their scales are the
 caller's (models/moe.py multiplies rows by their expert's scales).
+
+MXFP4 weights (core/quantization.Mxfp4Weight: byte b of a column holds rows 2b and 2b + 1, one
+exponent a 32 rows) are expanded in registers as well (half a byte per weight from HBM, and only
+the groups with rows are read): x's even and odd columns are split apart first, so that each
+16-byte-row slice of a step multiplies its low nibbles with the even columns and its high nibbles
+with the odd ones, times the slice's one exponent row.
 """
 from __future__ import annotations
 
@@ -35,12 +41,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from jlight.core.quantization import Mxfp4Weight, dequantize_mxfp4, e2m1_values
 from jlight.pallas_kernels import pallas_mode
 from jlight.pallas_kernels.tiling import largest_pow2_divisor
 
 
 def grouped_matmul_reference(x, w, group_sizes, *, preferred_element_type=None):
-    """The XLA reference: jax.lax.ragged_dot (float32 accumulation)."""
+    """The XLA reference: jax.lax.ragged_dot (float32 accumulation); MXFP4 weights expanded to x's dtype first."""
+    w = dequantize_mxfp4(w, x.dtype) if isinstance(w, Mxfp4Weight) else w
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
 
 
@@ -97,7 +105,9 @@ def tile_table(group_sizes, num_rows: int, block_m: int):
             jnp.where(used, row_end, zero).astype(jnp.int32))
 
 
-def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, block_k, num_k_steps, num_groups):
+def _tile(group_ref, start_ref, end_ref, *, block_m, num_k_steps, num_groups):
+    """This program's tile: (its K steps, first row of its block, which of the block's rows are its own, its
+    group's weights' index)."""
     tile = pl.program_id(0)
     group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
     row0 = (start // block_m) * block_m  # the block_m-aligned block holding this tile's rows
@@ -107,6 +117,12 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, bloc
     # int32 operands spelled out: with two Python ints, jnp.where's select was lowered to i1
     # operands on the GPU (JAX 0.11.2 Triton lowering), so the loop bounds had mismatched types.
     steps = jnp.where(group < num_groups, jnp.int32(num_k_steps), jnp.int32(0))
+    return steps, row0, mine, w_group
+
+
+def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, block_k, num_k_steps, num_groups):
+    steps, row0, mine, w_group = _tile(group_ref, start_ref, end_ref, block_m=block_m, num_k_steps=num_k_steps,
+                                       num_groups=num_groups)
     block_n = o_ref.shape[1]
 
     def body(step, acc):
@@ -119,15 +135,47 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, bloc
     pltr.store(o_ref.at[pl.ds(row0, block_m), :], acc.astype(o_ref.dtype), mask=mine[:, None])
 
 
+MXFP4_SLICE = 16  # byte rows a slice: the 32 weight rows one exponent scales
+
+
+def _mxfp4_kernel(group_ref, start_ref, end_ref, x_even_ref, x_odd_ref, blocks_ref, scales_ref, o_ref, *, block_m,
+                  block_k, num_k_steps, num_groups):
+    """_kernel over MXFP4 weights: a step of block_k weight rows reads block_k / 2 byte rows, one 16-row slice
+    (32 weight rows, one exponent row) at a time."""
+    steps, row0, mine, w_group = _tile(group_ref, start_ref, end_ref, block_m=block_m, num_k_steps=num_k_steps,
+                                       num_groups=num_groups)
+    block_n = o_ref.shape[1]
+    slices = block_k // (2 * MXFP4_SLICE)
+
+    def body(step, acc):
+        for j in range(slices):
+            first = (step * slices + j) * MXFP4_SLICE  # byte row; x's even / odd column of the same index
+            cols = pl.ds(first, MXFP4_SLICE)
+            x_even = x_even_ref[pl.ds(row0, block_m), cols]  # [block_m, 16]: weight rows 2b
+            x_odd = x_odd_ref[pl.ds(row0, block_m), cols]  # weight rows 2b + 1
+            codes = blocks_ref[w_group, cols, :]  # [16, block_n] uint8
+            exponent = scales_ref[w_group, pl.ds(step * slices + j, 1), :]  # [1, block_n] uint8
+            scale = jnp.exp2(exponent.astype(jnp.float32) - 127.0)
+            low = (e2m1_values(codes & 0x0F) * scale).astype(x_even.dtype)
+            high = (e2m1_values(codes >> 4) * scale).astype(x_odd.dtype)
+            acc = acc + pltr.dot(x_even, low).astype(jnp.float32) + pltr.dot(x_odd, high).astype(jnp.float32)
+        return acc
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    pltr.store(o_ref.at[pl.ds(row0, block_m), :], acc.astype(o_ref.dtype), mask=mine[:, None])
+
+
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret", "block_m", "block_n", "block_k",
                                              "num_warps", "num_stages"))
 def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None, interpret=None, block_m=None, block_n=None,
                    block_k=None, num_warps=None, num_stages=None):
     """x: [M, K] rows sorted by group; w: [G, K, N] (float, or int8 converted in-kernel to x's
-    dtype); group_sizes: [G] int32 -> [M, N] in preferred_element_type (default x's dtype).
+    dtype, or an Mxfp4Weight expanded in-kernel to x's dtype); group_sizes: [G] int32 -> [M, N] in
+    preferred_element_type (default x's dtype).
 
     Tile sizes default to `default_tiles`; pass any of them to override (benchmarks, tuning).
     """
+    mxfp4 = isinstance(w, Mxfp4Weight)
     m, k = x.shape
     num_groups, k2, n = w.shape
     if k2 != k or group_sizes.shape != (num_groups,):
@@ -138,13 +186,15 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None, interpret=
     tiles = default_tiles(m, k, n, num_groups)
     block_m = block_m or tiles["block_m"]
     block_n = block_n or tiles["block_n"]
-    block_k = block_k or tiles["block_k"]
+    block_k = block_k or (max(tiles["block_k"], 2 * MXFP4_SLICE) if mxfp4 else tiles["block_k"])
     num_warps = num_warps or tiles["num_warps"]
     num_stages = num_stages or tiles["num_stages"]
     pow2 = lambda b: b >= 16 and b & (b - 1) == 0
     if not (pow2(block_m) and pow2(block_n) and pow2(block_k)) or k % block_k or n % block_n:
         raise ValueError(f"grouped_matmul: block_m={block_m}, block_n={block_n}, block_k={block_k} must be powers of two "
                          f">= 16, with block_k dividing K={k} and block_n dividing N={n}")
+    if mxfp4 and block_k < 2 * MXFP4_SLICE:
+        raise ValueError(f"grouped_matmul: MXFP4 weights take steps of whole 32-row blocks (block_k={block_k})")
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     m_pad = -(-m // block_m) * block_m
@@ -152,18 +202,25 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None, interpret=
     group, row_start, row_end = tile_table(group_sizes, m, block_m)
     num_tiles = group.shape[0]
     full = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))
-    kernel = functools.partial(_kernel, block_m=block_m, block_k=block_k, num_k_steps=k // block_k, num_groups=num_groups)
+    columns = lambda rows: pl.BlockSpec((num_groups, rows, block_n), lambda t, j: (0, 0, j))
+    tables = [full((num_tiles,))] * 3
+    params = dict(block_m=block_m, block_k=block_k, num_k_steps=k // block_k, num_groups=num_groups)
+    if mxfp4:
+        kernel = functools.partial(_mxfp4_kernel, **params)
+        in_specs = tables + [full((m_pad, k // 2))] * 2 + [columns(k // 2), columns(k // 32)]
+        operands = (xp[:, 0::2], xp[:, 1::2], w.blocks, w.scales)
+    else:
+        kernel = functools.partial(_kernel, **params)
+        in_specs = tables + [full((m_pad, k)), columns(k)]
+        operands = (xp, w)
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, n // block_n),
-        in_specs=[
-            full((num_tiles,)), full((num_tiles,)), full((num_tiles,)), full((m_pad, k)),
-            pl.BlockSpec((num_groups, k, block_n), lambda t, j: (0, 0, j)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((m_pad, block_n), lambda t, j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         interpret=pallas_mode.resolve(interpret),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"grouped_matmul_bm{block_m}_bn{block_n}_bk{block_k}",
-    )(group, row_start, row_end, xp, w)
+        name=f"grouped_matmul_bm{block_m}_bn{block_n}_bk{block_k}{'_mxfp4' if mxfp4 else ''}",
+    )(group, row_start, row_end, *operands)
     return out[:m] if m_pad != m else out

@@ -178,6 +178,18 @@ def test_mxfp4_kept_as_stored_gives_transformers_tokens(model, tmp_path, layer_l
                    compilation_cache_dir=None)
 
 
+def test_mxfp4_through_the_pallas_grouped_matmul_gives_transformers_tokens(model, tmp_path):
+    """MXFP4 experts kept as stored and expanded in the Pallas grouped matmul's registers (interpret mode here; on a
+    GPU "auto" takes this path at every batch size): transformers' greedy tokens of the same file."""
+    import torch
+    import transformers
+
+    path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    check_engine(path, hf, quantization="mxfp4", moe_impl="pallas")
+
+
 def jax_leaves_of(tree, kind):
     import jax
 

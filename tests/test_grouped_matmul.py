@@ -156,3 +156,30 @@ def test_mixtral_forward_with_each_expert_impl():
     for impl in ("ragged_dot", "pallas", "gathered"):
         np.testing.assert_allclose(hidden(params, impl), dense, rtol=1e-4, atol=1e-4, err_msg=impl)
     np.testing.assert_allclose(hidden(mixtral.unstack_layers(params), "pallas"), dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("sizes,m,block_m", CASES[:3] + CASES[4:])
+@pytest.mark.parametrize("block_k", [32, 64, None])
+def test_mxfp4_weights_are_expanded_in_kernel(sizes, m, block_m, dtype, tol, block_k):
+    """MXFP4 weights (Mxfp4Weight, as an MXFP4 checkpoint stores them) multiplied in the kernel, their nibbles and
+    exponents expanded in registers: each row against numpy's product with its group's weights as the host expands
+    them (loading/mxfp4.py, checked against transformers' conversion in tests/test_gpt_oss.py); rows past
+    sum(group_sizes) exactly zero. Steps of one and of two 32-row blocks, and the default."""
+    from jlight.loading.mxfp4 import Mxfp4HostWeight
+
+    rng = np.random.default_rng(sum(sizes) + m)
+    k, n = 128, 64
+    host = Mxfp4HostWeight(rng.integers(0, 256, (len(sizes), n, k // 32, 16)).astype(np.uint8),
+                           rng.integers(118, 128, (len(sizes), n, k // 32)).astype(np.uint8))
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(grouped_matmul(x, host.to_device(), gs, block_m=block_m, block_k=block_k,
+                                    preferred_element_type=jnp.float32))
+    values, xs = host.dequantize(), np.asarray(x, np.float64)
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    want = np.stack([xs[r] @ values[g] for r, g in enumerate(group)]) if len(group) else np.zeros((0, n))
+    total = len(group)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got[:total], want, rtol=tol, atol=tol * np.abs(want).max(initial=1.0))
+    assert (got[total:] == 0).all(), "rows past sum(group_sizes) must be exactly zero"

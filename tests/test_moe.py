@@ -186,9 +186,11 @@ def test_no_local_expert_id_contributes_nothing(impl, quantized):
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_mxfp4_experts_compute_what_their_expanded_weights_do(tokens):
     """Experts kept as MXFP4 (Mxfp4Weight) with gpt-oss's per-expert biases (BiasedExperts) give every expert path
-    (dense, gathered, in chunks too, ragged_dot) the answer numpy computes from the file's values, expert by expert."""
+    (dense, gathered, in chunks too, ragged_dot, the Pallas kernel expanding them in registers) the answer numpy
+    computes from the file's values, expert by expert."""
     from jlight.loading.mxfp4 import Mxfp4HostWeight
     from jlight.models import moe
+    from jlight.pallas_kernels.dispatch import get_kernels
 
     rng = np.random.default_rng(tokens)
     experts, embed, mlp, k = 6, 64, 32, 2
@@ -212,13 +214,15 @@ def test_mxfp4_experts_compute_what_their_expanded_weights_do(tokens):
     runs = {"dense": lambda *a: dense_expert_ffn(*a, jax.nn.silu),
             "gathered": lambda *a: moe.gathered_expert_ffn(*a, jax.nn.silu),
             "gathered in chunks": lambda *a: moe.gathered_expert_ffn(*a, jax.nn.silu, max_gather_elements=2 * embed * mlp),
-            "ragged_dot": lambda *a: grouped_expert_ffn(*a, jax.nn.silu)}
+            "ragged_dot": lambda *a: grouped_expert_ffn(*a, jax.nn.silu),
+            "pallas": lambda *a: grouped_expert_ffn(*a, jax.nn.silu,
+                                                    grouped_matmul=get_kernels(moe_impl="pallas").grouped_matmul.matmul)}
     for name, fn in runs.items():
         got = np.asarray(jax.jit(fn)(x, ids, weights, *w))
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-4, err_msg=name)
     assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2]) == ("gathered" if tokens == 1 else "ragged_dot")
-    kernel = types.SimpleNamespace(fits=lambda k, n: True, matmul=None)  # a GPU's Pallas grouped matmul: gathered first
-    assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2], kernel) == ("gathered" if tokens == 1 else "pallas")
+    kernel = types.SimpleNamespace(fits=lambda k, n: True, matmul=None)  # a GPU's: it reads only experts with rows
+    assert moe.resolve_expert_impl("auto", ids.size, w[0], w[2], kernel) == "pallas"
 
 
 def test_a_step_buckets_padding_rows_take_no_expert():

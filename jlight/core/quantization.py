@@ -79,11 +79,11 @@ class Mxfp4Weight(NamedTuple):
         return (*lead, 2 * half, out)
 
 
-# e2m1: sign, two exponent bits, one mantissa bit; index = the 4-bit code (_e2m1 computes them)
+# e2m1: sign, two exponent bits, one mantissa bit; index = the 4-bit code (e2m1_values computes them)
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def _e2m1(code: jax.Array) -> jax.Array:
+def e2m1_values(code: jax.Array) -> jax.Array:
     """FP4_E2M1_VALUES[code] as float32, computed elementwise (no table gather), so that XLA can fuse the
     expansion into the matmul that reads it: exponent field 0 is subnormal (m / 2), else (1 + m / 2) 2^(e - 1)."""
     exponent, mantissa = ((code >> 1) & 3).astype(jnp.float32), (code & 1).astype(jnp.float32)
@@ -95,7 +95,7 @@ def _e2m1(code: jax.Array) -> jax.Array:
 def dequantize_mxfp4(w: Mxfp4Weight, dtype) -> jax.Array:
     """w's values [..., in, out] in `dtype` (bfloat16 holds every MXFP4 value whose exponent is in its range)."""
     *lead, half, out = w.blocks.shape
-    pairs = jnp.stack([_e2m1(w.blocks & 0x0F), _e2m1(w.blocks >> 4)], axis=-2)  # [..., in / 2, 2, out]
+    pairs = jnp.stack([e2m1_values(w.blocks & 0x0F), e2m1_values(w.blocks >> 4)], axis=-2)  # [..., in / 2, 2, out]
     # 2^(s - 127) exactly: float32's exponent field is e8m0's (s = 0, 2^-127, is float32's subnormal 1 << 22)
     bits = jnp.where(w.scales == 0, jnp.uint32(1 << 22), w.scales.astype(jnp.uint32) << 23)
     scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
