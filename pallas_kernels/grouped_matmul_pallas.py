@@ -27,7 +27,7 @@ converted to x's dtype in registers (one byte per weight from HBM); their scales
 caller's (models/moe.py multiplies rows by their expert's scales).
 
 MXFP4 weights (core/quantization.Mxfp4Weight: byte b of a column holds rows 2b and 2b + 1, one
-exponent a 32 rows) are expanded in registers as well (half a byte per weight from HBM, and only
+exponent per 32 rows) are expanded in registers as well (half a byte per weight from HBM, and only
 the groups with rows are read): x's even and odd columns are split apart first, so that each
 16-byte-row slice of a step multiplies its low nibbles with the even columns and its high nibbles
 with the odd ones, times the slice's one exponent row.
