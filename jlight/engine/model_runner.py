@@ -421,17 +421,13 @@ class ModelRunner:
             else:  # the last token was sampled by the previous step and is still on device
                 assert end == num_known + 1 and seq.last_row is not None and n == 1
                 from_prev[t] = seq.last_row
-            pages = np.asarray(seq.pages, np.int32)
-            slot_mapping[t:t + n] = pages[pos // ps] * ps + pos % ps
             token_seq[t:t + n] = row
-            page_table[row, : len(pages)] = pages
+            page_table[row, : len(seq.pages)] = seq.pages
             if G > 1:  # a window group's entries before its window are null (kv_groups.py): the zeros already there
                 for g, table in enumerate(seq.group_pages):
                     w = self.group_windows[g + 1]
                     lo = 0 if w is None else max(0, start - w + 1) // ps
-                    seen = np.asarray(table[lo:], np.int32)
-                    group_tables[g, row, lo:len(table)] = seen
-                    group_slots[g, t:t + n] = seen[pos // ps - lo] * ps + pos % ps
+                    group_tables[g, row, lo:len(table)] = table[lo:]
             context_lens[row] = end
             query_start[row] = t
             if state_slots is not None:
@@ -453,6 +449,12 @@ class ModelRunner:
                 row_sample[row] = j - 1
             t += n
         query_start[len(plan.rows):] = t
+        # Every token's slot in the pool, from its row's table (group g's for group_slots[g]); padding keeps slot 0
+        # (the scratch page). A row's tables cover its tokens' pages, a window group's from lo on.
+        pages_of, offsets = (token_seq[:t], positions[:t] // ps), positions[:t] % ps
+        slot_mapping[:t] = page_table[pages_of] * ps + offsets
+        if G > 1:
+            group_slots[:, :t] = group_tables[(slice(None),) + pages_of] * ps + offsets
         md = BatchMetadata(positions, slot_mapping, token_seq, page_table, context_lens, query_start, sp.logits_indices, state_slots,
                            group_tables, group_slots)
         inp = StepInputs(tokens, from_prev, md, sp.sampling_inputs(bool(guided)), sp.history_slot, sp.prompt_len,
