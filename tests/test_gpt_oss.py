@@ -200,8 +200,8 @@ def jax_leaves_of(tree, kind):
 def test_gpt_oss_20b_experts_take_the_pallas_grouped_matmul(tokens):
     """gpt-oss-20b's expert weights keep the shapes the Pallas grouped matmul's tiles take (K and N multiples of
     16), so on a GPU every step runs its experts there. With the gate and up biases riding as an extra input row
-    (K = 2881) no step could: decode gathered the chosen experts' weights and larger steps fell to ragged_dot's
-    dense FLOPs (an H100 gave 1,670 output tokens/s on the nano-vllm workload against vLLM's 11,530)."""
+    (K = 2881) no step could: steps fell to ragged_dot's dense FLOPs, a decode step's 8-token bucket too (an H100
+    gave 1,670 output tokens/s on the nano-vllm workload against vLLM's 11,530)."""
     import sys
 
     import jax
