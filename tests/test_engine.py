@@ -437,6 +437,22 @@ def test_a_float32_step_multiplies_in_float32_and_a_bf16_step_as_xla_likes(llm, 
     assert bf16 and not any("HIGHEST" in d for d in bf16), bf16
 
 
+def test_a_row_whose_pages_cannot_hold_its_tokens_is_refused_by_prepare(llm):
+    """prepare reads every token's pool slot from its row's page table, so a row given too few pages (an engine
+    bug: the scheduler covers every row it launches) raises naming its sequence, not writes into the scratch page."""
+    from jlight.engine.scheduler import ScheduledSeq, SchedulePlan
+    from jlight.engine.sequence import Sequence, SequenceStateError
+
+    seq = Sequence("r", 0, list(range(3, 23)), SamplingParams(max_tokens=1), seed=0, arrival=0.0)
+    seq.admit([1, 2], 0)  # two pages of 8 tokens for a 20-token prompt
+    runner = llm.engine.runner
+    with pytest.raises(SequenceStateError, match=f"seq {seq.seq_id}: 2 pages cannot hold its 20 tokens"):
+        runner.prepare(SchedulePlan([ScheduledSeq(seq, 0, 20, True)], []), {})
+    seq.add_pages([3])  # covered: prepared, each token's slot its page's
+    inp, _ = runner.prepare(SchedulePlan([ScheduledSeq(seq, 0, 20, True)], []), {})
+    assert list(inp.md.slot_mapping[:20]) == [[1, 2, 3][p // 8] * 8 + p % 8 for p in range(20)]
+
+
 def test_a_bfloat16_model_on_the_cpu_keeps_float32_pages_and_never_widens_the_pool(model_dir):
     """XLA:CPU computes bfloat16 in float32 and widens a whole operand to do so: a bfloat16 pool's in-place write
     converted the whole pool every layer (model_runner.kv_pool_dtype). A bfloat16 model's pool on the CPU is float32

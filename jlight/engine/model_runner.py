@@ -40,6 +40,7 @@ from jlight.core.parallel_ops import ParallelOps
 from jlight.core.quantization import QuantizedKV, make_kv_pool, scales_sharding
 from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
 from jlight.engine import kv_groups, sampler, step_packing
+from jlight.engine.sequence import SequenceStateError
 from jlight.engine.scheduler import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -422,6 +423,8 @@ class ModelRunner:
                 assert end == num_known + 1 and seq.last_row is not None and n == 1
                 from_prev[t] = seq.last_row
             token_seq[t:t + n] = row
+            if len(seq.pages) * ps < end:  # the slots below are read from the tables: they must cover the row
+                raise SequenceStateError(f"seq {seq.seq_id}: {len(seq.pages)} pages cannot hold its {end} tokens")
             page_table[row, : len(seq.pages)] = seq.pages
             if G > 1:  # a window group's entries before its window are null (kv_groups.py): the zeros already there
                 for g, table in enumerate(seq.group_pages):
