@@ -97,6 +97,22 @@ def test_copies_inside_the_programs_give_the_recomputed_tokens(model_dir):
     assert len(writes) == 4 and all("input_output_alias={ {0}: (0, {}, may-alias)" in c.as_text() for c in writes)
 
 
+def test_pinned_pages_are_not_copied_again_on_the_host(model_dir, monkeypatch):
+    """A sync's host work is a few calls a batch of pages: pages the gather wrote to pinned host memory
+    ("in_program") are held as they are, never copied once more into host buffers (copy_to_host_async on each
+    page's arrays: a host call and a host copy a page and leaf, on the path of the step that admits the hit)."""
+    first, second = conversations(seed=3)
+    tiered = small_engine(model_dir, host_pages=200, copies="in_program")
+    copies_to_host = []
+    original = jax._src.array.ArrayImpl.copy_to_host_async
+    monkeypatch.setattr(jax._src.array.ArrayImpl, "copy_to_host_async",
+                        lambda self: (copies_to_host.append(self), original(self))[1])
+    run_one_by_one(tiered, first + second)
+    tier = tiered.block_manager.host_tier
+    assert tier.offloaded_pages > 0 and tier.restored_pages >= 15
+    assert copies_to_host == []
+
+
 def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
     first, second = conversations(seed=1)
     tiered = small_engine(model_dir, host_pages=8)  # about half of one history

@@ -85,6 +85,7 @@ class HostTier:
         self._restores: list[tuple[int, bytes]] = []
         self._landing: collections.deque[tuple[bytes, object]] = collections.deque()  # numpy pages not landed
         self._device_shardings = None  # one page's leaves' placements on the device (read_page_list's)
+        self._host_shardings = None  # and in pinned_host memory
         self.offloaded_pages = 0  # pages copied to host
         self.dropped_pages = 0  # keys the LRU dropped to make room
         self.restored_pages = 0  # pages copied back to the device
@@ -149,8 +150,10 @@ class HostTier:
         if self._device_shardings is None:
             self._device_shardings = [a.sharding for a in jax.tree.leaves(per_page[0])]
         if self.pinned and not in_program:
-            leaves = jax.device_put(leaves, [a.sharding.with_memory_kind("pinned_host") for a in leaves])
-        else:
+            if self._host_shardings is None:
+                self._host_shardings = [s.with_memory_kind("pinned_host") for s in self._device_shardings]
+            leaves = jax.device_put(leaves, self._host_shardings * len(batch))
+        elif not self.pinned:  # numpy pages: each lands by its own copy (in_program's are pinned_host already)
             for a in leaves:
                 a.copy_to_host_async()
         for (_, key), data in zip(batch, jax.tree.unflatten(treedef, leaves)):
