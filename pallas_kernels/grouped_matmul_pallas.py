@@ -22,7 +22,8 @@ entries have row_start == row_end (no stores, no K loop).
 
 Grid (tiles, N / block_n); tile index fastest, so programs that run together mostly share a
 group's weight columns (L2). Each program loops over K in block_k steps: x[block rows, k-slice]
-@ w[group, k-slice, n-block] accumulated in float32 on the tensor cores. int8 weights are
+@ w[group, k-slice, n-block] accumulated in float32 on the tensor cores (float32 x: true float32
+products, not Triton's default TF32, as a float32 model's other matmuls have them). int8 weights are
 converted to x's dtype in registers (one byte per weight from HBM); their scales are the
 caller's (models/moe.py multiplies rows by their expert's scales).
 
@@ -129,7 +130,7 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, bloc
         ks = pl.ds(step * block_k, block_k)
         x = x_ref[pl.ds(row0, block_m), ks]  # [block_m, block_k]; other groups' rows are computed and dropped
         w = w_ref[w_group, ks, :]  # [block_k, block_n]
-        return acc + pltr.dot(x, w.astype(x.dtype)).astype(jnp.float32)
+        return acc + pltr.dot(x, w.astype(x.dtype), allow_tf32=x.dtype != jnp.float32).astype(jnp.float32)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     pltr.store(o_ref.at[pl.ds(row0, block_m), :], acc.astype(o_ref.dtype), mask=mine[:, None])
@@ -158,7 +159,9 @@ def _mxfp4_kernel(group_ref, start_ref, end_ref, x_even_ref, x_odd_ref, blocks_r
             scale = jnp.exp2(exponent.astype(jnp.float32) - 127.0)
             low = (e2m1_values(codes & 0x0F) * scale).astype(x_even.dtype)
             high = (e2m1_values(codes >> 4) * scale).astype(x_odd.dtype)
-            acc = acc + pltr.dot(x_even, low).astype(jnp.float32) + pltr.dot(x_odd, high).astype(jnp.float32)
+            tf32 = x_even.dtype != jnp.float32
+            acc = acc + pltr.dot(x_even, low, allow_tf32=tf32).astype(jnp.float32) + \
+                pltr.dot(x_odd, high, allow_tf32=tf32).astype(jnp.float32)
         return acc
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))

@@ -36,12 +36,12 @@ _MASKED = -1e30
 # with: 64 float32 rows of 512 with their 32-position K/V tiles asked for 320 KB of an H100's 227 KB.
 _PREFILL_ROWS = 64
 _Q_ROW_BYTES = 1024
-# K/V positions processed per inner step (pages_per_step * page_size) at head_dim <= 256; wider heads take
-# proportionally fewer, so a step's K and V tiles stay the bytes that head_dim 256 runs with on the GPU
-# (64 x 256 x 2 bytes each; at 512 the 64-position tiles, double-buffered, would pass Hopper's 227 KB of
-# shared memory).
+# K/V positions processed per inner step (pages_per_step * page_size) for positions of up to _KV_ROW_BYTES (a
+# 16-bit head_dim 256); wider positions take proportionally fewer, so a step's K and V tiles stay the bytes that
+# 16-bit head_dim 256 runs with on the GPU (64 x 512 bytes each). float32 at head_dim 512 with 32 positions a
+# step asked for 256 KB of an H100's 227 KB.
 _KV_PER_STEP = 64
-_KV_STEP_HEAD_DIM = 256
+_KV_ROW_BYTES = 512
 
 # XLA's scatter already writes the donated cache in place and moves only the T new K/V
 # vectors; a kernel could not move fewer bytes, so the reference is used as is.
@@ -157,7 +157,8 @@ def paged_attention(q, k_cache, v_cache, layer, md: BatchMetadata, *, scale: flo
     block_q = 1 if num_tokens <= num_rows else max(1, prefill_rows // group)
     block_rows = max(16, next_pow2(block_q * group))  # tensor-core dots need >= 16 rows
     num_blocks = num_tokens if block_q == 1 else -(-num_tokens // block_q) + num_rows
-    kv_per_step = _KV_PER_STEP * _KV_STEP_HEAD_DIM // max(head_dim, _KV_STEP_HEAD_DIM)
+    kv_row_bytes = head_dim * jnp.dtype((k_cache.values if quantized else k_cache).dtype).itemsize
+    kv_per_step = _KV_PER_STEP * _KV_ROW_BYTES // max(kv_row_bytes, _KV_ROW_BYTES)
     pages_per_step = pages_per_step or max(1, min(kv_per_step // page_size, next_pow2(max_pages)))
     num_steps = -(-max_pages // pages_per_step)
     num_splits = num_splits or (_choose_splits(num_blocks * num_kv_heads, num_steps) if block_q == 1 else 1)

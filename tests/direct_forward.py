@@ -18,6 +18,7 @@ from jlight.models import get_model_family
 from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
 from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
+from jlight.engine.model_runner import matmul_precision
 from jlight.pallas_kernels.dispatch import get_kernels
 
 PAGE_SIZE = 16
@@ -42,8 +43,9 @@ def _forward(params, config, tokens, positions, slots, context_len, page_table, 
     family = get_model_family(config)
     kernels = get_kernels("reference", "reference")
     md = _metadata(positions, slots, context_len, page_table, last_index)
-    hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ParallelOps())
-    return family.compute_logits(params, config, hidden, kernels, ParallelOps()), k_cache, v_cache
+    with jax.default_matmul_precision(matmul_precision(params["final_norm"].dtype)):  # as the engine's steps
+        hidden, k_cache, v_cache = family.forward(params, config, tokens, k_cache, v_cache, md, kernels, ParallelOps())
+        return family.compute_logits(params, config, hidden, kernels, ParallelOps()), k_cache, v_cache
 
 
 _JIT_OPTIONS = dict(static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))

@@ -12,6 +12,14 @@ import pytest
 
 from jlight.pallas_kernels.grouped_matmul_pallas import grouped_matmul, grouped_matmul_reference, tile_table
 
+
+@pytest.fixture(autouse=True)
+def float32_products():
+    """The XLA references in true float32, as the kernel's float32 products and a float32 model's steps
+    (model_runner.matmul_precision): XLA:GPU's default is TF32. No effect on the CPU."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
 # (group sizes, rows M, block_m): zeros, one group holding everything, sizes that are not
 # multiples of block_m, padding rows past sum(group_sizes), M not a multiple of block_m.
 CASES = [
