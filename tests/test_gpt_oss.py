@@ -103,15 +103,23 @@ def _mxfp4_copy(path: str, out: str) -> str:
     return out
 
 
-def test_mxfp4_checkpoint_matches_transformers(model, tmp_path):
-    """jlight expands an MXFP4 checkpoint's experts at load; transformers loads the same file
-    dequantized (Mxfp4Config(dequantize=True)): logits within 1e-4, 32 greedy tokens identical."""
+def _hf_mxfp4(path: str):
+    """transformers' model of an MXFP4 checkpoint, its experts dequantized, in float32. Some releases (5.17
+    among them) dequantize to bfloat16 whatever the dtype asked for; MXFP4's values (two significant bits
+    times a power of two) are exact in bfloat16, so the model cast to float32 holds the file's values and
+    computes in float32 as jlight's float32 load does."""
     import torch
     import transformers
 
+    return transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).float().eval()
+
+
+def test_mxfp4_checkpoint_matches_transformers(model, tmp_path):
+    """jlight expands an MXFP4 checkpoint's experts at load; transformers loads the same file
+    dequantized (Mxfp4Config(dequantize=True)): logits within 1e-4, 32 greedy tokens identical."""
     path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
-    hf = transformers.GptOssForCausalLM.from_pretrained(
-        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    hf = _hf_mxfp4(path)
     loaded = load_model(path, dtype="float32")
     check_direct(loaded.params, loaded.config, hf)
 
@@ -155,14 +163,10 @@ def test_mxfp4_kept_as_stored_gives_transformers_tokens(model, tmp_path, layer_l
     """quantization="mxfp4" keeps the MXFP4 checkpoint's experts as stored (uint8 blocks and scales, biases in
     the model dtype) and the engine gives transformers' greedy tokens of the same file, through check_engine's
     batch (preemption, chunked prefill across windows, the prefix cache); a model without MXFP4 weights is refused."""
-    import torch
-    import transformers
-
     from jlight.core.quantization import Mxfp4Weight
 
     path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
-    hf = transformers.GptOssForCausalLM.from_pretrained(
-        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    hf = _hf_mxfp4(path)
     check_engine(path, hf, quantization="mxfp4", layer_loop=layer_loop)
     loaded = load_model(path, dtype="float32", keep_mxfp4=True)
     kept = [w for w in jax_leaves_of(loaded.params, Mxfp4Weight)]
@@ -181,12 +185,8 @@ def test_mxfp4_kept_as_stored_gives_transformers_tokens(model, tmp_path, layer_l
 def test_mxfp4_through_the_pallas_grouped_matmul_gives_transformers_tokens(model, tmp_path):
     """MXFP4 experts kept as stored and expanded in the Pallas grouped matmul's registers (interpret mode here; on a
     GPU "auto" takes this path at every batch size): transformers' greedy tokens of the same file."""
-    import torch
-    import transformers
-
     path = _mxfp4_copy(model[0], str(tmp_path / "mxfp4"))
-    hf = transformers.GptOssForCausalLM.from_pretrained(
-        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    hf = _hf_mxfp4(path)
     check_engine(path, hf, quantization="mxfp4", moe_impl="pallas")
 
 

@@ -108,6 +108,7 @@ def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
     config.architectures = [architecture]
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).eval()
+    _config_as_computed(model, config)
     if architecture in NOISY_NORMS:
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -122,6 +123,15 @@ def make_tiny_model(tmp_dir: str, architecture: str, **config_overrides) -> str:
     model.save_pretrained(path, safe_serialization=True)
     write_tiny_tokenizer(path, vocab_size=min(settings["vocab_size"], TINY_VOCAB))
     return path
+
+
+def _config_as_computed(model, config) -> None:
+    """The saved config states what the reference computes: some transformers releases (5.17 among them)
+    ignore gpt-oss's swiglu_limit and swiglu_alpha (its experts hard-code 7.0 and 1.702), so there the tiny
+    model's config takes the values its experts use, which jlight then reads from it."""
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            config.swiglu_limit, config.swiglu_alpha = float(module.limit), float(module.alpha)
 
 
 def write_tiny_tokenizer(path: str, vocab_size: int = TINY_VOCAB) -> None:
