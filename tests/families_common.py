@@ -20,7 +20,10 @@ def hf_model(path: str, architecture: str):
     import torch
     import transformers
 
-    return getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
+    # The eager attention is transformers' reference; its sdpa path in some releases (5.17 among them, the GPU
+    # machine's) drops Gemma 2's attention soft-capping.
+    return getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
 
 
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
