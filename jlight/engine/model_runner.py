@@ -247,11 +247,10 @@ class ModelRunner:
         self._read_page_list_fn = lambda pools, pages: [
             jax.tree.map(lambda a: a[:, pages[i:i + 1]] if paged(a) else None, pools) for i in range(pages.shape[0])]
         self._read_page_list = jax.jit(self._read_page_list_fn)
-        self._write_page_list = jax.jit(
-            lambda pools, pages, data: jax.tree.map(
-                lambda a, *d: a.at[:, pages].set(jnp.concatenate(d, axis=1)) if paged(a) else a, pools, *data,
-                is_leaf=lambda x: x is None),
-            donate_argnums=(0,))
+        self._write_page_list_fn = lambda pools, pages, data: jax.tree.map(
+            lambda a, *d: a.at[:, pages].set(jnp.concatenate(d, axis=1)) if paged(a) else a, pools, *data,
+            is_leaf=lambda x: x is None)
+        self._write_page_list = jax.jit(self._write_page_list_fn, donate_argnums=(0,))
         # ("read" | "write" | "read_list" | "write_list" | "read_list_host" | "write_list_host", page count) ->
         # compiled ahead of time (warmup_page_copies); the _host kinds move the pages to and from pinned host
         # memory inside the program (read_page_list / write_page_list with host=True)
@@ -512,7 +511,12 @@ class ModelRunner:
         else:
             data = jax.eval_shape(read, pools, pages)
             data = jax.tree.map(lambda d, s: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=s), data, [out_host] * n)
-            self._page_copies[kind, n] = self._write_page_list.lower(pools, pages, data).compile()
+            # The pages move to the pools' devices first, by an explicit device_put inside the program: XLA:GPU
+            # refuses a program that computes on operands in host memory.
+            on_device = jax.tree.map(lambda a: a.sharding if a.shape[1] == self.num_pages else None, pools)
+            write = jax.jit(lambda pools, pages, data: self._write_page_list_fn(
+                pools, pages, [jax.device_put(d, on_device) for d in data]), donate_argnums=(0,))
+            self._page_copies[kind, n] = write.lower(pools, pages, data).compile()
         return self._page_copies[kind, n]
 
     def warmup_page_copies(self, max_pages: int, kinds=("read", "write")) -> None:
