@@ -64,7 +64,7 @@
 #               and all on the device (one process each): TTFT median / P99 / by turn, output tok/s, hits by tier,
 #               pages copied each way, the slowest step() calls by phase, host copy rate beside PCIe Gen5 x16
 #   tests       pytest on the GPU: tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py
-#               tests/test_split_kv.py tests/test_kv_cache_fp8.py
+#               tests/test_split_kv.py tests/test_kv_cache_fp8.py tests/test_grouped_matmul.py tests/test_gpt_oss.py
 #               (ARGS replace the file list)
 #   peer        bash .peerN/device.sh ARGS (../shared/peer/README.md: one .peerN folder carried per call)
 #
@@ -200,9 +200,10 @@ suite_multiturn() {
 }
 
 suite_tests() {
-  local files=(tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py tests/test_split_kv.py tests/test_kv_cache_fp8.py)
+  local files=(tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py tests/test_split_kv.py
+               tests/test_kv_cache_fp8.py tests/test_grouped_matmul.py tests/test_gpt_oss.py)
   [ $# -gt 0 ] && files=("$@")
-  run tests 400 python3 -m pytest -q -p no:cacheprovider "${files[@]}"
+  run tests 560 python3 -m pytest -q -p no:cacheprovider "${files[@]}"
 }
 
 suite_peer() {
