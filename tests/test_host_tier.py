@@ -113,6 +113,27 @@ def test_pinned_pages_are_not_copied_again_on_the_host(model_dir, monkeypatch):
     assert copies_to_host == []
 
 
+@pytest.mark.parametrize("copies", ["device_put", "in_program"])
+def test_a_page_travels_as_one_array(model_dir, monkeypatch, copies):
+    """A Llama's K and V pools (one shape, dtype and placement) give a page as one array, K over V: the tier's
+    sync moves one array a page each way (each array is a host call), and the restored pages give the
+    recomputed tokens."""
+    first, second = conversations(seed=4)
+    plain, tiered = small_engine(model_dir), small_engine(model_dir, host_pages=200, copies=copies)
+    assert tiered.runner._stacked_pages()
+    page = tiered.runner.read_page_list(np.array([1, 2], np.int32))
+    assert len(page) == 2 and all(isinstance(a, jax.Array) and a.shape[0] == 2 for a in page)
+    puts = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: puts.append(len(jax.tree.leaves(x))) or device_put(x, *a, **k))
+    got = run_one_by_one(tiered, first + second)
+    tier = tiered.block_manager.host_tier
+    assert tier.offloaded_pages > 0 and tier.restored_pages >= 15
+    # device_put: one array a page each way; in_program: the copies are inside the programs
+    assert sum(puts) == (tier.offloaded_pages + tier.restored_pages if copies == "device_put" else 0)
+    assert [t for t, _ in got] == [t for t, _ in run_one_by_one(plain, first + second)]
+
+
 def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
     first, second = conversations(seed=1)
     tiered = small_engine(model_dir, host_pages=8)  # about half of one history
@@ -387,8 +408,8 @@ def test_restored_pages_hold_the_bytes_first_computed(model_dir):
     assert whole.stats().host_cache_hit_tokens == 0 and tiered.stats().host_cache_hit_tokens > 0
 
     def page_bytes(e, key):
-        k, v = e.runner.read_page_list(np.array([e.block_manager.cached[key]], np.int32))[0]
-        return [np.asarray(a).tobytes() for a in jax.tree.leaves((k, v))]
+        page = e.runner.read_page_list(np.array([e.block_manager.cached[key]], np.int32))[0]
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves(page)]
 
     common = set(whole.block_manager.cached) & set(tiered.block_manager.cached)
     assert len(common & set(restored)) >= 10

@@ -8,9 +8,10 @@ page keeps its K/V until the step after the sync, so a prefix match in the same 
 whose own restores evicted the rest of its prefix, say) restores it instead of computing it again.
 `sync(runner)`, called after scheduling and before the step's launch, turns those into copies:
   1. restores of keys copied before take their host arrays first, so this sync's offloads cannot drop them;
-  2. offloads are dispatched: one gather of the evicted pages on the device, as one array a page and
-     leaf (dispatched before any write into those pages, so it reads their old contents, the device
-     running in dispatch order), then one asynchronous copy of all of them to `pinned_host` memory;
+  2. offloads are dispatched: one gather of the evicted pages on the device, as read_page_list's arrays
+     (one a page, K over V, where the pools allow; dispatched before any write into those pages, so it
+     reads their old contents, the device running in dispatch order), then one asynchronous copy of all
+     of them to `pinned_host` memory;
      restores of keys evicted since the last sync take those copies;
   3. restores are dispatched: one copy of all their host arrays to the device, then one scatter into
      their device pages with the pools donated (before the step that reads them).
@@ -24,9 +25,10 @@ its `copy_to_host_async` is done and becomes a numpy array then (polled each syn
 restore before that copies it device to device.
 
 Invariants:
-- `pages` maps each key whose copy was dispatched to its page's arrays (read_page_list's form: a (k, v)
-  pair of leaves [layers, 1, ...]), at most `capacity` of them, in LRU order (a hit or a repeated
-  offload makes a key most recent); a new offload with the tier full drops the least recently used key.
+- `pages` maps each key whose copy was dispatched to its page's arrays (read_page_list's form: one array
+  [2, layers, 1, ...] or a (k, v) pair of leaves [layers, 1, ...]), at most `capacity` of them, in LRU
+  order (a hit or a repeated offload makes a key most recent); a new offload with the tier full drops the
+  least recently used key.
 - Host arrays are immutable: a key's data are those of the copy that made it, whatever the tier drops
   or copies later.
 - The tier is inclusive: a restored key stays, so evicting that page again copies nothing.

@@ -89,6 +89,17 @@ def padded_pages(pages: list[int]) -> np.ndarray:
     return out
 
 
+def _stacked_sharding(sharding):
+    """The placement of a page stacked K over V (a new leading axis) from its pools': one device's, or a
+    NamedSharding's with the new axis unsplit; None for other kinds (those pages stay pairs)."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec),
+                                          memory_kind=sharding.memory_kind)
+    return None
+
+
 def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: bool = False) -> list[int]:
     """Powers of two from `smallest` up to max_num_batched_tokens (always the last), and with
     one_token a 1-token bucket below them (batch-1 decode on the CPU, whose matmul time follows the rows)."""
@@ -242,15 +253,24 @@ class ModelRunner:
             lambda pools, pages, data: jax.tree.map(lambda a, d: a.at[:, pages].set(d) if paged(a) else a, pools, data,
                                                     is_leaf=lambda x: x is None),
             donate_argnums=(0,))
-        # The same, one array per page (the host tier's unit of storage): the gather of n pages as n outputs,
-        # and the scatter of n such pages in one call, the pools donated.
-        self._read_page_list_fn = lambda pools, pages: [
-            jax.tree.map(lambda a: a[:, pages[i:i + 1]] if paged(a) else None, pools) for i in range(pages.shape[0])]
-        self._read_page_list = jax.jit(self._read_page_list_fn)
-        self._write_page_list_fn = lambda pools, pages, data: jax.tree.map(
-            lambda a, *d: a.at[:, pages].set(jnp.concatenate(d, axis=1)) if paged(a) else a, pools, *data,
-            is_leaf=lambda x: x is None)
-        self._write_page_list = jax.jit(self._write_page_list_fn, donate_argnums=(0,))
+        # The same, one page at a time (the host tier's unit of storage): the gather of n pages as n outputs,
+        # and the scatter of n such pages in one call, the pools donated. A page is one array [2, layers, 1, ...]
+        # (K over V) where the two pools are plain arrays of one shape, dtype and placement (`_stacked_pages`),
+        # else its leaves' pytree (k, v); every array a page costs the tier's sync a host call each way.
+        def read_page_list(pools, pages):
+            one = lambda i: jax.tree.map(lambda a: a[:, pages[i:i + 1]] if paged(a) else None, pools)
+            return [jnp.stack(one(i)) if self._stacked_pages() else one(i) for i in range(pages.shape[0])]
+
+        def write_page_list(pools, pages, data):
+            if self._stacked_pages():
+                return tuple(a.at[:, pages].set(jnp.concatenate([d[j] for d in data], axis=1))
+                             for j, a in enumerate(pools))
+            return jax.tree.map(lambda a, *d: a.at[:, pages].set(jnp.concatenate(d, axis=1)) if paged(a) else a,
+                                pools, *data, is_leaf=lambda x: x is None)
+        self._read_page_list_fn, self._write_page_list_fn = read_page_list, write_page_list
+        self._read_page_list = jax.jit(read_page_list)
+        self._write_page_list = jax.jit(write_page_list, donate_argnums=(0,))
+        self._stacked = None  # _stacked_pages' answer, once the pools exist
         # ("read" | "write" | "read_list" | "write_list" | "read_list_host" | "write_list_host", page count) ->
         # compiled ahead of time (warmup_page_copies); the _host kinds move the pages to and from pinned host
         # memory inside the program (read_page_list / write_page_list with host=True)
@@ -483,16 +503,27 @@ class ModelRunner:
         compiled = self._page_copies.get(("write", len(pages)))
         self.k_cache, self.v_cache = (compiled or self._write_pages)((self.k_cache, self.v_cache), pages, data)
 
+    def _stacked_pages(self) -> bool:
+        """Whether read_page_list gives a page as one array (K over V): both pools plain paged arrays of one
+        shape, dtype and placement (one device, or a NamedSharding, which the stacked page extends by its new axis)."""
+        if self._stacked is None:
+            k, v = self.k_cache, self.v_cache
+            self._stacked = (isinstance(k, jax.Array) and isinstance(v, jax.Array) and k.shape == v.shape
+                             and k.dtype == v.dtype and k.shape[1] == self.num_pages and k.sharding == v.sharding
+                             and _stacked_sharding(k.sharding) is not None)
+        return self._stacked
+
     def read_page_list(self, pages: np.ndarray, host: bool = False) -> list:
-        """read_pages as one (k, v) pair a page (leaves [layers, 1, ...]): n device arrays a leaf, from one call;
-        host=True: in pinned host memory, copied there by the same program."""
+        """read_pages one page at a time: n arrays [2, layers, 1, ...] (K over V) where `_stacked_pages`, else n
+        (k, v) pairs of leaves [layers, 1, ...], from one call; host=True: in pinned host memory, copied there by
+        the same program."""
         kind = "read_list_host" if host else "read_list"
         compiled = self._page_copies.get((kind, len(pages))) or self._page_list_copy(kind, len(pages))
         return compiled((self.k_cache, self.v_cache), pages)
 
     def write_page_list(self, pages: np.ndarray, data: list, host: bool = False) -> None:
-        """write_pages from read_page_list's form (one pair a page, on this runner's devices; host=True: in
-        pinned host memory, copied to the devices by the same program): one call, the pools donated."""
+        """write_pages from read_page_list's form (on this runner's devices; host=True: in pinned host memory,
+        copied to the devices by the same program): one call, the pools donated."""
         kind = "write_list_host" if host else "write_list"
         compiled = self._page_copies.get((kind, len(pages))) or self._page_list_copy(kind, len(pages))
         self.k_cache, self.v_cache = compiled((self.k_cache, self.v_cache), pages, data)
@@ -503,8 +534,13 @@ class ModelRunner:
         if kind in ("read_list", "write_list"):
             return self._read_page_list if kind == "read_list" else self._write_page_list
         pools, pages = (self.k_cache, self.v_cache), np.zeros(n, np.int32)
-        on_host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), pools)
-        out_host = jax.tree.map(lambda a, s: s if a.shape[1] == self.num_pages else None, pools, on_host)
+        if self._stacked_pages():
+            page_sharding = _stacked_sharding(self.k_cache.sharding)
+            out_host, on_device = page_sharding.with_memory_kind("pinned_host"), page_sharding
+        else:
+            out_host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host") if a.shape[1] == self.num_pages
+                                    else None, pools)
+            on_device = jax.tree.map(lambda a: a.sharding if a.shape[1] == self.num_pages else None, pools)
         read = jax.jit(self._read_page_list_fn, out_shardings=[out_host] * n)
         if kind == "read_list_host":
             self._page_copies[kind, n] = read.lower(pools, pages).compile()
@@ -513,7 +549,6 @@ class ModelRunner:
             data = jax.tree.map(lambda d, s: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=s), data, [out_host] * n)
             # The pages move to the pools' devices first, by an explicit device_put inside the program: XLA:GPU
             # refuses a program that computes on operands in host memory.
-            on_device = jax.tree.map(lambda a: a.sharding if a.shape[1] == self.num_pages else None, pools)
             write = jax.jit(lambda pools, pages, data: self._write_page_list_fn(
                 pools, pages, [jax.device_put(d, on_device) for d in data]), donate_argnums=(0,))
             self._page_copies[kind, n] = write.lower(pools, pages, data).compile()
