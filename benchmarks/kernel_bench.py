@@ -333,7 +333,8 @@ def bench_prefill_attention(rng, quick, reps, trials, cases=None, only=None):
         # and other splits of it: 64 x 2 (96 KB), 128 x 3 (224 KB), 64 x 4 (160 KB)
         for cfg in ([dict()] if quick else [dict(), dict(kv_per_step=64), dict(num_stages=3),
                                             dict(kv_per_step=64, num_stages=4)]):
-            variants[f"prefill kernel {cfg or 'default'}"] = (
+            label = " ".join(f"{key}={value}" for key, value in cfg.items()) or "default"  # no commas: --prefill-variants
+            variants[f"prefill kernel {label}"] = (
                 lambda q, cfg=cfg: paged_prefill_mosaic.paged_attention(q, k, v, jnp.int32(0), md, scale=scale, **cfg), causal, "triton")
         if tokens <= 4096:
             variants["xla reference"] = (lambda q: attention_reference.paged_attention(q, k, v, jnp.int32(0), md, scale=scale),
