@@ -145,16 +145,20 @@ def run_conversations(engine, system: list[int], user: list[list[list[int]]], a)
     return records
 
 
-def spy_on_step_calls(engine) -> list[tuple[float, dict]]:
-    """Each engine.step() call from now on (appended as they end): its host seconds, and the seconds of each of
-    the engine's step phases (LLMEngine.step_seconds) within it."""
+def spy_on_step_calls(engine) -> list[tuple[float, dict, dict]]:
+    """Each engine.step() call from now on (appended as they end): its host seconds, the seconds of each of
+    the engine's step phases (LLMEngine.step_seconds) within it, and the pages the host tier copied in it
+    (to the host, back to the device; empty without a tier)."""
     calls, step = [], engine.step
+    tier = engine.block_manager.host_tier
+    pages = lambda: {} if tier is None else {"pages_out": tier.offloaded_pages, "pages_back": tier.restored_pages}
 
     def timed():
-        phases0 = dict(engine.step_seconds)
+        phases0, pages0 = dict(engine.step_seconds), pages()
         t0 = time.perf_counter()
         out = step()
-        calls.append((time.perf_counter() - t0, {k: v - phases0[k] for k, v in engine.step_seconds.items()}))
+        calls.append((time.perf_counter() - t0, {k: v - phases0[k] for k, v in engine.step_seconds.items()},
+                      {k: v - pages0[k] for k, v in pages().items()}))
         return out
 
     engine.step = timed
@@ -211,11 +215,13 @@ def run_tier(a, tier: str) -> dict:
         device_cache_hit_tokens=delta("device_cache_hit_tokens"), host_cache_hit_tokens=delta("host_cache_hit_tokens"),
         preemptions=delta("num_preemptions"), steps=delta("num_steps"),
         host_ms_per_step={k: 1e3 * (v - seconds0[k]) / max(delta("num_steps"), 1) for k, v in engine.step_seconds.items()},
-        slowest_step_calls_ms=[1e3 * s for s, _ in sorted(step_calls, key=lambda c: -c[0])[:8]],
+        slowest_step_calls_ms=[1e3 * s for s, _, _ in sorted(step_calls, key=lambda c: -c[0])[:8]],
         # where the slowest calls' time went, phase by phase (the tier's sync is inside schedule, and apart in tier)
         slowest_step_calls_phases_ms=[{k: round(1e3 * v, 2) for k, v in phases.items()}
-                                      for _, phases in sorted(step_calls, key=lambda c: -c[0])[:8]],
-        step_calls_over_100ms=sum(s > 0.1 for s, _ in step_calls),
+                                      for _, phases, _ in sorted(step_calls, key=lambda c: -c[0])[:8]],
+        # and the pages the tier copied in each (a launch that waits behind the tier's copies grows with them)
+        slowest_step_calls_pages=[pages for _, _, pages in sorted(step_calls, key=lambda c: -c[0])[:8]],
+        step_calls_over_100ms=sum(s > 0.1 for s, _, _ in step_calls),
         reply_digests={f"{r['conversation']}-{r['turn']}": reply_digest(r["reply"]) for r in records})
     if tier_obj is not None:
         to_host, to_device = delta("host_cache_offloaded_pages"), tier_obj.restored_pages - restored0
@@ -248,9 +254,10 @@ def print_run(r: dict, page_size: int) -> None:
     print(f"[tier {r['tier']}] host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
           + f"; step() calls over 100 ms: {r['step_calls_over_100ms']}, slowest "
           + ", ".join(f"{x:.0f}" for x in r["slowest_step_calls_ms"]) + " ms")
-    for ms, phases in list(zip(r["slowest_step_calls_ms"], r["slowest_step_calls_phases_ms"]))[:4]:
-        print(f"[tier {r['tier']}]   a {ms:.0f} ms call: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05),
-              flush=True)
+    for ms, phases, pages in list(zip(r["slowest_step_calls_ms"], r["slowest_step_calls_phases_ms"],
+                                      r["slowest_step_calls_pages"]))[:4]:
+        print(f"[tier {r['tier']}]   a {ms:.0f} ms call: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05)
+              + "".join(f"; {k} {v}" for k, v in pages.items()), flush=True)
     if "host_tier" in r:
         h, c = r["host_tier"], r["host_copy_bytes_per_s"]
         print(f"[tier {r['tier']}] pinned memory taken at warm-up: {h['reserved_gib']:.1f} GiB in {h['reserve_s']:.1f} s", flush=True)
