@@ -237,6 +237,29 @@ def test_an_engine_shrinks_its_pool_by_the_largest_steps_memory(tiny_model, monk
     assert engine.block_manager.num_pages == runner.num_pages
 
 
+def test_every_bucket_compiles_before_the_pool_takes_its_memory(tiny_model, monkeypatch):
+    """XLA:GPU autotunes a step's GEMMs on buffers of their own while compiling: the pool is allocated after
+    every bucket has compiled against its final size, not before (an 8B-class model at gpu_memory_utilization
+    0.9 ran out of memory in the autotuner otherwise)."""
+    allocated_after = []
+    allocate = ModelRunner.allocate_pools
+
+    def recording(self, num_pages):
+        allocated_after.append((num_pages, all(self.is_compiled(T) for T in self.buckets)))
+        return allocate(self, num_pages)
+
+    monkeypatch.setattr(ModelRunner, "allocate_pools", recording)
+    stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 10 * MIB}
+    llm, compiles = _engine_on_fake_device(tiny_model("LlamaForCausalLM"), monkeypatch, stats, gpu_memory_utilization=0.95)
+    runner = llm.engine.runner
+    assert allocated_after == [(runner.num_pages, True)]
+    # the largest bucket measured the step against the first pool, then every bucket compiled once against
+    # the sized one, and none after the allocation
+    assert len(compiles) == runner.num_step_variants(runner.buckets[-1:]) + runner.num_step_variants(runner.buckets)
+    out = llm.generate([list(range(3, 23))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and runner._step._cache_size() == 0  # the compiled steps ran
+
+
 def test_an_engine_whose_step_leaves_no_room_refuses_to_start(tiny_model, monkeypatch):
     stats = {"bytes_limit": 300 * MIB, "bytes_in_use": 44 * MIB}  # 256 MiB left: the margin alone
     with pytest.raises(ValueError, match="max_num_batched_tokens.*gpu_memory_utilization=1.0"):

@@ -234,6 +234,12 @@ class LLMEngine:
             num_pages = self._fit_pool_beside_step(num_pages, stats, kv_dtype, sharding_plan, whole,
                                                    all_buckets=cfg.warmup and warmup and cfg.gpu_memory_utilization is None)
             self._pool_sizes += [num_pages] if num_pages != self._pool_sizes[0] else []
+            if cfg.warmup and warmup:
+                # The buckets compile before the pool takes its memory: XLA:GPU's autotuner times each GEMM on
+                # buffers of its own, for which a pool that fills the budget leaves no room (gpt-oss-20b at
+                # gpu_memory_utilization 0.9 on an H100: out of memory in the lm_head's autotuning).
+                self.runner.size_pools(num_pages)
+                self.startup_seconds["measure"] += self._compile_steps(self.runner.buckets, " against the sized pool")
         self.runner.allocate_pools(num_pages)
         if num_pages < whole:  # vLLM refuses to start here; requests that do not fit are refused one by one instead
             logger.warning("the KV cache (%d pages of %d tokens) cannot hold one sequence of max_model_len=%d tokens (%d "
@@ -279,14 +285,7 @@ class LLMEngine:
         buckets = sorted(set(self.runner.buckets if buckets is None else buckets))
         runner, store = self.runner, self.runner.executable_store
         variants = runner.num_step_variants(buckets)
-        # those the pool's sizing compiled (_fit_pool_beside_step) are done
-        pending = [T for T in buckets if not runner.is_compiled(T)]
-        seconds = 0.0
-        if pending:
-            threads = startup.compile_threads(self.config.compile_threads, runner.num_step_variants(pending))
-            logger.info("compiling %s%s, %d at a time", startup.describe_buckets(pending), what, threads)
-            with Progress(runner.num_step_variants(pending), "compiling step buckets", "bucket") as bar:
-                seconds = runner.warmup(progress=lambda T: bar.update(), buckets=pending, threads=threads)
+        seconds = self._compile_steps(buckets, what)
         if self.proposer is not None:
             seconds += self.proposer.warmup(buckets)
         if self.block_manager.host_tier is not None:
@@ -341,6 +340,18 @@ class LLMEngine:
         return startup.kv_pool_pages(self.config, self._pool_bytes_per_page(kv_dtype, plan), self.kv_layout.windows,
                                      self.max_model_len, self.state_pool_bytes(), stats,
                                      self._last_pool_sizes())
+
+    def _compile_steps(self, buckets, what: str = "") -> float:
+        """Compile (or load from the store) the steps of `buckets` not compiled yet, several at once; the seconds
+        it took. Those the pool's sizing compiled (_fit_pool_beside_step) are done."""
+        runner = self.runner
+        pending = [T for T in sorted(set(buckets)) if not runner.is_compiled(T)]
+        if not pending:
+            return 0.0
+        threads = startup.compile_threads(self.config.compile_threads, runner.num_step_variants(pending))
+        logger.info("compiling %s%s, %d at a time", startup.describe_buckets(pending), what, threads)
+        with Progress(runner.num_step_variants(pending), "compiling step buckets", "bucket") as bar:
+            return runner.warmup(progress=lambda T: bar.update(), buckets=pending, threads=threads)
 
     def _fit_pool_beside_step(self, p0: int, stats: dict, kv_dtype, plan, whole: int, all_buckets: bool) -> int:
         """The pool's pages once the largest step has its memory (startup.pool_beside_step). The step buckets

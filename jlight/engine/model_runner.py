@@ -292,14 +292,21 @@ class ModelRunner:
         v_cache = make(v_shape, self.kv_cache_dtype, self.kv_dtype, v_shard)
         return (PagesAndState(k_cache, self._state), v_cache) if self.stateful else (k_cache, v_cache)
 
-    def allocate_pools(self, num_pages: int) -> None:
-        """Allocate the K/V pools with num_pages pages (zeroed). Steps compiled before against pools of another
-        size are dropped (the warm-up compiles them again); those compiled against this size are kept."""
+    def size_pools(self, num_pages: int) -> None:
+        """Give the K/V pools num_pages pages, still abstract (steps compile against them, nothing is allocated).
+        Steps compiled before against pools of another size are dropped (the warm-up compiles them again); those
+        compiled against this size are kept."""
         if num_pages != self.num_pages:
             self._executables.clear()
             self._serial_executables.clear()
             self._page_copies.clear()
             self.num_pages = num_pages
+            self.k_cache, self.v_cache = self._pools(num_pages, abstract=True)
+
+    def allocate_pools(self, num_pages: int) -> None:
+        """Allocate the K/V pools with num_pages pages (zeroed), keeping the steps compiled against that size
+        (size_pools)."""
+        self.size_pools(num_pages)
         self.k_cache, self.v_cache = self._pools(num_pages, abstract=False)
 
     def _layouts(self, T: int) -> list:
