@@ -60,7 +60,7 @@
 #   load        load_time.py --no-smollm2: safetensors against an orbax checkpoint of the same weights
 #   structured  structured_output.py on a tiny random Llama (needs llguidance in .whl)
 #   multiturn   multi_turn.py: 64 conversations x 4 turns (system 1024, user 256, reply 128 tokens), 16 at once, over a
-#               device pool of ~half their history, the host KV tier off, on, on with its copies inside its programs,
+#               device pool of ~half their history, the host KV tier off, on, on with its pages copied by device_put,
 #               and all on the device (one process each): TTFT median / P99 / by turn, output tok/s, hits by tier,
 #               pages copied each way, the slowest step() calls by phase, host copy rate beside PCIe Gen5 x16
 #   tests       pytest on the GPU: tests/test_engine.py tests/test_kernels_attention.py tests/test_mosaic_attention.py

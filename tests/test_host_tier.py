@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PAGE_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8-token pages, 2 KV heads of 16, float32
 
 
-def small_engine(model_dir, host_pages=None, copies="device_put"):
+def small_engine(model_dir, host_pages=None, copies="in_program"):
     """40 device pages (39 usable, 312 tokens): less than the workload's prefixes need."""
     size = None if host_pages is None else host_pages * PAGE_BYTES / 2**30
     return jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, page_size=8, num_pages=40,
@@ -72,17 +72,18 @@ def test_evicted_prefixes_come_back_from_host_with_the_recomputed_tokens(model_d
     # The steps and the copies (every power-of-two page count up to 8) compiled at warm-up: none since.
     assert [f._cache_size() for f in copies] == compiled
     # The tier's scatters (one a power-of-two page count) write into the donated pools, not a copy of them.
-    writes = [c for (kind, _), c in runner._page_copies.items() if kind == "write_list"]
+    writes = [c for (kind, _), c in runner._page_copies.items() if kind == "write_list_host"]  # in_program's
     assert len(writes) == 4 and all("input_output_alias={ {0}: (0, {}, may-alias)" in c.as_text() for c in writes)
 
 
-def test_copies_inside_the_programs_give_the_recomputed_tokens(model_dir):
-    """kv_offloading_copies="in_program": the gather writes the evicted pages to pinned host memory and the scatter
-    reads them from there, in their own programs compiled at warm-up (the scatter into the donated pools); the
-    tokens are an engine's that recomputes, and every held page is a pinned_host array."""
+def test_copies_by_device_put_give_the_recomputed_tokens(model_dir):
+    """kv_offloading_copies="device_put" (the default copies inside the programs): the gather and the scatter
+    stay on the device, and the pages travel by jax.device_put to and from pinned host memory; the tokens are
+    an engine's that recomputes, every held page is a pinned_host array, and the scatters (compiled at warm-up)
+    write into the donated pools."""
     first, second = conversations(seed=2)
     want = run_one_by_one(small_engine(model_dir), first + second)
-    tiered = small_engine(model_dir, host_pages=200, copies="in_program")
+    tiered = small_engine(model_dir, host_pages=200, copies="device_put")
     runner = tiered.runner
     compiled = dict(runner._page_copies)
     got = run_one_by_one(tiered, first + second)
@@ -92,8 +93,8 @@ def test_copies_inside_the_programs_give_the_recomputed_tokens(model_dir):
     assert {a.sharding.memory_kind for a in jax.tree.leaves(list(tier.pages.values()))} == {"pinned_host"}
     assert runner._page_copies == compiled  # nothing compiled after warm-up
     kinds = {kind for kind, _ in compiled}
-    assert {"read_list_host", "write_list_host"} <= kinds and not kinds & {"read_list", "write_list"}
-    writes = [c for (kind, _), c in compiled.items() if kind == "write_list_host"]
+    assert {"read_list", "write_list"} <= kinds and not kinds & {"read_list_host", "write_list_host"}
+    writes = [c for (kind, _), c in compiled.items() if kind == "write_list"]
     assert len(writes) == 4 and all("input_output_alias={ {0}: (0, {}, may-alias)" in c.as_text() for c in writes)
 
 
@@ -220,7 +221,7 @@ class _PoolRunner:
         self.k_cache = self.k_cache.at[:, pages].set(data[0])
 
     def read_page_list(self, pages, host=False):
-        assert not host  # the tier's default copies (device_put)
+        assert not host  # the tiers here copy by device_put
         return [(self.k_cache[:, p:p + 1], None) for p in pages]
 
     def write_page_list(self, pages, data):
@@ -236,7 +237,7 @@ class _PoolRunner:
 def test_tier_order_of_copies_and_lru_with_pages_reused_after_a_sync(pinned):
     from jlight.engine.host_tier import HostTier
 
-    runner, tier = _PoolRunner(), HostTier(capacity=2, max_batch=2, pinned=pinned)
+    runner, tier = _PoolRunner(), HostTier(capacity=2, max_batch=2, pinned=pinned, copies="device_put")
     tier.offload(1, b"A")
     tier.offload(2, b"B")
     tier.sync(runner)
@@ -266,7 +267,7 @@ def test_a_prefix_match_restores_pages_its_own_restores_evicted(pinned):
     from jlight.engine.block_manager import BlockManager
     from jlight.engine.host_tier import HostTier
 
-    runner, tier = _PoolRunner(), HostTier(capacity=8, max_batch=4, pinned=pinned)
+    runner, tier = _PoolRunner(), HostTier(capacity=8, max_batch=4, pinned=pinned, copies="device_put")
     bm = BlockManager(num_pages=5, page_size=2, host_tier=tier)
     tokens = list(range(7))  # three full pages to match
     prefix = bm.allocate(3)  # pages 1, 2, 3 (K: 2.0, 3.0, 4.0)
@@ -313,7 +314,7 @@ class _BigPoolRunner:
         self.k_cache = self._write(self.k_cache, pages, data[0])
 
     def read_page_list(self, pages, host=False):
-        assert not host  # the tier's default copies (device_put)
+        assert not host  # the tiers here copy by device_put
         self._count("read_page_list")
         return [(self.k_cache[:, p:p + 1], None) for p in pages]
 
@@ -333,7 +334,7 @@ def test_a_sync_moves_pages_in_a_fixed_number_of_calls_and_never_through_numpy(n
 
     from jlight.engine import host_tier
 
-    runner, tier = _BigPoolRunner(2 * n + 1), host_tier.HostTier(capacity=n, max_batch=n)
+    runner, tier = _BigPoolRunner(2 * n + 1), host_tier.HostTier(capacity=n, max_batch=n, copies="device_put")
     puts = []
     device_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: puts.append(len(jax.tree.leaves(x))) or device_put(x, *a, **k))

@@ -84,10 +84,12 @@ class EngineConfig:
     # they are copied there instead of dropped, and copied back when a later prompt's prefix needs them.
     # None: off. Needs prefix caching.
     kv_offloading_size: float | None = None
-    # How the host tier's pinned pages travel (host_tier.COPIES): "device_put" (a gather on the device, then
-    # jax.device_put to pinned memory; back the same way before the scatter) or "in_program" (the gather writes
-    # them to pinned memory and the scatter reads them from there, inside the programs).
-    kv_offloading_copies: str = "device_put"
+    # How the host tier's pinned pages travel (host_tier.COPIES): "in_program" (the gather writes them to pinned
+    # memory and the scatter reads them from there, inside the programs) or "device_put" (a gather on the device,
+    # then jax.device_put to pinned memory, a page at a time; back the same way before the scatter). On an H100's
+    # multi-turn chat in_program's restoring turns reached their first token 15-16% sooner and the tier's sync took
+    # 17-22 ms where device_put's took 65-71 (docs/BENCHMARKS.md, the host KV tier).
+    kv_offloading_copies: str = "in_program"
     # vLLM's knob: True keeps every page of every layer, as for a model without attention kinds. False (the
     # default): a model whose layers differ in kind (sliding windows beside full attention: Gemma 2/3, gpt-oss)
     # keeps a page table per group of layers of one kind, and its sliding-window layers give back the pages

@@ -15,6 +15,9 @@ whose own restores evicted the rest of its prefix, say) restores it instead of c
      restores of keys evicted since the last sync take those copies;
   3. restores are dispatched: one copy of all their host arrays to the device, then one scatter into
      their device pages with the pools donated (before the step that reads them).
+  With `copies="in_program"` (the default) each of those copies is inside its program: the gather writes
+  `pinned_host` arrays and the scatter reads them, one call each way a batch (with "device_put", one
+  `jax.device_put` array a page each way besides).
 A sync is a fixed number of calls a batch of pages, whatever the number of pages or layers, and touches
 no page's bytes on the host: the copies run on the device's copy engines, DMA between device memory
 and pinned host memory, and the host never waits for them (an array that is still being copied is
@@ -56,20 +59,20 @@ from jlight.engine.model_runner import padded_pages
 logger = logging.getLogger(__name__)
 
 # How pinned pages travel (HostTier's `copies`).
-COPIES = ("device_put", "in_program")
+COPIES = ("in_program", "device_put")
 # XLA:GPU's limit on each device's pool of pinned host memory, in GiB (64 unless this variable says otherwise).
 HOST_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 
 class HostTier:
     def __init__(self, capacity: int, max_batch: int, pinned: bool | None = None, reserve: bool | None = None,
-                 copies: str = "device_put"):
+                 copies: str = "in_program"):
         """`pinned`: keep pages in `pinned_host` memory (True), in numpy arrays (False), or the first where
         every device of the pools has that memory (None). `reserve`: take the tier's pinned memory at warm-up
-        (True), not (False), or on GPUs (None; see the module docstring). `copies` (pinned pages): "device_put"
-        gathers the pages on the device and copies them with jax.device_put (and back the same way before the
-        scatter); "in_program" has the gather write them to pinned memory, and the scatter read them from there,
-        inside the programs (ModelRunner.read_page_list / write_page_list with host=True)."""
+        (True), not (False), or on GPUs (None; see the module docstring). `copies` (pinned pages): "in_program"
+        has the gather write them to pinned memory, and the scatter read them from there, inside the programs
+        (ModelRunner.read_page_list / write_page_list with host=True); "device_put" gathers the pages on the device
+        and copies them with jax.device_put (and back the same way before the scatter)."""
         if copies not in COPIES:
             raise ValueError(f"copies={copies!r} is not one of {', '.join(COPIES)}")
         self.copies = copies
