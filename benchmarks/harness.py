@@ -222,6 +222,38 @@ def engine_generate(engine, requests: list[Request]) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
+def spy_on_step_calls(engine) -> list[tuple[float, dict, dict]]:
+    """Each engine.step() call from now on (appended as they end): its host seconds, the seconds of each of
+    the engine's step phases (LLMEngine.step_seconds) within it, and the pages the host tier copied in it
+    (to the host, back to the device; empty without a tier)."""
+    calls, step = [], engine.step
+    tier = engine.block_manager.host_tier
+    pages = lambda: {} if tier is None else {"pages_out": tier.offloaded_pages, "pages_back": tier.restored_pages}
+
+    def timed():
+        phases0, pages0 = dict(engine.step_seconds), pages()
+        t0 = time.perf_counter()
+        out = step()
+        calls.append((time.perf_counter() - t0, {k: v - phases0[k] for k, v in engine.step_seconds.items()},
+                      {k: v - pages0[k] for k, v in pages().items()}))
+        return out
+
+    engine.step = timed
+    return calls
+
+
+def stop_spying(engine) -> None:
+    """engine.step() as it was before spy_on_step_calls."""
+    engine.__dict__.pop("step", None)
+
+
+def steps_compiled_by_jit(engine) -> int:
+    """Steps the runner compiled through jit, outside its warm-up's executables (a layout warm-up did not make):
+    a run that adds some paid for their compiles in its launches."""
+    runner = engine.runner
+    return sum(f._cache_size() for f in (runner._step, runner._serial_step) if f is not None)
+
+
 # ------------------------------------------------------------------ rates of the device
 
 

@@ -146,26 +146,6 @@ def run_conversations(engine, system: list[int], user: list[list[list[int]]], a)
     return records
 
 
-def spy_on_step_calls(engine) -> list[tuple[float, dict, dict]]:
-    """Each engine.step() call from now on (appended as they end): its host seconds, the seconds of each of
-    the engine's step phases (LLMEngine.step_seconds) within it, and the pages the host tier copied in it
-    (to the host, back to the device; empty without a tier)."""
-    calls, step = [], engine.step
-    tier = engine.block_manager.host_tier
-    pages = lambda: {} if tier is None else {"pages_out": tier.offloaded_pages, "pages_back": tier.restored_pages}
-
-    def timed():
-        phases0, pages0 = dict(engine.step_seconds), pages()
-        t0 = time.perf_counter()
-        out = step()
-        calls.append((time.perf_counter() - t0, {k: v - phases0[k] for k, v in engine.step_seconds.items()},
-                      {k: v - pages0[k] for k, v in pages().items()}))
-        return out
-
-    engine.step = timed
-    return calls
-
-
 def reply_digest(reply: list[int]) -> str:
     return hashlib.sha1(json.dumps(reply).encode()).hexdigest()[:12]
 
@@ -192,7 +172,7 @@ def run_tier(a, tier: str) -> dict:
     tier_obj = engine.block_manager.host_tier
     restored0 = tier_obj.restored_pages if tier_obj is not None else 0
     seconds0 = dict(engine.step_seconds)
-    step_calls = spy_on_step_calls(engine)
+    step_calls = harness.spy_on_step_calls(engine)
     t0 = time.perf_counter()
     records = run_conversations(engine, system, user, a)
     wall = time.perf_counter() - t0

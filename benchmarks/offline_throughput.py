@@ -27,6 +27,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,13 +60,25 @@ def run_workload(engine: LLMEngine, requests: list, trace: StepTrace | None = No
     """The requests through the engine as one run: output tok/s and where the host's time went."""
     engine.step_seconds = dict.fromkeys(engine.step_seconds, 0.0)
     steps0, preempt0 = engine.num_steps, engine.stats().num_preemptions
-    wall, generated = harness.engine_generate(engine, requests)
+    compiled0, calls = harness.steps_compiled_by_jit(engine), harness.spy_on_step_calls(engine)
+    try:
+        wall, generated = harness.engine_generate(engine, requests)
+    finally:
+        harness.stop_spying(engine)
     steps = max(engine.num_steps - steps0, 1)
     input_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    launch_ms = np.array([1e3 * phases["launch"] for _, phases, _ in calls])
+    slowest = sorted(calls, key=lambda c: -c[0])[:3]
     return dict(requests=len(requests), input_tokens=input_tokens, output_tokens=generated, wall_s=wall,
                 output_tok_s=generated / wall, total_tok_s=(input_tokens + generated) / wall, steps=steps,
                 step_ms=wall / steps * 1e3, host_ms_per_step={k: v / steps * 1e3 for k, v in engine.step_seconds.items()},
-                preemptions=engine.stats().num_preemptions - preempt0)
+                preemptions=engine.stats().num_preemptions - preempt0,
+                # whether the launches are slow alike or a few are very slow (a compile, a wait), and any compile
+                launch_ms=dict(median=float(np.median(launch_ms)), p90=float(np.percentile(launch_ms, 90)),
+                               max=float(launch_ms.max())) if len(launch_ms) else {},
+                slowest_step_calls_phases_ms=[dict(call=round(1e3 * s, 2), **{k: round(1e3 * v, 2) for k, v in p.items()})
+                                              for s, p, _ in slowest],
+                steps_compiled_during_run=harness.steps_compiled_by_jit(engine) - compiled0)
 
 
 def print_workload(name: str, r: dict) -> None:
@@ -73,6 +86,11 @@ def print_workload(name: str, r: dict) -> None:
           f"{r['wall_s']:.1f} s: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s, {r['steps']} steps "
           f"({r['step_ms']:.1f} ms/step), preemptions {r['preemptions']}", flush=True)
     print("  host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()), flush=True)
+    if r["launch_ms"]:
+        print(f"  launch ms a step: median {r['launch_ms']['median']:.2f}, p90 {r['launch_ms']['p90']:.2f}, max "
+              f"{r['launch_ms']['max']:.1f}; steps compiled during the run {r['steps_compiled_during_run']}; the slowest "
+              "step() calls: " + "; ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in r["slowest_step_calls_phases_ms"]),
+              flush=True)
 
 
 def kv_pages(runner):

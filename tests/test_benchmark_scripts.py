@@ -86,8 +86,30 @@ def test_offline_throughput_runs_the_peers_workloads_in_one_engine(bench, tmp_pa
     assert result["fixed"]["output_tokens"] == 15 and result["fixed"]["input_tokens"] == 60
     assert result["bs1"]["ms_per_token"] > 0 and result["init_s"] > 0 and result["buckets"] == [64]
     assert sum(g["steps"] for g in result["step_trace"]) == result["nano"]["steps"]  # every step of the run traced
+    # every step launched a warmed-up executable; the launches' spread and the slowest calls' phases are reported
+    assert result["nano"]["steps_compiled_during_run"] == 0 == result["fixed"]["steps_compiled_during_run"]
+    launch = result["nano"]["launch_ms"]
+    assert 0 < launch["median"] <= launch["p90"] <= launch["max"]
+    slowest = result["nano"]["slowest_step_calls_phases_ms"]
+    assert len(slowest) == 3 and all(c["call"] >= c["launch"] for c in slowest)
     saved = json.loads((tmp_path / "offline_throughput.json").read_text())
     assert saved["fixed"] == result["fixed"] and "git_commit" in saved
+
+
+def test_steps_compiled_by_jit_counts_the_steps_a_run_compiles_outside_warm_up(bench):
+    from jlight.engine.sampling_params import SamplingParams
+
+    engine = bench.random_engine("tiny", "float32", max_model_len=192, max_num_seqs=8, max_num_batched_tokens=64,
+                                 min_token_bucket=64, warmup=False)
+    calls = bench.spy_on_step_calls(engine)
+    engine.add_request("a", None, SamplingParams(max_tokens=3), prompt_token_ids=[3, 4, 5])
+    while engine.has_unfinished_requests():
+        engine.step()
+    bench.stop_spying(engine)
+    assert bench.steps_compiled_by_jit(engine) == 1  # the one bucket, compiled at its first launch
+    # one call a step, and one more that only read the last step back; the compile sat in the first launch
+    assert len(calls) == engine.num_steps + 1 and "step" not in engine.__dict__
+    assert max(calls, key=lambda c: c[1]["launch"]) is calls[0]
 
 
 def test_offline_throughput_with_a_host_tier_reports_its_counters_and_copy_rates(bench, tmp_path):
