@@ -123,7 +123,29 @@ def dispatch_breakdown(runner, inp, reps: int = 50) -> dict:
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(out)
     row["call_on_device_inputs_ms"] = 1e3 * statistics.median(times[1:])
     row["back_to_back_ms"] = back_to_back_ms(runner, inp, reps)
+    row.update(call_cost_per_array(len(jax.tree.leaves((r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled))) + 3,
+                                   reps))
     return row
+
+
+def call_cost_per_array(n: int, reps: int = 50) -> dict:
+    """The host time a jitted call takes for each device array it is given: a trivial program of n small arrays
+    (a step's count) against one of one array, the calls' own time (median of reps, the device idle between).
+    Where it is microseconds, a step's parameter count is a step's dispatch (step_arrays: n)."""
+    def call_ms(k):
+        arrays = [jax.device_put(np.full((8,), i, np.float32)) for i in range(k)]
+        fn = jax.jit(lambda *xs: xs[0] + 1, keep_unused=True)  # every array reaches the program, as a step's do
+        jax.block_until_ready(fn(*arrays))  # compiled
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn(*arrays)
+            times.append(time.perf_counter() - t0)
+            jax.block_until_ready(out)
+        return 1e3 * statistics.median(times)
+
+    one, many = call_ms(1), call_ms(n)
+    return dict(step_arrays=n, call_one_array_ms=one, call_step_arrays_ms=many, call_us_per_array=1e3 * (many - one) / (n - 1))
 
 
 def back_to_back_ms(runner, inp, reps: int = 50) -> float:
@@ -250,8 +272,9 @@ def main(argv=None):
             row.update(dispatch_breakdown(engine.runner, last_decode))
             print(f"  dispatch breakdown (median of 50): transfer unpacked {row['transfer_unpacked_ms']:.3f} ms, "
                   f"packed {row['transfer_packed_ms']:.3f} ms; call on device inputs {row['call_on_device_inputs_ms']:.3f} ms; "
-                  f"back to back {row['back_to_back_ms']:.3f} ms/step",
-                  flush=True)
+                  f"back to back {row['back_to_back_ms']:.3f} ms/step; a trivial call of the step's {row['step_arrays']} "
+                  f"arrays {row['call_step_arrays_ms']:.3f} ms against {row['call_one_array_ms']:.3f} of one: "
+                  f"{row['call_us_per_array']:.2f} us an array", flush=True)
             if a.kernel_breakdown and gpu:
                 try:
                     row["kernels"] = kernel_breakdown(engine.runner, step_args[-1])

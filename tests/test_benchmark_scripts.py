@@ -168,6 +168,9 @@ def test_decode_latency_variants_share_one_random_model(bench, tmp_path):
         assert "error" not in row, (name, row)
         assert row["ms"] > 0 and row["back_to_back_ms"] > 0 and row["prefill_step_ms"]["8"] > 0
         assert row["buckets"][0] == 8
+        # the trivial call takes as many arrays as the step (the tiny model's 2 layers: a dozen and more)
+        assert row["step_arrays"] > 12 and row["call_step_arrays_ms"] > 0 and row["call_one_array_ms"] > 0
+    assert rows["bf16-b8"]["step_arrays"] < rows["bf16-b8-sep"]["step_arrays"]  # fused projections: fewer arrays
     assert len(rows["bf16-b8"]["greedy_tokens"]) == 16
     assert rows["bf16-b8"]["greedy_tokens"] == rows["bf16-b8-sep"]["greedy_tokens"]
     assert rows["bf16-b8"]["weight_bytes"] == rows["bf16-b8-sep"]["weight_bytes"]
