@@ -16,6 +16,8 @@
 #                   (nano-vllm workload and batch-1 decode, for MoE shapes also against the active weights' roofline;
 #                   FIXED= drops the 1000 x 1000 run)
 #       MODEL=gpt-oss-20b VARIANTS=bf16-b8 bash benchmarks/gpu.sh decode              (batch-1 against its bandwidth line)
+#       MODEL=gpt-oss-20b FIXED= bash benchmarks/gpu.sh throughput --bs1-tokens 0 --profile-steps 400 8
+#                   (a jax.profiler trace of 8 steps of the nano run: OUT/throughput/profile, its largest events printed)
 #       MODEL=gpt-oss-20b FIXED= SUITE_TIMEOUT=400 bash benchmarks/gpu.sh throughput --quantization mxfp4
 #                   (the experts as random MXFP4, kept as stored: quantization="mxfp4")
 #       MODEL=gemma4-smoke FIXED= bash benchmarks/gpu.sh throughput   (Gemma 4 on the GPU at all: head_dim 256 / 512

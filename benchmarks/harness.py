@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -245,6 +246,55 @@ def spy_on_step_calls(engine) -> list[tuple[float, dict, dict]]:
 def stop_spying(engine) -> None:
     """engine.step() as it was before spy_on_step_calls."""
     engine.__dict__.pop("step", None)
+
+
+def profile_step_calls(engine, first: int, count: int, log_dir: str):
+    """A jax.profiler trace (XPlane, and Perfetto's trace.json.gz) of engine.step() calls first .. first + count - 1,
+    counted from now, into log_dir: the host's threads (dispatch, the runtime's waits) and, on a GPU, the device's
+    kernels and copies. Returns the function that ends the trace where the run ended inside the window; the
+    wrapper goes with stop_spying."""
+    step, calls, tracing = engine.step, itertools.count(), [False]
+
+    def stop() -> None:
+        if tracing[0]:
+            jax.profiler.stop_trace()
+            tracing[0] = False
+
+    def profiled():
+        i = next(calls)
+        if i == first:
+            jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+            tracing[0] = True
+        try:
+            return step()
+        finally:
+            if i == first + count - 1:
+                stop()
+
+    engine.step = profiled
+    return stop
+
+
+def trace_hotspots(log_dir: str, top: int = 25) -> list[dict]:
+    """The events of the newest Perfetto trace under log_dir (profile_step_calls), summed by name: total ms and
+    count of each, the largest first. Nested events each count whole (a Python frame and the runtime call under it)."""
+    import glob
+    import gzip
+
+    paths = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))
+    if not paths:
+        return []
+    with gzip.open(paths[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            entry = totals.setdefault(e["name"], [0.0, 0])
+            entry[0] += e.get("dur", 0) / 1e3
+            entry[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [dict(name=name[:160], ms=round(ms, 3), count=n) for name, (ms, n) in rows]
 
 
 def steps_compiled_by_jit(engine) -> int:

@@ -143,6 +143,9 @@ def main(argv=None):
     ap.add_argument("--no-warmup", action="store_true", help="compile each step bucket when first used, not at start")
     ap.add_argument("--step-trace", action="store_true",
                     help="time every step of the nano run against its own roofline, by kind and batch size (step_trace.py)")
+    ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
+                    help="a jax.profiler trace of the nano run's step() calls FIRST .. FIRST + COUNT - 1 into OUT/profile "
+                         "(Perfetto's trace.json.gz beside the XPlane): where a slow launch waits")
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     ap.add_argument("--name", default="offline_throughput", help="file stem of the JSON result")
     a = ap.parse_args(argv)
@@ -166,8 +169,22 @@ def main(argv=None):
 
     if a.num_requests:
         trace = StepTrace().install(engine) if a.step_trace else None
-        result["nano"] = run_workload(engine, harness.nano_workload(a.num_requests, tuple(a.input_len), tuple(a.output_len)))
+        stop_profile = None
+        if a.profile_steps:
+            profile_dir = os.path.join(a.out or ".", "profile")
+            stop_profile = harness.profile_step_calls(engine, *a.profile_steps, profile_dir)
+        try:
+            result["nano"] = run_workload(engine, harness.nano_workload(a.num_requests, tuple(a.input_len), tuple(a.output_len)))
+        finally:  # run_workload took the wrappers off engine.step
+            if stop_profile is not None:
+                stop_profile()
         print_workload("nano", result["nano"])
+        if a.profile_steps:  # the start of the trace lands in the window's first call
+            hotspots = harness.trace_hotspots(profile_dir)
+            result["nano"]["profile"] = dict(first=a.profile_steps[0], count=a.profile_steps[1], dir=profile_dir,
+                                             hotspots=hotspots)
+            print(f"  the profiled steps' largest events ({profile_dir}): " + "; ".join(
+                f"{h['name'][:70]} {h['ms']:.1f} ms x{h['count']}" for h in hotspots[:12]), flush=True)
         if trace is not None:
             flops = harness.matmul_flops_per_s() if gpu else harness.matmul_flops_per_s(512)
             result["step_trace"] = trace_summary(engine, trace, copy_bw or harness.copy_bytes_per_s(1 << 26), flops)

@@ -112,6 +112,21 @@ def test_steps_compiled_by_jit_counts_the_steps_a_run_compiles_outside_warm_up(b
     assert max(calls, key=lambda c: c[1]["launch"]) is calls[0]
 
 
+def test_offline_throughput_profiles_a_window_of_steps(bench, tmp_path):
+    import offline_throughput
+
+    result = offline_throughput.main([
+        "--model-config", "tiny", "--num-requests", "6", "--input-len", "10", "40", "--output-len", "3", "9",
+        "--bs1-tokens", "0", "--max-num-seqs", "8", "--max-model-len", "192", "--max-num-batched-tokens", "64",
+        "--min-token-bucket", "64", "--profile-steps", "2", "3", "--out", str(tmp_path)])
+    profile = result["nano"]["profile"]
+    assert profile["dir"] == str(tmp_path / "profile") and list(tmp_path.glob("profile/plugins/profile/*/perfetto_trace.json.gz"))
+    names = [h["name"] for h in profile["hotspots"]]
+    # the window holds the engine's step calls and the runtime's work under them, the largest first
+    assert any("step" in n for n in names) and profile["hotspots"][0]["ms"] >= profile["hotspots"][-1]["ms"] > 0
+    assert result["nano"]["steps_compiled_during_run"] == 0
+
+
 def test_offline_throughput_with_a_host_tier_reports_its_counters_and_copy_rates(bench, tmp_path):
     """A device pool of 12 pages for 6 requests of up to 48 tokens: preemptions evict pages to the host tier."""
     import offline_throughput
