@@ -172,10 +172,17 @@ def run_tier(a, tier: str) -> dict:
     tier_obj = engine.block_manager.host_tier
     restored0 = tier_obj.restored_pages if tier_obj is not None else 0
     seconds0 = dict(engine.step_seconds)
+    profile_dir = os.path.join(a.out or ".", f"profile_{tier}") if a.profile_steps else None
+    stop_profile = harness.profile_step_calls(engine, *a.profile_steps, profile_dir) if a.profile_steps else None
     step_calls = harness.spy_on_step_calls(engine)
     t0 = time.perf_counter()
-    records = run_conversations(engine, system, user, a)
+    try:
+        records = run_conversations(engine, system, user, a)
+    finally:
+        if stop_profile is not None:
+            stop_profile()
     wall = time.perf_counter() - t0
+    slowest = sorted(range(len(step_calls)), key=lambda i: -step_calls[i][0])[:8]  # the calls' indices, slowest first
     after = engine.stats()
     delta = lambda name: getattr(after, name) - getattr(before, name)  # noqa: E731
 
@@ -196,12 +203,13 @@ def run_tier(a, tier: str) -> dict:
         device_cache_hit_tokens=delta("device_cache_hit_tokens"), host_cache_hit_tokens=delta("host_cache_hit_tokens"),
         preemptions=delta("num_preemptions"), steps=delta("num_steps"),
         host_ms_per_step={k: 1e3 * (v - seconds0[k]) / max(delta("num_steps"), 1) for k, v in engine.step_seconds.items()},
-        slowest_step_calls_ms=[1e3 * s for s, _, _ in sorted(step_calls, key=lambda c: -c[0])[:8]],
+        slowest_step_calls_ms=[1e3 * step_calls[i][0] for i in slowest],
+        # which calls they were (--profile-steps takes a window of them: the run is the same each time)
+        slowest_step_calls_index=slowest,
         # where the slowest calls' time went, phase by phase (the tier's sync is inside schedule, and apart in tier)
-        slowest_step_calls_phases_ms=[{k: round(1e3 * v, 2) for k, v in phases.items()}
-                                      for _, phases, _ in sorted(step_calls, key=lambda c: -c[0])[:8]],
+        slowest_step_calls_phases_ms=[{k: round(1e3 * v, 2) for k, v in step_calls[i][1].items()} for i in slowest],
         # and the pages the tier copied in each (a launch that waits behind the tier's copies grows with them)
-        slowest_step_calls_pages=[pages for _, _, pages in sorted(step_calls, key=lambda c: -c[0])[:8]],
+        slowest_step_calls_pages=[step_calls[i][2] for i in slowest],
         step_calls_over_100ms=sum(s > 0.1 for s, _, _ in step_calls),
         reply_digests={f"{r['conversation']}-{r['turn']}": reply_digest(r["reply"]) for r in records})
     if tier_obj is not None:
@@ -214,6 +222,9 @@ def run_tier(a, tier: str) -> dict:
         rates = result["host_copy_bytes_per_s"]
         result["host_tier"]["copy_s_at_measured_rate"] = (result["host_tier"]["bytes_to_host"] / rates["device_to_host"]
                                                           + result["host_tier"]["bytes_to_device"] / rates["host_to_device"])
+    if profile_dir is not None:
+        result["profile"] = dict(first=a.profile_steps[0], count=a.profile_steps[1], dir=profile_dir,
+                                 hotspots=harness.trace_hotspots(profile_dir))
     print_run(result, a.page_size)
     return result
 
@@ -235,10 +246,14 @@ def print_run(r: dict, page_size: int) -> None:
     print(f"[tier {r['tier']}] host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
           + f"; step() calls over 100 ms: {r['step_calls_over_100ms']}, slowest "
           + ", ".join(f"{x:.0f}" for x in r["slowest_step_calls_ms"]) + " ms")
-    for ms, phases, pages in list(zip(r["slowest_step_calls_ms"], r["slowest_step_calls_phases_ms"],
-                                      r["slowest_step_calls_pages"]))[:4]:
-        print(f"[tier {r['tier']}]   a {ms:.0f} ms call: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05)
+    for ms, index, phases, pages in list(zip(r["slowest_step_calls_ms"], r["slowest_step_calls_index"],
+                                             r["slowest_step_calls_phases_ms"], r["slowest_step_calls_pages"]))[:4]:
+        print(f"[tier {r['tier']}]   a {ms:.0f} ms call (#{index}): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05)
               + "".join(f"; {k} {v}" for k, v in pages.items()), flush=True)
+    if "profile" in r:
+        print(f"[tier {r['tier']}] the profiled calls' largest events ({r['profile']['dir']}): " + "; ".join(
+            f"{h['name'][:70]} {h['ms']:.1f} ms x{h['count']}" for h in r["profile"]["hotspots"][:12]), flush=True)
     if "host_tier" in r:
         h, c = r["host_tier"], r["host_copy_bytes_per_s"]
         print(f"[tier {r['tier']}] pinned memory taken at warm-up: {h['reserved_gib']:.1f} GiB in {h['reserve_s']:.1f} s", flush=True)
@@ -312,6 +327,9 @@ def parse_args(argv):
     ap.add_argument("--smoke", action="store_true", help="a tiny CPU run: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     ap.add_argument("--name", default="multi_turn", help="file stem of the JSON result")
+    ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
+                    help="a jax.profiler trace of each run's step() calls FIRST .. FIRST + COUNT - 1 into OUT/profile_TIER "
+                         "(the slowest calls' indices are printed: #N)")
     if "--smoke" in (argv if argv is not None else sys.argv[1:]):
         ap.set_defaults(**SMOKE)  # options given still win
     return ap.parse_args(argv)

@@ -387,5 +387,8 @@ def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on_and_all
         assert run["turns"] == 8 * 3 and run["output_tokens"] == 8 * 3 * 6 and run["preemptions"] == 0
         assert len(run["ttft_ms_median_by_turn"]) == 3 and 0 < run["ttft_ms"]["median"] <= run["ttft_ms"]["p99"]
     assert result["host_copy_bytes_per_s"]["device_to_host"] > 0 and result["pcie_gen5_x16_bytes_per_s"] == 64e9
+    for run in (off, on):  # the slowest calls by index, for --profile-steps
+        index = run["slowest_step_calls_index"]
+        assert len(index) == len(run["slowest_step_calls_ms"]) == len(set(index)) and all(0 <= i for i in index)
     saved = json.loads((tmp_path / "multi_turn.json").read_text())
     assert saved["comparison"] == result["comparison"] and "git_commit" in saved
