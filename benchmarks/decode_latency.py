@@ -49,7 +49,8 @@ _INT8_PALLAS = dict(quantization="int8", matmul_impl="pallas")
 VARIANTS = {
     "bf16-b8": dict(min_token_bucket=8),
     "bf16-b8-sep": dict(min_token_bucket=8, fuse_projections=False),
-    "bf16-b8-each-layer": dict(min_token_bucket=8, trace_layers_once=False),  # every layer traced (the step XLA compiles: the same)
+    "bf16-b8-each-layer": dict(min_token_bucket=8, trace_layers_once=False),
+    "bf16-b8-packed": dict(min_token_bucket=8, pack_small_params=True),  # small vectors grouped: fewer arrays a call  # every layer traced (the step XLA compiles: the same)
     "bf16-b1": dict(min_token_bucket=1),
     "bf16-b8-triton": dict(min_token_bucket=8, attention_impl="triton"),
     "int8-auto-b8": dict(_INT8_AUTO, min_token_bucket=8),
@@ -118,12 +119,12 @@ def dispatch_breakdown(runner, inp, reps: int = 50) -> dict:
     r, times = runner, []
     for _ in range(reps + 1):  # the first call is not timed: it may trace for device-resident buffers
         t0 = time.perf_counter()
-        out = r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, r.unconstrained_mask(inp), layout)
+        out = r._step(r.step_params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, r.unconstrained_mask(inp), layout)
         times.append(time.perf_counter() - t0)
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(out)
     row["call_on_device_inputs_ms"] = 1e3 * statistics.median(times[1:])
     row["back_to_back_ms"] = back_to_back_ms(runner, inp, reps)
-    row.update(call_cost_per_array(len(jax.tree.leaves((r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled))) + 3,
+    row.update(call_cost_per_array(len(jax.tree.leaves((r.step_params, r.k_cache, r.v_cache, r.history, r.prev_sampled))) + 3,
                                    reps))
     return row
 
@@ -158,11 +159,11 @@ def back_to_back_ms(runner, inp, reps: int = 50) -> float:
     ints, floats = jax.block_until_ready(jax.device_put((ints, floats)))
     mask = r.unconstrained_mask(inp)
     r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = jax.block_until_ready(  # compiled, and the queue empty
-        r._step(r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, mask, layout))
+        r._step(r.step_params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, mask, layout))
     t0 = time.perf_counter()
     for _ in range(reps):
         r.k_cache, r.v_cache, r.history, r.prev_sampled, _ = r._step(
-            r.params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, mask, layout)
+            r.step_params, r.k_cache, r.v_cache, r.history, r.prev_sampled, ints, floats, mask, layout)
     jax.block_until_ready(r.k_cache)
     return 1e3 * (time.perf_counter() - t0) / reps
 
@@ -198,7 +199,7 @@ def kernel_breakdown(runner, step_args, top: int = 12) -> list[dict]:
     step = jax.jit(runner._packed_step, static_argnums=8, compiler_options=model_runner.STEP_COMPILER_OPTIONS)
     ints, floats, layout = step_packing.pack(inp)
     _, kernels = profiler.measure(step, aggregate=False)(
-        runner.params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, ints, floats,
+        runner.step_params, runner.k_cache, runner.v_cache, runner.history, runner.prev_sampled, ints, floats,
         runner.unconstrained_mask(inp), layout)
     by_name: dict[str, list] = {}
     for name, ms in kernels or []:

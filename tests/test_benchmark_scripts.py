@@ -174,11 +174,11 @@ def test_decode_latency_variants_share_one_random_model(bench, tmp_path):
     # projections (the default) must decode the same greedy tokens from the same weights as separate ones.
     import decode_latency
 
-    decode_latency.main(["--model-config", "tiny", "--variants", "bf16-b8,bf16-b8-sep", "--tokens", "6",
+    decode_latency.main(["--model-config", "tiny", "--variants", "bf16-b8,bf16-b8-sep,bf16-b8-packed", "--tokens", "6",
                          "--step-tokens", "8", "--out", str(tmp_path)])  # 8: the bucket decode compiled
     result = json.loads((tmp_path / "decode_latency.json").read_text())
     rows = result["variants"]
-    assert list(rows) == ["bf16-b8", "bf16-b8-sep"] and "git_commit" in result
+    assert list(rows) == ["bf16-b8", "bf16-b8-sep", "bf16-b8-packed"] and "git_commit" in result
     for name, row in rows.items():
         assert "error" not in row, (name, row)
         assert row["ms"] > 0 and row["back_to_back_ms"] > 0 and row["prefill_step_ms"]["8"] > 0
@@ -186,6 +186,9 @@ def test_decode_latency_variants_share_one_random_model(bench, tmp_path):
         # the trivial call takes as many arrays as the step (the tiny model's 2 layers: a dozen and more)
         assert row["step_arrays"] > 12 and row["call_step_arrays_ms"] > 0 and row["call_one_array_ms"] > 0
     assert rows["bf16-b8"]["step_arrays"] < rows["bf16-b8-sep"]["step_arrays"]  # fused projections: fewer arrays
+    # the small vectors grouped (pack_small_params): fewer arrays still, the same tokens
+    assert rows["bf16-b8-packed"]["step_arrays"] < rows["bf16-b8"]["step_arrays"]
+    assert rows["bf16-b8-packed"]["greedy_tokens"] == rows["bf16-b8"]["greedy_tokens"]
     assert len(rows["bf16-b8"]["greedy_tokens"]) == 16
     assert rows["bf16-b8"]["greedy_tokens"] == rows["bf16-b8-sep"]["greedy_tokens"]
     assert rows["bf16-b8"]["weight_bytes"] == rows["bf16-b8-sep"]["weight_bytes"]

@@ -109,6 +109,11 @@ class EngineConfig:
     # it: the same compiled program), not each layer anew: a 32-layer step lowers several times faster, so
     # a start that compiles its buckets spends less of its serial (Python) time on them. False: each layer traced.
     trace_layers_once: bool = True
+    # The steps take the params' small vectors (norm weights, biases, sinks) grouped into one array a dtype,
+    # sliced back inside the step (param_packing.py): every array a call passes costs host time at each launch,
+    # and a model of many layers has hundreds of them (gpt-oss-20b 411, of which ~200 such vectors). Off until
+    # measured on a GPU against the step's own time.
+    pack_small_params: bool = False
     # One matmul for q/k/v and one for gate/up (models/layers.fuse_projections): fewer, wider
     # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
     # With layer_loop="scan" fusing copies each stacked group once at start-up (transient memory).

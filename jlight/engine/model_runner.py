@@ -39,7 +39,7 @@ from jlight.core.batch_metadata import BatchMetadata
 from jlight.core.parallel_ops import ParallelOps
 from jlight.core.quantization import QuantizedKV, make_kv_pool, scales_sharding
 from jlight.core.recurrent_state import PagesAndState, zeros_like_shapes
-from jlight.engine import kv_groups, sampler, step_packing
+from jlight.engine import kv_groups, param_packing, sampler, step_packing
 from jlight.engine.sequence import SequenceStateError
 from jlight.engine.scheduler import SchedulePlan
 
@@ -160,12 +160,13 @@ class ModelRunner:
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
                  num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None,
-                 serial_steps: bool = False):
+                 serial_steps: bool = False, pack_small_params: bool = False):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
         serial_steps: compile every step variant a second time with SERIAL_STEP_COMPILER_OPTIONS, for the steps
         launched with serial=True (those the host waits for before it launches the next); False: those run the
         same executables as the others.
         taps: what each step returns for a device proposer (Taps); None: nothing beyond its samples.
+        pack_small_params: the steps take params' small vectors grouped into one array a dtype (param_packing.py).
         num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots).
         executable_store: an executable_store.ExecutableStore the warm-up loads compiled buckets from and
         saves them to; None: every bucket is traced and compiled.
@@ -174,6 +175,10 @@ class ModelRunner:
         self.executable_store = executable_store
         self.warmup_timings: list[dict] = []  # a dict a step variant warm-up made: its bucket, seconds lowering and compiling, or loading
         self.family, self.config, self.params, self.kernels = family, config, params, kernels
+        # The params as the step's calls pass them: params itself, or (pack_small_params) its large arrays beside
+        # its small vectors grouped, which the step unpacks (param_packing.py).
+        self._pack_plan = param_packing.plan(params) if pack_small_params else None
+        self.step_params = params if self._pack_plan is None else param_packing.pack(params, self._pack_plan)
         self.draft_slots = draft_slots
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_seqs = max_num_seqs
@@ -326,6 +331,8 @@ class ModelRunner:
     def _packed_step(self, params, k_cache, v_cache, history, prev_sampled, ints, floats, guide_mask,
                      layout: step_packing.Layout):
         inp = step_packing.unpack(layout, ints, floats)
+        if self._pack_plan is not None:
+            params = param_packing.unpack(*params, self._pack_plan)
         with jax.default_matmul_precision(self._precision):  # read while tracing: part of the compiled step
             return self._step_impl(params, k_cache, v_cache, history, prev_sampled, inp, guide_mask)
 
@@ -598,7 +605,7 @@ class ModelRunner:
         elif self._mask_sharding is not None:
             guide_mask = jax.device_put(guide_mask, self._mask_sharding)
         ints, floats, layout = step_packing.pack(inp)
-        args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask)
+        args = (self.step_params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats, guide_mask)
         step, executables = self._step, self._executables
         if serial and self._serial_step is not None:
             step, executables = self._serial_step, self._serial_executables
@@ -636,7 +643,7 @@ class ModelRunner:
                     if progress is not None:
                         progress(T)
                     continue
-                args = (self.params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
+                args = (self.step_params, self.k_cache, self.v_cache, self.history, self.prev_sampled, ints, floats,
                         self.unconstrained_mask(inp))
                 key = store.key(args, (self._precision, options, layout)) if store is not None else None
                 wanted.append((T, layout, step, executables, args, key))
