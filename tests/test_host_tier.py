@@ -148,6 +148,23 @@ def test_a_full_host_tier_drops_its_least_recent_pages(model_dir):
     assert 0 < s.host_cache_hit_tokens and 0 < got[3][1] < 120
 
 
+@pytest.mark.parametrize("kv_cache_dtype,page_size,num_pages", [("int8", 32, 12), ("fp8", 8, 40)])
+def test_quantized_pools_come_back_from_host_with_the_recomputed_tokens(model_dir, kv_cache_dtype, page_size, num_pages):
+    """int8 pools (values and their scales, QuantizedKV leaves) and fp8 pools through the tier's default copies:
+    each history's second turn finds it whole in the caches, partly from host memory, and the tokens are those
+    of the same pool computing it again."""
+    first, second = conversations(seed=3)
+    engines = [jlight.LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
+                          page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
+                          kv_offloading_size=size, compilation_cache_dir=None).engine
+               for size in (None, 300 * PAGE_BYTES / 2**30)]
+    want, got = (run_one_by_one(e, first + second) for e in engines)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    whole = 120 // page_size * page_size  # a history's full pages
+    assert [c for _, c in got[3:]] == [whole] * 3 and [c for _, c in want[3:]] != [whole] * 3
+    assert engines[1].stats().host_cache_hit_tokens > 0 and engines[1].block_manager.host_tier.copies == "in_program"
+
+
 def test_preempted_sequences_recover_their_pages_from_host(model_dir):
     """Eight sequences at once in the small pool: preemptions release full pages, the pool evicts them,
     and re-admissions take them back from host memory; every token as in the engine without the tier."""
