@@ -276,8 +276,9 @@ def profile_step_calls(engine, first: int, count: int, log_dir: str):
 
 
 def trace_hotspots(log_dir: str, top: int = 25) -> list[dict]:
-    """The events of the newest Perfetto trace under log_dir (profile_step_calls), summed by name: total ms and
-    count of each, the largest first. Nested events each count whole (a Python frame and the runtime call under it)."""
+    """The events of the newest Perfetto trace under log_dir (profile_step_calls), summed by name: each name's
+    self time (its events' durations less those of the events nested in them on the same thread: a wait shows
+    where it waits, not in every frame above it), its total time and count, the largest self time first."""
     import glob
     import gzip
 
@@ -286,15 +287,26 @@ def trace_hotspots(log_dir: str, top: int = 25) -> list[dict]:
         return []
     with gzip.open(paths[-1]) as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("ph") == "X"]
+    events.sort(key=lambda e: (e.get("pid"), e.get("tid"), e["ts"], -e.get("dur", 0)))
+    self_us = [e.get("dur", 0) for e in events]
+    stack: list[int] = []  # the enclosing events of the current one, on its thread
+    for i, e in enumerate(events):
+        while stack and (events[stack[-1]].get("pid"), events[stack[-1]].get("tid")) != (e.get("pid"), e.get("tid")):
+            stack.pop()
+        while stack and events[stack[-1]]["ts"] + events[stack[-1]].get("dur", 0) <= e["ts"]:
+            stack.pop()
+        if stack:
+            self_us[stack[-1]] -= e.get("dur", 0)
+        stack.append(i)
     totals: dict[str, list] = {}
-    for e in events:
-        if e.get("ph") == "X":
-            entry = totals.setdefault(e["name"], [0.0, 0])
-            entry[0] += e.get("dur", 0) / 1e3
-            entry[1] += 1
+    for e, own in zip(events, self_us):
+        entry = totals.setdefault(e["name"], [0.0, 0.0, 0])
+        entry[0] += max(own, 0) / 1e3
+        entry[1] += e.get("dur", 0) / 1e3
+        entry[2] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return [dict(name=name[:160], ms=round(ms, 3), count=n) for name, (ms, n) in rows]
+    return [dict(name=name[:160], self_ms=round(own, 3), ms=round(ms, 3), count=n) for name, (own, ms, n) in rows]
 
 
 def steps_compiled_by_jit(engine) -> int:

@@ -252,8 +252,8 @@ def print_run(r: dict, page_size: int) -> None:
               + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05)
               + "".join(f"; {k} {v}" for k, v in pages.items()), flush=True)
     if "profile" in r:
-        print(f"[tier {r['tier']}] the profiled calls' largest events ({r['profile']['dir']}): " + "; ".join(
-            f"{h['name'][:70]} {h['ms']:.1f} ms x{h['count']}" for h in r["profile"]["hotspots"][:12]), flush=True)
+        print(f"[tier {r['tier']}] the profiled calls' events by self time ({r['profile']['dir']}): " + "; ".join(
+            f"{h['name'][:70]} {h['self_ms']:.1f} ms ({h['ms']:.1f} with what it encloses) x{h['count']}" for h in r["profile"]["hotspots"][:12]), flush=True)
     if "host_tier" in r:
         h, c = r["host_tier"], r["host_copy_bytes_per_s"]
         print(f"[tier {r['tier']}] pinned memory taken at warm-up: {h['reserved_gib']:.1f} GiB in {h['reserve_s']:.1f} s", flush=True)

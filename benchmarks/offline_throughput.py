@@ -183,8 +183,8 @@ def main(argv=None):
             hotspots = harness.trace_hotspots(profile_dir)
             result["nano"]["profile"] = dict(first=a.profile_steps[0], count=a.profile_steps[1], dir=profile_dir,
                                              hotspots=hotspots)
-            print(f"  the profiled steps' largest events ({profile_dir}): " + "; ".join(
-                f"{h['name'][:70]} {h['ms']:.1f} ms x{h['count']}" for h in hotspots[:12]), flush=True)
+            print(f"  the profiled steps' events by self time ({profile_dir}): " + "; ".join(
+                f"{h['name'][:70]} {h['self_ms']:.1f} ms ({h['ms']:.1f} with what it encloses) x{h['count']}" for h in hotspots[:12]), flush=True)
         if trace is not None:
             flops = harness.matmul_flops_per_s() if gpu else harness.matmul_flops_per_s(512)
             result["step_trace"] = trace_summary(engine, trace, copy_bw or harness.copy_bytes_per_s(1 << 26), flops)
