@@ -49,8 +49,8 @@ _INT8_PALLAS = dict(quantization="int8", matmul_impl="pallas")
 VARIANTS = {
     "bf16-b8": dict(min_token_bucket=8),
     "bf16-b8-sep": dict(min_token_bucket=8, fuse_projections=False),
-    "bf16-b8-each-layer": dict(min_token_bucket=8, trace_layers_once=False),
-    "bf16-b8-packed": dict(min_token_bucket=8, pack_small_params=True),  # small vectors grouped: fewer arrays a call  # every layer traced (the step XLA compiles: the same)
+    "bf16-b8-each-layer": dict(min_token_bucket=8, trace_layers_once=False),  # every layer traced (the step XLA compiles: the same)
+    "bf16-b8-packed": dict(min_token_bucket=8, pack_small_params=True),  # small vectors grouped: fewer arrays a call
     "bf16-b1": dict(min_token_bucket=1),
     "bf16-b8-triton": dict(min_token_bucket=8, attention_impl="triton"),
     "int8-auto-b8": dict(_INT8_AUTO, min_token_bucket=8),

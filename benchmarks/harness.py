@@ -309,6 +309,18 @@ def trace_hotspots(log_dir: str, top: int = 25) -> list[dict]:
     return [dict(name=name[:160], self_ms=round(own, 3), ms=round(ms, 3), count=n) for name, (own, ms, n) in rows]
 
 
+def profile_summary(log_dir: str, first: int, count: int) -> dict:
+    """What profile_step_calls traced, for a result: the window and trace_hotspots' rows."""
+    return dict(first=first, count=count, dir=log_dir, hotspots=trace_hotspots(log_dir))
+
+
+def format_hotspots(profile: dict, top: int = 12) -> str:
+    """profile_summary's hotspots on one line, the largest self time first."""
+    return f"events by self time ({profile['dir']}): " + "; ".join(
+        f"{h['name'][:70]} {h['self_ms']:.1f} ms ({h['ms']:.1f} with what it encloses) x{h['count']}"
+        for h in profile["hotspots"][:top])
+
+
 def steps_compiled_by_jit(engine) -> int:
     """Steps the runner compiled through jit, outside its warm-up's executables (a layout warm-up did not make):
     a run that adds some paid for their compiles in its launches."""

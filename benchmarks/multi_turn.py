@@ -223,8 +223,7 @@ def run_tier(a, tier: str) -> dict:
         result["host_tier"]["copy_s_at_measured_rate"] = (result["host_tier"]["bytes_to_host"] / rates["device_to_host"]
                                                           + result["host_tier"]["bytes_to_device"] / rates["host_to_device"])
     if profile_dir is not None:
-        result["profile"] = dict(first=a.profile_steps[0], count=a.profile_steps[1], dir=profile_dir,
-                                 hotspots=harness.trace_hotspots(profile_dir))
+        result["profile"] = harness.profile_summary(profile_dir, *a.profile_steps)
     print_run(result, a.page_size)
     return result
 
@@ -252,8 +251,7 @@ def print_run(r: dict, page_size: int) -> None:
               + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05)
               + "".join(f"; {k} {v}" for k, v in pages.items()), flush=True)
     if "profile" in r:
-        print(f"[tier {r['tier']}] the profiled calls' events by self time ({r['profile']['dir']}): " + "; ".join(
-            f"{h['name'][:70]} {h['self_ms']:.1f} ms ({h['ms']:.1f} with what it encloses) x{h['count']}" for h in r["profile"]["hotspots"][:12]), flush=True)
+        print(f"[tier {r['tier']}] the profiled calls' " + harness.format_hotspots(r["profile"]), flush=True)
     if "host_tier" in r:
         h, c = r["host_tier"], r["host_copy_bytes_per_s"]
         print(f"[tier {r['tier']}] pinned memory taken at warm-up: {h['reserved_gib']:.1f} GiB in {h['reserve_s']:.1f} s", flush=True)

@@ -180,11 +180,8 @@ def main(argv=None):
                 stop_profile()
         print_workload("nano", result["nano"])
         if a.profile_steps:  # the start of the trace lands in the window's first call
-            hotspots = harness.trace_hotspots(profile_dir)
-            result["nano"]["profile"] = dict(first=a.profile_steps[0], count=a.profile_steps[1], dir=profile_dir,
-                                             hotspots=hotspots)
-            print(f"  the profiled steps' events by self time ({profile_dir}): " + "; ".join(
-                f"{h['name'][:70]} {h['self_ms']:.1f} ms ({h['ms']:.1f} with what it encloses) x{h['count']}" for h in hotspots[:12]), flush=True)
+            result["nano"]["profile"] = harness.profile_summary(profile_dir, *a.profile_steps)
+            print("  the profiled steps' " + harness.format_hotspots(result["nano"]["profile"]), flush=True)
         if trace is not None:
             flops = harness.matmul_flops_per_s() if gpu else harness.matmul_flops_per_s(512)
             result["step_trace"] = trace_summary(engine, trace, copy_bw or harness.copy_bytes_per_s(1 << 26), flops)

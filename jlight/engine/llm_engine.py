@@ -361,12 +361,7 @@ class LLMEngine:
         largest alone. They are kept when the pool keeps its p0 pages."""
         largest = self.runner.buckets[-1]
         buckets = self.runner.buckets if all_buckets else [largest]
-        threads = startup.compile_threads(self.config.compile_threads, self.runner.num_step_variants(buckets))
-        logger.info("compiling %s before sizing the KV pool: the largest step's memory, %d at a time",
-                    startup.describe_buckets(buckets), threads)
-        with Progress(self.runner.num_step_variants(buckets), "compiling step buckets", "bucket") as bar:
-            self.startup_seconds["measure"] = self.runner.warmup(progress=lambda T: bar.update(), buckets=buckets,
-                                                                 threads=threads)
+        self.startup_seconds["measure"] = self._compile_steps(buckets, " before sizing the KV pool (the largest step's memory)")
         step_bytes = startup.step_memory_bytes(self.runner.compiled_steps(largest))
         return startup.pool_beside_step(self.config, p0, stats, self._pool_bytes_per_page(kv_dtype, plan), step_bytes,
                                         largest, self.state_pool_bytes(), whole, self._last_pool_sizes())
