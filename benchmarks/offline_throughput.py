@@ -21,6 +21,7 @@ with the peer's calls, so both engines do the same work):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ def build_engine(a) -> LLMEngine:
                 gpu_memory_utilization=a.gpu_memory_utilization)
     if a.fp8_w8a8_min_rows is not None:
         opts["fp8_w8a8_min_rows"] = a.fp8_w8a8_min_rows
+    opts.update(a.engine_options)
     if a.model_config:
         dtype = a.dtype if a.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
         loaded = harness.random_loaded_model(a.model_config, jnp.dtype(dtype), max_position_embeddings=a.max_model_len,
@@ -146,6 +148,8 @@ def main(argv=None):
     ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
                     help="a jax.profiler trace of the nano run's step() calls FIRST .. FIRST + COUNT - 1 into OUT/profile "
                          "(Perfetto's trace.json.gz beside the XPlane): where a slow launch waits")
+    ap.add_argument("--engine-options", type=json.loads, default={}, metavar="JSON",
+                    help='other EngineConfig fields, e.g. \'{"pack_small_params": true}\' (they win over the flags)')
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     ap.add_argument("--name", default="offline_throughput", help="file stem of the JSON result")
     a = ap.parse_args(argv)
