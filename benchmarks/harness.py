@@ -243,9 +243,41 @@ def spy_on_step_calls(engine) -> list[tuple[float, dict, dict]]:
     return calls
 
 
+def spy_on_launches(engine) -> list[tuple[bool, bool, float]]:
+    """Each runner.launch() from now on: whether the step launched before it (the one the device runs meanwhile)
+    was done when the launch began and when it returned, and the launch's seconds. A launch that waits on the
+    device shows as (False, True) however long the device takes; a host that is slow only in its own work shows
+    (True, True) once the device has caught up. Undone by stop_spying."""
+    records, launch, last = [], engine.runner.launch, [None]
+
+    def watched(*args, **kwargs):
+        prev = last[0]
+        before = prev is None or prev.tokens.is_ready()
+        t0 = time.perf_counter()
+        out = launch(*args, **kwargs)
+        seconds = time.perf_counter() - t0
+        records.append((before, prev is None or prev.tokens.is_ready(), seconds))
+        last[0] = out
+        return out
+
+    engine.runner.launch = watched
+    return records
+
+
+def launch_waits(records: list[tuple[bool, bool, float]]) -> dict:
+    """spy_on_launches' records summed up: the share of launches that began with the step before them still
+    running, the share of those that returned with it done, and the launches' median ms in each case."""
+    running = [r for r in records if not r[0]]
+    ms = lambda rs: round(1e3 * statistics.median(r[2] for r in rs), 3) if rs else None
+    return {"launches": len(records), "began_with_device_busy": round(len(running) / max(len(records), 1), 3),
+            "of_those_returned_with_it_done": round(sum(r[1] for r in running) / max(len(running), 1), 3),
+            "median_ms_device_busy_at_start": ms(running), "median_ms_device_idle_at_start": ms([r for r in records if r[0]])}
+
+
 def stop_spying(engine) -> None:
-    """engine.step() as it was before spy_on_step_calls."""
+    """engine.step() and runner.launch() as they were before spy_on_step_calls / spy_on_launches."""
     engine.__dict__.pop("step", None)
+    engine.runner.__dict__.pop("launch", None)
 
 
 def profile_step_calls(engine, first: int, count: int, log_dir: str):

@@ -63,6 +63,7 @@ def run_workload(engine: LLMEngine, requests: list, trace: StepTrace | None = No
     engine.step_seconds = dict.fromkeys(engine.step_seconds, 0.0)
     steps0, preempt0 = engine.num_steps, engine.stats().num_preemptions
     compiled0, calls = harness.steps_compiled_by_jit(engine), harness.spy_on_step_calls(engine)
+    launches = harness.spy_on_launches(engine)
     try:
         wall, generated = harness.engine_generate(engine, requests)
     finally:
@@ -80,7 +81,9 @@ def run_workload(engine: LLMEngine, requests: list, trace: StepTrace | None = No
                                max=float(launch_ms.max())) if len(launch_ms) else {},
                 slowest_step_calls_phases_ms=[dict(call=round(1e3 * s, 2), **{k: round(1e3 * v, 2) for k, v in p.items()})
                                               for s, p, _ in slowest],
-                steps_compiled_during_run=harness.steps_compiled_by_jit(engine) - compiled0)
+                steps_compiled_during_run=harness.steps_compiled_by_jit(engine) - compiled0,
+                # whether a launch waits on the device: begun while the step before it ran, returned with it done
+                launch_waits=harness.launch_waits(launches))
 
 
 def print_workload(name: str, r: dict) -> None:
@@ -93,6 +96,10 @@ def print_workload(name: str, r: dict) -> None:
               f"{r['launch_ms']['max']:.1f}; steps compiled during the run {r['steps_compiled_during_run']}; the slowest "
               "step() calls: " + "; ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in r["slowest_step_calls_phases_ms"]),
               flush=True)
+        w = r["launch_waits"]
+        print(f"  launches begun with the step before still running: {w['began_with_device_busy']:.0%}, of which "
+              f"{w['of_those_returned_with_it_done']:.0%} returned with it done; median launch ms with the device busy / "
+              f"idle at its start: {w['median_ms_device_busy_at_start']} / {w['median_ms_device_idle_at_start']}", flush=True)
 
 
 def kv_pages(runner):

@@ -112,6 +112,24 @@ def test_steps_compiled_by_jit_counts_the_steps_a_run_compiles_outside_warm_up(b
     assert max(calls, key=lambda c: c[1]["launch"]) is calls[0]
 
 
+def test_spy_on_launches_records_each_launch_and_tells_a_launch_that_waited_on_the_device(bench):
+    from jlight.engine.sampling_params import SamplingParams
+
+    engine = bench.random_engine("tiny", "float32", max_model_len=192, max_num_seqs=8, max_num_batched_tokens=64,
+                                 min_token_bucket=64)
+    records = bench.spy_on_launches(engine)
+    engine.add_request("a", None, SamplingParams(max_tokens=4), prompt_token_ids=[3, 4, 5])
+    while engine.has_unfinished_requests():
+        engine.step()
+    bench.stop_spying(engine)
+    assert len(records) == engine.num_steps and "launch" not in engine.runner.__dict__
+    assert records[0][:2] == (True, True)  # nothing ran before the first launch
+    # Three launches begun with the device busy: two waited for it (returned with it done), one did not.
+    waits = bench.launch_waits([(False, True, 0.010), (False, True, 0.012), (False, False, 0.001), (True, True, 0.002)])
+    assert waits == {"launches": 4, "began_with_device_busy": 0.75, "of_those_returned_with_it_done": 0.667,
+                     "median_ms_device_busy_at_start": 10.0, "median_ms_device_idle_at_start": 2.0}
+
+
 def test_offline_throughput_profiles_a_window_of_steps(bench, tmp_path):
     import offline_throughput
 
