@@ -64,12 +64,13 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import model_configs  # noqa: E402
-from model_configs import CONFIG_NAMES, MOE_CONFIGS, NAMED_CONFIGS, make_config, decode_bytes, routed_fraction  # noqa: E402,F401
+from model_configs import CONFIG_NAMES, INITS, MOE_CONFIGS, NAMED_CONFIGS, make_config, decode_bytes, routed_fraction  # noqa: E402,F401
 
 # ------------------------------------------------------------------ models
 
 
-def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192, mxfp4: bool = False):
+def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192, mxfp4: bool = False,
+                        init: str = "normal"):
     """model_configs.random_loaded_model (a LoadedModel of random weights, no tokenizer), with JAX's persistent
     compilation cache switched on first, in the directory an engine would use (EngineConfig.compilation_cache_dir),
     so the jitted random init compiles once per machine and shape, as the engine's steps do."""
@@ -80,7 +81,7 @@ def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     return model_configs.random_loaded_model(name, dtype, seed=seed, max_position_embeddings=max_position_embeddings,
-                                             mxfp4=mxfp4)
+                                             mxfp4=mxfp4, init=init)
 
 
 def random_engine(name: str, dtype: str = "bfloat16", *, max_model_len: int = 4096, seed: int = 0, loaded=None,

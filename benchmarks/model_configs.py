@@ -1,7 +1,8 @@
 """Named model shapes for benchmarks, and models with random weights built from them.
 
 No checkpoint is needed: the weights are random of the right shape and scale, which is
-all a speed measurement needs.
+all a dense model's speed measurement needs. A MoE model's also depends on how its router spreads the
+tokens over the experts, which the weights decide: `init` picks jlight's normal weights or vLLM's dummy ones.
 
 NAMED_CONFIGS: Llama-family shapes (ModelConfig fields). MOE_CONFIGS: Mixtral- and
 DeepSeek-V3-shaped MoE models as HF config.json dicts, at the real models' layer counts;
@@ -138,15 +139,41 @@ def make_config(name: str, max_position_embeddings: int | None = None, num_layer
                        rms_norm_eps=1e-5, **fields)
 
 
-def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192, mxfp4: bool = False):
+INITS = ("normal", "vllm-dummy")
+
+
+def vllm_dummy_params(shapes, key, dtype=None):
+    """vLLM's load_format="dummy" weights for a tree of arrays' shapes (jax.ShapeDtypeStruct leaves): every
+    floating array uniform in [-1e-3, 1e-3), norms and biases too (vllm/model_executor/model_loader/weight_utils.py,
+    initialize_dummy_weights). Under them a router with a bias (gpt-oss, DeepSeek-V3's correction bias) routes
+    every token to the same top_k experts: the normed hidden states are ~1e-3 of unit size, so the logits'
+    token-dependent part (~2e-5) is far below the bias's spread (~6e-4), and a full batch reads top_k experts
+    a layer instead of all of them. A benchmark beside vLLM's dummy run gives jlight these weights to do the
+    same work."""
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    out = [jax.random.uniform(k, s.shape, jnp.float32, -1e-3, 1e-3).astype(s.dtype)
+           if jnp.issubdtype(s.dtype, jnp.floating) else jnp.zeros(s.shape, s.dtype) for k, s in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, out)
+
+
+def random_loaded_model(name: str, dtype, seed: int = 0, max_position_embeddings: int = 8192, mxfp4: bool = False,
+                        init: str = "normal"):
     """A jlight.loading.LoadedModel with random weights and no tokenizer. mxfp4: the routed experts' weights
     ([layers, experts, in, out] `experts_*`) as random MXFP4 (Mxfp4Weight: codes uniform, exponents near 2^-7, rows
-    past a multiple of 32 kept as the float tail), what quantization="mxfp4" runs from a gpt-oss checkpoint."""
+    past a multiple of 32 kept as the float tail), what quantization="mxfp4" runs from a gpt-oss checkpoint.
+    init: "normal" (the family's init_params: normal(0, 1/fan_in), norms at one) or "vllm-dummy"
+    (vllm_dummy_params: vLLM's dummy weights, for a MoE model's routing as vLLM's dummy run has it)."""
     from jlight.loading import LoadedModel
     from jlight.models import get_model_family
 
+    if init not in INITS:
+        raise ValueError(f"init={init!r}: expected one of {', '.join(INITS)}")
     config = make_config(name, max_position_embeddings)
-    params = jax.jit(lambda k: get_model_family(config).init_params(config, k, dtype))(jax.random.PRNGKey(seed))
+    make = lambda k: get_model_family(config).init_params(config, k, dtype)
+    if init == "vllm-dummy":
+        make = lambda k, normal=make: vllm_dummy_params(jax.eval_shape(normal, k), k)
+    params = jax.jit(make)(jax.random.PRNGKey(seed))
     if mxfp4:
         params = dict(params, layers=random_mxfp4_experts(params["layers"], seed))
     return LoadedModel(config=config, params=params, tokenizer=None, generation_config={}, name=f"random-{name}", dtype=dtype)

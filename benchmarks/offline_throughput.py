@@ -53,7 +53,7 @@ def build_engine(a) -> LLMEngine:
     if a.model_config:
         dtype = a.dtype if a.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
         loaded = harness.random_loaded_model(a.model_config, jnp.dtype(dtype), max_position_embeddings=a.max_model_len,
-                                             mxfp4=a.quantization == "mxfp4")
+                                             mxfp4=a.quantization == "mxfp4", init=a.init)
         return LLMEngine(EngineConfig(model=None, **{**opts, "dtype": "auto"}), loaded=loaded, give_weights=True)
     return LLMEngine(EngineConfig(model=a.model, **opts))
 
@@ -123,6 +123,9 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--model-config", default=None, choices=harness.CONFIG_NAMES,
                     help="random weights of this named shape instead (benchmarks/model_configs.py)")
+    ap.add_argument("--init", default="normal", choices=harness.INITS,
+                    help="random weights: normal (jlight's), or vllm-dummy (vLLM's load_format=dummy: uniform 1e-3, under "
+                         "which a biased router sends every token to the same experts, as in the peer's dummy run)")
     ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's; random weights: bfloat16 (float32 on CPU)")
     ap.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8", "mxfp4"],
                     help="mxfp4 with --model-config: the routed experts as random MXFP4 (gpt-oss-20b)")

@@ -416,3 +416,29 @@ def test_multi_turn_runs_the_conversations_with_the_host_tier_off_and_on_and_all
         assert len(index) == len(run["slowest_step_calls_ms"]) == len(set(index)) and all(0 <= i for i in index)
     saved = json.loads((tmp_path / "multi_turn.json").read_text())
     assert saved["comparison"] == result["comparison"] and "git_commit" in saved
+
+
+def test_vllm_dummy_weights_send_every_token_to_the_same_experts_where_the_router_has_a_bias(bench):
+    """The reason offline_throughput takes --init vllm-dummy beside vLLM's dummy run of gpt-oss: under vLLM's
+    uniform(-1e-3, 1e-3) weights the router's bias decides the experts alone, under jlight's normal ones the tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.PRNGKey(7), (64, 64))  # the residual stream of 64 tokens, embed 64
+
+    def chosen_sets(init):
+        loaded = bench.random_loaded_model("tiny-gpt-oss", jnp.float32, init=init)
+        layers, top_k = loaded.params["layers"], loaded.config.extra["num_experts_per_tok"]
+        sets = set()
+        for i in range(layers["router"].shape[0]):
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * layers["mlp_norm"][i]
+            _, ids = jax.lax.top_k(h @ layers["router"][i] + layers["router_bias"][i], top_k)
+            sets |= {(i, tuple(sorted(map(int, row)))) for row in ids}
+        return sets, layers["router"].shape[0]
+
+    dummy, num_layers = chosen_sets("vllm-dummy")
+    assert len(dummy) == num_layers  # one set of experts a layer, whatever the token
+    normal, _ = chosen_sets("normal")
+    assert len(normal) > 4 * num_layers
+    with pytest.raises(ValueError, match="init='xavier'"):
+        bench.random_loaded_model("tiny-gpt-oss", jnp.float32, init="xavier")
