@@ -11,7 +11,9 @@ on Hopper its default is FlashInfer's kernel, and the peer carries no FlashInfer
 
 --shape NAME writes family_shapes.SHAPES[NAME] as config.json (no quantization_config: gpt-oss's experts are bf16,
 not the release's MXFP4; with --quantization mxfp4, the release's quantization_config) and loads it with
-load_format="dummy".
+load_format="dummy". vLLM's dummy weights are uniform in [-1e-3, 1e-3), the router's bias too, and under them
+gpt-oss's router sends every token to the same 4 experts a layer (model_configs.vllm_dummy_params): jlight's
+offline_throughput.py --init vllm-dummy gives jlight those weights, so both engines do the same work.
 
 Default: ../shared/peer/vllm_bench.py's run, its LLM arguments (max_model_len 4096, max_num_seqs 256,
 gpu_memory_utilization 0.9, seed 0) and its measurements with its request generators, call for call:
