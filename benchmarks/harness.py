@@ -206,7 +206,8 @@ _request_ids = iter(range(1 << 62))
 
 def engine_generate(engine, requests: list[Request]) -> tuple[float, int]:
     """Add every request, step the engine until all have finished: (wall seconds from the first add to
-    the last output, output tokens), as the peer times one `llm.generate` call. A model whose vocabulary
+    the last output, output tokens), as the peer times one `llm.generate` call, whose requests ask for their
+    final output only (vLLM's FINAL_ONLY: no output for a request before it finishes). A model whose vocabulary
     is smaller than the peer's ids (up to 10,000: the tiny CPU shapes) gets each id modulo its vocabulary."""
     from jlight.engine.sampling_params import SamplingParams
 
@@ -215,7 +216,8 @@ def engine_generate(engine, requests: list[Request]) -> tuple[float, int]:
     t0 = time.perf_counter()
     for r, prompt in zip(requests, prompts):
         engine.add_request(f"bench-{next(_request_ids)}", None,
-                           SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=True),
+                           SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=True,
+                                          output_kind="final_only"),
                            prompt_token_ids=prompt)
     tokens = 0
     while engine.has_unfinished_requests():

@@ -45,7 +45,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (strings or token-id lists); results in input order."""
         prompts = _as_prompt_list(prompts)
-        params_list = _broadcast_params(sampling_params, len(prompts))
+        # Only each request's last output is kept: the engine builds none before it (output_kind "final_only").
+        params_list = [dataclasses.replace(p, output_kind="final_only") for p in _broadcast_params(sampling_params, len(prompts))]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -72,7 +73,7 @@ class LLM:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated (stop strings never leak)."""
-        params = sampling_params or SamplingParams()
+        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind="delta")  # only text_delta is read
         if params.n != 1:
             raise ValueError("stream() takes n=1; use generate() for several samples")
         prompts = _as_prompt_list(prompt)

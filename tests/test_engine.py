@@ -133,6 +133,51 @@ def test_stop_strings_cut_exactly_across_tokens(llm):
     assert streamed == out.text
 
 
+def test_output_kinds_carry_the_same_answer(llm):
+    """cumulative: everything at every step; delta: only the new part (their concatenation is the answer);
+    final_only: one output, at the finish. Stop strings, n=2 and logprobs too."""
+    base = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    params = dict(temperature=0, n=2, max_tokens=30, ignore_eos=True, stop=[stop], logprobs=2)
+    runs = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        engine = llm.engine
+        engine.add_request(f"kind-{kind}", None, SamplingParams(**params, output_kind=kind), prompt_token_ids=[5, 6, 7, 8])
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == f"kind-{kind}"]
+        runs[kind] = outs
+    final = runs["cumulative"][-1]
+    assert final.finished and len(runs["cumulative"]) > 2
+    assert len(runs["final_only"]) == 1 and runs["final_only"][0].finished
+    assert len(runs["delta"]) == len(runs["cumulative"]) and runs["delta"][-1].finished
+    for i, c in enumerate(sorted(final.outputs, key=lambda c: c.index)):
+        f = sorted(runs["final_only"][0].outputs, key=lambda c: c.index)[i]
+        assert (f.text, f.token_ids, f.logprobs, f.finish_reason, f.stop_reason) == (
+            c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+        deltas = [next(d for d in o.outputs if d.index == c.index) for o in runs["delta"]]
+        assert "".join(d.text for d in deltas) == c.text
+        assert [t for d in deltas for t in d.token_ids] == c.token_ids
+        assert [e for d in deltas for e in d.logprobs] == c.logprobs
+        assert all(d.text == d.text_delta and d.token_ids == d.token_ids_delta for d in deltas)
+        assert deltas[-1].finish_reason == c.finish_reason and deltas[-1].cumulative_logprob == c.cumulative_logprob
+    assert any(c.finish_reason == "stop" for c in final.outputs)
+    with pytest.raises(ValueError, match="output_kind='FINAL'"):
+        SamplingParams(output_kind="FINAL").validate()
+
+
+def test_a_stop_string_in_the_text_before_min_tokens_does_not_stop(llm):
+    base = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    tok = llm.tokenizer
+    early = tok.decode(base.token_ids[:3])
+    stop = early[-3:]
+    assert stop and stop not in tok.decode(base.token_ids)[len(early):]  # it occurs only in the first tokens' text
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=30, min_tokens=10, ignore_eos=True,
+                                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == base.token_ids
+
+
 def test_text_is_the_decode_of_token_ids_when_a_character_is_cut_off(llm):
     """A finish that cuts a multi-byte character (max_tokens here) still gives text == decode(token_ids):
     the bytes the detokenizer held back for a next token are flushed (as U+FFFD), in the stream too."""

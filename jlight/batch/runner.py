@@ -12,6 +12,7 @@ restart because the answers file lists them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 from jlight.batch.part_log import PartLog
@@ -111,7 +112,9 @@ class ShardRunner:
                 prompt, token_ids = None, self.llm.apply_chat_template(request.messages, add_generation_prompt=True)
             elif isinstance(prompt, list):
                 prompt, token_ids = None, prompt
-            self.engine.add_request(str(request.index), prompt, request.sampling_params, prompt_token_ids=token_ids)
+            # Only finished requests are recorded: the engine builds no output before then.
+            params = dataclasses.replace(request.sampling_params, output_kind="final_only")
+            self.engine.add_request(str(request.index), prompt, params, prompt_token_ids=token_ids)
         except ValueError as e:  # includes jlight.core.errors (too-long prompt, bad token ids, ...)
             return BatchError(request.index, request.line, request.id, f"line {request.line}: {e}")
         return None

@@ -673,7 +673,8 @@ class LLMEngine:
         """The request outputs of the requests a read-back step touched; finished requests are dropped."""
         outputs = []
         for req in touched.values():
-            outputs.append(output_processor.make_request_output(req))
+            if output_processor.wants_output(req):
+                outputs.append(output_processor.make_request_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 for s in req.seqs:

@@ -55,6 +55,8 @@ def append_token(seq, token: int, eos_ids: set[int], max_model_len: int) -> None
         _check_stop_strings(seq)
         if seq.finish_reason is not None:
             return
+    elif p.stop:  # the text before min_tokens is passed over: a stop string must end after it
+        seq.stop_checked_len = len(seq.text)
     if at_length:
         seq.stop("length")
 
@@ -90,7 +92,8 @@ def _check_stop_strings(seq) -> None:
     p = seq.params
     longest = max(len(s) for s in p.stop)
     # Only the tail can hold a stop string that was not there before this token.
-    search_from = max(0, seq.emitted_text_len - longest)
+    search_from = max(0, seq.stop_checked_len - longest + 1)
+    seq.stop_checked_len = len(seq.text)
     best = None
     for s in p.stop:
         i = seq.text.find(s, search_from)
@@ -131,26 +134,41 @@ def record_prompt_logprobs(plan, out) -> None:
         t += r.num_tokens
 
 
-def _visible_text(seq) -> str:
+def _visible_end(seq) -> int:
+    """How much of seq.text an output may show: all of it once finished or without stop strings, else all but
+    the tail a stop string could still start in (never less than what was shown)."""
     if seq.finish_reason is not None or not seq.params.stop:
-        return seq.text
+        return len(seq.text)
     hold = max(len(s) for s in seq.params.stop) - 1
-    return seq.text[: max(seq.emitted_text_len, len(seq.text) - hold)]
+    return max(seq.emitted_text_len, len(seq.text) - hold)
+
+
+def wants_output(req) -> bool:
+    """Whether a step that touched `req` owes it an output: always, but with output_kind "final_only" only once
+    it has finished."""
+    return req.finished or req.seqs[0].params.output_kind != "final_only"
 
 
 def make_request_output(req) -> RequestOutput:
+    """The request's output now, by its params' output_kind: "cumulative" and "final_only" carry everything so
+    far (text, token_ids, logprobs), "delta" only what no output carried before; all carry the new part in
+    text_delta / token_ids_delta. A delta output copies only its new part, so a long generation's outputs cost
+    O(its length) in all, not O(length^2)."""
     completions = []
+    delta_only = req.seqs[0].params.output_kind == "delta"
     for seq in req.seqs:
-        text = _visible_text(seq)
-        delta = text[seq.emitted_text_len:]
-        seq.emitted_text_len = len(text)
-        ids = list(seq.output_token_ids)
-        ids_delta = ids[seq.emitted_token_len:]
-        seq.emitted_token_len = len(ids)
+        end, shown = _visible_end(seq), seq.emitted_token_len
+        delta = seq.text[seq.emitted_text_len:end]
+        seq.emitted_text_len = end
+        ids_delta = seq.output_token_ids[shown:]
+        seq.emitted_token_len = len(seq.output_token_ids)
+        wants_lp = seq.params.logprobs is not None
         completions.append(CompletionOutput(
-            index=seq.index, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            index=seq.index, text=delta if delta_only else seq.text[:end],
+            token_ids=ids_delta if delta_only else list(seq.output_token_ids), finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=(seq.logprobs[shown:] if delta_only else list(seq.logprobs)) if wants_lp else None,
+            cumulative_logprob=seq.cumulative_logprob if wants_lp else None,
             text_delta=delta, token_ids_delta=ids_delta))
     first = req.seqs[0]
     return RequestOutput(

@@ -8,6 +8,7 @@ from jlight.engine.structured_output import StructuredOutputParams
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclasses.dataclass
@@ -37,6 +38,11 @@ class SamplingParams:
     # Disaggregated serving (vLLM's field; disaggregated_roles.py): {"do_remote_decode": true} asks a prefill process to
     # hand the request on; what it answers (a RemotePrefill) lets a decode process continue it. Only those take it.
     kv_transfer_params: dict | None = None
+    # What the engine's outputs for the request carry (vLLM's RequestOutputKind): "cumulative", everything so far at
+    # every step; "delta", only what is new since the last output (text, token_ids, logprobs); "final_only", one
+    # output, when the request finishes. LLM.generate asks for "final_only", LLM.stream and the server's streams for
+    # "delta": building everything at every step costs a long generation O(length^2) on the host.
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -107,6 +113,8 @@ class SamplingParams:
                 bad(name, f"must be an integer from 0 to {MAX_TOP_LOGPROBS}")
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputParams.coerce(self.structured_outputs)
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {', '.join(map(repr, OUTPUT_KINDS))}")
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             bad("kv_transfer_params", "must be an object (what the prefill server answered) or None")
         if vocab_size is not None:

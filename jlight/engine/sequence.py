@@ -91,8 +91,9 @@ class Sequence:
         # Text state (owned by the engine's output processing).
         self.detokenizer = detokenizer
         self.text = ""
-        self.emitted_text_len = 0
+        self.emitted_text_len = 0  # text, token ids and logprobs handed out in outputs so far
         self.emitted_token_len = 0
+        self.stop_checked_len = 0  # text searched for stop strings (none ends inside it)
         self._tokens = np.asarray(prompt_token_ids, np.int32)  # all known tokens, grown as outputs come (token_array)
         self._num_tokens_in_array = len(prompt_token_ids)
 
