@@ -3,6 +3,7 @@ breaks an invariant (status transitions, computed tokens, page tables, pending t
 import ast
 import pathlib
 
+import numpy as np
 import pytest
 
 from jlight.core.kv_layout import NULL_PAGE
@@ -108,18 +109,25 @@ def test_page_tables_grow_together_and_window_pages_drop_as_a_leading_run():
         seq.add_pages([5], [[6, 7]])
     with pytest.raises(SequenceStateError, match="same number"):
         seq.add_pages([5])  # a group table left behind
+    tables = lambda: [t.tolist() for t in seq.page_tables()]
+    assert tables() == [[1, 2], [3, 4]]
     seq.add_pages([5], [[6]])
     assert seq.pages == [1, 2, 5] and seq.group_pages == [[3, 4, 6]]
+    assert tables() == [[1, 2, 5], [3, 4, 6]] and seq.page_tables()[0].dtype == np.int32
     assert seq.drop_window_pages(1, 1) == [3]
+    assert tables() == [[1, 2, 5], [NULL_PAGE, 4, 6]]  # an entry changed, not the length
     assert seq.drop_window_pages(1, 2) == [4]  # stops at the null run
     assert seq.group_pages == [[NULL_PAGE, NULL_PAGE, 6]] and seq.pages == [1, 2, 5]
+    assert tables() == [[1, 2, 5], [NULL_PAGE, NULL_PAGE, 6]]
     seq.add_page_keys([b"a", b"b", b"c"])
     with pytest.raises(SequenceStateError, match="more prefix keys"):
         seq.add_page_keys([b"d"])
     with pytest.raises(SequenceStateError, match="unequal"):
         _seq().admit([1, 2], 0, group_pages=[[3]])
     seq.preempt()
-    assert seq.group_pages == [[]]
+    assert seq.group_pages == [[]] and tables() == [[], []]
+    seq.admit([8], 0, group_pages=[[9]])
+    assert tables() == [[8], [9]]
 
 
 def test_drafts_and_borrowed_logprobs():

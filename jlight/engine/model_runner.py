@@ -458,9 +458,10 @@ class ModelRunner:
             token_seq[t:t + n] = row
             if len(seq.pages) * ps < end:  # the slots below are read from the tables: they must cover the row
                 raise SequenceStateError(f"seq {seq.seq_id}: {len(seq.pages)} pages cannot hold its {end} tokens")
-            page_table[row, : len(seq.pages)] = seq.pages
+            tables = seq.page_tables()
+            page_table[row, : len(seq.pages)] = tables[0]
             if G > 1:  # a window group's entries before its window are null (kv_groups.py): the zeros already there
-                for g, table in enumerate(seq.group_pages):
+                for g, table in enumerate(tables[1:]):
                     w = self.group_windows[g + 1]
                     lo = 0 if w is None else max(0, start - w + 1) // ps
                     group_tables[g, row, lo:len(table)] = table[lo:]

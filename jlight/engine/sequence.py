@@ -26,6 +26,9 @@ Invariants:
   * Output tokens are only appended (the host sees each once); `finish_reason` is set once (`stop`),
     then the engine finishes the sequence.
   * The text state (`detokenizer`, `text`, `emitted_*`, `prompt_logprobs`) is output_processor.py's.
+  * `page_tables()` equals the page tables as int32 arrays: every method that changes a table drops the
+    arrays, and the next call makes them again (a decode row's tables change once a page of tokens, so
+    the steps between copy arrays into their inputs, not Python lists).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.pages: list[int] = []  # page table of KV group 0 (the only one without attention kinds)
         self.group_pages: list[list[int]] = []  # page tables of KV groups 1.. (kv_groups.py), else empty
+        self._table_arrays: list[np.ndarray] | None = None  # page_tables(), made when asked after a change
         self.page_keys: list[bytes] = []  # prefix keys of the leading full pages
         self.state_slot = 0  # hybrid models: its recurrent-state slot while running (state_pool.py), 0 = none
         self.restore_from = 0  # hybrid models: the snapshot slot to copy into state_slot before its next step
@@ -175,6 +179,7 @@ class Sequence:
         if any(len(t) != len(pages) for t in group_pages):
             raise SequenceStateError(f"seq {self.seq_id}: page tables of unequal lengths")
         self.pages, self.group_pages, self.page_keys = list(pages), group_pages, page_keys
+        self._table_arrays = None
         self.num_computed_tokens = num_computed_tokens
         self.status = SeqStatus.RUNNING
 
@@ -186,12 +191,14 @@ class Sequence:
         self.pages.extend(pages)
         for table, new in zip(self.group_pages, group_pages):
             table.extend(new)
+        self._table_arrays = None
 
     def drop_window_pages(self, group: int, end: int) -> list[int]:
         """Null out group `group`'s entries before `end` (pages its window no longer sees); returns the
         pages dropped, latest first, whose references the caller releases."""
         self._expect(SeqStatus.RUNNING, "drop pages of")
         table = self.pages if group == 0 else self.group_pages[group - 1]
+        self._table_arrays = None
         dropped = []
         for i in range(min(end, len(table)) - 1, -1, -1):  # the null entries are a leading run
             if table[i] == NULL_PAGE:
@@ -199,6 +206,12 @@ class Sequence:
             dropped.append(table[i])
             table[i] = NULL_PAGE
         return dropped
+
+    def page_tables(self) -> list[np.ndarray]:
+        """The page tables, group 0's then each of group_pages', as int32 arrays (not to be written to)."""
+        if self._table_arrays is None:
+            self._table_arrays = [np.asarray(t, np.int32) for t in (self.pages, *self.group_pages)]
+        return self._table_arrays
 
     def add_page_keys(self, keys: list[bytes]) -> None:
         """The prefix keys of the next full pages, published by the block manager."""
@@ -225,6 +238,7 @@ class Sequence:
     def _drop_resources(self) -> None:
         self.pages, self.page_keys = [], []
         self.group_pages = [[] for _ in self.group_pages]
+        self._table_arrays = None
         self.state_slot = self.restore_from = 0
 
     # ---- steps: launch, fetch, rollback ------------------------------------------------------
