@@ -204,10 +204,11 @@ def growth_decode_ms_per_step(generate, n: int, batch: int) -> float:
 _request_ids = iter(range(1 << 62))
 
 
-def engine_generate(engine, requests: list[Request]) -> tuple[float, int]:
+def engine_generate(engine, requests: list[Request], output_kind: str = "final_only") -> tuple[float, int]:
     """Add every request, step the engine until all have finished: (wall seconds from the first add to
     the last output, output tokens), as the peer times one `llm.generate` call, whose requests ask for their
-    final output only (vLLM's FINAL_ONLY: no output for a request before it finishes). A model whose vocabulary
+    final output only (vLLM's FINAL_ONLY: no output for a request before it finishes; `output_kind` another
+    SamplingParams.output_kind, to see what building outputs costs the host). A model whose vocabulary
     is smaller than the peer's ids (up to 10,000: the tiny CPU shapes) gets each id modulo its vocabulary."""
     from jlight.engine.sampling_params import SamplingParams
 
@@ -217,12 +218,12 @@ def engine_generate(engine, requests: list[Request]) -> tuple[float, int]:
     for r, prompt in zip(requests, prompts):
         engine.add_request(f"bench-{next(_request_ids)}", None,
                            SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=True,
-                                          output_kind="final_only"),
+                                          output_kind=output_kind),
                            prompt_token_ids=prompt)
     tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens += len(out.outputs[0].token_ids_delta)
+            tokens += len(out.outputs[0].token_ids_delta)  # every kind carries the new tokens there
     return time.perf_counter() - t0, tokens
 
 

@@ -58,14 +58,14 @@ def build_engine(a) -> LLMEngine:
     return LLMEngine(EngineConfig(model=a.model, **opts))
 
 
-def run_workload(engine: LLMEngine, requests: list, trace: StepTrace | None = None) -> dict:
+def run_workload(engine: LLMEngine, requests: list, trace: StepTrace | None = None, output_kind: str = "final_only") -> dict:
     """The requests through the engine as one run: output tok/s and where the host's time went."""
     engine.step_seconds = dict.fromkeys(engine.step_seconds, 0.0)
     steps0, preempt0 = engine.num_steps, engine.stats().num_preemptions
     compiled0, calls = harness.steps_compiled_by_jit(engine), harness.spy_on_step_calls(engine)
     launches = harness.spy_on_launches(engine)
     try:
-        wall, generated = harness.engine_generate(engine, requests)
+        wall, generated = harness.engine_generate(engine, requests, output_kind)
     finally:
         harness.stop_spying(engine)
     steps = max(engine.num_steps - steps0, 1)
@@ -158,6 +158,8 @@ def main(argv=None):
     ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
                     help="a jax.profiler trace of the nano run's step() calls FIRST .. FIRST + COUNT - 1 into OUT/profile "
                          "(Perfetto's trace.json.gz beside the XPlane): where a slow launch waits")
+    ap.add_argument("--output-kind", default="final_only", choices=["final_only", "delta", "cumulative"],
+                    help="the nano requests' SamplingParams.output_kind (final_only: as the peer's llm.generate asks)")
     ap.add_argument("--engine-options", type=json.loads, default={}, metavar="JSON",
                     help='other EngineConfig fields, e.g. \'{"pack_small_params": true}\' (they win over the flags)')
     ap.add_argument("--out", default=None, help="directory for the JSON result")
@@ -188,7 +190,8 @@ def main(argv=None):
             profile_dir = os.path.join(a.out or ".", "profile")
             stop_profile = harness.profile_step_calls(engine, *a.profile_steps, profile_dir)
         try:
-            result["nano"] = run_workload(engine, harness.nano_workload(a.num_requests, tuple(a.input_len), tuple(a.output_len)))
+            result["nano"] = run_workload(engine, harness.nano_workload(a.num_requests, tuple(a.input_len), tuple(a.output_len)),
+                                          output_kind=a.output_kind)
         finally:  # run_workload took the wrappers off engine.step
             if stop_profile is not None:
                 stop_profile()
