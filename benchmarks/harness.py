@@ -247,20 +247,24 @@ def spy_on_step_calls(engine) -> list[tuple[float, dict, dict]]:
     return calls
 
 
-def spy_on_launches(engine) -> list[tuple[bool, bool, float]]:
+def spy_on_launches(engine) -> list[tuple[bool, bool, float, tuple]]:
     """Each runner.launch() from now on: whether the step launched before it (the one the device runs meanwhile)
-    was done when the launch began and when it returned, and the launch's seconds. A launch that waits on the
-    device shows as (False, True) however long the device takes; a host that is slow only in its own work shows
-    (True, True) once the device has caught up. Undone by stop_spying."""
+    was done when the launch began and when it returned, the launch's seconds, and the step's variant (its
+    tokens and page-table width: which compiled step it runs). A launch that waits on the device shows as
+    (False, True) however long the device takes; a host that is slow only in its own work shows (True, True)
+    once the device has caught up. Launch i is engine.step() call i counted from the same moment (every call
+    launches but the last, which only reads back), so profile_step_calls can take a window around one.
+    Undone by stop_spying."""
     records, launch, last = [], engine.runner.launch, [None]
 
-    def watched(*args, **kwargs):
+    def watched(inp, *args, **kwargs):
         prev = last[0]
         before = prev is None or prev.tokens.is_ready()
         t0 = time.perf_counter()
-        out = launch(*args, **kwargs)
+        out = launch(inp, *args, **kwargs)
         seconds = time.perf_counter() - t0
-        records.append((before, prev is None or prev.tokens.is_ready(), seconds))
+        variant = (len(inp.tokens), inp.md.page_table.shape[1], bool(kwargs.get("serial")))
+        records.append((before, prev is None or prev.tokens.is_ready(), seconds, variant))
         last[0] = out
         return out
 
@@ -268,14 +272,24 @@ def spy_on_launches(engine) -> list[tuple[bool, bool, float]]:
     return records
 
 
-def launch_waits(records: list[tuple[bool, bool, float]]) -> dict:
+def launch_waits(records: list[tuple[bool, bool, float, tuple]], slow_factor: float = 5.0, listed: int = 12) -> dict:
     """spy_on_launches' records summed up: the share of launches that began with the step before them still
-    running, the share of those that returned with it done, and the launches' median ms in each case."""
+    running, the share of those that returned with it done, and the launches' median ms in each case; and the
+    slow launches (over slow_factor times the median): how many, their ms in all, how many ran another
+    compiled step than the launch before them, and the first `listed` of them as [index, the variant before,
+    its variant, ms] (variant: [tokens, table width, serial])."""
     running = [r for r in records if not r[0]]
     ms = lambda rs: round(1e3 * statistics.median(r[2] for r in rs), 3) if rs else None
-    return {"launches": len(records), "began_with_device_busy": round(len(running) / max(len(records), 1), 3),
-            "of_those_returned_with_it_done": round(sum(r[1] for r in running) / max(len(running), 1), 3),
-            "median_ms_device_busy_at_start": ms(running), "median_ms_device_idle_at_start": ms([r for r in records if r[0]])}
+    out = {"launches": len(records), "began_with_device_busy": round(len(running) / max(len(records), 1), 3),
+           "of_those_returned_with_it_done": round(sum(r[1] for r in running) / max(len(running), 1), 3),
+           "median_ms_device_busy_at_start": ms(running), "median_ms_device_idle_at_start": ms([r for r in records if r[0]])}
+    if records:
+        bound = slow_factor * statistics.median(r[2] for r in records)
+        slow = [(i, records[i - 1][3] if i else None, r[3], r[2]) for i, r in enumerate(records) if r[2] > bound]
+        out["slow"] = {"over_ms": round(1e3 * bound, 3), "count": len(slow), "total_ms": round(1e3 * sum(s[3] for s in slow), 1),
+                       "after_another_variant": sum(s[1] is not None and s[1] != s[2] for s in slow),
+                       "first": [[i, list(a) if a else None, list(b), round(1e3 * t, 2)] for i, a, b, t in slow[:listed]]}
+    return out
 
 
 def stop_spying(engine) -> None:

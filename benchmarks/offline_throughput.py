@@ -100,6 +100,11 @@ def print_workload(name: str, r: dict) -> None:
         print(f"  launches begun with the step before still running: {w['began_with_device_busy']:.0%}, of which "
               f"{w['of_those_returned_with_it_done']:.0%} returned with it done; median launch ms with the device busy / "
               f"idle at its start: {w['median_ms_device_busy_at_start']} / {w['median_ms_device_idle_at_start']}", flush=True)
+        if w.get("slow"):
+            s = w["slow"]
+            print(f"  launches over {s['over_ms']} ms: {s['count']}, {s['total_ms']} ms in all, {s['after_another_variant']} "
+                  f"of them after another compiled step; the first [call, variant before, variant, ms] (variant: tokens, "
+                  f"table width, serial): {s['first']}", flush=True)
 
 
 def kv_pages(runner):

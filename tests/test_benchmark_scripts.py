@@ -124,10 +124,17 @@ def test_spy_on_launches_records_each_launch_and_tells_a_launch_that_waited_on_t
     bench.stop_spying(engine)
     assert len(records) == engine.num_steps and "launch" not in engine.runner.__dict__
     assert records[0][:2] == (True, True)  # nothing ran before the first launch
-    # Three launches begun with the device busy: two waited for it (returned with it done), one did not.
-    waits = bench.launch_waits([(False, True, 0.010), (False, True, 0.012), (False, False, 0.001), (True, True, 0.002)])
-    assert waits == {"launches": 4, "began_with_device_busy": 0.75, "of_those_returned_with_it_done": 0.667,
-                     "median_ms_device_busy_at_start": 10.0, "median_ms_device_idle_at_start": 2.0}
+    assert all(r[3] == (64, r[3][1], False) for r in records)  # the one bucket of this engine
+    # Three launches begun with the device busy: two waited for it (returned with it done), one did not; of the
+    # two slow ones (over 5x the median), one ran another compiled step than the launch before it.
+    a, b = (8, 16, False), (64, 16, False)
+    waits = bench.launch_waits([(False, True, 0.011, a), (False, True, 0.012, b), (False, False, 0.001, b), (True, True, 0.002, b),
+                                (True, True, 0.002, b), (True, True, 0.001, b)], listed=1)
+    assert {k: v for k, v in waits.items() if k != "slow"} == {
+        "launches": 6, "began_with_device_busy": 0.5, "of_those_returned_with_it_done": 0.667,
+        "median_ms_device_busy_at_start": 11.0, "median_ms_device_idle_at_start": 2.0}
+    assert waits["slow"] == {"over_ms": 10.0, "count": 2, "total_ms": 23.0, "after_another_variant": 1,
+                             "first": [[0, None, list(a), 11.0]]}
 
 
 def test_offline_throughput_profiles_a_window_of_steps(bench, tmp_path):
