@@ -142,7 +142,7 @@ def make_config(name: str, max_position_embeddings: int | None = None, num_layer
 INITS = ("normal", "vllm-dummy")
 
 
-def vllm_dummy_params(shapes, key, dtype=None):
+def vllm_dummy_params(shapes, key):
     """vLLM's load_format="dummy" weights for a tree of arrays' shapes (jax.ShapeDtypeStruct leaves): every
     floating array uniform in [-1e-3, 1e-3), norms and biases too (vllm/model_executor/model_loader/weight_utils.py,
     initialize_dummy_weights). Under them a router with a bias (gpt-oss, DeepSeek-V3's correction bias) routes

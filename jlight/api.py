@@ -46,7 +46,8 @@ class LLM:
         """Generate for a prompt or a list of prompts (strings or token-id lists); results in input order."""
         prompts = _as_prompt_list(prompts)
         # Only each request's last output is kept: the engine builds none before it (output_kind "final_only").
-        params_list = [dataclasses.replace(p, output_kind="final_only") for p in _broadcast_params(sampling_params, len(prompts))]
+        params_list = [dataclasses.replace(p, output_kind="final_only")
+                       for p in _broadcast_params(sampling_params, len(prompts))]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

@@ -25,7 +25,7 @@ Invariants:
     `kept_all_drafts` says whether the last verify row read back kept all of its own.
   * Output tokens are only appended (the host sees each once); `finish_reason` is set once (`stop`),
     then the engine finishes the sequence.
-  * The text state (`detokenizer`, `text`, `emitted_*`, `prompt_logprobs`) is output_processor.py's.
+  * The text state (`detokenizer`, `text`, `emitted_*`, `stop_checked_len`, `prompt_logprobs`) is output_processor.py's.
   * `page_tables()` equals the page tables as int32 arrays: every method that changes a table drops the
     arrays, and the next call makes them again (a decode row's tables change once a page of tokens, so
     the steps between copy arrays into their inputs, not Python lists).
