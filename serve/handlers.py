@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -39,6 +40,13 @@ MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one completions request
 
 def _num_prompts(prompt) -> int:
     return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+
+
+def _without_logprobs(out: RequestOutput) -> RequestOutput:
+    """A stream output with its token ids copied and no logprobs: what a stream keeps of it for its usage (the
+    logprobs went out in its chunks, and the chunks may still read its token ids)."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None)
+                                             for c in out.outputs])
 
 
 def _json_bytes(builder: ResponseBuilder, finals) -> bytes:
@@ -164,13 +172,14 @@ class GenerationHandlers:
         return await self._respond(request, body, jobs, builder)
 
     async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:
-        finals = [None] * len(jobs)  # each prompt's latest RequestOutput
+        # Each prompt's outputs so far, joined (stream outputs carry only their new part): the whole response
+        # needs all of it; a stream's usage only its token ids.
+        finals = [None] * len(jobs)
         outputs = self.runner.run(jobs)
         if not body.stream:
             async def collect():
                 async with contextlib.aclosing(outputs):
                     async for index, out in outputs:
-                        # stream outputs carry their new tokens' logprobs: the whole response needs them all
                         finals[index] = out if finals[index] is None else merge_outputs(finals[index], out)
             try:
                 await until_disconnect(request, collect())
@@ -191,11 +200,12 @@ class GenerationHandlers:
                 for chunk in builder.role_chunks(len(jobs)):
                     yield chunk
                 index, out = first
-                finals[index] = out
+                finals[index] = _without_logprobs(out)
                 for chunk in builder.stream_chunks(index, out):
                     yield chunk
                 async for index, out in outputs:
-                    finals[index] = out
+                    kept = _without_logprobs(out)
+                    finals[index] = kept if finals[index] is None else merge_outputs(finals[index], kept)
                     for chunk in builder.stream_chunks(index, out):
                         yield chunk
                 if include_usage:

@@ -16,6 +16,7 @@ renders ~60k distinct tokens, ~16 MB of cache, and a dozen silent readers would 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -110,6 +111,8 @@ class ResponseBuilder:
         self.text_offset: dict[int, int] = {}  # choice index -> characters already streamed
         # The engine repeats a finished sample in later outputs while its siblings (n > 1) run on.
         self.finish_sent: set[int] = set()
+        # choice index -> a "required" forced call's text so far (its calls go out once it is complete)
+        self.required_text: dict[int, str] = {}
 
     # ---- logprobs in the two OpenAI shapes ----
 
@@ -238,12 +241,15 @@ class ResponseBuilder:
             parsed = self._parsed_delta(index, c) if self.tool_parser is not None and self.kind == "chat" else None
             if parsed is not None and not (parsed[0] or c.finished):
                 continue  # held back: maybe the start of a call; its tokens' logprobs go out with what follows
-            if c.finished:
-                self.finish_sent.add(index)
-            elif self.forced is not None and not self.forced.named:
+            if self.forced is not None and not self.forced.named:
                 # "required"'s array can only be split into calls once complete: its calls go out with
                 # the finish chunk (and any logprobs then cover every token, all held until then).
-                continue
+                self.required_text[index] = self.required_text.get(index, "") + c.text_delta
+                if not c.finished:
+                    continue
+                c = dataclasses.replace(c, text=self.required_text.pop(index))
+            if c.finished:
+                self.finish_sent.add(index)
             ids, entries = self.unsent_logprobs.pop(index, ([], ()))
             starts = list(range(0, len(ids), self.piece_tokens)) or [0]
             consumed = 0  # characters of the pieces' tokens sent before the text (completions' text_offset)

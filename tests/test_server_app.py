@@ -115,13 +115,14 @@ class FakeAsyncLLM:
                     self.active.discard(request_id)
                 outs = []
                 for i, (tokens, reason) in enumerate(zip(samples, reasons)):
+                    # As AsyncLLM's stream outputs: each carries its new token only (output_kind "delta").
                     k = min(step, len(tokens))
                     fresh = step <= len(tokens)
+                    new = tokens[k - 1:k] if fresh else []
+                    text = bytes(new).decode("utf-8", errors="replace")
                     outs.append(CompletionOutput(
-                        index=i, text=bytes(tokens[:k]).decode("utf-8", errors="replace"), token_ids=tokens[:k],
-                        finish_reason=None if k < len(tokens) else reason,
-                        text_delta=bytes(tokens[k - 1:k]).decode("utf-8", errors="replace") if fresh else "",
-                        token_ids_delta=tokens[k - 1:k] if fresh else [],
+                        index=i, text=text, token_ids=list(new), finish_reason=None if k < len(tokens) else reason,
+                        text_delta=text, token_ids_delta=list(new),
                         logprobs=[{120: -0.5, 121: -1.5}] * int(fresh) if sampling_params.logprobs is not None else None))
                 yield RequestOutput(request_id, None, list(prompt), outs, finished=done,
                                     prompt_logprobs=self.prompt_logprobs(prompt, sampling_params))

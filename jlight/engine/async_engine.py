@@ -5,12 +5,14 @@ HTTP handlers never block on the engine: `generate` validates and tokenizes in a
 and aborts between steps and pushes each step's outputs back onto the handlers' event loop.
 
 Invariants:
-- A stream's outputs carry the logprobs of their own new tokens only (`token_ids_delta`'s, as
-  PackedLogprobs), not every token's as the engine's do (`stream_output`): what a stream holds
-  never includes what it already handed on.
+- A stream's outputs carry only what no output before them carried: the engine builds them as deltas
+  (output_kind "delta": `text`, `token_ids` and logprobs are the new part's, as in `text_delta` and
+  `token_ids_delta`), and the logprobs travel packed (`stream_output`). So neither the engine nor a
+  stream ever copies what it already handed on, and a consumer that wants the whole answer joins the
+  outputs (`merge_outputs`).
 - A stream holds at most one unread output (`_Mailbox`): an output that arrives while the one
-  before is unread is merged into it (deltas and their logprobs joined, the rest the newer one's),
-  so a consumer that reads slowly costs its unread tokens, packed, and never holds the engine back.
+  before is unread is merged into it (their parts joined, the rest the newer one's), so a consumer
+  that reads slowly costs its unread tokens, packed, and never holds the engine back.
 - Aborting a request ends its stream with the engine's last output for it, finish_reason "abort".
   Leaving the `generate` iterator early (client disconnect, cancellation) aborts the request and
   frees its pages.
@@ -45,22 +47,21 @@ class RequestFailedError(RuntimeError):
 
 
 def stream_output(out: RequestOutput) -> RequestOutput:
-    """The engine's output as a stream carries it: each sample's logprobs cut to its new tokens' and packed."""
+    """The engine's delta output as a stream carries it: each sample's logprobs (its new tokens') packed."""
     if all(c.logprobs is None for c in out.outputs):
         return out
 
-    def cut(c: CompletionOutput) -> CompletionOutput:
-        if c.logprobs is None:
-            return c
-        new = len(c.token_ids_delta)
-        return dataclasses.replace(c, logprobs=PackedLogprobs(c.logprobs[len(c.logprobs) - new:] if new else ()))
-    return dataclasses.replace(out, outputs=[cut(c) for c in out.outputs])
+    def pack(c: CompletionOutput) -> CompletionOutput:
+        return c if c.logprobs is None else dataclasses.replace(c, logprobs=PackedLogprobs(c.logprobs))
+    return dataclasses.replace(out, outputs=[pack(c) for c in out.outputs])
 
 
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """`newer` with `older`'s deltas (and their logprobs) in front of its own: what a consumer that
-    missed `older` needs. Both are stream outputs (stream_output); `older`'s logprobs are extended in
-    place (the caller owns `older` and drops it), so a long run of merges copies each entry once."""
+    """`newer` with `older`'s parts in front of its own (text, token ids, logprobs; the deltas alike): what
+    a consumer that missed `older` needs, or the whole answer so far when `older` is the merge of every
+    output before. Both are stream outputs (delta outputs, stream_output); `older`'s token ids and logprobs
+    are extended in place (the caller owns `older` and drops it), so a long run of merges copies each entry
+    once."""
     old_by_index = {c.index: c for c in older.outputs}
 
     def merged(c: CompletionOutput) -> CompletionOutput:
@@ -71,8 +72,10 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         if old.logprobs is not None and c.logprobs is not None:
             old.logprobs.extend(c.logprobs)
             logprobs = old.logprobs
-        return dataclasses.replace(c, text_delta=old.text_delta + c.text_delta,
-                                   token_ids_delta=old.token_ids_delta + c.token_ids_delta, logprobs=logprobs)
+        old.token_ids.extend(c.token_ids)
+        text = old.text + c.text
+        return dataclasses.replace(c, text=text, token_ids=old.token_ids, text_delta=text,
+                                   token_ids_delta=old.token_ids, logprobs=logprobs)
     return dataclasses.replace(newer, outputs=[merged(c) for c in newer.outputs])
 
 
@@ -143,6 +146,7 @@ class AsyncLLM:
         # vocabulary, about a second).
         loop = asyncio.get_running_loop()
         ids, params = await loop.run_in_executor(self.executor, validate)
+        params = dataclasses.replace(params, output_kind="delta")  # stream outputs: see the module's invariants
         mailbox = _Mailbox()
         with self._lock:
             if self._stats.num_waiting + self._num_queued >= self.max_waiting_requests:
