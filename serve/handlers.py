@@ -18,7 +18,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from jlight.engine.async_engine import merge_outputs
+from jlight.engine.async_engine import join_outputs, merge_outputs
 from jlight.serve.budget import PromptBudget
 from jlight.serve.echo import Echo, prompt_texts
 from jlight.serve.errors import RequestError
@@ -42,11 +42,11 @@ def _num_prompts(prompt) -> int:
     return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
 
 
-def _without_logprobs(out: RequestOutput) -> RequestOutput:
-    """A stream output with its token ids copied and no logprobs: what a stream keeps of it for its usage (the
-    logprobs went out in its chunks, and the chunks may still read its token ids)."""
-    return dataclasses.replace(out, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None)
-                                             for c in out.outputs])
+def _token_ids_only(out: RequestOutput) -> RequestOutput:
+    """What a stream keeps of one of its outputs for its usage: the token ids (copied: the chunks may still read
+    the output's), no text or logprobs (they went out in its chunks)."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", text_delta="", token_ids=list(c.token_ids),
+                                                                 logprobs=None) for c in out.outputs])
 
 
 def _json_bytes(builder: ResponseBuilder, finals) -> bytes:
@@ -172,19 +172,22 @@ class GenerationHandlers:
         return await self._respond(request, body, jobs, builder)
 
     async def _respond(self, request: Request, body, jobs: list[EngineJob], builder: ResponseBuilder) -> Response:
-        # Each prompt's outputs so far, joined (stream outputs carry only their new part): the whole response
-        # needs all of it; a stream's usage only its token ids.
+        # Each prompt's answer (stream outputs carry only their new part): a whole response joins its outputs
+        # once they are all in; a stream keeps its token ids, merged as they come, for its usage.
         finals = [None] * len(jobs)
         outputs = self.runner.run(jobs)
         if not body.stream:
+            parts = [[] for _ in jobs]
+
             async def collect():
                 async with contextlib.aclosing(outputs):
                     async for index, out in outputs:
-                        finals[index] = out if finals[index] is None else merge_outputs(finals[index], out)
+                        parts[index].append(out)
             try:
                 await until_disconnect(request, collect())
             except ClientGone:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
+            finals = [join_outputs(p) if p else None for p in parts]
             return Response(await self.host.run(_json_bytes, builder, finals), media_type="application/json")
 
         # Wait for the first output before sending headers, so that overload and engine
@@ -200,11 +203,11 @@ class GenerationHandlers:
                 for chunk in builder.role_chunks(len(jobs)):
                     yield chunk
                 index, out = first
-                finals[index] = _without_logprobs(out)
+                finals[index] = _token_ids_only(out)
                 for chunk in builder.stream_chunks(index, out):
                     yield chunk
                 async for index, out in outputs:
-                    kept = _without_logprobs(out)
+                    kept = _token_ids_only(out)
                     finals[index] = kept if finals[index] is None else merge_outputs(finals[index], kept)
                     for chunk in builder.stream_chunks(index, out):
                         yield chunk

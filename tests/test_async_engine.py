@@ -154,3 +154,26 @@ def test_an_unread_stream_holds_only_its_unsent_tokens_packed(async_llm):
         assert len(c0.logprobs) + len(c.logprobs) == len(c0.token_ids) + len(c.token_ids) == max_tokens  # each token's, once
         for token, entry in zip(c.token_ids_delta, c.logprobs):
             assert token in entry and len(entry) in (top, top + 1) and all(v <= 0 for v in entry.values())
+
+
+def test_join_and_merge_put_delta_outputs_back_together():
+    """Stream outputs carry their new part only; join_outputs (a whole response) and a run of merge_outputs (a
+    slow reader's mailbox) give the same whole answer, logprobs included, and the last output's finish."""
+    from jlight.engine.async_engine import join_outputs, merge_outputs, stream_output
+    from jlight.engine.outputs import CompletionOutput, RequestOutput
+
+    def delta(ids, text, reason=None):
+        return stream_output(RequestOutput("r", None, [1], [CompletionOutput(
+            index=0, text=text, token_ids=list(ids), finish_reason=reason, text_delta=text, token_ids_delta=list(ids),
+            logprobs=[{t: -0.5} for t in ids])], finished=reason is not None))
+
+    outs = lambda: [delta([3], "a"), delta([4, 5], "bc"), delta([], ""), delta([6], "d", "length")]
+    whole = join_outputs(outs())
+    merged = outs()
+    while len(merged) > 1:
+        merged[:2] = [merge_outputs(merged[0], merged[1])]
+    for out in (whole, merged[0]):
+        c = out.outputs[0]
+        assert out.finished and c.finish_reason == "length"
+        assert (c.text, c.token_ids, c.text_delta, c.token_ids_delta) == ("abcd", [3, 4, 5, 6], "abcd", [3, 4, 5, 6])
+        assert list(c.logprobs) == [{3: -0.5}, {4: -0.5}, {5: -0.5}, {6: -0.5}]

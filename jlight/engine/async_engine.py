@@ -79,6 +79,27 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return dataclasses.replace(newer, outputs=[merged(c) for c in newer.outputs])
 
 
+def join_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """A stream's outputs, in order, joined into the whole answer: the last one with every output's text,
+    token ids and logprobs, each sample's text joined once (pairwise merges would copy a long answer's
+    text once an output)."""
+    parts: dict[int, list[CompletionOutput]] = {}
+    for out in outs:
+        for c in out.outputs:
+            parts.setdefault(c.index, []).append(c)
+
+    def joined(c: CompletionOutput) -> CompletionOutput:
+        cs = parts[c.index]
+        text, ids = "".join(p.text for p in cs), [t for p in cs for t in p.token_ids]
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = PackedLogprobs()
+            for p in cs:
+                logprobs.extend(p.logprobs or ())
+        return dataclasses.replace(c, text=text, token_ids=ids, text_delta=text, token_ids_delta=ids, logprobs=logprobs)
+    return dataclasses.replace(outs[-1], outputs=[joined(c) for c in outs[-1].outputs])
+
+
 class _Mailbox:
     """One stream's unread output (merged, see merge_outputs) and error, on the stream's event loop.
     `get` returns the output first: an error that follows it comes next."""
