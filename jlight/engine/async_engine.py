@@ -9,7 +9,7 @@ Invariants:
   (output_kind "delta": `text`, `token_ids` and logprobs are the new part's, as in `text_delta` and
   `token_ids_delta`), and the logprobs travel packed (`stream_output`). So neither the engine nor a
   stream ever copies what it already handed on, and a consumer that wants the whole answer joins the
-  outputs (`merge_outputs`).
+  outputs (`join_outputs`, or `merge_outputs` as they come).
 - A stream holds at most one unread output (`_Mailbox`): an output that arrives while the one
   before is unread is merged into it (their parts joined, the rest the newer one's), so a consumer
   that reads slowly costs its unread tokens, packed, and never holds the engine back.
