@@ -9,12 +9,14 @@ import dataclasses
 @dataclasses.dataclass
 class CompletionOutput:
     index: int  # which of the request's n samples
-    text: str  # everything generated so far (stop strings removed)
+    # text, token_ids and logprobs: everything generated so far (stop strings removed), or with the request's
+    # SamplingParams.output_kind "delta" only what no output before carried (then equal to the deltas below)
+    text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    # One dict per generated token: {token_id: logprob} holding the sampled token and the top-N. The
-    # engine's outputs hold every token's; AsyncLLM's streams hold only token_ids_delta's, packed.
+    # One dict per token of token_ids: {token_id: logprob} holding the sampled token and the top-N (AsyncLLM's
+    # streams: packed).
     logprobs: list[dict[int, float]] | PackedLogprobs | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (as vLLM), with logprobs only
     text_delta: str = ""  # new text since the previous output for this request
