@@ -446,6 +446,27 @@ def test_warmup_for_one_request_compiles_only_its_buckets(tiny_model):
     assert engine.runner._executables == compiled and engine.runner._step._cache_size() == 0  # jit compiled nothing
 
 
+def test_extra_token_buckets_compile_beside_the_powers_of_two(tiny_model):
+    """extra_token_buckets=(12,): a step of 9-12 tokens runs a 12-token step, not a 16-token one, and gives the
+    tokens the default buckets give; bad sizes are refused naming the field."""
+    path = tiny_model("LlamaForCausalLM")
+    prompts = random_prompts(10, 3, 9, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for extra in ((), (12,)):
+        llm = jlight.LLM(path, dtype="float32", max_num_seqs=10, max_num_batched_tokens=32, min_token_bucket=8,
+                         num_pages=64, compilation_cache_dir=None, extra_token_buckets=extra)
+        runner, launch, ran = llm.engine.runner, llm.engine.runner.launch, []
+        assert runner.buckets == sorted({8, 16, 32, *extra}) and runner.bucket_for(10) == (12 if extra else 16)
+        runner.launch = lambda inp, *a, **k: ran.append(len(inp.tokens)) or launch(inp, *a, **k)
+        outs[extra] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert ran.count(12 if extra else 16) >= 5  # ten rows decoding
+    assert outs[(12,)] == outs[()]
+    for bad in ((0,), (4.5,), 12):
+        with pytest.raises(ValueError, match="extra_token_buckets"):
+            jlight.LLM(path, extra_token_buckets=bad, warmup=False)
+
+
 def layout_tokens(layout) -> int:
     """The token count of a step_packing.Layout: the length of its first leaf, StepInputs.tokens."""
     return layout.slots[0].shape[0]

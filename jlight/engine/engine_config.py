@@ -56,6 +56,11 @@ class EngineConfig:
     # of padding to 8 for SmolLM2). On the H200 a one-token step is slower than an eight-token one
     # (XLA's one-row matmuls; docs/BENCHMARKS.md).
     min_token_bucket: int | None = None
+    # Step sizes (tokens) compiled beside the powers of two, e.g. (192,): a step of 129-192 tokens then runs a
+    # 192-token step, not a 256-token one. A GPU's matmuls are compute-bound from some 190 rows (bf16 on the
+    # H200), so the padded rows of a decode step of 129-255 sequences cost their FLOPs. Each size is one more
+    # compiled step (two where it has a narrow-table variant).
+    extra_token_buckets: tuple[int, ...] = ()
     page_size: int = 16
     # default: sized from kv_cache_memory_fraction (or gpu_memory_utilization); a start keeps the size the last
     # start of the same engine chose when its own is near it (startup.settled_pages), so that it runs the same programs
@@ -175,6 +180,10 @@ class EngineConfig:
             bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
         if self.min_token_bucket is not None and (self.min_token_bucket < 1 or self.min_token_bucket & (self.min_token_bucket - 1)):
             bad("min_token_bucket", "must be a power of two >= 1 (or None for the default)")
+        if not isinstance(self.extra_token_buckets, (tuple, list)) or not all(
+                isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in self.extra_token_buckets):
+            bad("extra_token_buckets", "must be a tuple of step sizes in tokens, each an int >= 1")
+        self.extra_token_buckets = tuple(self.extra_token_buckets)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             bad("page_size", "must be a power of two")
         if self.num_pages is not None and self.num_pages < 2:

@@ -219,6 +219,7 @@ class LLMEngine:
             max_num_batched_tokens=max_batched, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
             kv_cache_dtype=cfg.kv_cache_dtype, sharding_plan=sharding_plan, collective_matmul=cfg.collective_matmul, int8_all_reduce=cfg.int8_all_reduce,
             min_token_bucket=cfg.min_token_bucket or 8, one_token_bucket=cfg.min_token_bucket is None and not dispatch.on_gpu(),
+            extra_token_buckets=cfg.extra_token_buckets,
             guide_mask_words=self.grammars.mask_words,
             draft_slots=draft_slots, num_state_slots=self.state_pool.total_slots if stateful else 0,
             executable_store=startup.executable_store(cfg, mc, self._prefetch),

@@ -100,15 +100,16 @@ def _stacked_sharding(sharding):
     return None
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: bool = False) -> list[int]:
-    """Powers of two from `smallest` up to max_num_batched_tokens (always the last), and with
-    one_token a 1-token bucket below them (batch-1 decode on the CPU, whose matmul time follows the rows)."""
+def token_buckets(max_num_batched_tokens: int, smallest: int = 8, one_token: bool = False, extra=()) -> list[int]:
+    """Powers of two from `smallest` up to max_num_batched_tokens (always the last), with one_token a 1-token
+    bucket below them (batch-1 decode on the CPU, whose matmul time follows the rows), and the `extra` sizes
+    (EngineConfig.extra_token_buckets) among them."""
     buckets, b = ([1] if one_token and smallest > 1 else []), smallest
     while b < max_num_batched_tokens:
         buckets.append(b)
         b *= 2
     buckets.append(max_num_batched_tokens)
-    return buckets
+    return sorted(set(buckets) | {e for e in extra if e < max_num_batched_tokens})
 
 
 # XLA options of the jitted step. Without CUB's radix sort, XLA:GPU sorts with its own kernels, which its
@@ -161,8 +162,8 @@ def matmul_precision(compute_dtype) -> str | None:
 class ModelRunner:
     def __init__(self, family, config, params, kernels, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
-                 int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, guide_mask_words=1, draft_slots=0,
-                 num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None,
+                 int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, extra_token_buckets=(), guide_mask_words=1,
+                 draft_slots=0, num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None,
                  serial_steps: bool = False, pack_small_params: bool = False):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
         serial_steps: compile every step variant a second time with SERIAL_STEP_COMPILER_OPTIONS, for the steps
@@ -187,7 +188,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket)
+        self.buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens), one_token_bucket,
+                                     extra_token_buckets)
         # bucket -> the narrower page-table width (pages) of its second variant, where the kernels offer one
         self.short_tables = {}
         if kernels.short_table_span is not None:
