@@ -226,8 +226,8 @@ def test_logprobs_match_log_softmax_of_transformers(llm, hf_model):
 
 def test_prompt_logprobs_over_several_chunks_match_transformers(model_dir, hf_model):
     """A 290-token prompt in the 300-token bucket: its prompt logprobs come in chunks of
-    model_runner.PROMPT_LOGPROB_CHUNK tokens (256), the second one padded. The chunks are unrolled: they add no while
-    loop to the step (one under the prompt-logprobs lax.cond left that conditional to the host on a GPU)."""
+    model_runner.PROMPT_LOGPROB_CHUNK tokens (256), the second one padded. The loop over the chunks holds their lax.cond:
+    no branch of a conditional holds a while loop (which left that conditional to the host on a GPU)."""
     import re
 
     llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=300, min_token_bucket=256,
