@@ -131,10 +131,7 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False, "xla_disable_hl
 # Prompt logprobs: the tokens whose full-vocabulary float32 logits exist at once, a chunk after the other. Every
 # token of an 8192-token step at once would be the step's largest buffer (4 GiB of logits for a 128k vocabulary,
 # and as much again for their log-softmax), and the compiled step keeps room for it whether a step asks for
-# prompt logprobs or not. The loop over the chunks holds the lax.cond, not the other way round: a conditional whose
-# branch holds a loop is left out of XLA:GPU's command buffers, and a conditional outside them copies its predicate
-# to the host and waits for it, i.e. for the whole forward pass before it, where a loop of known trip count runs
-# without the host waiting.
+# prompt logprobs or not.
 PROMPT_LOGPROB_CHUNK = 256
 # A step's kernels launched one by one as the host enqueues them, not as XLA:GPU's command buffers (CUDA graphs):
 # the options of the serial variant (ModelRunner's serial_steps; EngineConfig.verify_step_command_buffers says when).
@@ -349,26 +346,27 @@ class ModelRunner:
         history = history.at[inp.history_slot, inp.history_len].set(toks)
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
 
-        # Prompt logprobs: PROMPT_LOGPROB_CHUNK tokens' full-vocabulary logits at a time, the chunks one after the
-        # other, each under the lax.cond that asks whether any row wants them.
-        chunk = min(num_tokens, PROMPT_LOGPROB_CHUNK)
-        pad = -num_tokens % chunk
-        h_chunks = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
-        next_chunks = jnp.pad(jnp.maximum(inp.next_token, 0), (0, pad)).reshape(-1, chunk)
+        def prompt_logprobs(h):
+            # PROMPT_LOGPROB_CHUNK tokens' full-vocabulary logits at a time, the chunks one after the other.
+            chunk = min(num_tokens, PROMPT_LOGPROB_CHUNK)
+            pad = -num_tokens % chunk
+            h_chunks = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
+            next_chunks = jnp.pad(jnp.maximum(inp.next_token, 0), (0, pad)).reshape(-1, chunk)
 
-        def one_chunk(args):
-            h_c, next_c = args
-            # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
-            logits = self.family.compute_logits(params, self.config, h_c, self.kernels, ParallelOps())[:, : self.config.vocab_size]
-            lse = jax.nn.logsumexp(logits, axis=-1)  # [chunk]: log-probabilities are logits - lse
-            target = jnp.take_along_axis(logits, next_c[:, None], axis=-1)[:, 0] - lse
-            vals, ids = jax.lax.top_k(logits, n)
-            return target, ids.astype(jnp.int32), vals - lse[:, None]
+            def one_chunk(args):
+                h_c, next_c = args
+                # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
+                logits = self.family.compute_logits(params, self.config, h_c, self.kernels, ParallelOps())[:, : self.config.vocab_size]
+                lse = jax.nn.logsumexp(logits, axis=-1)  # [chunk]: log-probabilities are logits - lse
+                target = jnp.take_along_axis(logits, next_c[:, None], axis=-1)[:, 0] - lse
+                vals, ids = jax.lax.top_k(logits, n)
+                return target, ids.astype(jnp.int32), vals - lse[:, None]
 
-        none = (jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk, n), jnp.int32), jnp.zeros((chunk, n), jnp.float32))
-        p_lp, p_ids, p_vals = jax.lax.map(lambda args: jax.lax.cond(inp.want_prompt_logprobs, one_chunk, lambda a: none, args),
-                                          (h_chunks, next_chunks))
-        p_lp, p_ids, p_vals = p_lp.reshape(-1)[:num_tokens], p_ids.reshape(-1, n)[:num_tokens], p_vals.reshape(-1, n)[:num_tokens]
+            target, ids, vals = jax.lax.map(one_chunk, (h_chunks, next_chunks))
+            return target.reshape(-1)[:num_tokens], ids.reshape(-1, n)[:num_tokens], vals.reshape(-1, n)[:num_tokens]
+
+        none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32), jnp.zeros((num_tokens, n), jnp.float32))
+        p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)
         row_tokens = toks[inp.row_sample]  # [B]
         sampled_full = jnp.zeros((self.max_num_seqs,), jnp.int32).at[: row_tokens.shape[0]].set(row_tokens)
         out = StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals,
