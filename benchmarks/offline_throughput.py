@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -169,7 +170,9 @@ def main(argv=None):
                     help='other EngineConfig fields, e.g. \'{"pack_small_params": true}\' (they win over the flags)')
     ap.add_argument("--out", default=None, help="directory for the JSON result")
     ap.add_argument("--name", default="offline_throughput", help="file stem of the JSON result")
+    ap.add_argument("--log-level", default="WARNING", help="the engine's log level (INFO: the KV pool's sizing)")
     a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     startup.claim_device_memory(a)  # before the first JAX call below starts its backend
 
     gpu = jax.default_backend() != "cpu"
@@ -183,6 +186,11 @@ def main(argv=None):
                   init_s=init_s, compile_s=engine.warmup_seconds, buckets=engine.runner.buckets,
                   num_pages=engine.block_manager.num_pages)
     result["copy_bw_tb_s"] = copy_bw and copy_bw / 1e12
+    stats = jax.local_devices()[0].memory_stats() if gpu else None
+    if stats:  # what the steps have left: a step's temporaries need one free block of their size
+        result["device_memory_when_ready"] = {k: stats.get(k) for k in ("bytes_in_use", "bytes_limit", "largest_free_block_bytes")}
+        print("device memory when ready: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in
+                                                       result["device_memory_when_ready"].items() if v is not None), flush=True)
     if a.kv_offloading_size:
         result["host_copy_bytes_per_s"] = harness.host_copy_bytes_per_s() if gpu else harness.host_copy_bytes_per_s(1 << 20, 2)
     generate = lambda requests: harness.engine_generate(engine, requests)  # noqa: E731
