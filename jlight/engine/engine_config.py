@@ -59,7 +59,7 @@ class EngineConfig:
     # Step sizes (tokens) compiled beside the powers of two, e.g. (192,): a step of 129-192 tokens then runs a
     # 192-token step, not a 256-token one. A GPU's matmuls are compute-bound from some 190 rows (bf16 on the
     # H200), so the padded rows of a decode step of 129-255 sequences cost their FLOPs. Each size is one more
-    # compiled step (two where it has a narrow-table variant).
+    # compiled step (two where it has a narrow-table variant); sizes from max_num_batched_tokens up are left out.
     extra_token_buckets: tuple[int, ...] = ()
     page_size: int = 16
     # default: sized from kv_cache_memory_fraction (or gpu_memory_utilization); a start keeps the size the last
