@@ -274,6 +274,11 @@ def test_step_trace_gives_each_step_the_wait_of_the_call_after_it(monkeypatch):
     assert [(g["group"], g["steps"]) for g in groups] == [("with prefill", 1), ("decode 1-1 seqs", 1), ("decode 2-8 seqs", 1)]
     assert abs(groups[2]["roofline_s"] - (1000 + 620) / 1e6) < 1e-12
     assert abs(groups[2]["efficiency"] - 1.62e-3 / 0.002) < 1e-9
+    assert groups[2]["padding_s"] == 0 and abs(groups[2]["passes_s"] - 1.62e-3) < 1e-12  # the weights' bytes bound
+    # Compute-bound matmuls (2 x 1e6 FLOPs a token at 1 GFLOP/s): 2 real tokens take 4 ms, the 8-token bucket 16 ms.
+    groups = trace.summary(weight_bytes=1000, kv_bytes_per_token=10, num_params=10**6, copy_bytes_per_s=1e6,
+                           matmul_flops_per_s=1e9)
+    assert abs(groups[2]["padding_s"] - 12e-3) < 1e-12 and abs(groups[2]["passes_s"] - (4e-3 + 620 / 1e6)) < 1e-12
 
 
 def test_gpu_sh_gives_each_suite_its_own_arguments(tmp_path):
