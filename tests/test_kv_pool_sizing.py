@@ -134,6 +134,23 @@ def test_the_pool_shrinks_by_exactly_what_the_step_and_its_margin_need():
     assert pages_beside_step(p0, STATS, PAGE, 20 * GIB, None, state_bytes=GIB) == 58 * GIB // PAGE
 
 
+def test_the_pool_and_the_step_fit_the_largest_free_block():
+    """Free memory split between the weights counts in bytes_limit - bytes_in_use but holds neither the pool nor a
+    step's temporaries (Llama-3-8B at gpu_memory_utilization 0.9 on an H100: out of memory in the first steps).
+    Where the allocator reports its largest free block, pool + state + step + margin fit in it; where it grows its
+    pool on demand, the part of the limit it has not taken counts as one block."""
+    p0 = pages_for_memory(STATS, PAGE, 0.8, 0.9)  # 70 GiB of pages: 90 - 20
+    step, margin = 4 * GIB, step_margin(4 * GIB)
+    whole = pages_beside_step(p0, STATS, PAGE, step, 0.9)
+    assert whole == p0 - (step + margin) // PAGE
+    split = dict(STATS, largest_free_block_bytes=69 * GIB)  # 1 GiB of the 70 free lies in holes between the weights
+    assert pages_beside_step(p0, split, PAGE, step, 0.9) == (69 * GIB - step - margin) // PAGE == whole - GIB // PAGE
+    assert pages_beside_step(p0, split, PAGE, step, 0.9, state_bytes=GIB) == (68 * GIB - step - margin) // PAGE
+    assert pages_beside_step(p0, dict(STATS, largest_free_block_bytes=80 * GIB), PAGE, step, 0.9) == whole  # no holes
+    growing = dict(split, largest_free_block_bytes=GIB, pool_bytes=30 * GIB)  # 70 GiB of the limit not yet taken
+    assert pages_beside_step(p0, growing, PAGE, step, 0.9) == whole
+
+
 def test_a_step_that_leaves_no_sequence_room_names_the_knobs():
     cfg = EngineConfig(gpu_memory_utilization=0.9).validate()
     p0 = pages_for_memory(STATS, PAGE, 0.8, 0.9)

@@ -22,7 +22,8 @@ Invariants:
   (`step_memory_bytes`: temporaries, generated code, outputs not aliased to the donated pools). Then in use
   (the weights) + recurrent state + pool + step + margin (`step_margin`: 5% of the step, at least 256 MiB; it
   also covers the runner's small buffers, the token history and masks) stays within the budget: bytes_limit,
-  or gpu_memory_utilization of it. The pool keeps P0 pages when they fit (the compiled buckets are kept: no
+  or gpu_memory_utilization of it; and recurrent state + pool + step + margin fit the allocator's largest free
+  block where it reports one (`largest_free_block`: free memory split between the weights holds neither). The pool keeps P0 pages when they fit (the compiled buckets are kept: no
   second compile), else it shrinks to what fits and they compile again at that size;
   a pool shrunk below one max_model_len sequence is an error naming the knobs. Where the memory analysis is
   unavailable, the pool keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
@@ -308,13 +309,29 @@ def step_memory_bytes(compiled_steps) -> int | None:
     return max(needs) if needs else None
 
 
+def largest_free_block(stats: dict) -> int | None:
+    """The largest single block the device's allocator can still hand out (stats' largest_free_block_bytes, and
+    the part of bytes_limit not yet taken into its pool where it grows on demand: pool_bytes), or None where the
+    allocator does not say."""
+    block = stats.get("largest_free_block_bytes")
+    if block is None:
+        return None
+    pool = stats.get("pool_bytes")
+    return max(block, stats["bytes_limit"] - pool) if pool is not None else block
+
+
 def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int,
                       gpu_memory_utilization: float | None, state_bytes: int = 0) -> int:
     """At most p0 pages, so that what is in use (stats' bytes_in_use: the weights) + state_bytes + the pool +
-    step_bytes + step_margin fit the budget: bytes_limit, or the card's gpu_memory_utilization share (memory_budget).
-    Can be 0."""
+    step_bytes + step_margin fit the budget: bytes_limit, or the card's gpu_memory_utilization share (memory_budget);
+    and so that the pool, the state and the step's temporaries fit the largest free block (largest_free_block),
+    where the allocator reports it: free memory split between the weights (what a load's or a transform's
+    temporaries left) counts in the budget but holds neither a pool nor a step's temporaries. Can be 0."""
     budget = stats["bytes_limit"] if gpu_memory_utilization is None else memory_budget(stats, gpu_memory_utilization)
     room = budget - stats.get("bytes_in_use", 0) - state_bytes - step_bytes - step_margin(step_bytes)
+    block = largest_free_block(stats)
+    if block is not None:
+        room = min(room, block - state_bytes - step_bytes - step_margin(step_bytes))
     return min(p0, max(0, room) // bytes_per_page)
 
 
