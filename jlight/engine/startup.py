@@ -15,18 +15,18 @@ Invariants:
   created before JAX's backend, given gpu_memory_utilization with that variable unset, sets the variable to
   it (`claim_device_memory`); the budget is that share of the card (`device_memory_stats`' card_bytes: the
   allocator's limit over the share it was started with), never more than the allocator's limit (logged).
-- On such a device the pool also leaves room for the largest step (`pages_beside_step`): the engine compiles
-  its step buckets (all of them when it warms up with kv_cache_memory_fraction, else the largest: a pool of
-  gpu_memory_utilization is the whole budget and always shrinks) against a pool of P0 pages before
-  allocating it, and XLA's memory analysis says what the largest step needs beyond its inputs
-  (`step_memory_bytes`: temporaries, generated code, outputs not aliased to the donated pools). Then in use
-  (the weights) + recurrent state + pool + step + margin (`step_margin`: 5% of the step, at least 256 MiB; it
-  also covers the runner's small buffers, the token history and masks) stays within the budget: bytes_limit,
-  or gpu_memory_utilization of it; and recurrent state + pool + step + margin fit the allocator's largest free
-  block where it reports one (`largest_free_block`: free memory split between the weights holds neither). The pool keeps P0 pages when they fit (the compiled buckets are kept: no
-  second compile), else it shrinks to what fits and they compile again at that size;
-  a pool shrunk below one max_model_len sequence is an error naming the knobs. Where the memory analysis is
-  unavailable, the pool keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
+- On such a device the pool also leaves room for the largest step (`pages_beside_step`): the engine compiles its
+  step buckets (all of them when it warms up with kv_cache_memory_fraction, else the largest: a pool of
+  gpu_memory_utilization is the whole budget and always shrinks) against a pool of P0 pages before allocating it,
+  and XLA's memory analysis says what the largest step needs beyond its inputs (`step_memory_bytes`: temporaries,
+  generated code, outputs not aliased to the donated pools). Then in use (the weights) + recurrent state + pool +
+  step + margin (`step_margin`: 5% of the step, at least 256 MiB; it also covers the runner's small buffers, the
+  token history and masks) stays within the budget: bytes_limit, or gpu_memory_utilization of it; and recurrent
+  state + pool + step + margin fit the allocator's largest free block where it reports one (`largest_free_block`:
+  free memory split between the weights holds neither). The pool keeps P0 pages when they fit (the compiled buckets
+  are kept: no second compile), else it shrinks to what fits and they compile again at that size; a pool shrunk
+  below one max_model_len sequence is an error naming the knobs. Where the memory analysis is unavailable, the pool
+  keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
 - Either size lands on one the last start of the same engine chose when within POOL_SETTLE_BYTES and
   POOL_SETTLE_FRACTION of it (`settled_pages`; the sizes kept in the compiled-step store's manifest): the
   pool's shape is in every stored step's key, and what is in use moves from start to start.
