@@ -472,7 +472,9 @@ def test_schemathesis_finds_no_server_errors(server):
 def test_sigterm_drains_in_flight_requests(server):
     """Runs last: stops the module's server."""
     url, proc = server
-    body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+    # As long as the context allows: the request stays in flight well past the moment the server turns to draining
+    # (the server exits, as it should, once its last request is done).
+    body = {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
         for line in r.iter_lines():
@@ -480,9 +482,12 @@ def test_sigterm_drains_in_flight_requests(server):
                 events.append(line[6:])
                 if len(events) == 1:
                     proc.send_signal(signal.SIGTERM)
-                    time.sleep(0.5)
                     # Draining: out of rotation, new requests answered (not refused) with 503 + Retry-After.
+                    deadline = time.monotonic() + 10
                     health = httpx.get(url + "/health", timeout=2)
+                    while health.status_code == 200 and time.monotonic() < deadline:
+                        time.sleep(0.02)  # the signal not handled yet
+                        health = httpx.get(url + "/health", timeout=2)
                     assert (health.status_code, health.text) == (503, "draining")
                     late = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=AUTH,
                                       timeout=10)
