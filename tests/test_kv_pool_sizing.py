@@ -96,9 +96,14 @@ def test_the_pool_beside_the_step_settles_on_the_last_starts_when_near():
     step = 4 * GIB
     own = pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, pages_per_sequence=513)
     assert own == pages_beside_step(p0, STATS, PAGE, step, 0.9) < p0
-    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[p0, own + 100]) == own + 100
-    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 1000]) == own  # 2 GiB away
-    assert pool_beside_step(cfg, own + 10, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 100]) == own + 10  # <= P0
+    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[p0, own - 100]) == own - 100
+    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own - 1000]) == own  # 2 GiB away
+    # never into the step's room: a start with less room than the last one's sizes its own pool...
+    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 1]) == own
+    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 100, own - 50]) == own - 50
+    # ... which the next start with more room settles on: starts converge on the smallest size
+    roomier = {**STATS, "bytes_in_use": STATS["bytes_in_use"] - 100 * PAGE}
+    assert pool_beside_step(cfg, p0, roomier, PAGE, step, 2048, 0, 513, last_sizes=[own]) == own
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])

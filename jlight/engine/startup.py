@@ -29,7 +29,8 @@ Invariants:
   keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
 - Either size lands on one the last start of the same engine chose when within POOL_SETTLE_BYTES and
   POOL_SETTLE_FRACTION of it (`settled_pages`; the sizes kept in the compiled-step store's manifest): the
-  pool's shape is in every stored step's key, and what is in use moves from start to start.
+  pool's shape is in every stored step's key, and what is in use moves from start to start. A pool shrunk for
+  the step's room settles only on a smaller size, never into that room.
 - The memory plan names the bytes of one device (the first of the engine's): its share of the
   weights, its share of the K/V pools, and what its allocator has left (the host's available memory
   on the CPU, whose allocator keeps no statistics).
@@ -338,16 +339,16 @@ def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int
 def pool_beside_step(cfg, p0: int, stats: dict, bytes_per_page: int, step_bytes: int | None, step_tokens: int,
                      state_bytes: int, pages_per_sequence: int, last_sizes=None) -> int:
     """The KV pool's pages once the largest step (step_tokens tokens, step_bytes measured; None: unknown)
-    has its room (pages_beside_step), fewer pages settled on one of last_sizes when near (settled_pages, never
-    above p0), with one log line. Raises ValueError naming the knobs when that
+    has its room (pages_beside_step), fewer pages settled on a smaller one of last_sizes when near (settled_pages:
+    starts whose room moves converge on the smallest), with one log line. Raises ValueError naming the knobs when that
     leaves fewer pages than one max_model_len sequence (pages_per_sequence, the scratch page included)."""
     if step_bytes is None:
         logger.info("the KV pool keeps %d pages (kv_cache_memory_fraction / gpu_memory_utilization alone): XLA gave no "
                     "memory analysis of the largest step (%d tokens)", p0 - 1, step_tokens)
         return p0
     pages = pages_beside_step(p0, stats, bytes_per_page, step_bytes, cfg.gpu_memory_utilization, state_bytes)
-    if pages < p0:
-        pages = min(p0, settled_pages(pages, last_sizes, bytes_per_page))
+    if pages < p0:  # settles down only: a larger size would take the step's room
+        pages = settled_pages(pages, [last for last in last_sizes or () if last <= pages], bytes_per_page)
     what = (f"the largest step ({step_tokens} tokens) needs {fmt_bytes(step_bytes)} beyond its inputs "
             f"(XLA's memory analysis; + {fmt_bytes(step_margin(step_bytes))} margin)")
     if pages == p0:
