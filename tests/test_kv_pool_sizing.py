@@ -90,20 +90,28 @@ def test_a_start_keeps_the_last_starts_pool_when_near_it():
     assert startup.settled_pages(1000, [1015, 990, 5000], PAGE) == 990  # the nearest
 
 
-def test_the_pool_beside_the_step_settles_on_the_last_starts_when_near():
+def test_the_pool_beside_the_step_sits_below_its_room_and_settles_within_it():
+    """A pool shrunk for the step's room leaves room_reserve of it (384 MiB) free, so that the next start, finding up
+    to that much more or less in use, keeps the same size (and its stored steps) without taking the step's memory."""
     cfg = EngineConfig(gpu_memory_utilization=0.9)
     p0 = pages_for_memory(STATS, PAGE, 0.8, 0.9)
     step = 4 * GIB
+    room = pages_beside_step(p0, STATS, PAGE, step, 0.9)
+    reserve = startup.room_reserve(room, PAGE)
+    assert reserve == 384 * MIB // PAGE and room < p0
     own = pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, pages_per_sequence=513)
-    assert own == pages_beside_step(p0, STATS, PAGE, step, 0.9) < p0
-    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[p0, own - 100]) == own - 100
-    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own - 1000]) == own  # 2 GiB away
-    # never into the step's room: a start with less room than the last one's sizes its own pool...
-    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 1]) == own
-    assert pool_beside_step(cfg, p0, STATS, PAGE, step, 2048, 0, 513, last_sizes=[own + 100, own - 50]) == own - 50
-    # ... which the next start with more room settles on: starts converge on the smallest size
-    roomier = {**STATS, "bytes_in_use": STATS["bytes_in_use"] - 100 * PAGE}
-    assert pool_beside_step(cfg, p0, roomier, PAGE, step, 2048, 0, 513, last_sizes=[own]) == own
+    assert own == room - reserve
+    size = lambda stats, last: pool_beside_step(cfg, p0, stats, PAGE, step, 2048, 0, 513, last_sizes=last)  # noqa: E731
+    for moved in (-380 * MIB, -100 * MIB, 0, 100 * MIB, 380 * MIB):  # either way, within the reserve: the same size
+        assert size({**STATS, "bytes_in_use": STATS["bytes_in_use"] + moved}, [own]) == own
+    # more in use than the reserve: the last size would take the step's room, so a size of its own
+    tighter = {**STATS, "bytes_in_use": STATS["bytes_in_use"] + 400 * MIB}
+    assert size(tighter, [own]) == pages_beside_step(p0, tighter, PAGE, step, 0.9) - reserve < own
+    assert size(STATS, [room + 1]) == own  # never above the room
+    assert size(STATS, [room, own - 50]) == own - 50  # the nearest to its own size
+    assert size(STATS, [own - reserve - 1]) == own  # too far below
+    # a small pool: the reserve is at most 1% of its room
+    assert startup.room_reserve(1000, PAGE) == 10
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
@@ -163,8 +171,11 @@ def test_a_step_that_leaves_no_sequence_room_names_the_knobs():
         pool_beside_step(cfg, p0, STATS, PAGE, 69 * GIB, 16384, 0, pages_per_sequence=513)
     for name in ("max_num_batched_tokens", "gpu_memory_utilization=0.9", "kv_cache_memory_fraction=0.8", "max_model_len"):
         assert name in str(e.value)
-    # room for a sequence: no error, the pool shrinks
-    assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=513) == (10 * GIB - 3 * GIB) // PAGE
+    # room for a sequence: no error, the pool shrinks (and leaves its reserve)
+    room = (10 * GIB - 3 * GIB) // PAGE
+    assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=513) == room - startup.room_reserve(room, PAGE)
+    # a reserve that would leave less than one sequence does not
+    assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=room - 1) == room - 1
     # a step XLA could not measure: today's rule
     assert pool_beside_step(cfg, p0, STATS, PAGE, None, 16384, 0, pages_per_sequence=513) == p0
 
@@ -252,7 +263,8 @@ def test_an_engine_shrinks_its_pool_by_the_largest_steps_memory(tiny_model, monk
     per_page = engine._pool_bytes_per_page(jax.numpy.float32, None)
     p0 = pages_for_memory(stats, per_page, 0.8, 0.95)
     step = _room_is_left(engine, stats, int(300 * MIB * 0.95))
-    assert runner.num_pages == pages_beside_step(p0, stats, per_page, step, 0.95) < p0
+    room = pages_beside_step(p0, stats, per_page, step, 0.95)
+    assert runner.num_pages == room - startup.room_reserve(room, per_page) < p0
     # gpu_memory_utilization: the pool always shrinks beside the step, so the largest bucket alone measured it
     # against the first pool, and every bucket compiled once against the smaller one
     assert len(compiles) == runner.num_step_variants(runner.buckets[-1:]) + runner.num_step_variants(runner.buckets)

@@ -27,10 +27,12 @@ Invariants:
   are kept: no second compile), else it shrinks to what fits and they compile again at that size; a pool shrunk
   below one max_model_len sequence is an error naming the knobs. Where the memory analysis is unavailable, the pool
   keeps P0 pages (logged). A pool of num_pages given by the user is never measured.
-- Either size lands on one the last start of the same engine chose when within POOL_SETTLE_BYTES and
-  POOL_SETTLE_FRACTION of it (`settled_pages`; the sizes kept in the compiled-step store's manifest): the
-  pool's shape is in every stored step's key, and what is in use moves from start to start. A pool shrunk for
-  the step's room settles only on a smaller size, never into that room.
+- A start keeps a size the last start of the same engine chose when near its own (the sizes kept in the
+  compiled-step store's manifest): the pool's shape is in every stored step's key, and what is in use moves from
+  start to start. P0 lands on one within POOL_SETTLE_BYTES and POOL_SETTLE_FRACTION of it (`settled_pages`; the
+  share's headroom covers the difference). A pool shrunk for the step's room sits room_reserve below that room, or
+  on a last size within that reserve of it and never above the room (`settled_below_room`): the step's room is
+  not headroom.
 - The memory plan names the bytes of one device (the first of the engine's): its share of the
   weights, its share of the K/V pools, and what its allocator has left (the host's available memory
   on the CPU, whose allocator keeps no statistics).
@@ -339,28 +341,48 @@ def pages_beside_step(p0: int, stats: dict, bytes_per_page: int, step_bytes: int
 def pool_beside_step(cfg, p0: int, stats: dict, bytes_per_page: int, step_bytes: int | None, step_tokens: int,
                      state_bytes: int, pages_per_sequence: int, last_sizes=None) -> int:
     """The KV pool's pages once the largest step (step_tokens tokens, step_bytes measured; None: unknown)
-    has its room (pages_beside_step), fewer pages settled on a smaller one of last_sizes when near (settled_pages:
-    starts whose room moves converge on the smallest), with one log line. Raises ValueError naming the knobs when that
-    leaves fewer pages than one max_model_len sequence (pages_per_sequence, the scratch page included)."""
+    has its room (pages_beside_step): p0 where it fits, else a size below that room (settled_below_room), with
+    one log line. Raises ValueError naming the knobs when the room holds fewer pages than one max_model_len
+    sequence (pages_per_sequence, the scratch page included)."""
     if step_bytes is None:
         logger.info("the KV pool keeps %d pages (kv_cache_memory_fraction / gpu_memory_utilization alone): XLA gave no "
                     "memory analysis of the largest step (%d tokens)", p0 - 1, step_tokens)
         return p0
-    pages = pages_beside_step(p0, stats, bytes_per_page, step_bytes, cfg.gpu_memory_utilization, state_bytes)
-    if pages < p0:  # settles down only: a larger size would take the step's room
-        pages = settled_pages(pages, [last for last in last_sizes or () if last <= pages], bytes_per_page)
+    room = pages_beside_step(p0, stats, bytes_per_page, step_bytes, cfg.gpu_memory_utilization, state_bytes)
     what = (f"the largest step ({step_tokens} tokens) needs {fmt_bytes(step_bytes)} beyond its inputs "
             f"(XLA's memory analysis; + {fmt_bytes(step_margin(step_bytes))} margin)")
-    if pages == p0:
+    if room == p0:
         logger.info("%s: the KV pool keeps its %d pages", what, p0 - 1)
         return p0
-    if pages < pages_per_sequence:
+    if room < pages_per_sequence:
         raise ValueError(
-            f"{what}, which leaves the KV cache {max(0, pages - 1)} pages of {cfg.page_size} tokens: fewer than one "
+            f"{what}, which leaves the KV cache {max(0, room - 1)} pages of {cfg.page_size} tokens: fewer than one "
             f"sequence of max_model_len needs ({pages_per_sequence - 1}). Lower max_num_batched_tokens (now "
             f"{step_tokens}) or max_model_len, or give the engine more memory (gpu_memory_utilization="
             f"{cfg.gpu_memory_utilization}, kv_cache_memory_fraction={cfg.kv_cache_memory_fraction}; "
             "XLA_PYTHON_CLIENT_MEM_FRACTION raises the memory JAX manages)")
-    logger.info("%s: the KV pool holds %d pages, %d fewer (%s)", what, pages - 1, p0 - pages,
-                fmt_bytes((p0 - pages) * bytes_per_page))
+    pages = max(settled_below_room(room, last_sizes, bytes_per_page), pages_per_sequence)
+    logger.info("%s: the KV pool holds %d pages, %d fewer (%s; room for %d)", what, pages - 1, p0 - pages,
+                fmt_bytes((p0 - pages) * bytes_per_page), room - 1)
     return pages
+
+
+# A pool shrunk for the step's room sits this far below the room (at most POOL_SETTLE_FRACTION / 2 of it), so that a
+# later start that finds up to this much more in use (190-380 MiB for an 8B on the H100) or less can keep its size.
+POOL_ROOM_RESERVE_BYTES = 384 << 20
+
+
+def room_reserve(room: int, bytes_per_page: int) -> int:
+    """Pages a pool sized below `room` pages leaves free: POOL_ROOM_RESERVE_BYTES, at most POOL_SETTLE_FRACTION / 2
+    of the room."""
+    return min(POOL_ROOM_RESERVE_BYTES // bytes_per_page, int(room * POOL_SETTLE_FRACTION / 2))
+
+
+def settled_below_room(room: int, last_sizes, bytes_per_page: int) -> int:
+    """A pool that must fit `room` pages: room_reserve below it, or the size among last_sizes nearest to that when
+    within room_reserve of it and within the room. A last size is never taken above the room: that would be the
+    step's memory."""
+    reserve = room_reserve(room, bytes_per_page)
+    fresh = room - reserve
+    near = [last for last in last_sizes or () if last >= 2 and fresh - reserve <= last <= room]
+    return min(near, key=lambda last: abs(last - fresh)) if near else fresh
