@@ -173,7 +173,8 @@ def test_a_step_that_leaves_no_sequence_room_names_the_knobs():
         assert name in str(e.value)
     # room for a sequence: no error, the pool shrinks (and leaves its reserve)
     room = (10 * GIB - 3 * GIB) // PAGE
-    assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=513) == room - startup.room_reserve(room, PAGE)
+    reserve = startup.room_reserve(room, PAGE)
+    assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=513) == room - reserve
     # a reserve that would leave less than one sequence does not
     assert pool_beside_step(cfg, p0, STATS, PAGE, 60 * GIB, 16384, 0, pages_per_sequence=room - 1) == room - 1
     # a step XLA could not measure: today's rule
