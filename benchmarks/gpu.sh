@@ -71,7 +71,9 @@
 #   peer        bash .peerN/device.sh ARGS (../shared/peer/README.md: one .peerN folder carried per call)
 #
 # Results: $OUT (the device tool's output folder; ./bench_out when unset): SUITE.txt (the script's output)
-# and SUITE/ (its JSON) for each suite, gpu.log (this runner's log). The device tool brings back at most
+# and SUITE/ (its JSON) for each suite, gpu.log (this runner's log); a suite named again in one call (an A/B:
+# `throughput --engine-options A throughput --engine-options B`) writes into $OUT/SUITE_2/ (then _3 ...), so
+# no run overwrites another's. The device tool brings back at most
 # 8 files, so when there are more, everything but gpu.log is packed into results.tgz.
 # Environment: MODEL, VARIANTS, FIXED, SUITE_TIMEOUT (seconds per suite, else each suite's own default),
 # JLIGHT_GIT_COMMIT (the commit the results name where the tree travelled without .git), NO_INSTALL=1 (jlight is
@@ -321,9 +323,16 @@ for word in "$@"; do
 done
 [ -z "${DRY_RUN:-}" ] && setup
 status=0
+root=$OUT
+declare -A times_named=()
 for i in "${!names[@]}"; do
-  eval "suite_${names[$i]} ${args[$i]}" || status=1
+  name=${names[$i]}
+  times_named[$name]=$(( ${times_named[$name]:-0} + 1 ))
+  OUT=$root
+  if [ "${times_named[$name]}" -gt 1 ]; then OUT=$root/${name}_${times_named[$name]}; mkdir -p "$OUT"; fi
+  eval "suite_$name ${args[$i]}" || status=1
 done
+OUT=$root
 files=$(find "$OUT" -type f ! -name gpu.log | wc -l)
 if [ "$files" -gt 7 ]; then  # the device tool brings back at most 8 files
   (cd "$OUT" && find . -type f ! -name gpu.log ! -name results.tgz -print0 | tar czf /tmp/results.tgz --null -T - \

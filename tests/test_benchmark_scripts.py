@@ -297,6 +297,13 @@ def test_gpu_sh_gives_each_suite_its_own_arguments(tmp_path):
     assert commands[2].startswith("python3 benchmarks/kernel_bench.py") and commands[2].endswith("--skip-checks (timeout 480 s)")
     # a suite name right after an option is that option's value, not a suite
     assert commands[3].startswith("python3 benchmarks/offline_throughput.py") and "--sections decode (" in commands[3]
+    # a suite named again (an A/B in one call) writes into a folder of its own
+    out = _gpu_sh("throughput", "--bs1-tokens", "0", "throughput", "--engine-options", "{}", "throughput")
+    commands = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if "(timeout" in line]
+    outs = [c.split("--out ", 1)[1].split()[0] for c in commands]
+    assert out.returncode == 0 and outs == [f"{tmp_path}/throughput", f"{tmp_path}/throughput_2/throughput",
+                                             f"{tmp_path}/throughput_3/throughput"], out.stdout
+    assert "--engine-options {} (" in commands[1] and "--engine-options" not in commands[2]
     assert _gpu_sh("no-such-suite").returncode == 2
     usage = _gpu_sh()
     assert usage.returncode == 2 and "SUITE" in usage.stdout
