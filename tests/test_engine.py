@@ -224,14 +224,39 @@ def test_logprobs_match_log_softmax_of_transformers(llm, hf_model):
         assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref[pos - 1, prompt[pos]]) < 1e-4
 
 
-def test_prompt_logprobs_over_several_chunks_match_transformers(model_dir, hf_model):
+def _conditionals_holding_loops(step_text: str) -> tuple[int, int]:
+    """(stablehlo.case ops in a lowered step's text, those of them with a stablehlo.while in a branch)."""
+    import re
+
+    branches = []  # the text of each stablehlo.case's branches, by brace depth from the op to its end
+    for at in (m.end() for m in re.finditer(r'"stablehlo\.case"', step_text)):
+        depth, end = 0, step_text.index("({", at) + 1
+        while True:
+            depth += {"{": 1, "}": -1}.get(step_text[end], 0)
+            end += 1
+            if depth == 0 and step_text[end] == ")":
+                break
+        branches.append(step_text[at:end])
+    return len(branches), sum("stablehlo.while" in b for b in branches)
+
+
+@pytest.mark.parametrize("program", [False, True], ids=["in_step", "program"])
+def test_prompt_logprobs_over_several_chunks_match_transformers(model_dir, hf_model, program):
     """A 290-token prompt in the 300-token bucket: its prompt logprobs come in chunks of
-    model_runner.PROMPT_LOGPROB_CHUNK tokens (256), the second one padded."""
+    model_runner.PROMPT_LOGPROB_CHUNK tokens (256), the second one padded: in the step under a lax.cond, or
+    (prompt_logprobs_program) from a program of their own, when the step holds no conditional with a loop in it
+    (one that XLA:GPU may leave to the host)."""
     llm = jlight.LLM(model_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=300, min_token_bucket=256,
-                     page_size=8, num_pages=64)
+                     page_size=8, num_pages=64, prompt_logprobs_program=program)
     assert llm.engine.runner.buckets == [256, 300]
+    cases, with_loops = _conditionals_holding_loops(_lowered_step(llm.engine.runner, 300).as_text())
+    assert cases >= 2 and with_loops == (0 if program else 1)
     prompt = random_prompts(1, 290, 291, seed=11)[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    beside = random_prompts(1, 5, 6, seed=12)[0]  # a request without prompt logprobs in the same step
+    outs = llm.generate([prompt, beside], [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                                           SamplingParams(temperature=0, max_tokens=1)], use_tqdm=False)
+    out = outs[0]
+    assert outs[1].prompt_logprobs is None
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1).numpy()
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt) == 290

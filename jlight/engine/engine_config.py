@@ -119,6 +119,14 @@ class EngineConfig:
     # and a model of many layers has hundreds of them (gpt-oss-20b 411, of which ~200 such vectors). Off until
     # measured on a GPU against the step's own time.
     pack_small_params: bool = False
+    # A step that asks for prompt logprobs gets them from a second, small program the host launches after it,
+    # over the step's final hidden states (ModelRunner._prompt_logprobs_program), instead of from a branch of the
+    # step under a lax.cond. That branch loops over the chunks, and a conditional holding a loop may run outside
+    # XLA:GPU's command buffers, where it copies its predicate to the host and waits: a long step's launch would
+    # return only once the device had nearly run it. The pool's sizing counts the step's memory, not that
+    # program's (one chunk's full-vocabulary logits), which compiles at its bucket's first use. Off until measured
+    # on a GPU.
+    prompt_logprobs_program: bool = False
     # One matmul for q/k/v and one for gate/up (models/layers.fuse_projections): fewer, wider
     # matmuls, so fewer kernel launches per step. Single device only (a mesh keeps them apart).
     # With layer_loop="scan" fusing copies each stacked group once at start-up (transient memory).

@@ -227,7 +227,7 @@ class LLMEngine:
             taps=self.proposer.taps if self.proposer is not None else None,
             serial_steps=spec is not None and (cfg.verify_step_command_buffers is False
                                                or cfg.verify_step_command_buffers is None and dispatch.on_gpu()),
-            pack_small_params=cfg.pack_small_params)
+            pack_small_params=cfg.pack_small_params, prompt_logprobs_program=cfg.prompt_logprobs_program)
         store = self.runner.executable_store
         self._store_mark = store.loaded if store is not None else 0  # steps loaded from the store before _warmup's count
         if cfg.num_pages is None and stats is not None:

@@ -71,6 +71,8 @@ class StepOutputs(NamedTuple):
     # What the step taps for a device proposer (Taps), else None:
     input_tokens: jax.Array | None = None  # [T] int32, the tokens the step ran (from_prev ones resolved)
     hidden: jax.Array | None = None  # [T, embed] the final normed hidden states, or [T, n * embed] the tapped layers'
+    # With prompt_logprobs_program: [T, embed] the final normed hidden states, the prompt-logprobs program's input
+    final_hidden: jax.Array | None = None
 
 
 class Taps(NamedTuple):
@@ -161,13 +163,15 @@ class ModelRunner:
                  max_model_len, kv_dtype, kv_cache_dtype="auto", sharding_plan=None, collective_matmul=False,
                  int8_all_reduce=False, min_token_bucket=8, one_token_bucket=False, extra_token_buckets=(), guide_mask_words=1,
                  draft_slots=0, num_state_slots=0, executable_store=None, kv_layout=None, taps: Taps | None = None,
-                 serial_steps: bool = False, pack_small_params: bool = False):
+                 serial_steps: bool = False, pack_small_params: bool = False, prompt_logprobs_program: bool = False):
         """draft_slots: sampled positions each step holds beyond one a row, for speculative drafts.
         serial_steps: compile every step variant a second time with SERIAL_STEP_COMPILER_OPTIONS, for the steps
         launched with serial=True (those the host waits for before it launches the next); False: those run the
         same executables as the others.
         taps: what each step returns for a device proposer (Taps); None: nothing beyond its samples.
         pack_small_params: the steps take params' small vectors grouped into one array a dtype (param_packing.py).
+        prompt_logprobs_program: a step that wants prompt logprobs gets them from a second program launched after it
+        over its final hidden states (_prompt_logprobs_program); False: from a branch of the step under a lax.cond.
         num_state_slots: a hybrid model's recurrent-state slots (state_pool.StatePool.total_slots).
         executable_store: an executable_store.ExecutableStore the warm-up loads compiled buckets from and
         saves them to; None: every bucket is traced and compiled.
@@ -228,6 +232,8 @@ class ModelRunner:
             self._no_guide = {B: jax.device_put(m, self._mask_sharding) for B, m in self._no_guide.items()}
 
         self.taps = taps
+        # jit's own cache holds its compiled forms, one a bucket, each compiled at its bucket's first use
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_program) if prompt_logprobs_program else None
 
         def model_fn(params, k_cache, v_cache, tokens, md, ops):
             if taps is not None and taps.layers:
@@ -345,33 +351,48 @@ class ModelRunner:
         toks, lp, top_ids, top_lps, accepted = sampler.sample(logits, inp.sampling, history=hist, guide_mask=guide_mask)
         history = history.at[inp.history_slot, inp.history_len].set(toks)
         num_tokens, n = tokens.shape[0], sampler.NUM_TOP_LOGPROBS
-
-        def prompt_logprobs(h):
-            # PROMPT_LOGPROB_CHUNK tokens' full-vocabulary logits at a time, the chunks one after the other.
-            chunk = min(num_tokens, PROMPT_LOGPROB_CHUNK)
-            pad = -num_tokens % chunk
-            h_chunks = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
-            next_chunks = jnp.pad(jnp.maximum(inp.next_token, 0), (0, pad)).reshape(-1, chunk)
-
-            def one_chunk(args):
-                h_c, next_c = args
-                # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
-                logits = self.family.compute_logits(params, self.config, h_c, self.kernels, ParallelOps())[:, : self.config.vocab_size]
-                lse = jax.nn.logsumexp(logits, axis=-1)  # [chunk]: log-probabilities are logits - lse
-                target = jnp.take_along_axis(logits, next_c[:, None], axis=-1)[:, 0] - lse
-                vals, ids = jax.lax.top_k(logits, n)
-                return target, ids.astype(jnp.int32), vals - lse[:, None]
-
-            target, ids, vals = jax.lax.map(one_chunk, (h_chunks, next_chunks))
-            return target.reshape(-1)[:num_tokens], ids.reshape(-1, n)[:num_tokens], vals.reshape(-1, n)[:num_tokens]
-
-        none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32), jnp.zeros((num_tokens, n), jnp.float32))
-        p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs, prompt_logprobs, lambda h: none, hidden)
+        final_hidden = None
+        if self._prompt_logprobs is not None:  # the prompt-logprobs program runs over them when a step asks
+            final_hidden, p_lp, p_ids, p_vals = hidden, None, None, None
+        else:
+            none = (jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, n), jnp.int32),
+                    jnp.zeros((num_tokens, n), jnp.float32))
+            p_lp, p_ids, p_vals = jax.lax.cond(inp.want_prompt_logprobs,
+                                               lambda h: self._prompt_logprobs_of(params, h, inp.next_token),
+                                               lambda h: none, hidden)
         row_tokens = toks[inp.row_sample]  # [B]
         sampled_full = jnp.zeros((self.max_num_seqs,), jnp.int32).at[: row_tokens.shape[0]].set(row_tokens)
         out = StepOutputs(toks, lp, top_ids, top_lps, accepted, p_lp, p_ids, p_vals,
-                          tokens if self.taps is not None else None, tapped)
+                          tokens if self.taps is not None else None, tapped, final_hidden)
         return k_cache, v_cache, history, sampled_full, out
+
+    def _prompt_logprobs_of(self, params, hidden, next_token):
+        """hidden [T, embed] the final normed hidden states, next_token [T] int32 (-1: none) -> (the logprob of each
+        next token [T], the top NUM_TOP_LOGPROBS ids [T, N] and logprobs [T, N]): PROMPT_LOGPROB_CHUNK tokens'
+        full-vocabulary logits at a time, the chunks one after the other."""
+        num_tokens, n = hidden.shape[0], sampler.NUM_TOP_LOGPROBS
+        chunk = min(num_tokens, PROMPT_LOGPROB_CHUNK)
+        pad = -num_tokens % chunk
+        h_chunks = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
+        next_chunks = jnp.pad(jnp.maximum(next_token, 0), (0, pad)).reshape(-1, chunk)
+
+        def one_chunk(args):
+            h_c, next_c = args
+            # Outside shard_map (plain ops over the global arrays): a sharded LM head may carry vocab padding, cut here.
+            logits = self.family.compute_logits(params, self.config, h_c, self.kernels, ParallelOps())[:, : self.config.vocab_size]
+            lse = jax.nn.logsumexp(logits, axis=-1)  # [chunk]: log-probabilities are logits - lse
+            target = jnp.take_along_axis(logits, next_c[:, None], axis=-1)[:, 0] - lse
+            vals, ids = jax.lax.top_k(logits, n)
+            return target, ids.astype(jnp.int32), vals - lse[:, None]
+
+        target, ids, vals = jax.lax.map(one_chunk, (h_chunks, next_chunks))
+        return target.reshape(-1)[:num_tokens], ids.reshape(-1, n)[:num_tokens], vals.reshape(-1, n)[:num_tokens]
+
+    def _prompt_logprobs_program(self, params, hidden, next_token):
+        if self._pack_plan is not None:
+            params = param_packing.unpack(*params, self._pack_plan)
+        with jax.default_matmul_precision(self._precision):  # the step's
+            return self._prompt_logprobs_of(params, hidden, next_token)
 
     # ---- host side ----------------------------------------------------------------------
     def copy_state_slot(self, src: int, dst: int) -> None:
@@ -615,7 +636,20 @@ class ModelRunner:
         compiled = executables.get(layout)  # warmed-up buckets; others compile through jit on first use
         self.k_cache, self.v_cache, self.history, self.prev_sampled, out = (
             compiled(*args) if compiled is not None else step(*args, layout))
+        if self._prompt_logprobs is not None:
+            out = self._with_prompt_logprobs(out, inp)
         return out
+
+    def _with_prompt_logprobs(self, out: StepOutputs, inp: StepInputs) -> StepOutputs:
+        """out without its final hidden states, and with the prompt logprobs of its tokens when inp asks for them:
+        the prompt-logprobs program, launched behind the step (prompt_logprobs_program)."""
+        if not bool(inp.want_prompt_logprobs):
+            return out._replace(final_hidden=None)
+        next_token = np.asarray(inp.next_token, np.int32)
+        if self._mask_sharding is not None:  # replicated over the mesh, as the step's other host inputs
+            next_token = jax.device_put(next_token, self._mask_sharding)
+        p_lp, p_ids, p_vals = self._prompt_logprobs(self.step_params, out.final_hidden, next_token)
+        return out._replace(prompt_logprob=p_lp, prompt_top_ids=p_ids, prompt_top_logprobs=p_vals, final_hidden=None)
 
     def warmup(self, progress=None, buckets=None, threads: int = 1) -> float:
         """Compile every bucket (or those given) now so serving never compiles. Returns seconds spent.
