@@ -40,7 +40,8 @@ def measure(a) -> dict:
     engine = harness.random_engine(a.model_config, a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_dtype=a.kv_cache_dtype,
                                    attention_impl=a.attention_impl, enable_prefix_caching=False, warmup=a.warmup,
-                                   page_size=a.page_size, gpu_memory_utilization=a.gpu_memory_utilization)
+                                   page_size=a.page_size, gpu_memory_utilization=a.gpu_memory_utilization,
+                                   **a.engine_options)
     start_s = time.perf_counter() - t0
     generate = lambda requests: harness.engine_generate(engine, requests)
     weight_bytes = harness.weight_bytes(engine.runner.params)
@@ -122,6 +123,8 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="vLLM's meaning: the engine's share of the card (the peer runs 0.9); set before JAX starts")
     ap.add_argument("--attention-impl", default="auto")
+    ap.add_argument("--engine-options", type=json.loads, default={}, metavar="JSON",
+                    help="more EngineConfig fields, e.g. '{\"prompt_logprobs_program\": true}'")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="compile buckets when first used")
     ap.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help="comma-separated prompt lengths (default: 1k..128k, those that fit --max-model-len)")

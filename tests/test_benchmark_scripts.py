@@ -314,7 +314,7 @@ def test_context_sweep_measures_the_growth_cases_in_one_engine(bench, tmp_path):
     import context_sweep
 
     context_sweep.main(["--model-config", "tiny", "--dtype", "float32", "--max-model-len", "256", "--lengths", "40,300",
-                        "--no-warmup", "--out", str(tmp_path)])
+                        "--no-warmup", "--engine-options", '{"prompt_logprobs_program": true}', "--out", str(tmp_path)])
     result = json.loads((tmp_path / "context_bf16_256.json").read_text())
     assert list(result["ttft"]) == ["40"]  # 300 tokens and 66 new ones do not fit 256 positions
     for key in ("ttft", "decode_b1", "decode_b16", "line_b1", "line_b16"):
