@@ -186,7 +186,7 @@ def main(argv=None):
                   init_s=init_s, compile_s=engine.warmup_seconds, buckets=engine.runner.buckets,
                   num_pages=engine.block_manager.num_pages)
     result["copy_bw_tb_s"] = copy_bw and copy_bw / 1e12
-    stats = jax.local_devices()[0].memory_stats() if gpu else None
+    stats = startup.device_memory_stats()
     if stats:  # what the steps have left: a step's temporaries need one free block of their size
         result["device_memory_when_ready"] = {k: stats.get(k) for k in ("bytes_in_use", "bytes_limit", "largest_free_block_bytes")}
         print("device memory when ready: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in
