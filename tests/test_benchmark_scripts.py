@@ -150,8 +150,10 @@ def test_offline_throughput_profiles_a_window_of_steps(bench, tmp_path):
     # the window holds the engine's step calls and the runtime's work under them, the largest self time first; a
     # frame's self time leaves out what it encloses (the step() frames enclose the whole window's work)
     assert hot[0]["self_ms"] >= hot[-1]["self_ms"] >= 0 and 5 < len(hot) <= 25
-    assert any("step" in h["name"] for h in bench.trace_hotspots(profile["dir"], top=10_000))
-    assert all(0 <= h["self_ms"] <= h["ms"] + 1e-6 for h in hot) and any(h["self_ms"] < 0.5 * h["ms"] for h in hot)
+    every = bench.trace_hotspots(profile["dir"], top=10_000)
+    assert any("step" in h["name"] for h in every)
+    # which frames reach the top 25 depends on the host's speed; the enclosing frames are in the whole list
+    assert all(0 <= h["self_ms"] <= h["ms"] + 1e-6 for h in every) and any(h["self_ms"] < 0.5 * h["ms"] for h in every)
     assert result["nano"]["steps_compiled_during_run"] == 0
 
 
